@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Two entry points for newcomers and CI:
+#   ./dev.sh demo   install into .venv, profile examples/gpt.py and print its layer table
+#   ./dev.sh test   install into .venv (with test tools) and run the test suite with pytest
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+install() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    # constraints.txt pins torch==2.13.0 and everything else the tests were run with
+    "$VENV/bin/python" -m pip install --quiet -c constraints.txt -e '.[dev]'
+    touch "$stamp"
+  fi
+}
+
+case "${1:-}" in
+  demo)
+    install
+    shift
+    "$VENV/bin/planner" profile examples/gpt.py "$@"
+    ;;
+  test)
+    install
+    shift
+    "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo | ./dev.sh test [pytest args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,5 @@
+"""`python -m planner` runs the command-line interface."""
+
+from planner.cli import main
+
+main()

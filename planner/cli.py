@@ -1,0 +1,129 @@
+"""The `planner` command: a thin typer layer over the Python API; user errors become one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from planner.errors import PlannerError
+from planner.model_file import load_model_file
+from planner.pipedream import import_pipedream
+from planner.profile import Profile, load_profile
+from planner.profiler import ProfileSettings, profile_model
+from planner.tables import profile_table
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Profile a PyTorch model and plan its pipeline-parallel training.",
+)
+
+T = TypeVar("T")
+
+DEBUG_OPTION = typer.Option(False, "--debug", help="Show the full traceback of errors.")
+
+
+def _run(debug: bool, action: Callable[[], T]) -> T:
+    """Run `action`; a PlannerError becomes `error: ...` on stderr and exit code 1 (unless --debug)."""
+    try:
+        return action()
+    except PlannerError as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+
+
+def _print_profile(profile: Profile, path: Path | None) -> None:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # files and pipes get the whole table, unwrapped
+    console.print(profile_table(profile))
+    if path is not None:
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def profile(
+    model_file: str = typer.Argument(..., help="Python file defining build_model() and example_batch(batch_size)."),
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Samples per mini-batch."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    warmup: int = typer.Option(3, help="Steps run before measuring."),
+    iters: int = typer.Option(10, help="Measured steps; times are medians over them."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: torch's current setting)."),
+    depth: Optional[int] = typer.Option(None, help="Take the modules this many calls below the model as layers."),
+    split_points: Optional[str] = typer.Option(
+        None, "--split-points", help="Comma-separated module names at which layers begin, e.g. h.4,h.8."
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Profile file (default profiles/<model>.json)."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Measure every layer of MODEL_FILE: times, cut bytes, parameter and activation memory."""
+
+    def action() -> None:
+        settings = ProfileSettings(
+            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, threads=threads,
+            depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
+        )
+        settings.check()
+        model_file_ = load_model_file(model_file)
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+        ) as progress:
+            task = progress.add_task(f"profiling {model_file_.name}", total=None)
+
+            def report(phase: str, done: int, total: int) -> None:
+                progress.update(task, description=f"profiling {model_file_.name}: {phase}", completed=done, total=total)
+
+            result = profile_model(model_file_, settings, report)
+        path = result.save(out or Path("profiles") / f"{result.model_name}.json")
+        _print_profile(result, path)
+
+    _run(debug, action)
+
+
+@app.command("import-pipedream")
+def import_pipedream_command(
+    graph: str = typer.Argument(..., help="A PipeDream profile (graph.txt)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Mini-batch size it was profiled at."),
+    name: Optional[str] = typer.Option(None, help="Model name (default: the file name)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Profile file (default profiles/<name>.json)."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Turn a PipeDream graph.txt profile into a planner profile."""
+
+    def action() -> None:
+        if batch_size is not None and batch_size < 1:
+            raise PlannerError(f"--batch-size must be at least 1, got {batch_size}")
+        result = import_pipedream(graph, batch_size=batch_size, model_name=name)
+        path = result.save(out or Path("profiles") / f"{result.model_name}.json")
+        _print_profile(result, path)
+
+    _run(debug, action)
+
+
+@app.command()
+def inspect(
+    profile_file: str = typer.Argument(..., help="A profile written by `planner profile` or `import-pipedream`."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Print the layer table of a profile file."""
+    _run(debug, lambda: _print_profile(load_profile(profile_file), None))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="planner")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

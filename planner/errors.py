@@ -1,0 +1,41 @@
+"""Typed errors of the planner: each carries the offending values and reads as one line."""
+
+from __future__ import annotations
+
+
+class PlannerError(Exception):
+    """Base of every error the planner reports to a user as one line (no traceback)."""
+
+
+class FileProblemError(PlannerError):
+    """Something is wrong with one file: names the file, the problem and, if known, the fix."""
+
+    def __init__(self, path: str, problem: str, fix: str = "") -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.fix = fix
+        message = f"{self.path}: {problem}"
+        if fix:
+            message += f"; {fix}"
+        super().__init__(message)
+
+
+class ModelFileError(FileProblemError):
+    """The user's model file is missing, malformed, or breaks the model-file contract."""
+
+
+class FileFormatError(FileProblemError):
+    """A planner file (profile, plan, PipeDream graph) is unreadable, of another format or too new."""
+
+
+class ProfileError(PlannerError):
+    """Profiling could not be done as asked (bad option value, unknown split point, ...)."""
+
+
+class DeviceError(PlannerError):
+    """The requested device does not exist on this machine."""
+
+    def __init__(self, device: str, problem: str) -> None:
+        self.device = device
+        self.problem = problem
+        super().__init__(f"device {device!r}: {problem}")

@@ -1,0 +1,67 @@
+"""Versioned JSON files: a `format`/`version` header on write, checked on read; atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from planner.errors import FileFormatError
+from planner.version import __version__
+
+
+def write_versioned_json(path: str | Path, file_format: str, version: int, body: dict[str, Any]) -> Path:
+    """Write `body` under a header {format, version, planner_version} atomically (temp file + rename).
+
+    A crash mid-write leaves the previous file intact: the new content appears only by `os.replace`.
+    """
+    path = Path(path)
+    document = {"format": file_format, "version": version, "planner_version": __version__, **body}
+    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_versioned_json(path: str | Path, file_format: str, max_version: int) -> dict[str, Any]:
+    """Read a file written by `write_versioned_json`, refusing other formats and newer versions."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileFormatError(str(path), "no such file", "check the path")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise FileFormatError(str(path), "not a text file", f"expected a JSON {file_format} file") from None
+    except json.JSONDecodeError as exc:
+        raise FileFormatError(
+            str(path), f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+            f"expected a {file_format} file written by the planner",
+        ) from None
+    if not isinstance(document, dict) or "format" not in document:
+        raise FileFormatError(str(path), "JSON without a 'format' field", f"expected a {file_format} file")
+    found = document.get("format")
+    if found != file_format:
+        raise FileFormatError(
+            str(path), f"format is {found!r}, expected {file_format!r}", "pass a file of the expected kind"
+        )
+    version = document.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise FileFormatError(str(path), f"invalid version {version!r}", f"supported: 1..{max_version}")
+    if version > max_version:
+        raise FileFormatError(
+            str(path),
+            f"{file_format} version {version} is newer than this planner supports (1..{max_version})",
+            "upgrade the planner",
+        )
+    return document

@@ -1,0 +1,178 @@
+"""Finds the execution-ordered layers of any nn.Module, named by fully qualified module names.
+
+A *layer* begins where its module is first called in the forward pass and lasts until the next
+layer begins; functional operations in between (residual adds, reshapes, the loss) belong to it.
+How layers are chosen, from one forward pass recorded as a tree of module calls:
+
+- default: the modules the model's forward calls (containers that are never called, such as
+  `nn.ModuleList` and `nn.ModuleDict`, are see-through), then every `nn.Sequential` among them is
+  replaced by what it calls, and so is a module that holds a stack (two or more non-leaf children
+  of the same class, e.g. an encoder looping over its blocks). A GPT-2 style model comes out as
+  `transformer.wte, transformer.wpe, transformer.drop, transformer.h.0 ... transformer.ln_f, lm_head`.
+- `depth=N`: the modules N calls below the model's forward (leaves above that depth stay).
+- `split_points=[...]`: layers begin exactly at these modules (and at the start of the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from planner.errors import ProfileError
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer: the module that begins it, its fully qualified name and class name."""
+
+    name: str
+    kind: str
+    module: nn.Module = field(compare=False, repr=False)
+
+
+@dataclass
+class _Call:
+    """A module's first call in the recorded forward, with the modules it called in turn."""
+
+    name: str
+    module: nn.Module
+    order: int
+    depth: int
+    children: list["_Call"] = field(default_factory=list)
+
+
+def record_call_tree(model: nn.Module, run_forward: Callable[[], Any]) -> _Call:
+    """Run `run_forward` once (no grad) with hooks on every module; return the tree of first calls."""
+    names = {module: name for name, module in model.named_modules()}
+    root = _Call(name="", module=model, order=0, depth=0)
+    calls: dict[nn.Module, _Call] = {model: root}
+    stack: list[_Call] = []
+
+    def pre_hook(module: nn.Module, _args: Any) -> None:
+        call = calls.get(module)
+        if call is None:
+            parent = stack[-1] if stack else root
+            call = _Call(names[module], module, order=len(calls), depth=parent.depth + 1)
+            calls[module] = call
+            parent.children.append(call)
+        stack.append(call)
+
+    def post_hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for module in names:
+        if module is not model:
+            handles.append(module.register_forward_pre_hook(pre_hook))
+            handles.append(module.register_forward_hook(post_hook, always_call=True))
+    try:
+        with torch.no_grad():
+            run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return root
+
+
+def choose_layers(
+    root: _Call, depth: int | None = None, split_points: list[str] | None = None
+) -> list[Layer]:
+    """Pick layers from a call tree (see the module docstring); in execution order."""
+    if depth is not None and split_points:
+        raise ProfileError("give either --depth or --split-points, not both")
+    if not root.children:
+        raise ProfileError("the model's forward calls no submodule, so it cannot be split into layers")
+    if split_points:
+        calls = _split_point_calls(root, split_points)
+    elif depth is not None:
+        if depth < 1:
+            raise ProfileError(f"--depth must be at least 1, got {depth}")
+        calls = _calls_at_depth(root, depth)
+    else:
+        calls = _default_calls(root)
+    calls = sorted(calls, key=lambda call: call.order)
+    return [Layer(call.name, type(call.module).__name__, call.module) for call in calls]
+
+
+def find_layers(
+    model: nn.Module, run_forward: Callable[[], Any], depth: int | None = None,
+    split_points: list[str] | None = None,
+) -> list[Layer]:
+    """The execution-ordered layers of `model` (one forward through `run_forward` is recorded)."""
+    if isinstance(model, nn.Sequential) and depth is None and not split_points:
+        return [Layer(name, type(child).__name__, child) for name, child in model.named_children()]
+    return choose_layers(record_call_tree(model, run_forward), depth, split_points)
+
+
+def _default_calls(root: _Call) -> list[_Call]:
+    """Root's calls, expanding Sequentials and stack holders; descend while there is only one."""
+    calls = root.children
+    while len(calls) == 1 and calls[0].children:
+        calls = calls[0].children
+    expanded: list[_Call] = []
+    for call in calls:
+        expanded.extend(_expand(call))
+    return expanded
+
+
+def _expand(call: _Call) -> list[_Call]:
+    """The call itself, or its expansion if it is an nn.Sequential or holds a stack of blocks."""
+    if call.children and (isinstance(call.module, nn.Sequential) or _holds_stack(call)):
+        return [leaf for child in call.children for leaf in _expand(child)]
+    return [call]
+
+
+def _holds_stack(call: _Call) -> bool:
+    """True if two or more of the call's children are non-leaf modules of the same class."""
+    seen: set[type] = set()
+    for child in call.children:
+        if child.children:
+            if type(child.module) in seen:
+                return True
+            seen.add(type(child.module))
+    return False
+
+
+def _calls_at_depth(root: _Call, depth: int) -> list[_Call]:
+    """Calls `depth` levels below the root, or leaves above that depth."""
+    result: list[_Call] = []
+
+    def walk(call: _Call) -> None:
+        if call.depth == depth or not call.children:
+            result.append(call)
+        else:
+            for child in call.children:
+                walk(child)
+
+    for child in root.children:
+        walk(child)
+    return result
+
+
+def _split_point_calls(root: _Call, split_points: list[str]) -> list[_Call]:
+    """Calls of the named modules, plus the forward's first call so that layer 0 starts at the start."""
+    by_name: dict[str, _Call] = {}
+
+    def index(call: _Call) -> None:
+        by_name[call.name] = call
+        for child in call.children:
+            index(child)
+
+    index(root)
+    del by_name[""]
+    chosen: dict[str, _Call] = {}
+    for name in split_points:
+        if name not in by_name:
+            known = ", ".join(list(by_name)[:8])
+            raise ProfileError(
+                f"split point {name!r} is not a module the model's forward calls; "
+                f"called modules include: {known}"
+            )
+        chosen[name] = by_name[name]
+    first = root.children[0]
+    if all(call.order > first.order for call in chosen.values()):
+        chosen[first.name] = first
+    return list(chosen.values())

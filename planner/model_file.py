@@ -1,0 +1,173 @@
+"""Loads a user's model file and checks the model-file contract.
+
+The contract: the file defines
+- `build_model() -> torch.nn.Module` (required),
+- `example_batch(batch_size: int) -> (inputs, target)` (required); `inputs` is a tensor or a
+  tuple of tensors whose first dimension is the batch, `target` is a tensor,
+- `loss_fn(output, target) -> Tensor` (optional, a scalar). Without it, `default_loss` is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from planner.errors import ModelFileError
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The contract's functions of one loaded model file."""
+
+    path: str
+    name: str
+    build_model: Callable[[], torch.nn.Module]
+    example_batch: Callable[[int], Any]
+    loss_fn: LossFn | None
+    module: ModuleType
+
+
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Loss used when the model file defines no `loss_fn`.
+
+    - integer `target`: cross entropy over the last dimension of `output`
+      (`F.cross_entropy(output.reshape(-1, C), target.reshape(-1))`, C = output.shape[-1]);
+    - floating `target`: mean squared error `F.mse_loss(output, target)`.
+    """
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the default loss needs the model to return a tensor, got {type(output).__name__}")
+    if target.is_floating_point():
+        return F.mse_loss(output, target)
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import `path` as a module and return its contract functions, or raise ModelFileError."""
+    path_str = str(path)
+    file_path = Path(path)
+    if not file_path.exists():
+        raise ModelFileError(path_str, "no such file", "check the path to your model file")
+    if not file_path.is_file():
+        raise ModelFileError(path_str, "is not a file", "pass the path of a Python file")
+    if file_path.suffix != ".py":
+        raise ModelFileError(path_str, "is not a Python file (expected a .py file)", "pass a .py model file")
+    try:
+        source = file_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ModelFileError(path_str, "is not UTF-8 text", "pass a Python source file") from None
+    try:
+        compile(source, path_str, "exec")
+    except SyntaxError as exc:
+        raise ModelFileError(
+            path_str, f"syntax error at line {exc.lineno}: {exc.msg}", "fix the Python syntax"
+        ) from None
+    module_name = f"_planner_model_{file_path.stem}_{uuid.uuid4().hex[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, file_path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(path_str, "cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module code raised while importing
+        sys.modules.pop(module_name, None)
+        raise ModelFileError(
+            path_str, f"raised {type(exc).__name__} while importing: {exc}", "fix the error in the model file"
+        ) from exc
+    build_model = _required_function(module, path_str, "build_model", "def build_model() -> torch.nn.Module")
+    example_batch = _required_function(
+        module, path_str, "example_batch", "def example_batch(batch_size: int) -> (inputs, target)"
+    )
+    loss_fn = getattr(module, "loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ModelFileError(path_str, "loss_fn is not a function", "define def loss_fn(output, target) -> Tensor")
+    return ModelFile(
+        path=path_str, name=file_path.stem, build_model=build_model, example_batch=example_batch,
+        loss_fn=loss_fn, module=module,
+    )
+
+
+def _required_function(module: ModuleType, path: str, name: str, signature: str) -> Callable[..., Any]:
+    """The callable `name` of `module`, or ModelFileError saying how to define it."""
+    function = getattr(module, name, None)
+    if function is None:
+        raise ModelFileError(path, f"required function {name}() is missing", f"define {signature}")
+    if not callable(function):
+        raise ModelFileError(path, f"{name} is not a function", f"define {signature}")
+    return function
+
+
+def build_checked_model(model_file: ModelFile) -> torch.nn.Module:
+    """Call `build_model()` and check it returns an nn.Module with parameters."""
+    try:
+        model = model_file.build_model()
+    except Exception as exc:
+        raise ModelFileError(
+            model_file.path, f"build_model() raised {type(exc).__name__}: {exc}", "fix build_model()"
+        ) from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(
+            model_file.path, f"build_model() returned {type(model).__name__}, expected torch.nn.Module",
+            "return the model instance",
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(
+            model_file.path, "build_model() returned a model without trainable parameters",
+            "return a model with parameters to train",
+        )
+    return model
+
+
+def checked_example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Call `example_batch(batch_size)`; return (inputs as a tuple, target) after checking types and batch dim."""
+    try:
+        batch = model_file.example_batch(batch_size)
+    except Exception as exc:
+        raise ModelFileError(
+            model_file.path, f"example_batch({batch_size}) raised {type(exc).__name__}: {exc}",
+            "fix example_batch()",
+        ) from exc
+    expected = "expected a pair (inputs, target) with inputs a tensor or tuple of tensors and target a tensor"
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ModelFileError(
+            model_file.path, f"example_batch({batch_size}) returned {_describe(batch)}", expected
+        )
+    inputs, target = batch
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise ModelFileError(
+            model_file.path, f"example_batch({batch_size}) returned inputs of {_describe(inputs)}", expected
+        )
+    if not isinstance(target, torch.Tensor):
+        raise ModelFileError(
+            model_file.path, f"example_batch({batch_size}) returned a target of {_describe(target)}", expected
+        )
+    for position, tensor in enumerate([*inputs, target]):
+        if tensor.dim() == 0 or tensor.shape[0] != batch_size:
+            what = "target" if position == len(inputs) else f"input {position}"
+            raise ModelFileError(
+                model_file.path,
+                f"example_batch({batch_size}) returned {what} of shape {tuple(tensor.shape)}, "
+                f"whose first dimension is not the batch size {batch_size}",
+                "put the batch in the first dimension",
+            )
+    return tuple(inputs), target
+
+
+def _describe(value: Any) -> str:
+    """Short description of a value's type (and length for sequences) for error messages."""
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value[:4])
+        return f"a {type(value).__name__} of {len(value)} ({inner})"
+    return f"type {type(value).__name__}"
