@@ -34,11 +34,16 @@ def _run(debug: bool, action: Callable[[], T]) -> T:
     except PlannerError as exc:
         if debug:
             raise
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {one_line(str(exc))}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
+
+
+def one_line(message: str) -> str:
+    """A possibly multi-line message (some torch errors span lines) joined into one line."""
+    return " | ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def _print_profile(profile: Profile, path: Path | None) -> None:
@@ -75,9 +80,11 @@ def profile(
         )
         settings.check()
         model_file_ = load_model_file(model_file)
+        progress_console = Console(stderr=True)
         with Progress(
             TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+            TimeElapsedColumn(), console=progress_console, transient=True,
+            disable=not progress_console.is_terminal,  # a pipe or file gets no progress lines
         ) as progress:
             task = progress.add_task(f"profiling {model_file_.name}", total=None)
 

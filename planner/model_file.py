@@ -67,10 +67,10 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(path_str, "is not UTF-8 text", "pass a Python source file") from None
     try:
         compile(source, path_str, "exec")
-    except SyntaxError as exc:
-        raise ModelFileError(
-            path_str, f"syntax error at line {exc.lineno}: {exc.msg}", "fix the Python syntax"
-        ) from None
+    except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
+        where = f" at line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        raise ModelFileError(path_str, f"syntax error{where}: {message}", "fix the Python syntax") from None
     module_name = f"_planner_model_{file_path.stem}_{uuid.uuid4().hex[:8]}"
     spec = importlib.util.spec_from_file_location(module_name, file_path)
     if spec is None or spec.loader is None:
@@ -79,7 +79,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # the user's module code raised while importing
+    except (Exception, SystemExit) as exc:  # the user's module code raised (or exited) while importing
         sys.modules.pop(module_name, None)
         raise ModelFileError(
             path_str, f"raised {type(exc).__name__} while importing: {exc}", "fix the error in the model file"
@@ -111,7 +111,7 @@ def build_checked_model(model_file: ModelFile) -> torch.nn.Module:
     """Call `build_model()` and check it returns an nn.Module with parameters."""
     try:
         model = model_file.build_model()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ModelFileError(
             model_file.path, f"build_model() raised {type(exc).__name__}: {exc}", "fix build_model()"
         ) from exc
@@ -132,7 +132,7 @@ def checked_example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple
     """Call `example_batch(batch_size)`; return (inputs as a tuple, target) after checking types and batch dim."""
     try:
         batch = model_file.example_batch(batch_size)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ModelFileError(
             model_file.path, f"example_batch({batch_size}) raised {type(exc).__name__}: {exc}",
             "fix example_batch()",

@@ -73,12 +73,12 @@ class _Step:
         path = self.model_file.path
         try:
             output = self.forward()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise ModelFileError(path, f"the model raised {type(exc).__name__} in forward: {exc}",
                                  "fix the model or example_batch()") from exc
         try:
             loss = self.loss_fn(output, self.target)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             source = "loss_fn" if self.model_file.loss_fn else "the default loss"
             raise ModelFileError(path, f"{source} raised {type(exc).__name__}: {exc}",
                                  "define loss_fn(output, target) that returns a scalar tensor") from exc
@@ -90,7 +90,7 @@ class _Step:
                                  "check that the model's output comes from its parameters")
         try:
             loss.backward()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise ModelFileError(path, f"the model raised {type(exc).__name__} in backward: {exc}",
                                  "fix the model's backward") from exc
         self.zero_grad()

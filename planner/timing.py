@@ -168,9 +168,9 @@ def time_layers(
 ) -> StepTimes:
     """Median per-layer forward/backward ms and median uninstrumented step ms over `iters` steps.
 
-    Every iteration runs an instrumented step; every other one also runs a plain step, alternately
-    before and after it, so that both see the same machine. `warmup` iterations come first and
-    are not counted; `after_step` runs after every step (e.g. zeroing gradients).
+    Every iteration runs a plain and an instrumented step, alternating which goes first, so that
+    both see the same machine (a burst of load elsewhere hits both alike). `warmup` iterations come
+    first and are not counted; `after_step` runs after every step (e.g. zeroing gradients).
     """
     fwd_samples: list[list[float]] = []
     bwd_samples: list[list[float]] = []
@@ -207,21 +207,17 @@ def time_layers(
         return fwd, bwd
 
     total = warmup + iters
-    step_ms = 0.0
     for iteration in range(total):
-        position = iteration - warmup  # plain steps on even positions, alternately before and after
-        plain_before = position % 4 == 0
-        plain_after = position % 4 == 2
-        if plain_before:
+        if iteration % 2 == 0:
             step_ms = plain()
-        fwd, bwd = measured()
-        if plain_after:
+            fwd, bwd = measured()
+        else:
+            fwd, bwd = measured()
             step_ms = plain()
-        if position >= 0:
+        if iteration >= warmup:
+            step_samples.append(step_ms)
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)
-            if plain_before or plain_after:
-                step_samples.append(step_ms)
         if progress is not None:
             progress(iteration + 1, total)
     return StepTimes(

@@ -1,0 +1,391 @@
+"""Tests of the `planner` command line: one-line user errors, --debug, and a tiny end-to-end profile."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner, Result
+
+from planner import load_profile
+from planner.cli import app
+from planner.errors import ModelFileError
+from planner.profile import PROFILE_FORMAT, PROFILE_VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+MLP = REPO / "examples" / "mlp.py"
+FAST = ["--batch-size", "2", "--iters", "1", "--warmup", "0"]
+
+TINY = """
+import torch
+from torch import nn
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4))
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)
+"""
+
+TWO_PARTS = """
+import torch
+from torch import nn
+
+
+class TwoParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def build_model() -> nn.Module:
+    return TwoParts()
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,))
+"""
+
+FORWARD_RAISES = """
+import torch
+from torch import nn
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("boom in forward")
+
+
+def build_model() -> nn.Module:
+    return Broken()
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)
+"""
+
+BACKWARD_RAISES = """
+import torch
+from torch import nn
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Boom.apply(self.linear(x))
+
+
+def build_model() -> nn.Module:
+    return Broken()
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)
+"""
+
+runner = CliRunner()
+
+
+def write(tmp_path: Path, source: str, name: str = "model.py") -> Path:
+    """Write `source` (dedented) as `name` in tmp_path and return its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source), encoding="utf-8")
+    return path
+
+
+def invoke(*args: str | Path) -> Result:
+    """Run the planner app in-process with the given arguments."""
+    return runner.invoke(app, [str(arg) for arg in args])
+
+
+def profile(tmp_path: Path, model: Path, *options: str) -> Result:
+    """`planner profile MODEL --out <tmp>/out.json OPTIONS...` in-process."""
+    return invoke("profile", model, "--out", tmp_path / "out.json", *options)
+
+
+def assert_one_line_error(result: Result, *fragments: str) -> str:
+    """Check exit 1, no traceback, nothing on stdout, exactly one `error:` line on stderr holding `fragments`."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    for text in (result.output, result.stdout, result.stderr):
+        assert "Traceback" not in text
+    assert result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("error: ")
+    assert len(line) > len("error: ")
+    assert result.stderr == line + "\n"
+    for fragment in fragments:
+        assert fragment in line
+    return line
+
+
+# planner profile: bad model files -------------------------------------------------------------
+
+
+def test_profile_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.py"
+    assert_one_line_error(profile(tmp_path, missing, *FAST), str(missing), "no such file")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_profile_not_python(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY, "model.txt")
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "not a Python file")
+
+
+def test_profile_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "import torch\n\n\ndef build_model(:\n    return 1\n")
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "syntax error", "line 4")
+
+
+def test_profile_module_raising_at_import(tmp_path: Path) -> None:
+    path = write(tmp_path, "raise OSError('dataset directory is missing')\n")
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "OSError", "dataset directory is missing")
+
+
+def test_profile_build_model_missing(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY.replace("def build_model", "def make_model"))
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "build_model()", "missing")
+
+
+def test_profile_example_batch_missing(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY.replace("def example_batch", "def sample_batch"))
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "example_batch()", "missing")
+
+
+def test_profile_build_model_returns_an_int(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY.replace("return nn.Sequential(nn.Linear(4, 4))", "return 7"))
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST), str(path), "build_model() returned int", "torch.nn.Module"
+    )
+
+
+def test_profile_example_batch_returns_a_tensor(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        TINY.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 4)", "return torch.randn(batch_size, 4)"),
+    )
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST), str(path), "example_batch(2) returned", "expected a pair"
+    )
+
+
+def test_profile_model_raising_in_forward(tmp_path: Path) -> None:
+    path = write(tmp_path, FORWARD_RAISES)
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST), str(path), "ValueError", "in forward", "boom in forward"
+    )
+
+
+def test_profile_model_raising_in_backward(tmp_path: Path) -> None:
+    path = write(tmp_path, BACKWARD_RAISES)
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST), str(path), "RuntimeError", "in backward", "boom in backward"
+    )
+
+
+# planner profile: bad option values -----------------------------------------------------------
+
+
+def test_profile_batch_size_zero(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY)
+    assert_one_line_error(profile(tmp_path, path, "--batch-size", "0"), "--batch-size", "got 0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU, so --device cuda is valid")
+def test_profile_cuda_without_gpu(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY)
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST, "--device", "cuda"), "'cuda'", "CUDA is not available"
+    )
+
+
+def test_profile_nonsense_device(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY)
+    assert_one_line_error(
+        profile(tmp_path, path, *FAST, "--device", "nonsense"), "'nonsense'", "not a device name"
+    )
+
+
+def test_profile_unknown_split_point_on_mlp(tmp_path: Path) -> None:
+    result = profile(tmp_path, MLP, *FAST, "--split-points", "no.such.module")
+    assert_one_line_error(result, "'no.such.module'", "split point")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_profile_error_raised_while_profiling_is_the_only_stderr_output(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY)
+    result = profile(tmp_path, path, *FAST, "--device", "nonsense")
+    assert result.stderr == "error: device 'nonsense': not a device name; use cpu, cuda or cuda:N\n"
+
+
+@pytest.mark.parametrize(
+    ("split_points", "layers"),
+    [("head", ["encoder", "head"]), ("encoder,head", ["encoder", "head"]), ("encoder", ["encoder"])],
+)
+def test_profile_split_points_by_name_on_a_custom_model(
+    tmp_path: Path, split_points: str, layers: list[str]
+) -> None:
+    path = write(tmp_path, TWO_PARTS, "two_parts.py")
+    result = profile(tmp_path, path, *FAST, "--split-points", split_points)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    saved = load_profile(tmp_path / "out.json")
+    assert [layer.name for layer in saved.layers] == layers
+    assert saved.settings["split_points"] == split_points.split(",")
+    assert sum(layer.param_bytes for layer in saved.layers) == (4 * 6 + 6 + 6 * 3 + 3) * 4
+
+
+# --debug --------------------------------------------------------------------------------------
+
+
+def test_debug_raises_the_model_file_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.py"
+    result = profile(tmp_path, missing, *FAST, "--debug")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ModelFileError)
+    assert result.exception.path == str(missing)
+    assert "error:" not in result.stderr
+
+
+def test_debug_keeps_the_model_exception_as_cause(tmp_path: Path) -> None:
+    path = write(tmp_path, FORWARD_RAISES)
+    result = profile(tmp_path, path, *FAST, "--debug")
+    assert isinstance(result.exception, ModelFileError)
+    assert isinstance(result.exception.__cause__, ValueError)
+    assert "boom in forward" in str(result.exception)
+
+
+# planner inspect / import-pipedream -----------------------------------------------------------
+
+
+def test_inspect_other_format(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "pipeline-planner/plan", "version": 1}), encoding="utf-8")
+    assert_one_line_error(invoke("inspect", path), str(path), "'pipeline-planner/plan'", PROFILE_FORMAT)
+
+
+def test_inspect_newer_version(tmp_path: Path) -> None:
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 999}), encoding="utf-8")
+    assert_one_line_error(
+        invoke("inspect", path), str(path), "version 999", f"1..{PROFILE_VERSION}", "upgrade the planner"
+    )
+
+
+def test_inspect_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "notes.json"
+    path.write_text("layer 0 took 3 ms\n", encoding="utf-8")
+    assert_one_line_error(invoke("inspect", path), str(path), "not valid JSON", "line 1")
+
+
+def test_inspect_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "gone.json"
+    assert_one_line_error(invoke("inspect", path), str(path), "no such file")
+
+
+def test_import_pipedream_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "graph.txt"
+    result = invoke("import-pipedream", path, "--out", tmp_path / "out.json")
+    assert_one_line_error(result, str(path), "no such file")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_import_pipedream_batch_size_zero(tmp_path: Path) -> None:
+    result = invoke("import-pipedream", tmp_path / "graph.txt", "--batch-size", "0")
+    assert_one_line_error(result, "--batch-size", "got 0")
+
+
+# happy path -----------------------------------------------------------------------------------
+
+
+def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
+    out = tmp_path / "mlp.json"
+    result = invoke("profile", MLP, "--iters", "2", "--warmup", "0", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert "error:" not in result.output
+    table_layers = re.findall(r"^│\s*(\d+)\s*│\s*(\S+)\s*│", result.stdout, flags=re.MULTILINE)
+    assert [name for _index, name in table_layers] == [str(i) for i in range(13)]
+    assert [int(index) for index, _name in table_layers] == list(range(13))
+    assert f"wrote {out}" in result.stdout
+
+    saved = load_profile(out)
+    assert saved.model_name == "mlp"
+    assert saved.batch_size == 8
+    assert [layer.name for layer in saved.layers] == [str(i) for i in range(13)]
+    assert saved.settings["iters"] == 2 and saved.settings["warmup"] == 0
+
+    inspected = invoke("inspect", out)
+    assert inspected.exit_code == 0, inspected.output
+    assert inspected.stderr == ""
+    inspected_layers = re.findall(r"^│\s*\d+\s*│\s*(\S+)\s*│", inspected.stdout, flags=re.MULTILINE)
+    assert inspected_layers == [str(i) for i in range(13)]
+
+
+# the real process -----------------------------------------------------------------------------
+
+
+def test_real_process_prints_one_line_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "missing_model.py"
+    completed = subprocess.run(
+        [sys.executable, "-m", "planner", "profile", str(missing)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert completed.returncode == 1
+    assert completed.stdout == ""
+    assert "Traceback" not in completed.stderr
+    lines = completed.stderr.splitlines()
+    assert len(lines) == 1, completed.stderr
+    assert lines[0].startswith("error: ")
+    assert str(missing) in lines[0]
+    assert completed.stderr == lines[0] + "\n"
+
+
+def test_profile_multi_line_model_error_is_joined_into_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, FORWARD_RAISES.replace('"boom in forward"', '"first line\\nsecond line"'))
+    line = assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "first line | second line")
+    assert "fix the model" in line
+
+
+def test_profile_model_file_calling_sys_exit_is_reported_not_obeyed(tmp_path: Path) -> None:
+    path = write(tmp_path, "import sys\nsys.exit(3)\n")
+    assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "SystemExit", "while importing")
+
+
+def test_profile_source_with_a_null_byte_is_a_syntax_error_without_line_none(tmp_path: Path) -> None:
+    path = tmp_path / "nul.py"
+    path.write_bytes(b"x = 1\x00\n")
+    line = assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "syntax error")
+    assert "None" not in line
