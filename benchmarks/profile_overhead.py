@@ -3,7 +3,7 @@
     python benchmarks/profile_overhead.py [--model examples/gpt.py] [--batch-size 8] [--rounds 3]
 
 A plain step is forward + loss + backward + zeroing gradients, the work the profiler measures.
-The profiler runs `warmup + iters` instrumented steps, each paired with a plain step, and
+The profiler runs `warmup` single steps, then `iters` instrumented steps each paired with a plain step, and
 one-off passes (contract check, layer discovery, dataflow, memory); the ratio is its wall time over
 `warmup + iters` plain steps. Rounds alternate which goes first; the median ratio is reported.
 """

@@ -27,6 +27,8 @@ def write_versioned_json(path: str | Path, file_format: str, version: int, body:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp makes the file private (0600); keep the mode of the file replaced, else rw-r--r--
+        os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

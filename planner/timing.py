@@ -170,7 +170,7 @@ def time_layers(
 
     Every iteration runs a plain and an instrumented step, alternating which goes first, so that
     both see the same machine (a burst of load elsewhere hits both alike). `warmup` iterations come
-    first and are not counted; `after_step` runs after every step (e.g. zeroing gradients).
+    first, one step each, alternating kinds, and are not counted; `after_step` runs after every step (e.g. zeroing gradients).
     """
     fwd_samples: list[list[float]] = []
     bwd_samples: list[list[float]] = []
@@ -208,13 +208,18 @@ def time_layers(
 
     total = warmup + iters
     for iteration in range(total):
-        if iteration % 2 == 0:
-            step_ms = plain()
-            fwd, bwd = measured()
+        if iteration < warmup:  # one step each warms what both kinds of step run
+            if iteration % 2 == 0:
+                plain()
+            else:
+                measured()
         else:
-            fwd, bwd = measured()
-            step_ms = plain()
-        if iteration >= warmup:
+            if iteration % 2 == 0:
+                step_ms = plain()
+                fwd, bwd = measured()
+            else:
+                fwd, bwd = measured()
+                step_ms = plain()
             step_samples.append(step_ms)
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)

@@ -389,3 +389,13 @@ def test_profile_source_with_a_null_byte_is_a_syntax_error_without_line_none(tmp
     path.write_bytes(b"x = 1\x00\n")
     line = assert_one_line_error(profile(tmp_path, path, *FAST), str(path), "syntax error")
     assert "None" not in line
+
+
+def test_import_pipedream_writes_a_profile_and_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "skip.json"
+    result = invoke("import-pipedream", REPO / "tests" / "data" / "pipedream_skip.txt", "--batch-size", "32",
+                    "--out", out)
+    assert result.exit_code == 0, result.output
+    imported = load_profile(out)
+    assert imported.batch_size == 32 and imported.model_name == "pipedream_skip"
+    assert all(layer.name in result.stdout for layer in imported.layers)

@@ -76,3 +76,8 @@ def test_saving_over_a_file_replaces_it_whole(tmp_path: Path) -> None:
     _profile().save(path)
     assert load_profile(path) == _profile()
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left behind
+
+
+def test_a_new_file_is_readable_by_others(tmp_path: Path) -> None:
+    path = _profile().save(tmp_path / "p.json")
+    assert path.stat().st_mode & 0o777 == 0o644
