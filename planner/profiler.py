@@ -165,6 +165,7 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
         settings={
             "warmup": settings.warmup, "iters": settings.iters, "depth": settings.depth,
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
+            "instrumented_ratio": times.instrumented_ratio,
         },
     )
 

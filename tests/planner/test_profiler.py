@@ -10,7 +10,7 @@ from planner.profiler import ProfileSettings, profile_model
 from tests.conftest import EXAMPLES
 
 # More measured steps than the default so that the medians are steady on a shared 2-core machine.
-SETTINGS = {"mlp": 30, "vgg": 30, "resnet": 30, "gpt": 20}
+SETTINGS = {"mlp": 30, "vgg": 30, "resnet": 30, "gpt": 30}
 
 
 @pytest.fixture(scope="module")
