@@ -78,7 +78,7 @@ def profile(
             batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, threads=threads,
             depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
         )
-        settings.check()
+        settings.check()  # option mistakes are reported before the model file is imported
         model_file_ = load_model_file(model_file)
         progress_console = Console(stderr=True)
         with Progress(

@@ -20,8 +20,13 @@ def write_versioned_json(path: str | Path, file_format: str, version: int, body:
     path = Path(path)
     document = {"format": file_format, "version": version, "planner_version": __version__, **body}
     text = json.dumps(document, indent=1, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir():
+        raise FileFormatError(str(path), "is a directory", "give a file name, e.g. ending in .json")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise FileFormatError(str(path), f"cannot be written: {exc.strerror}", "choose a writable location") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -30,6 +35,9 @@ def write_versioned_json(path: str | Path, file_format: str, version: int, body:
         # mkstemp makes the file private (0600); keep the mode of the file replaced, else rw-r--r--
         os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp_name, path)
+    except OSError as exc:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise FileFormatError(str(path), f"cannot be written: {exc.strerror}", "the previous file is unchanged") from None
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise

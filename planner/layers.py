@@ -69,8 +69,7 @@ def record_call_tree(model: nn.Module, run_forward: Callable[[], Any]) -> _Call:
             handles.append(module.register_forward_pre_hook(pre_hook))
             handles.append(module.register_forward_hook(post_hook, always_call=True))
     try:
-        with torch.no_grad():
-            run_forward()
+        run_forward()  # with autograd on: some models differentiate inside their forward
     finally:
         for handle in handles:
             handle.remove()
@@ -88,8 +87,6 @@ def choose_layers(
     if split_points:
         calls = _split_point_calls(root, split_points)
     elif depth is not None:
-        if depth < 1:
-            raise ProfileError(f"--depth must be at least 1, got {depth}")
         calls = _calls_at_depth(root, depth)
     else:
         calls = _default_calls(root)
@@ -102,7 +99,8 @@ def find_layers(
     split_points: list[str] | None = None,
 ) -> list[Layer]:
     """The execution-ordered layers of `model` (one forward through `run_forward` is recorded)."""
-    if isinstance(model, nn.Sequential) and depth is None and not split_points:
+    plain_sequential = isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
+    if plain_sequential and depth is None and not split_points:
         return [Layer(name, type(child).__name__, child) for name, child in model.named_children()]
     return choose_layers(record_call_tree(model, run_forward), depth, split_points)
 
@@ -126,13 +124,19 @@ def _expand(call: _Call) -> list[_Call]:
 
 
 def _holds_stack(call: _Call) -> bool:
-    """True if two or more of the call's children are non-leaf modules of the same class."""
-    seen: set[type] = set()
+    """True if the call runs two or more non-leaf modules of one class from one container.
+
+    A container's members are named `<container>.<index>` (nn.ModuleList, nn.Sequential); two
+    same-class blocks held as separate attributes (self_attn, cross_attn) do not make a stack.
+    """
+    seen: set[tuple[type, str]] = set()
     for child in call.children:
-        if child.children:
-            if type(child.module) in seen:
+        container, _, index = child.name.rpartition(".")
+        if child.children and index.isdigit():
+            key = (type(child.module), container)
+            if key in seen:
                 return True
-            seen.add(type(child.module))
+            seen.add(key)
     return False
 
 

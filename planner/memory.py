@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner.dataflow import tensors_in
+from planner.tensors import DeathWatch, tensors_in
 
 
 class _LiveStorageMode(TorchDispatchMode):
@@ -32,7 +31,7 @@ class _LiveStorageMode(TorchDispatchMode):
         super().__init__()
         self.resident = resident
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [nbytes, live tensor objects]
-        self.watchers: dict[int, weakref.ref] = {}  # id(weakref) -> weakref, kept alive until it fires
+        self.deaths = DeathWatch()
         self.live_bytes = start_bytes
         self.peak_bytes = start_bytes
 
@@ -53,11 +52,9 @@ class _LiveStorageMode(TorchDispatchMode):
             self.live_bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         entry[1] += 1
-        watcher = weakref.ref(tensor, lambda ref, key=key: self._release(ref, key))
-        self.watchers[id(watcher)] = watcher
+        self.deaths.watch(tensor, lambda: self._release(key))
 
-    def _release(self, watcher: weakref.ref, key: int) -> None:
-        self.watchers.pop(id(watcher), None)
+    def _release(self, key: int) -> None:
         entry = self.refs.get(key)
         if entry is None:
             return
@@ -69,14 +66,18 @@ class _LiveStorageMode(TorchDispatchMode):
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Distinct storages of `tensors`: pointer -> bytes."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = [t.untyped_storage() for t in tensors]
+    return {storage.data_ptr(): storage.nbytes() for storage in storages}
 
 
 def measure_peak_memory(
     model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], run_step: Callable[[], torch.Tensor],
     device: torch.device,
 ) -> tuple[int, str]:
-    """Peak bytes of one step `run_step()` + backward, and the method used (see module docstring)."""
+    """Peak bytes of one step `run_step()` + backward, and the method used (see module docstring).
+
+    `inputs` are the tensors present before the step (the batch and its target).
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

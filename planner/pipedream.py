@@ -279,7 +279,7 @@ def profile_from_graph(
         dtype="float32",
         batch_size=batch_size,
         threads=0,
-        created=datetime.date.today().isoformat(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         layers=layers,
         step_ms=sum(layer.fwd_ms + layer.bwd_ms for layer in layers),
         peak_memory_bytes=0,

@@ -56,7 +56,7 @@ class SharedParam:
     """A parameter used by several layers (tied weights): its names, size and the layers using it."""
 
     names: tuple[str, ...]
-    bytes: int
+    nbytes: int
     layers: tuple[int, ...]
 
 
@@ -124,12 +124,7 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`."""
-        body = dataclasses.asdict(self)
-        body["layers"] = [dataclasses.asdict(layer) for layer in self.layers]
-        body["shared_params"] = [
-            {"names": list(p.names), "bytes": p.bytes, "layers": list(p.layers)} for p in self.shared_params
-        ]
-        return body
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, body: dict[str, Any], source_path: str = "<dict>") -> "Profile":
@@ -146,7 +141,7 @@ class Profile:
             )
             shared = tuple(
                 SharedParam(
-                    names=tuple(str(n) for n in p["names"]), bytes=int(p["bytes"]),
+                    names=tuple(str(n) for n in p["names"]), nbytes=int(p["nbytes"]),
                     layers=tuple(int(i) for i in p["layers"]),
                 )
                 for p in body.get("shared_params", [])

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 
-from planner.dataflow import Dataflow, measure_dataflow, tensor_nbytes
-from planner.errors import ModelFileError, ProfileError
+from planner.dataflow import Dataflow, measure_dataflow
+from planner.tensors import tensor_nbytes
+from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.layers import Layer, find_layers
 from planner.memory import measure_peak_memory
 from planner.model_file import ModelFile, build_checked_model, checked_example_batch, default_loss
@@ -19,6 +21,7 @@ from planner.timing import clock_for, time_layers
 from planner.devices import device_name, resolve_device, resolve_dtype
 
 Progress = Callable[[str, int, int], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,28 +126,53 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     try:
-        report("check", 0, 1)
-        model = build_checked_model(model_file).to(device=device, dtype=dtype)
-        model.train()
-        raw_inputs, raw_target = checked_example_batch(model_file, settings.batch_size)
-        inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
-        step = _Step(model_file, model, inputs, _to_device(raw_target, device, dtype))
-        step.check()
-        report("check", 1, 1)
-        layers = find_layers(model, step.forward, settings.depth, list(settings.split_points) or None)
-        report("layers", 1, 1)
-        dataflow = measure_dataflow(model, layers, inputs, step.loss)
-        report("dataflow", 1, 1)
-        peak_bytes, peak_method = measure_peak_memory(model, inputs, step.loss, device)
-        step.zero_grad()
-        report("memory", 1, 1)
-        times = time_layers(
-            layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
-            progress=lambda done, total: report("timing", done, total),
-        )
-        threads = torch.get_num_threads()
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _measure(model_file, settings, device, dtype, report)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _phase(model_file: ModelFile, phase: str, action: Callable[[], T]) -> T:
+    """Run one measuring phase; an error from the model's code becomes a one-line ModelFileError."""
+    try:
+        return action()
+    except PlannerError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise ModelFileError(
+            model_file.path, f"the model raised {type(exc).__name__} while the profiler was {phase}: {exc}",
+            "the model ran once without instrumentation; rerun with --debug to see where it failed",
+        ) from exc
+
+
+def _measure(
+    model_file: ModelFile, settings: ProfileSettings, device: torch.device, dtype: torch.dtype, report: Progress
+) -> Profile:
+    """The measuring phases of `profile_model`, with the device and threads already set."""
+    report("check", 0, 1)
+    model = build_checked_model(model_file).to(device=device, dtype=dtype)
+    model.train()
+    raw_inputs, raw_target = checked_example_batch(model_file, settings.batch_size)
+    inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
+    step = _Step(model_file, model, inputs, _to_device(raw_target, device, dtype))
+    step.check()
+    report("check", 1, 1)
+    split_points = list(settings.split_points) or None
+    layers = _phase(model_file, "finding layers", lambda: find_layers(model, step.forward, settings.depth, split_points))
+    report("layers", 1, 1)
+    dataflow = _phase(model_file, "tracing tensors", lambda: measure_dataflow(model, layers, inputs, step.loss))
+    report("dataflow", 1, 1)
+    peak_bytes, peak_method = _phase(
+        model_file, "measuring memory",
+        lambda: measure_peak_memory(model, (*inputs, step.target), step.loss, device),
+    )
+    step.zero_grad()
+    report("memory", 1, 1)
+    times = _phase(model_file, "timing layers", lambda: time_layers(
+        layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
+        progress=lambda done, total: report("timing", done, total),
+    ))
+    threads = torch.get_num_threads()
     param_bytes, shared = _attribute_params(model, layers, dataflow)
     layer_profiles = tuple(
         LayerProfile(
@@ -193,5 +221,5 @@ def _attribute_params(
         nbytes = tensor_nbytes(tensors[key])
         param_bytes[holders[0]] += nbytes
         if len(names) > 1 or len(holders) > 1:
-            shared.append(SharedParam(names=tuple(names), bytes=nbytes, layers=tuple(holders)))
+            shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders)))
     return param_bytes, tuple(shared)

@@ -44,7 +44,7 @@ def profile_summary(profile: Profile) -> str:
     ]
     for shared in profile.shared_params:
         lines.append(
-            f"* shared: {', '.join(shared.names)} ({format_bytes(shared.bytes)}) used by layers "
+            f"* shared: {', '.join(shared.names)} ({format_bytes(shared.nbytes)}) used by layers "
             f"{', '.join(str(i) for i in shared.layers)}"
         )
     return "\n".join(lines)

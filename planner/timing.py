@@ -4,21 +4,26 @@ Forward: a mark when each layer begins (its module's first call) splits the step
 F[0] (before the model is called) <= F[1] <= ... <= F[L] (after the loss), so
 `fwd_ms[i] = F[i+1] - F[i]`: a layer's time includes the functional operations after it.
 
-Backward: autograd runs nodes in reverse creation order, so the backward of layer i ends when
-the node that produced layer i's input is about to run. A pre-hook on that node
-(`grad_fn.register_prehook`) marks E[i]; E[L] is the call of `loss.backward()`, E[0] its return,
-and `bwd_ms[i] = E[i] - E[i+1]`. If layer i's inputs need no gradient, the nodes of layer i-1's
-outputs are used; a boundary that never fires takes the mark of the one before it in time.
-Marks are host clocks on CPU and CUDA events on GPU (no synchronisation inside the step), so the
+Backward: every autograd node belongs to the layer that was running when the forward created it
+(autograd numbers nodes in creation order, so the sequence number at each layer's start splits
+them). After the forward, the graph is walked once and every node gets a pre-hook that marks
+the time and its layer; the time from one node's start to the next node's start is its layer's.
+This stays right when layers run side by side (branches sharing an input) and when a layer's
+input needs no gradient. Gradient accumulation into parameters is counted with the node before it.
+Marks are host clocks on CPU and CUDA events on GPU (no synchronisation inside the step), so
 per-layer times add up exactly to the instrumented step. `step_ms` is the median of uninstrumented
 steps, each paired with an instrumented one. Over the steps, each layer's median is taken and all
 are scaled by one factor so that they add up to `step_ms x median(instrumented_k / plain_k)`:
 the per-pair ratio cancels the machine's drift, which medians of each kind alone do not, and
-a sum of medians falls short of the median sum when the noise is skewed.
+a sum of medians falls short of the median sum when the noise is skewed. What remains is the
+instrumentation's own cost, a few microseconds per layer and per autograd node.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from planner.dataflow import tensors_in
+from planner.tensors import tensors_in
 from planner.layers import Layer
 from planner.segments import LayerTracker
 
@@ -48,6 +53,7 @@ class HostClock:
     """`time.perf_counter` marks, for CPU devices."""
 
     def mark(self) -> float:
+        """Seconds from `time.perf_counter`."""
         return time.perf_counter()
 
     def synchronize(self) -> None:
@@ -64,8 +70,9 @@ class CudaClock:
         self.device = device
 
     def mark(self) -> torch.cuda.Event:
+        """An event on this device's current stream (autograd's backward thread included)."""
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def synchronize(self) -> None:
@@ -94,45 +101,85 @@ class StepTimes:
     instrumented_ratio: float
 
 
-def _grad_nodes(value: Any) -> list[torch.autograd.graph.Node]:
-    """The autograd nodes that produced the tensors in `value` (those that need a gradient)."""
-    return [t.grad_fn for t in tensors_in(value) if t.grad_fn is not None]
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """Python's cyclic garbage collector off for the duration (as timeit does): a collection
+    triggered by the hooks' small allocations would land inside the instrumented step only."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get."""
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+def _graph_nodes(root: torch.autograd.graph.Node) -> list[torch.autograd.graph.Node]:
+    """Every node reachable from `root` through `next_functions`."""
+    seen = {id(root)}
+    nodes = [root]
+    for node in nodes:  # grows while iterating: a breadth-first walk
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                nodes.append(child)
+    return nodes
 
 
 class _InstrumentedStep:
-    """Hooks that mark forward and backward layer boundaries during one step."""
+    """Hooks that mark forward layer starts and the start of every backward node during one step."""
 
     def __init__(self, layers: Sequence[Layer], clock: Clock) -> None:
         self.clock = clock
         self.num_layers = len(layers)
-        self.fwd_marks: list[Any] = []
-        self.bwd_marks: list[Any] = []
-        self.outputs: list[Any] = []
-        self.tracker = LayerTracker(layers, on_enter=self._enter, on_exit=self._exit)
+        self.fwd_marks: list[Any] = [None] * (self.num_layers + 1)
+        self.sequence_starts: list[int | None] = [None] * self.num_layers
+        self.bwd_events: list[tuple[int, Any]] = []  # (layer, mark) at each backward node's start
+        self.tracker = LayerTracker(layers, on_enter=self._enter)
 
-    def reset(self) -> None:
-        self.tracker.reset()
-        self.fwd_marks = [None] * (self.num_layers + 1)
-        self.bwd_marks = [None] * (self.num_layers + 1)
-        self.outputs = [None] * self.num_layers
-
-    def _enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _enter(self, index: int, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         self.fwd_marks[index] = self.clock.mark()
-        if index == 0:
+        self.sequence_starts[index] = _sequence_nr()
+
+    def hook_backward(self, loss: torch.Tensor) -> None:
+        """Give every node of the loss's graph a pre-hook that records its layer and the time."""
+        if loss.grad_fn is None:
             return
-        previous_output, self.outputs[index - 1] = self.outputs[index - 1], None  # hold no tensor longer
-        nodes = _grad_nodes((args, kwargs)) or _grad_nodes(previous_output)
-        for node in nodes:
-            node.register_prehook(self._backward_boundary(index))
+        forward_end = _sequence_nr()  # nodes numbered from here on (gradient accumulators) are not layers'
+        starts: list[int] = []
+        following = forward_end
+        for start in reversed(self.sequence_starts):  # a layer that never began starts where the next does
+            following = start if start is not None else following
+            starts.append(following)
+        starts.reverse()
+        hooks = [self._backward_hook(layer) for layer in range(self.num_layers)]
+        for node in _graph_nodes(loss.grad_fn):
+            number = node._sequence_nr()
+            if number < forward_end:
+                layer = max(bisect.bisect_right(starts, number) - 1, 0)
+                node.register_prehook(hooks[layer])
 
-    def _exit(self, index: int, output: Any) -> None:
-        self.outputs[index] = output  # its grad nodes are looked up only if layer index+1 needs them
-
-    def _backward_boundary(self, index: int) -> Callable[[Any], None]:
+    def _backward_hook(self, layer: int) -> Callable[[Any], None]:
         def hook(_grad_outputs: Any) -> None:
-            if self.bwd_marks[index] is None:
-                self.bwd_marks[index] = self.clock.mark()
+            self.bwd_events.append((layer, self.clock.mark()))
         return hook
+
+    def backward_ms(self, start: Any, end: Any) -> list[float]:
+        """Per-layer backward ms: each interval between node starts goes to the earlier node's layer."""
+        totals = [0.0] * self.num_layers
+        if not self.bwd_events:
+            totals[-1] = max(0.0, self.clock.elapsed_ms(start, end))
+            return totals
+        first_layer = self.bwd_events[0][0]
+        totals[first_layer] += max(0.0, self.clock.elapsed_ms(start, self.bwd_events[0][1]))
+        for (layer, mark), (_, next_mark) in zip(self.bwd_events, self.bwd_events[1:] + [(0, end)]):
+            totals[layer] += max(0.0, self.clock.elapsed_ms(mark, next_mark))
+        return totals
 
     def remove(self) -> None:
         self.tracker.remove()
@@ -147,22 +194,9 @@ def _fill_forward(marks: list[Any]) -> list[Any]:
     return filled
 
 
-def _fill_backward(marks: list[Any]) -> list[Any]:
-    """Boundaries that never fired take the mark of the later-in-time boundary below them."""
-    filled = list(marks)
-    for index in range(1, len(filled) - 1):
-        if filled[index] is None:
-            filled[index] = filled[index - 1]
-    return filled
-
-
-def _segment_ms(clock: Clock, marks: list[Any], reverse: bool) -> list[float]:
-    """Durations between consecutive marks, clamped at 0; `reverse` for backward (time runs down)."""
-    durations = []
-    for index in range(len(marks) - 1):
-        start, end = (marks[index + 1], marks[index]) if reverse else (marks[index], marks[index + 1])
-        durations.append(max(0.0, clock.elapsed_ms(start, end)))
-    return durations
+def _segment_ms(clock: Clock, marks: list[Any]) -> list[float]:
+    """Durations between consecutive marks, clamped at 0."""
+    return [max(0.0, clock.elapsed_ms(start, end)) for start, end in zip(marks, marks[1:])]
 
 
 def time_layers(
@@ -185,42 +219,41 @@ def time_layers(
     step_samples: list[float] = []
 
     def plain() -> float:
-        start = clock.mark()
-        loss = run_step()
-        loss.backward()
-        end = clock.mark()
-        del loss
+        with _gc_paused():
+            start = clock.mark()
+            loss = run_step()
+            loss.backward()
+            end = clock.mark()
+            del loss
         clock.synchronize()
         after_step()
         return clock.elapsed_ms(start, end)
 
     def measured() -> tuple[list[float], list[float]]:
         step = _InstrumentedStep(layers, clock)
-        step.reset()
         try:
-            step.fwd_marks[0] = clock.mark()
-            loss = run_step()
-            step.fwd_marks[-1] = clock.mark()
-            step.outputs = []
-            step.bwd_marks[-1] = clock.mark()
-            loss.backward()
-            step.bwd_marks[0] = clock.mark()
-            del loss
+            with _gc_paused():
+                step.fwd_marks[0] = clock.mark()
+                loss = run_step()
+                step.fwd_marks[-1] = clock.mark()
+                step.hook_backward(loss)
+                backward_start = clock.mark()
+                loss.backward()
+                backward_end = clock.mark()
+                del loss
         finally:
             step.remove()
         clock.synchronize()
         after_step()
-        fwd = _segment_ms(clock, _fill_forward(step.fwd_marks), reverse=False)
-        bwd = _segment_ms(clock, _fill_backward(step.bwd_marks), reverse=True)
-        return fwd, bwd
+        return _segment_ms(clock, _fill_forward(step.fwd_marks)), step.backward_ms(backward_start, backward_end)
 
     total = warmup + iters
     for iteration in range(total):
         if iteration < warmup:  # one step each warms what both kinds of step run
             if iteration % 2 == 0:
-                plain()
-            else:
                 measured()
+            else:
+                plain()
         else:
             if iteration % 2 == 0:
                 step_ms = plain()

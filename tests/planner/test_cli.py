@@ -399,3 +399,9 @@ def test_import_pipedream_writes_a_profile_and_prints_its_table(tmp_path: Path) 
     imported = load_profile(out)
     assert imported.batch_size == 32 and imported.model_name == "pipedream_skip"
     assert all(layer.name in result.stdout for layer in imported.layers)
+
+
+def test_profile_out_pointing_at_a_directory_is_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY)
+    result = invoke("profile", path, *FAST, "--out", tmp_path)
+    assert_one_line_error(result, str(tmp_path), "is a directory")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -84,3 +86,69 @@ def test_saved_bytes_count_activations_not_parameters() -> None:
     # the skip x and the hidden activation both cross the only boundary
     assert flow.cut_bytes == [4 * 32 * FLOAT + 4 * 16 * FLOAT, 0]
     assert flow.output_bytes == [4 * 32 * FLOAT, 4 * 16 * FLOAT]
+
+
+class _Views(nn.Module):
+    """h crosses the boundary twice (itself and a view of it); a mask is expanded from 8 floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        flat = h.view(-1)
+        mask = torch.ones(8).expand(1000, 8)  # made before `second` begins, used after
+        out = self.second(h)
+        return out + flat.view_as(out) + mask[: out.shape[0]]
+
+
+def test_views_of_one_storage_count_once_and_expanded_tensors_at_storage_size() -> None:
+    model = _Views()
+    x = torch.randn(4, 8)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    # h (4x8) and its view share one storage; the mask's storage is 8 floats
+    assert flow.cut_bytes == [4 * 8 * FLOAT + 8 * FLOAT, 0]
+
+
+class _SetItem(nn.Module):
+    """The second layer writes the first layer's output into a buffer with `out[...] = h`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.middle = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        out = self.last(self.middle(h))
+        out[:, :4] = h
+        return out
+
+
+def test_a_tensor_consumed_by_setitem_crosses_the_boundaries_before_it() -> None:
+    model = _SetItem()
+    x = torch.randn(2, 4)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    h = 2 * 4 * FLOAT
+    assert flow.cut_bytes == [h, h + 2 * 4 * FLOAT, 0]
+
+
+def test_the_instrumented_pass_leaves_no_graph_alive() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    x, target = torch.randn(2, 4), torch.tensor([0, 2])
+    layers = find_layers(model, lambda: model(x))
+    kept: list[torch.Tensor] = []
+
+    def step() -> torch.Tensor:
+        log_probs = torch.log_softmax(model(x), dim=-1)  # log_softmax saves its own output
+        kept.append(log_probs)
+        return torch.nn.functional.nll_loss(log_probs, target)
+
+    measure_dataflow(model, layers, (x,), step)
+    watcher = weakref.ref(kept.pop())
+    assert watcher() is None  # freed with its graph, not held by a saved-tensor cycle

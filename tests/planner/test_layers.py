@@ -97,3 +97,78 @@ def test_single_wrapper_and_stack_holders_are_looked_through() -> None:
     names = [layer.name for layer in find_layers(model, lambda: model(x))]
     # the stack holder is expanded, and so are the Sequential blocks it holds
     assert names == [f"encoder.blocks.{i}.{j}" for i in range(3) for j in range(2)]
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x))
+
+
+class _DecoderLayer(nn.Module):
+    """Two attention modules of one class held as attributes: a block, not a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _Attention()
+        self.cross_attn = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cross_attn(self.self_attn(x))
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DecoderLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_same_class_attributes_do_not_make_a_stack() -> None:
+    model = _Decoder()
+    x = torch.randn(2, 4)
+    assert [layer.name for layer in find_layers(model, lambda: model(x))] == ["layers.0", "layers.1", "layers.2"]
+
+
+class _Reversed(nn.Sequential):
+    """A Sequential subclass whose forward runs its children backwards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in reversed(self):
+            x = module(x)
+        return x
+
+
+def test_a_sequential_subclass_with_its_own_forward_is_ordered_by_execution() -> None:
+    model = _Reversed(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    assert [layer.name for layer in find_layers(model, lambda: model(x))] == ["1", "0"]
+
+
+class _GradInForward(nn.Module):
+    """A physics-informed style model: its forward differentiates its own output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 8)
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        y = self.second(torch.tanh(self.first(x)))
+        (dy,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y + dy.sum(dim=1, keepdim=True)
+
+
+def test_a_model_that_differentiates_in_its_forward_can_be_split() -> None:
+    model = _GradInForward()
+    x = torch.randn(3, 2)
+    assert [layer.name for layer in find_layers(model, lambda: model(x))] == ["first", "second"]

@@ -89,7 +89,7 @@ def test_skip_graph_layer_fields_and_profile_fields() -> None:
     assert profile.dtype == "float32"
     assert profile.batch_size == 32
     assert profile.threads == 0
-    assert profile.created == datetime.date.today().isoformat()
+    assert datetime.datetime.fromisoformat(profile.created).date() == datetime.datetime.now(datetime.timezone.utc).date()
     assert profile.peak_memory_bytes == 0
     assert profile.peak_memory_method == "unknown"
     assert profile.input_bytes == 64

@@ -21,7 +21,7 @@ def _profile() -> Profile:
         model_name="toy", source="examples/toy.py", device="cpu", device_name="Some CPU", torch_version="2.13.0",
         dtype="float32", batch_size=8, threads=2, created="2026-11-20T10:00:00+00:00", layers=layers,
         step_ms=1.2345678901234567, peak_memory_bytes=123456789, peak_memory_method="live-tensors",
-        input_bytes=256, shared_params=(SharedParam(names=("a.weight", "b.weight"), bytes=4096, layers=(0, 2)),),
+        input_bytes=256, shared_params=(SharedParam(names=("a.weight", "b.weight"), nbytes=4096, layers=(0, 2)),),
         settings={"warmup": 1, "iters": 2, "depth": None, "split_points": []},
     )
 

@@ -45,8 +45,8 @@ def test_gpt_records_the_tied_embedding_once(profiles: dict[str, Profile]) -> No
     (shared,) = profile.shared_params
     assert set(shared.names) == {"transformer.wte.weight", "lm_head.weight"}
     assert shared.layers == (0, profile.layer_index("lm_head"))
-    assert shared.bytes == 8192 * 128 * 4
-    assert profile.layers[0].param_bytes == shared.bytes  # counted at the first user only
+    assert shared.nbytes == 8192 * 128 * 4
+    assert profile.layers[0].param_bytes == shared.nbytes  # counted at the first user only
     assert profile.layers[-1].param_bytes == 0
     model = load_model_file(EXAMPLES / "gpt.py").build_model()
     assert profile.total_param_bytes == sum(p.numel() * 4 for p in model.parameters())

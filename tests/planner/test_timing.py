@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from planner.layers import find_layers
-from planner.timing import HostClock, _fill_backward, _fill_forward, time_layers
+from planner.timing import HostClock, _fill_forward, time_layers
 
 TOLERANCE_MS = 4.0  # sleeps overshoot by scheduler latency; python hooks add microseconds
 
@@ -76,8 +76,46 @@ def test_functional_ops_count_toward_the_layer_before_them() -> None:
     assert bwd_ms == pytest.approx([5 + 30, 20], abs=TOLERANCE_MS)
 
 
-def test_missing_marks_give_zero_time_to_the_layer_that_did_not_run() -> None:
+class _Branches(nn.Module):
+    """stem, then three branches that all read the stem's output, then a head that adds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _SleepLayer(0.002, 0.004)
+        self.a = _SleepLayer(0.004, 0.010)
+        self.b = _SleepLayer(0.004, 0.020)
+        self.c = _SleepLayer(0.004, 0.030)
+        self.head = _SleepLayer(0.006, 0.002)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.a(h) + self.b(h) + self.c(h))
+
+
+def test_branches_sharing_an_input_each_get_their_own_backward() -> None:
+    fwd_ms, bwd_ms, _ = _times(_Branches())
+    assert fwd_ms == pytest.approx([2, 4, 4, 4, 6], abs=TOLERANCE_MS)
+    assert bwd_ms == pytest.approx([4, 10, 20, 30, 2], abs=TOLERANCE_MS)
+
+
+class _ConstantInput(nn.Module):
+    """The second layer's input needs no gradient (it is made from a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _SleepLayer(0.010, 0.020)
+        self.second = _SleepLayer(0.005, 0.015)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(torch.ones_like(x))
+
+
+def test_a_layer_whose_input_needs_no_gradient_still_gets_its_backward() -> None:
+    fwd_ms, bwd_ms, _ = _times(_ConstantInput())
+    assert fwd_ms == pytest.approx([10, 5], abs=TOLERANCE_MS)
+    assert bwd_ms == pytest.approx([20, 15], abs=TOLERANCE_MS)
+
+
+def test_a_layer_that_never_began_takes_zero_forward_time() -> None:
     # forward marks in time order: layer 1 never began, so it takes layer 2's start
     assert _fill_forward([0.0, None, 5.0, 9.0]) == [0.0, 5.0, 5.0, 9.0]
-    # backward marks run down in time: E[3]=start ... E[0]=end; a missing E[1] takes E[0]
-    assert _fill_backward([9.0, None, 4.0, 0.0]) == [9.0, 9.0, 4.0, 0.0]

@@ -1,0 +1,46 @@
+"""Small helpers on tensors: their size, finding them in nested outputs, noticing when they die."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements: numel x element size."""
+    return tensor.numel() * tensor.element_size()
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a nested structure of tuples, lists and dicts (cheaper than pytree)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in tensors_in(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in tensors_in(item)]
+    return []
+
+
+class DeathWatch:
+    """Calls `callback()` when a tensor object is freed; holds only weak references.
+
+    PyTorch keeps a tensor's Python object alive as long as the C++ tensor lives (autograd's
+    saved tensors included), so the callback runs when the memory is really released.
+    Unlike `weakref.finalize`, nothing is left in a global registry once the watch is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def watch(self, tensor: torch.Tensor, callback: Callable[[], None]) -> None:
+        """Run `callback` once `tensor` is freed."""
+
+        def fire(ref: weakref.ref) -> None:
+            self._refs.pop(id(ref), None)
+            callback()
+
+        ref = weakref.ref(tensor, fire)
+        self._refs[id(ref)] = ref
