@@ -15,7 +15,9 @@ from planner.model_file import load_model_file
 from planner.pipedream import import_pipedream
 from planner.profile import Profile, load_profile
 from planner.profiler import ProfileSettings, profile_model
-from planner.tables import profile_table
+from planner.cluster import load_cluster, make_cluster
+from planner.partition import COST_MODELS, partition
+from planner.tables import plan_table, profile_table
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -46,10 +48,14 @@ def one_line(message: str) -> str:
     return " | ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
-def _print_profile(profile: Profile, path: Path | None) -> None:
+def _console() -> Console:
+    """stdout console; files and pipes get a wide one so tables are not wrapped."""
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)  # files and pipes get the whole table, unwrapped
+    return console if console.is_terminal else Console(width=160)
+
+
+def _print_profile(profile: Profile, path: Path | None) -> None:
+    console = _console()
     console.print(profile_table(profile))
     if path is not None:
         console.print(f"wrote {path}")
@@ -125,6 +131,39 @@ def inspect(
 ) -> None:
     """Print the layer table of a profile file."""
     _run(debug, lambda: _print_profile(load_profile(profile_file), None))
+
+
+@app.command("partition")
+def partition_command(
+    profile_file: str = typer.Argument(..., help="A profile written by `planner profile` or `import-pipedream`."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", "-g", help="Number of GPUs."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default: all in one)."),
+    bandwidth: str = typer.Option(
+        "300GB/s,25GB/s", help="Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s."
+    ),
+    cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
+    cost_model: str = typer.Option("pipedream", help=f"Objective: {', '.join(COST_MODELS)}."),
+    straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Plan file (default plans/<model>-<N>gpu.json)."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Choose stage boundaries and per-stage replication for PROFILE on a cluster; write the plan."""
+
+    def action() -> None:
+        if cluster_file is not None:
+            cluster = load_cluster(cluster_file)
+        elif gpus is None:
+            raise PlannerError("give --gpus N (or --cluster FILE)")
+        else:
+            cluster = make_cluster(gpus, gpus_per_node, [b.strip() for b in bandwidth.split(",") if b.strip()])
+        profile = load_profile(profile_file)
+        plan = partition(profile, cluster, cost_model=cost_model, straight=straight, profile_path=profile_file)
+        path = plan.save(out or Path("plans") / f"{profile.model_name}-{cluster.num_devices}gpu.json")
+        console = _console()
+        console.print(plan_table(plan))
+        console.print(f"wrote {path}")
+
+    _run(debug, action)
 
 
 def main() -> None:

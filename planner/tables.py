@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from planner.plan import Plan
 from planner.profile import Profile
 from planner.units import format_bytes, format_ms
 
@@ -48,3 +49,36 @@ def profile_summary(profile: Profile) -> str:
             f"{', '.join(str(i) for i in shared.layers)}"
         )
     return "\n".join(lines)
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per stage, then the predictions as the caption."""
+    cluster = plan.cluster.describe()
+    table = Table(
+        title=f"{plan.profile.name}: {len(plan.stages)} stages on {cluster} ({plan.cost_model} cost model)",
+        caption=plan_summary(plan),
+    )
+    for header, justify in (("stage", "right"), ("layers", "left"), ("#", "right"), ("replicas", "right"),
+                            ("ranks", "left"), ("compute ms", "right"), ("comm ms", "right"),
+                            ("stage value ms", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    for index, stage in enumerate(plan.stages):
+        ranks = f"{stage.ranks[0]}" if len(stage.ranks) == 1 else f"{stage.ranks[0]}-{stage.ranks[-1]}"
+        table.add_row(
+            str(index), f"{stage.first_layer} .. {stage.last_layer}", str(stage.stop - stage.start),
+            str(stage.replicas), ranks, format_ms(stage.compute_ms), format_ms(stage.comm_ms),
+            format_ms(stage.value_ms),
+        )
+    return table
+
+
+def plan_summary(plan: Plan) -> str:
+    """Predicted bottleneck, throughput and speedups, then the plan's notes."""
+    p = plan.predicted
+    lines = [
+        f"bottleneck {p.bottleneck_s * 1000:.4g} ms per mini-batch; {p.samples_per_s:.4g} samples/s; "
+        f"idle share {p.bubble_fraction:.1%}",
+        f"speedup {p.speedup_vs_single_device:.3g}x over one GPU, {p.speedup_vs_data_parallel:.3g}x over "
+        f"data parallelism on {plan.cluster.num_devices} GPUs; {p.devices_used} GPUs used",
+    ]
+    return "\n".join(lines + list(plan.notes))

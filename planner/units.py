@@ -18,3 +18,64 @@ def format_bytes(nbytes: float) -> str:
 def format_ms(milliseconds: float) -> str:
     """Milliseconds with 3 significant digits (at least 2 decimals below 10 ms)."""
     return f"{milliseconds:.2f}" if milliseconds < 10 else f"{milliseconds:.1f}"
+
+
+_SIZE_FACTORS = {
+    "": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BIT_FACTORS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+
+
+def _split_number(text: str) -> tuple[float, str]:
+    """'300GB/s' -> (300.0, 'GB/s'); ValueError if it does not start with a number."""
+    stripped = text.strip()
+    end = 0
+    while end < len(stripped) and (stripped[end].isdigit() or stripped[end] in ".eE+-"):
+        end += 1
+    # a trailing 'e', 'E', '+' or '-' is not part of the number
+    while end > 0 and stripped[end - 1] in "eE+-":
+        end -= 1
+    number = float(stripped[:end])  # raises ValueError when there is no number
+    return number, stripped[end:].strip()
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as '80GB' (10^9), '80GiB' (2^30), '512MB' or plain '1000' bytes, as int bytes.
+
+    ValueError (with the accepted forms) if it cannot be read or is not positive.
+    """
+    try:
+        number, unit = _split_number(text)
+        factor = _SIZE_FACTORS[unit.lower()]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read size {text!r}; use e.g. 80GB, 40GiB, 512MB or a number of bytes") from None
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"size {text!r} must be positive")
+    return int(number * factor)
+
+
+def parse_bandwidth(text: str) -> float:
+    """A bandwidth such as '300GB/s', '25Gbit/s', '100Gb/s' (bits) or plain '1e9' bytes/s, in bytes/s.
+
+    Byte units: B/s, KB/s, MB/s, GB/s, TB/s (powers of 10) and KiB/s ... TiB/s; bit units:
+    bit/s, Kbit/s ... Tbit/s, Kb/s, Mb/s, Gb/s (lower-case b) and Gbps, divided by 8.
+    """
+    try:
+        number, unit = _split_number(text)
+        if unit.endswith("/s"):
+            unit = unit[:-2]
+        elif unit.endswith("bps"):  # Gbps = Gbit/s
+            unit = unit[:-3] + "bit"
+        bits = unit.lower().endswith("bit") or (unit.endswith("b") and unit not in ("", "b"))
+        if bits:
+            factor = _BIT_FACTORS[unit.lower()] / 8
+        else:
+            factor = _SIZE_FACTORS[unit.lower()]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"cannot read bandwidth {text!r}; use e.g. 300GB/s, 25Gbit/s, 100Gb/s or a number of bytes/s"
+        ) from None
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"bandwidth {text!r} must be positive")
+    return number * factor

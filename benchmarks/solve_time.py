@@ -1,0 +1,68 @@
+"""Optimizer solve times: every PipeDream profile for 4 to 64 GPUs, and a 1,000-layer profile on 1,024.
+
+    python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles]
+
+Uses PipeDream's cost model (`--cost-model pipedream`) on a flat cluster at 10 GB/s, with and
+without replication. Prints one line per solve and the slowest; targets: each PipeDream profile
+under 1 s, the synthetic profile under 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from planner.costmodel import LayerArrays
+from planner.optimizer import optimize_pipedream
+from planner.pipedream import import_pipedream
+
+REPO = Path(__file__).resolve().parents[1]
+BANDWIDTH_BPS = 10e9
+
+
+def synthetic_arrays(num_layers: int, seed: int = 0) -> LayerArrays:
+    """Layers with random times (1-20 ms), parameters (0-50 MB) and cuts (0.1-20 MB), reproducible."""
+    rng = random.Random(seed)
+    compute = [rng.uniform(0.001, 0.020) for _ in range(num_layers)]
+    params = [rng.choice([0.0, rng.uniform(1e5, 5e7)]) for _ in range(num_layers)]
+    cuts = [rng.uniform(1e5, 2e7) for _ in range(num_layers - 1)] + [0.0]
+    return LayerArrays(
+        np.concatenate([[0.0], np.cumsum(compute)]), np.concatenate([[0.0], np.cumsum(params)]), np.array(cuts)
+    )
+
+
+def timed(arrays: LayerArrays, gpus: int, straight: bool) -> tuple[float, float, int]:
+    """(seconds to solve, objective in seconds, devices used)."""
+    start = time.perf_counter()
+    solution = optimize_pipedream(arrays, gpus, BANDWIDTH_BPS, straight)
+    return time.perf_counter() - start, solution.objective_s, solution.devices
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", type=Path, default=REPO.parent / "shared" / "pipedream-profiles")
+    args = parser.parse_args()
+    slowest = 0.0
+    for graph in sorted(args.profiles.glob("*.txt")):
+        arrays = LayerArrays.from_profile(import_pipedream(graph))
+        for gpus in (4, 8, 16, 32, 64):
+            for straight in (False, True):
+                seconds, objective, used = timed(arrays, gpus, straight)
+                slowest = max(slowest, seconds)
+                print(f"{graph.stem:14s} layers {arrays.num_layers:5d} gpus {gpus:3d} "
+                      f"{'straight  ' if straight else 'replicated'} {seconds:7.3f} s  "
+                      f"bottleneck {objective * 1000:9.3f} ms on {used} GPUs")
+    print(f"slowest PipeDream-profile solve: {slowest:.3f} s (target < 1 s)")
+    arrays = synthetic_arrays(1000)
+    for straight in (False, True):
+        seconds, objective, used = timed(arrays, 1024, straight)
+        print(f"synthetic 1000 layers, 1024 GPUs, {'straight' if straight else 'replicated'}: {seconds:.2f} s "
+              f"(target < 10 s), bottleneck {objective * 1000:.3f} ms on {used} GPUs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Cluster: devices in nested levels (GPUs in a node, nodes in a cluster) with per-level bandwidth.
+
+Ranks are numbered so that each group of a level is a contiguous range: with 8 GPUs per node,
+ranks 0-7 are node 0. Two ranks talk over the bandwidth of the innermost level whose group holds
+both; a set of ranks spanning [first, last] is limited by the slowest link inside that range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from planner.errors import FileFormatError, PlannerError
+from planner.units import parse_bandwidth, parse_bytes
+
+CLUSTER_FORMAT = "pipeline-planner/cluster"
+CLUSTER_VERSION = 1
+
+
+class ClusterError(PlannerError):
+    """A cluster description that cannot work (no GPUs, bad bandwidth, K not dividing N, ...)."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the hierarchy: `size` groups of the level below form one group of this level.
+
+    `bandwidth_Bps` is the bandwidth between two devices whose innermost common group is at this
+    level, in bytes per second.
+    """
+
+    name: str
+    size: int
+    bandwidth_Bps: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Levels innermost first (e.g. GPUs per node, then nodes); `memory_bytes` per device or None."""
+
+    levels: tuple[Level, ...]
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ClusterError("a cluster needs at least one level")
+        for level in self.levels:
+            if level.size < 1:
+                raise ClusterError(f"level {level.name!r} has {level.size} members; it needs at least 1")
+            if not level.bandwidth_Bps > 0 or math.isinf(level.bandwidth_Bps):
+                raise ClusterError(f"level {level.name!r} has bandwidth {level.bandwidth_Bps} B/s; it must be positive")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ClusterError(f"device memory must be positive, got {self.memory_bytes} bytes")
+
+    @property
+    def num_devices(self) -> int:
+        """Total number of devices: the product of the level sizes."""
+        return math.prod(level.size for level in self.levels)
+
+    def group_sizes(self) -> list[int]:
+        """Devices per group at each level: [size0, size0*size1, ...]."""
+        sizes, running = [], 1
+        for level in self.levels:
+            running *= level.size
+            sizes.append(running)
+        return sizes
+
+    def span_level(self, first_rank: int, last_rank: int) -> int:
+        """Index of the innermost level whose one group holds every rank in [first_rank, last_rank]."""
+        for index, group in enumerate(self.group_sizes()):
+            if first_rank // group == last_rank // group:
+                return index
+        return len(self.levels) - 1
+
+    def span_bandwidth_Bps(self, first_rank: int, last_rank: int) -> float:
+        """Bandwidth of the slowest link among the ranks [first_rank, last_rank], bytes/s."""
+        if first_rank == last_rank:
+            return math.inf
+        return self.levels[self.span_level(first_rank, last_rank)].bandwidth_Bps
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description; inverse of `cluster_from_dict`."""
+        return {
+            "levels": [{"name": lv.name, "size": lv.size, "bandwidth_Bps": lv.bandwidth_Bps} for lv in self.levels],
+            "memory_bytes": self.memory_bytes,
+        }
+
+    def describe(self) -> str:
+        """One line, e.g. '16 GPUs: 8 per node at 300 GB/s, 2 nodes at 25 GB/s, 80.0 GB each'."""
+        parts = [f"{lv.size} per {lv.name} at {lv.bandwidth_Bps / 1e9:.3g} GB/s" for lv in self.levels]
+        memory = "" if self.memory_bytes is None else f", {self.memory_bytes / 1e9:.3g} GB each"
+        return f"{self.num_devices} GPUs: " + ", ".join(parts) + memory
+
+
+def make_cluster(
+    gpus: int, gpus_per_node: int | None = None, bandwidths: Sequence[str | float] = ("300GB/s", "25GB/s"),
+    memory: str | int | None = None,
+) -> Cluster:
+    """The cluster of the `--gpus/--gpus-per-node/--bandwidth/--memory` flags.
+
+    With `gpus_per_node` None or equal to `gpus`, the cluster is flat (one node) at the first
+    bandwidth; otherwise GPUs within a node use the first bandwidth and nodes the second.
+    """
+    if gpus < 1:
+        raise ClusterError(f"--gpus must be at least 1, got {gpus}")
+    per_node = gpus if gpus_per_node is None else gpus_per_node
+    if per_node < 1:
+        raise ClusterError(f"--gpus-per-node must be at least 1, got {per_node}")
+    if gpus % per_node:
+        raise ClusterError(f"--gpus-per-node {per_node} does not divide --gpus {gpus}")
+    rates = [_bandwidth(value) for value in bandwidths]
+    if not rates:
+        raise ClusterError("--bandwidth needs at least one value")
+    memory_bytes = None if memory is None else _memory(memory)
+    if per_node == gpus:
+        return Cluster((Level("node", gpus, rates[0]),), memory_bytes)
+    if len(rates) < 2:
+        raise ClusterError(
+            f"{gpus // per_node} nodes need two bandwidths (within a node, between nodes), got {len(rates)}"
+        )
+    return Cluster((Level("node", per_node, rates[0]), Level("cluster", gpus // per_node, rates[1])), memory_bytes)
+
+
+def _bandwidth(value: str | float) -> float:
+    if isinstance(value, (int, float)):
+        if not value > 0:
+            raise ClusterError(f"bandwidth {value} must be positive")
+        return float(value)
+    try:
+        return parse_bandwidth(value)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def _memory(value: str | int) -> int:
+    if isinstance(value, int):
+        if value <= 0:
+            raise ClusterError(f"memory {value} must be positive")
+        return value
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
+    """A Cluster from `Cluster.to_dict()` output or a hand-written file body.
+
+    Hand-written files may give `bandwidth` as text ("300GB/s") instead of `bandwidth_Bps`, and
+    `memory` as text ("80GB") instead of `memory_bytes`.
+    """
+    try:
+        levels = []
+        for entry in body["levels"]:
+            rate = entry["bandwidth_Bps"] if "bandwidth_Bps" in entry else _bandwidth(str(entry["bandwidth"]))
+            levels.append(Level(str(entry.get("name", f"level{len(levels)}")), int(entry["size"]), float(rate)))
+        if "memory_bytes" in body:
+            memory = None if body["memory_bytes"] is None else int(body["memory_bytes"])
+        else:
+            memory = None if body.get("memory") is None else _memory(str(body["memory"]))
+        return Cluster(tuple(levels), memory)
+    except KeyError as exc:
+        raise FileFormatError(source, f"cluster is missing the field {exc.args[0]!r}",
+                              'expected {"levels": [{"name", "size", "bandwidth"}], "memory"}') from None
+    except (TypeError, ValueError) as exc:
+        raise FileFormatError(source, f"cluster has a malformed field: {exc}") from None
+    except ClusterError as exc:
+        raise FileFormatError(source, str(exc)) from None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file: JSON, or YAML (.yaml/.yml) with the same fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileFormatError(str(path), "no such file", "check the path of the cluster file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            body = yaml.safe_load(text)
+        else:
+            body = json.loads(text)
+    except Exception as exc:  # yaml.YAMLError or json.JSONDecodeError
+        raise FileFormatError(str(path), f"cannot be parsed: {str(exc).splitlines()[0]}") from None
+    if not isinstance(body, dict):
+        raise FileFormatError(str(path), "expected a mapping with 'levels'")
+    return cluster_from_dict(body, str(path))

@@ -1,0 +1,81 @@
+"""Cost models: the time of a pipeline stage from a profile, as pure functions (no I/O).
+
+PipeDream's published objective (Narayanan et al., SOSP 2019), on a flat cluster of G devices
+with bandwidth B bytes/s, times in seconds per profiled mini-batch. For a stage s with total
+forward+backward time T_s, parameter bytes P_s and r_s replicas:
+
+    stage_time = (T_s + 4 (r_s - 1) P_s / (B r_s)) / r_s
+    comm_in    = 2 cut_before(s) / (B r_s)        (not for the first stage)
+    comm_out   = 2 cut_after(s) / (B r_s)         (not for the last stage)
+    value(s)   = max(stage_time, comm_in, comm_out)
+
+and a plan's objective, its bottleneck, is the maximum of value(s) over its stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.profile import Profile
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """Prefix sums over a profile's layers: stage [i, j) totals are `x[j] - x[i]`.
+
+    `compute_s`: forward + backward seconds; `param_bytes`; `cut_bytes[k]`: bytes crossing the
+    boundary after layer k (not a prefix sum).
+    """
+
+    compute_s: np.ndarray
+    param_bytes: np.ndarray
+    cut_bytes: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.cut_bytes)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> "LayerArrays":
+        compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
+        params = np.array([float(layer.param_bytes) for layer in profile.layers])
+        return cls(
+            compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
+            param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
+            cut_bytes=np.array([float(layer.cut_bytes) for layer in profile.layers]),
+        )
+
+    def cut_before(self, start: int) -> float:
+        """Bytes entering a stage that begins at layer `start` (0 for the first stage)."""
+        return 0.0 if start == 0 else float(self.cut_bytes[start - 1])
+
+    def cut_after(self, stop: int) -> float:
+        """Bytes leaving a stage that ends before layer `stop` (0 for the last stage)."""
+        return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
+
+
+def pipedream_stage_value_s(
+    compute_s: float, param_bytes: float, cut_in_bytes: float, cut_out_bytes: float, replicas: int,
+    bandwidth_Bps: float,
+) -> float:
+    """max(stage_time, comm_in, comm_out) of one stage under PipeDream's objective, in seconds."""
+    r = float(replicas)
+    stage_time = (compute_s + 4.0 * (r - 1.0) * param_bytes / (bandwidth_Bps * r)) / r
+    comm = 2.0 * max(cut_in_bytes, cut_out_bytes) / (bandwidth_Bps * r)
+    return max(stage_time, comm)
+
+
+def pipedream_bottleneck_s(
+    arrays: LayerArrays, stages: list[tuple[int, int, int]], bandwidth_Bps: float
+) -> float:
+    """The objective of a plan given as (start, stop, replicas) stages: max of their values."""
+    return max(
+        pipedream_stage_value_s(
+            float(arrays.compute_s[stop] - arrays.compute_s[start]),
+            float(arrays.param_bytes[stop] - arrays.param_bytes[start]),
+            arrays.cut_before(start), arrays.cut_after(stop), replicas, bandwidth_Bps,
+        )
+        for start, stop, replicas in stages
+    )

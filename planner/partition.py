@@ -1,0 +1,78 @@
+"""partition(): from a profile and a cluster to a Plan, with its predictions (pure, no I/O)."""
+
+from __future__ import annotations
+
+from planner.cluster import Cluster, ClusterError
+from planner.costmodel import LayerArrays, pipedream_stage_value_s
+from planner.errors import PlannerError
+from planner.optimizer import optimize_pipedream
+from planner.plan import Plan, Prediction, ProfileRef, StagePlan, profile_digest
+from planner.profile import Profile
+
+COST_MODELS = ("pipedream",)
+
+
+def partition(
+    profile: Profile, cluster: Cluster, cost_model: str = "pipedream", straight: bool = False,
+    profile_path: str = "",
+) -> Plan:
+    """The best plan for `profile` on `cluster` under `cost_model` (see `costmodel`, `optimizer`).
+
+    `straight` forbids replication. The plan may use fewer devices than the cluster has when more
+    would not lower the objective; its notes then say so.
+    """
+    if cost_model not in COST_MODELS:
+        raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
+    if len(cluster.levels) != 1:
+        raise ClusterError(
+            "the pipedream cost model assumes a flat cluster (one bandwidth); drop --gpus-per-node"
+        )
+    bandwidth = cluster.levels[0].bandwidth_Bps
+    arrays = LayerArrays.from_profile(profile)
+    solution = optimize_pipedream(arrays, cluster.num_devices, bandwidth, straight)
+    stages = []
+    next_rank = 0
+    busy_s = 0.0
+    for start, stop, replicas in solution.stages:
+        compute_s = float(arrays.compute_s[stop] - arrays.compute_s[start])
+        params = float(arrays.param_bytes[stop] - arrays.param_bytes[start])
+        cut_in, cut_out = arrays.cut_before(start), arrays.cut_after(stop)
+        value_s = pipedream_stage_value_s(compute_s, params, cut_in, cut_out, replicas, bandwidth)
+        stage_time_s = pipedream_stage_value_s(compute_s, params, 0.0, 0.0, replicas, bandwidth)
+        busy_s += replicas * stage_time_s
+        stages.append(StagePlan(
+            start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
+            replicas=replicas, ranks=tuple(range(next_rank, next_rank + replicas)), recompute=False,
+            compute_ms=compute_s * 1000.0, comm_ms=2000.0 * max(cut_in, cut_out) / (bandwidth * replicas),
+            value_ms=value_s * 1000.0,
+        ))
+        next_rank += replicas
+    bottleneck_s = solution.objective_s
+    total_s = float(arrays.compute_s[-1])
+    devices = cluster.num_devices
+    data_parallel_s = pipedream_stage_value_s(total_s, float(arrays.param_bytes[-1]), 0.0, 0.0, devices, bandwidth)
+    per_batch = profile.batch_size or 1
+    predicted = Prediction(
+        bottleneck_s=bottleneck_s,
+        iteration_ms=bottleneck_s * 1000.0,
+        samples_per_s=per_batch / bottleneck_s if bottleneck_s > 0 else 0.0,
+        bubble_fraction=1.0 - busy_s / (solution.devices * bottleneck_s) if bottleneck_s > 0 else 0.0,
+        speedup_vs_single_device=total_s / bottleneck_s if bottleneck_s > 0 else 1.0,
+        speedup_vs_data_parallel=data_parallel_s / bottleneck_s if bottleneck_s > 0 else 1.0,
+        devices_used=solution.devices,
+    )
+    notes = []
+    if solution.devices < devices:
+        notes.append(f"uses {solution.devices} of {devices} GPUs: more would not lower the bottleneck")
+    if profile.batch_size is None:
+        notes.append("the profile does not say its batch size: samples/s counts profiled mini-batches")
+    notes.append(
+        "pipedream cost model: asynchronous 1F1B in steady state, one profiled mini-batch per replica; "
+        "iteration_ms is the time per mini-batch; memory is not modelled"
+    )
+    return Plan(
+        profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),
+        cluster=cluster, cost_model=cost_model, schedule="pipedream", microbatches=None,
+        microbatch_size=profile.batch_size, straight=straight, stages=tuple(stages), predicted=predicted,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,166 @@
+"""Plan: stage boundaries, replication and predictions for a profile on a cluster; its JSON file.
+
+Schema (format "pipeline-planner/plan", version 1):
+
+- `profile`: {name, path, digest}: the profile the plan came from; `digest` is the SHA-256 of
+  the profile's canonical JSON body (`profile_digest`), so a plan is never applied to another.
+- `cluster`: `Cluster.to_dict()`; `cost_model`: "pipedream"; `schedule`; `microbatches`
+  (None for the asynchronous schedule, which has no flush); `microbatch_size` (samples).
+- `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),
+  `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions per micro-batch:
+  `compute_ms` (forward + backward of the stage, per replica's micro-batch), `comm_ms` (its
+  largest communication term), `value_ms` (what the cost model minimises the maximum of).
+- `predicted`: `bottleneck_s`, `iteration_ms`, `samples_per_s`, `bubble_fraction`,
+  `speedup_vs_single_device`, `speedup_vs_data_parallel`, `devices_used`.
+- `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.cluster import Cluster, cluster_from_dict
+from planner.errors import FileFormatError, PlannerError
+from planner.fileformat import read_versioned_json, write_versioned_json
+from planner.profile import Profile
+
+PLAN_FORMAT = "pipeline-planner/plan"
+PLAN_VERSION = 1
+
+
+class PlanProfileMismatchError(PlannerError):
+    """A plan given with a profile it was not made from."""
+
+    def __init__(self, plan_path: str, profile_path: str, expected: str, found: str) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
+            f"{found[:12]}; re-run `planner partition {profile_path}` to plan for this profile"
+        )
+
+
+def profile_digest(profile: Profile) -> str:
+    """SHA-256 of the profile's canonical JSON body (sorted keys, no whitespace)."""
+    text = json.dumps(profile.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class ProfileRef:
+    """Which profile a plan belongs to."""
+
+    name: str
+    path: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: layers [start, stop), its replicas and ranks, and predicted times (ms per micro-batch)."""
+
+    start: int
+    stop: int
+    first_layer: str
+    last_layer: str
+    replicas: int
+    ranks: tuple[int, ...]
+    recompute: bool
+    compute_ms: float
+    comm_ms: float
+    value_ms: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for the whole plan."""
+
+    bottleneck_s: float
+    iteration_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    speedup_vs_single_device: float
+    speedup_vs_data_parallel: float
+    devices_used: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pipeline plan; see the module docstring for the file schema."""
+
+    profile: ProfileRef
+    cluster: Cluster
+    cost_model: str
+    schedule: str
+    microbatches: int | None
+    microbatch_size: int | None
+    straight: bool
+    stages: tuple[StagePlan, ...]
+    predicted: Prediction
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file body (without the format header); inverse of `plan_from_dict`."""
+        body = dataclasses.asdict(self)
+        body["cluster"] = self.cluster.to_dict()
+        body["stages"] = [
+            {**{k: v for k, v in dataclasses.asdict(stage).items() if k not in ("start", "stop")},
+             "layers": [stage.start, stage.stop]}
+            for stage in self.stages
+        ]
+        return body
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as versioned JSON (atomically); returns the path."""
+        return write_versioned_json(path, PLAN_FORMAT, PLAN_VERSION, self.to_dict())
+
+    def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>") -> None:
+        """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from."""
+        found = profile_digest(profile)
+        if found != self.profile.digest:
+            raise PlanProfileMismatchError(plan_path, profile_path, self.profile.digest, found)
+
+
+def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
+    """A Plan from `Plan.to_dict()` output; FileFormatError naming `source` if a field is bad."""
+    try:
+        stages = tuple(
+            StagePlan(
+                start=int(s["layers"][0]), stop=int(s["layers"][1]), first_layer=str(s["first_layer"]),
+                last_layer=str(s["last_layer"]), replicas=int(s["replicas"]),
+                ranks=tuple(int(r) for r in s["ranks"]), recompute=bool(s["recompute"]),
+                compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]), value_ms=float(s["value_ms"]),
+            )
+            for s in body["stages"]
+        )
+        ref = body["profile"]
+        predicted = body["predicted"]
+        return Plan(
+            profile=ProfileRef(str(ref["name"]), str(ref["path"]), str(ref["digest"])),
+            cluster=cluster_from_dict(body["cluster"], source),
+            cost_model=str(body["cost_model"]), schedule=str(body["schedule"]),
+            microbatches=None if body["microbatches"] is None else int(body["microbatches"]),
+            microbatch_size=None if body["microbatch_size"] is None else int(body["microbatch_size"]),
+            straight=bool(body["straight"]), stages=stages,
+            predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)}),
+            notes=tuple(str(n) for n in body.get("notes", [])),
+        )
+    except KeyError as exc:
+        raise FileFormatError(source, f"plan is missing the field {exc.args[0]!r}") from None
+    except (TypeError, ValueError, IndexError) as exc:
+        raise FileFormatError(source, f"plan has a malformed field: {exc}") from None
+
+
+def _field_type(prediction_field: dataclasses.Field) -> type:
+    """int or float, from a Prediction field's annotation."""
+    return int if prediction_field.type in ("int", int) else float
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file; refuses other formats and newer versions with a FileFormatError."""
+    return plan_from_dict(read_versioned_json(path, PLAN_FORMAT, PLAN_VERSION), str(path))

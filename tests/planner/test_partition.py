@@ -1,0 +1,107 @@
+"""partition() and `planner partition`: plans on the real PipeDream profiles, checked independently."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.cluster import make_cluster
+from planner.partition import partition
+from planner.pipedream import import_pipedream
+from planner.plan import PlanProfileMismatchError, load_plan
+from planner.profile import Profile, load_profile
+
+PIPEDREAM_DIR = Path(__file__).resolve().parents[3] / "shared" / "pipedream-profiles"
+PIPEDREAM_FILES = sorted(PIPEDREAM_DIR.glob("*.txt")) if PIPEDREAM_DIR.is_dir() else []
+SKIP_GRAPH = Path(__file__).resolve().parents[1] / "data" / "pipedream_skip.txt"
+BANDWIDTH_BPS = 10e9
+
+
+def bottleneck_from_file(plan_path: Path, profile: Profile) -> float:
+    """PipeDream's objective recomputed from the plan file's stages and the profile's layers alone."""
+    plan = json.loads(plan_path.read_text())
+    bandwidth = plan["cluster"]["levels"][0]["bandwidth_Bps"]
+    layers = profile.layers
+    worst = 0.0
+    for stage in plan["stages"]:
+        start, stop = stage["layers"]
+        r = stage["replicas"]
+        compute = sum(layer.fwd_ms + layer.bwd_ms for layer in layers[start:stop]) / 1000.0
+        params = sum(layer.param_bytes for layer in layers[start:stop])
+        cut_in = layers[start - 1].cut_bytes if start > 0 else 0
+        cut_out = layers[stop - 1].cut_bytes if stop < len(layers) else 0
+        stage_time = (compute + 4 * (r - 1) * params / (bandwidth * r)) / r
+        worst = max(worst, stage_time, 2 * cut_in / (bandwidth * r), 2 * cut_out / (bandwidth * r))
+    return worst
+
+
+def _check_plan(plan_path: Path, profile: Profile, gpus: int, straight: bool) -> None:
+    plan = load_plan(plan_path)
+    assert plan.predicted.bottleneck_s == pytest.approx(bottleneck_from_file(plan_path, profile), rel=1e-12)
+    assert plan.stages[0].start == 0 and plan.stages[-1].stop == profile.num_layers
+    assert all(a.stop == b.start for a, b in zip(plan.stages, plan.stages[1:]))
+    assert sum(stage.replicas for stage in plan.stages) == plan.predicted.devices_used <= gpus
+    assert not straight or all(stage.replicas == 1 for stage in plan.stages)
+    ranks = [rank for stage in plan.stages for rank in stage.ranks]
+    assert ranks == list(range(len(ranks)))
+
+
+@pytest.mark.skipif(not PIPEDREAM_FILES, reason="../shared/pipedream-profiles is not present")
+@pytest.mark.parametrize("graph", PIPEDREAM_FILES, ids=lambda path: path.stem)
+def test_every_pipedream_profile_is_planned_for_4_8_16_gpus(graph: Path, tmp_path: Path) -> None:
+    profile = import_pipedream(graph)
+    for gpus in (4, 8, 16):
+        for straight in (False, True):
+            plan = partition(profile, make_cluster(gpus, bandwidths=[BANDWIDTH_BPS]), straight=straight)
+            path = plan.save(tmp_path / f"{gpus}-{straight}.json")
+            _check_plan(path, profile, gpus, straight)
+
+
+def test_cli_partition_writes_a_plan_that_matches_its_profile(tmp_path: Path) -> None:
+    runner = CliRunner()
+    profile_path = tmp_path / "skip.json"
+    assert runner.invoke(app, ["import-pipedream", str(SKIP_GRAPH), "-o", str(profile_path)]).exit_code == 0
+    plan_path = tmp_path / "plan.json"
+    result = runner.invoke(app, ["partition", str(profile_path), "--gpus", "4", "--bandwidth", "10GB/s",
+                                 "--out", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert "bottleneck" in result.stdout and "stage" in result.stdout
+    profile = load_profile(profile_path)
+    _check_plan(plan_path, profile, 4, straight=False)
+    load_plan(plan_path).check_profile(profile)
+
+
+def test_a_plan_refuses_another_profile(tmp_path: Path) -> None:
+    profile = import_pipedream(SKIP_GRAPH)
+    plan = partition(profile, make_cluster(2, bandwidths=[BANDWIDTH_BPS]))
+    other = import_pipedream(SKIP_GRAPH, batch_size=64)
+    with pytest.raises(PlanProfileMismatchError, match="re-run `planner partition"):
+        plan.check_profile(other, "plan.json", "other.json")
+
+
+def test_plan_round_trips_exactly(tmp_path: Path) -> None:
+    plan = partition(import_pipedream(SKIP_GRAPH, batch_size=32), make_cluster(3, bandwidths=["25Gbit/s"]))
+    assert load_plan(plan.save(tmp_path / "p.json")) == plan
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["--gpus", "0"], "--gpus must be at least 1"),
+        (["--gpus", "8", "--gpus-per-node", "3"], "does not divide"),
+        (["--gpus", "4", "--bandwidth", "-5GB/s"], "must be positive"),
+        (["--gpus", "4", "--bandwidth", "fast"], "cannot read bandwidth 'fast'"),
+        (["--gpus", "4", "--cost-model", "magic"], "unknown cost model 'magic'"),
+        ([], "give --gpus"),
+    ],
+)
+def test_cli_partition_bad_values_are_one_line(tmp_path: Path, arguments: list[str], fragment: str) -> None:
+    profile_path = import_pipedream(SKIP_GRAPH).save(tmp_path / "skip.json")
+    result = CliRunner().invoke(app, ["partition", str(profile_path), *arguments, "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and fragment in result.stderr
+    assert not (tmp_path / "p.json").exists()
