@@ -16,8 +16,8 @@ from planner.pipedream import import_pipedream
 from planner.profile import Profile, load_profile
 from planner.profiler import ProfileSettings, profile_model
 from planner.cluster import load_cluster, make_cluster
-from planner.partition import COST_MODELS, partition
-from planner.tables import plan_table, profile_table
+from planner.partition import COST_MODELS, compare_baselines, partition
+from planner.tables import comparison_table, plan_table, profile_table
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -144,6 +144,7 @@ def partition_command(
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("pipedream", help=f"Objective: {', '.join(COST_MODELS)}."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
+    compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Plan file (default plans/<model>-<N>gpu.json)."),
     debug: bool = DEBUG_OPTION,
 ) -> None:
@@ -161,6 +162,8 @@ def partition_command(
         path = plan.save(out or Path("plans") / f"{profile.model_name}-{cluster.num_devices}gpu.json")
         console = _console()
         console.print(plan_table(plan))
+        if compare:
+            console.print(comparison_table(plan, compare_baselines(profile, cluster)))
         console.print(f"wrote {path}")
 
     _run(debug, action)

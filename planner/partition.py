@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from planner.baselines import baseline_plans
 from planner.cluster import Cluster, ClusterError
-from planner.costmodel import LayerArrays, pipedream_stage_value_s
+from planner.costmodel import LayerArrays, pipedream_bottleneck_s, pipedream_stage_value_s
 from planner.errors import PlannerError
 from planner.optimizer import optimize_pipedream
 from planner.plan import Plan, Prediction, ProfileRef, StagePlan, profile_digest
@@ -23,11 +26,7 @@ def partition(
     """
     if cost_model not in COST_MODELS:
         raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
-    if len(cluster.levels) != 1:
-        raise ClusterError(
-            "the pipedream cost model assumes a flat cluster (one bandwidth); drop --gpus-per-node"
-        )
-    bandwidth = cluster.levels[0].bandwidth_Bps
+    bandwidth = _flat_bandwidth(cluster)
     arrays = LayerArrays.from_profile(profile)
     solution = optimize_pipedream(arrays, cluster.num_devices, bandwidth, straight)
     stages = []
@@ -76,3 +75,35 @@ def partition(
         microbatch_size=profile.batch_size, straight=straight, stages=tuple(stages), predicted=predicted,
         notes=tuple(notes),
     )
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A baseline plan's stages and its objective under the same cost model."""
+
+    name: str
+    stages: tuple[tuple[int, int, int], ...]
+    bottleneck_s: float
+
+    @property
+    def devices(self) -> int:
+        return sum(replicas for _, _, replicas in self.stages)
+
+
+def compare_baselines(profile: Profile, cluster: Cluster) -> list[BaselineResult]:
+    """The baselines of `baselines.baseline_plans` evaluated under PipeDream's objective on `cluster`."""
+    bandwidth = _flat_bandwidth(cluster)
+    arrays = LayerArrays.from_profile(profile)
+    return [
+        BaselineResult(name, tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth))
+        for name, stages in baseline_plans(arrays, cluster.num_devices).items()
+    ]
+
+
+def _flat_bandwidth(cluster: Cluster) -> float:
+    """The single bandwidth of a flat cluster (PipeDream's objective knows no hierarchy)."""
+    if len(cluster.levels) != 1:
+        raise ClusterError(
+            "the pipedream cost model assumes a flat cluster (one bandwidth); drop --gpus-per-node"
+        )
+    return cluster.levels[0].bandwidth_Bps

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from rich.table import Table
 
+from planner.partition import BaselineResult
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.units import format_bytes, format_ms
@@ -55,7 +58,8 @@ def plan_table(plan: Plan) -> Table:
     """One row per stage, then the predictions as the caption."""
     cluster = plan.cluster.describe()
     table = Table(
-        title=f"{plan.profile.name}: {len(plan.stages)} stages on {cluster} ({plan.cost_model} cost model)",
+        title=f"{plan.profile.name}: {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''} on {cluster} "
+        f"({plan.cost_model} cost model)",
         caption=plan_summary(plan),
     )
     for header, justify in (("stage", "right"), ("layers", "left"), ("#", "right"), ("replicas", "right"),
@@ -82,3 +86,21 @@ def plan_summary(plan: Plan) -> str:
         f"data parallelism on {plan.cluster.num_devices} GPUs; {p.devices_used} GPUs used",
     ]
     return "\n".join(lines + list(plan.notes))
+
+
+def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
+    """The plan against baselines under the same cost model: bottleneck and the plan's speedup."""
+    table = Table(title=f"{plan.profile.name}: the plan against common splits ({plan.cost_model} cost model)")
+    for header, justify in (("plan", "left"), ("replicas per stage", "left"), ("GPUs", "right"),
+                            ("bottleneck ms", "right"), ("optimized plan is", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    optimized_ms = plan.predicted.bottleneck_s * 1000.0
+    rows = [("optimized", [s.replicas for s in plan.stages], plan.predicted.devices_used, optimized_ms)]
+    rows += [(b.name, [r for _, _, r in b.stages], b.devices, b.bottleneck_s * 1000.0) for b in baselines]
+    for name, replicas, devices, bottleneck_ms in rows:
+        shape = "-".join(str(r) for r in replicas)
+        if len(shape) > 30:
+            shape = f"{len(replicas)} stages"
+        speedup = "" if name == "optimized" else f"{bottleneck_ms / optimized_ms:.2f}x faster"
+        table.add_row(name, shape, str(devices), f"{bottleneck_ms:.4g}", speedup)
+    return table
