@@ -141,6 +141,8 @@ def partition_command(
     bandwidth: str = typer.Option(
         "300GB/s,25GB/s", help="Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s."
     ),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
+    optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("pipedream", help=f"Objective: {', '.join(COST_MODELS)}."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
@@ -156,9 +158,10 @@ def partition_command(
         elif gpus is None:
             raise PlannerError("give --gpus N (or --cluster FILE)")
         else:
-            cluster = make_cluster(gpus, gpus_per_node, [b.strip() for b in bandwidth.split(",") if b.strip()])
+            cluster = make_cluster(gpus, gpus_per_node, [b.strip() for b in bandwidth.split(",") if b.strip()], memory)
         profile = load_profile(profile_file)
-        plan = partition(profile, cluster, cost_model=cost_model, straight=straight, profile_path=profile_file)
+        plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
+                         profile_path=profile_file)
         path = plan.save(out or Path("plans") / f"{profile.model_name}-{cluster.num_devices}gpu.json")
         console = _console()
         console.print(plan_table(plan))

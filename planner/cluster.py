@@ -16,8 +16,9 @@ from typing import Any, Sequence
 from planner.errors import FileFormatError, PlannerError
 from planner.units import parse_bandwidth, parse_bytes
 
-CLUSTER_FORMAT = "pipeline-planner/cluster"
-CLUSTER_VERSION = 1
+MIN_BANDWIDTH_BPS = 1e6  # 1 MB/s: anything slower is a number given without units
+MIN_MEMORY_BYTES = 10**6
+MAX_LEVEL_SIZE = 10**6
 
 
 class ClusterError(PlannerError):
@@ -48,12 +49,19 @@ class Cluster:
         if not self.levels:
             raise ClusterError("a cluster needs at least one level")
         for level in self.levels:
-            if level.size < 1:
-                raise ClusterError(f"level {level.name!r} has {level.size} members; it needs at least 1")
-            if not level.bandwidth_Bps > 0 or math.isinf(level.bandwidth_Bps):
-                raise ClusterError(f"level {level.name!r} has bandwidth {level.bandwidth_Bps} B/s; it must be positive")
-        if self.memory_bytes is not None and self.memory_bytes <= 0:
-            raise ClusterError(f"device memory must be positive, got {self.memory_bytes} bytes")
+            if isinstance(level.size, bool) or not isinstance(level.size, int) or not 1 <= level.size <= MAX_LEVEL_SIZE:
+                raise ClusterError(
+                    f"level {level.name!r} has {level.size!r} members; it needs a whole number from 1 to {MAX_LEVEL_SIZE}"
+                )
+            if not MIN_BANDWIDTH_BPS <= level.bandwidth_Bps < math.inf:
+                raise ClusterError(
+                    f"level {level.name!r} has bandwidth {level.bandwidth_Bps:g} B/s; below {MIN_BANDWIDTH_BPS:g} B/s "
+                    "is not a real interconnect: give units, e.g. 300GB/s or 25Gbit/s"
+                )
+        if self.memory_bytes is not None and not MIN_MEMORY_BYTES <= self.memory_bytes < 2**63:
+            raise ClusterError(
+                f"device memory of {self.memory_bytes!r} bytes is not plausible; give units, e.g. 80GB"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -125,7 +133,7 @@ def make_cluster(
 
 
 def _bandwidth(value: str | float) -> float:
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not value > 0:
             raise ClusterError(f"bandwidth {value} must be positive")
         return float(value)
@@ -136,7 +144,7 @@ def _bandwidth(value: str | float) -> float:
 
 
 def _memory(value: str | int) -> int:
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ClusterError(f"memory {value} must be positive")
         return value
@@ -156,19 +164,26 @@ def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
         levels = []
         for entry in body["levels"]:
             rate = entry["bandwidth_Bps"] if "bandwidth_Bps" in entry else _bandwidth(str(entry["bandwidth"]))
-            levels.append(Level(str(entry.get("name", f"level{len(levels)}")), int(entry["size"]), float(rate)))
+            levels.append(Level(str(entry.get("name", f"level{len(levels)}")), _whole(entry["size"]), float(rate)))
         if "memory_bytes" in body:
-            memory = None if body["memory_bytes"] is None else int(body["memory_bytes"])
+            memory = None if body["memory_bytes"] is None else _whole(body["memory_bytes"])
         else:
             memory = None if body.get("memory") is None else _memory(str(body["memory"]))
         return Cluster(tuple(levels), memory)
     except KeyError as exc:
         raise FileFormatError(source, f"cluster is missing the field {exc.args[0]!r}",
                               'expected {"levels": [{"name", "size", "bandwidth"}], "memory"}') from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         raise FileFormatError(source, f"cluster has a malformed field: {exc}") from None
     except ClusterError as exc:
         raise FileFormatError(source, str(exc)) from None
+
+
+def _whole(value: Any) -> int:
+    """An int from a file field: whole numbers only (2.0 passes, 2.9 and true do not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -10,6 +10,15 @@ forward+backward time T_s, parameter bytes P_s and r_s replicas:
     value(s)   = max(stage_time, comm_in, comm_out)
 
 and a plan's objective, its bottleneck, is the maximum of value(s) over its stages.
+
+Memory per device of a stage (used as a constraint when a device memory is given), for the
+asynchronous 1F1B schedule PipeDream runs with weight stashing: with W the stage's weight bytes,
+A its saved activation bytes per mini-batch, k optimizer state copies (Adam 2, SGD with
+momentum 1) and n = 1 + ceil(D / r) mini-batches in flight per replica (D: devices of the
+stages after it; PipeDream's NOAM = ceil(devices from this stage on / r)),
+
+    memory = W (weights) + W (gradients) + k W (optimizer) + (n - 1) W (stashed versions) + n A
+           = W (1 + k) + n (W + A)
 """
 
 from __future__ import annotations
@@ -26,12 +35,17 @@ class LayerArrays:
     """Prefix sums over a profile's layers: stage [i, j) totals are `x[j] - x[i]`.
 
     `compute_s`: forward + backward seconds; `param_bytes`; `cut_bytes[k]`: bytes crossing the
-    boundary after layer k (not a prefix sum).
+    boundary after layer k (not a prefix sum); `saved_bytes`: activation bytes kept per
+    in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
+    (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
+    stage holding one of the other layers holds a copy too.
     """
 
     compute_s: np.ndarray
     param_bytes: np.ndarray
     cut_bytes: np.ndarray
+    saved_bytes: np.ndarray | None = None
+    shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -41,11 +55,28 @@ class LayerArrays:
     def from_profile(cls, profile: Profile) -> "LayerArrays":
         compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
         params = np.array([float(layer.param_bytes) for layer in profile.layers])
+        saved = np.array([float(layer.saved_bytes) for layer in profile.layers])
         return cls(
             compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
             param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
             cut_bytes=np.array([float(layer.cut_bytes) for layer in profile.layers]),
+            saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
+            shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params),
         )
+
+    def stage_saved_bytes(self, start: int, stop: int) -> float:
+        """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""
+        return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])
+
+    def stage_weight_bytes(self, start: int, stop: int) -> float:
+        """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared
+        parameter it uses whose first user lies outside it."""
+        own = float(self.param_bytes[stop] - self.param_bytes[start])
+        copies = sum(
+            nbytes for first, others, nbytes in self.shared
+            if not start <= first < stop and any(start <= layer < stop for layer in others)
+        )
+        return own + copies
 
     def cut_before(self, start: int) -> float:
         """Bytes entering a stage that begins at layer `start` (0 for the first stage)."""
@@ -65,6 +96,21 @@ def pipedream_stage_value_s(
     stage_time = (compute_s + 4.0 * (r - 1.0) * param_bytes / (bandwidth_Bps * r)) / r
     comm = 2.0 * max(cut_in_bytes, cut_out_bytes) / (bandwidth_Bps * r)
     return max(stage_time, comm)
+
+
+OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}
+
+
+def in_flight(replicas: int, downstream_devices: int) -> int:
+    """Mini-batches in flight per replica of a stage: 1 + ceil(downstream_devices / replicas)."""
+    return 1 + -(-downstream_devices // replicas)
+
+
+def pipedream_stage_memory_bytes(
+    weight_bytes: float, saved_bytes: float, replicas: int, downstream_devices: int, optimizer_copies: int
+) -> float:
+    """Bytes per device of a stage: W (1 + k) + n (W + A), n = `in_flight` (module docstring)."""
+    return weight_bytes * (1 + optimizer_copies) + in_flight(replicas, downstream_devices) * (weight_bytes + saved_bytes)
 
 
 def pipedream_bottleneck_s(

@@ -39,3 +39,16 @@ class DeviceError(PlannerError):
         self.device = device
         self.problem = problem
         super().__init__(f"device {device!r}: {problem}")
+
+
+class InfeasiblePlanError(PlannerError):
+    """No plan fits the device memory; names the smallest memory per device that would work."""
+
+    def __init__(self, memory_bytes: float, smallest_memory_bytes: float) -> None:
+        self.memory_bytes = memory_bytes
+        self.smallest_memory_bytes = smallest_memory_bytes
+        super().__init__(
+            f"no plan fits in {memory_bytes / 1e9:.4g} GB per device; the smallest memory that admits a plan "
+            f"is {smallest_memory_bytes / 1e9:.4g} GB (pass --memory {smallest_memory_bytes / 1e9:.4g}GB or more, "
+            f"use more GPUs, or an optimizer with less state)"
+        )

@@ -1,31 +1,38 @@
 """Optimizers: choose stage boundaries and per-stage replication for a profile (pure functions).
 
-PipeDream's objective (see `costmodel`) is a bottleneck: minimise max over stages of value(s).
-It is solved exactly by a search over the bottleneck T*:
+PipeDream's objective (see `costmodel`) is a bottleneck: minimise max over stages of value(s),
+optionally with every device's memory within a limit. It is solved exactly by a search over
+the bottleneck T*:
 
-- feasible(T*) asks whether some partition fits in G devices with every stage's value <= T*.
-  For a stage [i, j) the fewest replicas meeting T* are found in closed form: the comm terms
-  need r >= 2 max(cut_in, cut_out) / (B T*); stage_time(r) <= T* is the quadratic
-  T* r^2 - (T + a) r + a >= 0 with a = 4P/B, whose solutions for r >= 1 are r = 1 when
-  T <= T*, else r >= r+ = ((T + a) + sqrt((T + a)^2 - 4 T* a)) / (2 T*). A dynamic program
-  D[j] = min_i D[i] + r_min(i, j) then gives the fewest devices for layers [0, j); feasible(T*)
-  iff D[L] <= G. Using the fewest replicas per stage is optimal because devices are the only
-  resource stages share.
-- T* is bisected between T_total / G (no plan beats perfect division of the work) and T_total
-  (one stage, one device) to a relative width of 1e-3, then the exact optimum is found among
-  the candidate values value(i, j, r) inside that interval.
+- feasible(T*) asks whether some partition fits in G devices with every stage's value <= T*
+  (and memory <= M). For a stage [i, j) the fewest replicas meeting T* come in closed form: the
+  comm terms need r >= 2 max(cut_in, cut_out) / (B T*); stage_time(r) <= T* is the quadratic
+  T* r^2 - (T + a) r + a >= 0 with a = 4P/B, which holds for r <= r- or r >= r+ =
+  ((T + a) + sqrt((T + a)^2 - 4 T* a)) / (2 T*). Memory falls as r grows (fewer mini-batches
+  in flight per replica), so it adds a lower bound on r that depends on the devices D used by
+  the stages after [i, j). A dynamic program over suffixes, E[i] = min_j r(i, j, E[j]) + E[j],
+  gives the fewest devices for layers [i, L); feasible(T*) iff E[0] <= G. The fewest replicas
+  and the fewest downstream devices are optimal choices because devices are the only resource
+  stages share and memory only grows with downstream devices.
+- T* is bisected between T_total / G (no plan beats perfect division of the work) and the
+  one-device time, to a relative width of 1e-3; then, from the best plan found, T* is set just
+  below that plan's own objective until no plan is feasible: the last plan is optimal (to a
+  relative 1e-12, the floating-point resolution of the comparison).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costmodel import LayerArrays, pipedream_bottleneck_s, pipedream_stage_value_s
-from planner.errors import PlannerError
+from planner.costmodel import OPTIMIZER_STATE_COPIES, LayerArrays, pipedream_bottleneck_s
+from planner.errors import InfeasiblePlanError, PlannerError
 
-_NO_PLAN = 1 << 40  # 'no replica count works'; sums of thousands of these stay far from overflow
+_NO_PLAN = 1 << 40  # 'no replica count works'; far above any device count, far below int64 overflow
+_TIE = 1e-9  # objectives within this relative distance count as equal
+_MAX_STEPS = 200  # bisection and descent steps: far more than the ~60 needed to exhaust a float
 
 
 @dataclass(frozen=True)
@@ -41,154 +48,202 @@ class Solution:
 
 
 class _PairTable:
-    """Every candidate stage [i, j), i < j, as flat arrays ordered by j then i."""
+    """Every candidate stage [i, j), i < j, as flat arrays ordered by i then j."""
 
     def __init__(self, arrays: LayerArrays, bandwidth_Bps: float) -> None:
         n = arrays.num_layers
-        stops = np.repeat(np.arange(1, n + 1), np.arange(1, n + 1))
-        offsets = np.concatenate([[0], np.cumsum(np.arange(1, n + 1))])
-        starts = np.arange(len(stops)) - offsets[stops - 1]
+        counts = np.arange(n, 0, -1)  # stages starting at i end at i+1 .. n
+        starts = np.repeat(np.arange(n), counts)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
         self.num_layers = n
-        self.offsets = offsets  # pairs ending at j occupy [offsets[j-1], offsets[j])
+        self.offsets = offsets  # pairs starting at i occupy [offsets[i], offsets[i+1])
         self.starts, self.stops = starts, stops
         self.compute_s = arrays.compute_s[stops] - arrays.compute_s[starts]
-        a = 4.0 * (arrays.param_bytes[stops] - arrays.param_bytes[starts]) / bandwidth_Bps
-        self.allreduce_s = a
+        self.allreduce_s = 4.0 * (arrays.param_bytes[stops] - arrays.param_bytes[starts]) / bandwidth_Bps
         cut = np.concatenate([arrays.cut_bytes, [0.0]])
         cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
         cut_out = np.where(stops < n, cut[stops - 1], 0.0)
         self.comm_s = 2.0 * np.maximum(cut_in, cut_out) / bandwidth_Bps
+        weights = arrays.param_bytes[stops] - arrays.param_bytes[starts]
+        for first, others, nbytes in arrays.shared:  # copies of shared parameters (see LayerArrays)
+            holds_other = np.zeros(len(starts), dtype=bool)
+            for layer in others:
+                holds_other |= (starts <= layer) & (layer < stops)
+            weights = weights + np.where(holds_other & ~((starts <= first) & (first < stops)), nbytes, 0.0)
+        self.weight_bytes = weights
+        saved = arrays.saved_bytes
+        self.saved_bytes = np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts]
 
-    def stage_time(self, replicas: np.ndarray) -> np.ndarray:
-        """stage_time(i, j, r) = (T + a (r - 1) / r) / r of every pair, a = 4P/B."""
-        return (self.compute_s + self.allreduce_s * (replicas - 1.0) / replicas) / replicas
+    def stage_time(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
+        """stage_time(i, j, r) = (T + a (r - 1) / r) / r of the pairs in `where`, a = 4P/B."""
+        return (self.compute_s[where] + self.allreduce_s[where] * (replicas - 1.0) / replicas) / replicas
 
-    def value(self, replicas: np.ndarray) -> np.ndarray:
-        """value(i, j, r) of every pair for per-pair replica counts (vectorised `pipedream_stage_value_s`)."""
-        return np.maximum(self.stage_time(replicas), self.comm_s / replicas)
+    def value(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
+        """value(i, j, r) of the pairs in `where` (vectorised `pipedream_stage_value_s`)."""
+        return np.maximum(self.stage_time(replicas, where), self.comm_s[where] / replicas)
 
-    def fewest_replicas(self, bound_s: float, max_replicas: int, straight: bool) -> np.ndarray:
-        """Smallest r per pair with value(r) <= bound_s, or _NO_PLAN where none <= max_replicas.
+    def fewest_replicas(
+        self, bound_s: float, max_replicas: int, straight: bool, at_least: np.ndarray | None = None,
+        where: slice = slice(None),
+    ) -> np.ndarray:
+        """Smallest r >= at_least per pair in `where` with value(r) <= bound_s, else _NO_PLAN.
 
-        The comm terms need r >= r_c = ceil(2 max(cut_in, cut_out) / (B bound)). stage_time(r) <= bound
-        holds for r <= r- or r >= r+ (roots of bound r^2 - (T + a) r + a); so the answer is r_c when
-        stage_time(r_c) <= bound, else the first integer >= r+.
+        The comm terms need r >= r_c = ceil(2 max(cut_in, cut_out) / (B bound)). With r0 = max(r_c,
+        at_least), the answer is r0 when stage_time(r0) <= bound, else the first integer >= r+.
         """
+        with np.errstate(divide="ignore", invalid="ignore"):  # bound 0 or infinite terms: masked below
+            return self._fewest_replicas(bound_s, max_replicas, straight, at_least, where)
+
+    def _fewest_replicas(
+        self, bound_s: float, max_replicas: int, straight: bool, at_least: np.ndarray | None, where: slice
+    ) -> np.ndarray:
+        comm = self.comm_s[where]
+        lowest = np.ones_like(comm) if at_least is None else np.maximum(at_least.astype(float), 1.0)
         if straight:
-            ones = np.ones_like(self.compute_s)
-            return np.where(self.value(ones) <= bound_s, 1, _NO_PLAN).astype(np.int64)
-        t, a = self.compute_s, self.allreduce_s
-        r = np.maximum(np.ceil(self.comm_s / bound_s), 1.0)
-        r = np.where(self.comm_s / r <= bound_s, r, r + 1.0)  # ceil() of a rounded quotient
+            ones = np.ones_like(comm)
+            fits = (self.value(ones, where) <= bound_s) & (lowest <= 1.0)
+            return np.where(fits, 1, _NO_PLAN).astype(np.int64)
+        t, a = self.compute_s[where], self.allreduce_s[where]
+        r = np.maximum(np.ceil(comm / bound_s), 1.0)
+        r = np.where(comm / r <= bound_s, r, r + 1.0)  # ceil() of a rounded quotient
+        r = np.maximum(r, lowest)
         root = ((t + a) + np.sqrt(np.maximum((t + a) ** 2 - 4.0 * bound_s * a, 0.0))) / (2.0 * bound_s)
-        r = np.where(self.stage_time(r) <= bound_s, r, np.maximum(r, np.ceil(root)))
-        r = np.where(self.value(r) <= bound_s, r, r + 1.0)  # ceil() of a rounded root
-        fewest = r.astype(np.int64)
-        fewest[(r > max_replicas) | (self.value(r) > bound_s)] = _NO_PLAN
+        r = np.where(self.stage_time(r, where) <= bound_s, r, np.maximum(r, np.ceil(root)))
+        r = np.where(self.value(r, where) <= bound_s, r, r + 1.0)  # ceil() of a rounded root
+        below = np.maximum(r - 1.0, 1.0)  # ... or one above the true answer
+        r = np.where((below >= lowest) & (self.value(below, where) <= bound_s), below, r)
+        bad = ~np.isfinite(r) | (r > max_replicas) | ~(self.value(r, where) <= bound_s)
+        fewest = np.where(bad, _NO_PLAN, np.minimum(np.nan_to_num(r), _NO_PLAN)).astype(np.int64)
         return fewest
 
 
-def _fewest_devices(table: _PairTable, replicas: np.ndarray) -> tuple[int, np.ndarray]:
-    """D[L] and the best start of the last stage for each j: D[j] = min_i D[i] + replicas(i, j)."""
+@dataclass(frozen=True)
+class _MemoryLimit:
+    """Device memory and optimizer state copies, for the memory bound on replicas."""
+
+    memory_bytes: float
+    optimizer_copies: int
+
+    def fewest_replicas(self, table: _PairTable, where: slice, downstream: np.ndarray) -> np.ndarray:
+        """Smallest r with W (1 + k) + (1 + ceil(D / r)) (W + A) <= M per pair, else _NO_PLAN.
+
+        With q = floor((M - W (1 + k)) / (W + A)) - 1 allowed extra mini-batches, ceil(D / r) <= q
+        iff r >= ceil(D / q); q < 0 fits nothing, q = 0 fits only the last stage (D = 0).
+        """
+        weights, saved = table.weight_bytes[where], table.saved_bytes[where]
+        per_flight = weights + saved
+        spare = self.memory_bytes - weights * (1 + self.optimizer_copies)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            extra = np.where(per_flight > 0, np.floor(spare / per_flight) - 1.0, np.inf)
+            extra = np.where(spare < 0, -1.0, extra)
+            r = np.where(downstream == 0, 1.0, np.ceil(downstream / extra))
+        r = np.where((extra < 0) | ((extra == 0) & (downstream > 0)), np.inf, np.maximum(r, 1.0))
+        return np.minimum(r, _NO_PLAN).astype(np.int64)
+
+
+def _fewest_devices(
+    table: _PairTable, bound_s: float, devices: int, straight: bool, memory: _MemoryLimit | None
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """E[0] (fewest devices for the whole model), and per start i the chosen stop and replicas.
+
+    E[i] = min over stops j of r(i, j, E[j]) + E[j], E[L] = 0; ties go to the shortest stage.
+    """
     n = table.num_layers
     best = np.full(n + 1, _NO_PLAN, dtype=np.int64)
-    best[0] = 0
-    choice = np.zeros(n + 1, dtype=np.int64)
-    for stop in range(1, n + 1):
-        totals = best[:stop] + replicas[table.offsets[stop - 1]:table.offsets[stop]]
-        start = int(np.argmin(totals))  # ties: the earliest start, i.e. the longest last stage
-        best[stop] = totals[start]
-        choice[stop] = start
-    return int(best[n]), choice
+    best[n] = 0
+    chosen_stop = np.zeros(n + 1, dtype=np.int64)
+    chosen_replicas = np.zeros(n + 1, dtype=np.int64)
+    unlimited = None if memory is not None else table.fewest_replicas(bound_s, devices, straight)
+    for start in range(n - 1, -1, -1):
+        where = slice(int(table.offsets[start]), int(table.offsets[start + 1]))
+        downstream = best[start + 1:]
+        if memory is None:
+            replicas = unlimited[where]
+        else:
+            at_least = memory.fewest_replicas(table, where, downstream)
+            replicas = table.fewest_replicas(bound_s, devices, straight, at_least, where)
+        totals = np.minimum(replicas + downstream, _NO_PLAN)
+        index = int(np.argmin(totals))
+        best[start] = totals[index]
+        chosen_stop[start] = start + 1 + index
+        chosen_replicas[start] = replicas[index]
+    return int(best[0]), chosen_stop, chosen_replicas
 
 
-def _stages(table: _PairTable, replicas: np.ndarray, choice: np.ndarray) -> list[tuple[int, int, int]]:
-    stages, stop = [], table.num_layers
-    while stop > 0:
-        start = int(choice[stop])
-        stages.append((start, stop, int(replicas[table.offsets[stop - 1] + start])))
-        stop = start
-    return stages[::-1]
+def _stages(chosen_stop: np.ndarray, chosen_replicas: np.ndarray, num_layers: int) -> list[tuple[int, int, int]]:
+    stages, start = [], 0
+    while start < num_layers:
+        stop = int(chosen_stop[start])
+        stages.append((start, stop, int(chosen_replicas[start])))
+        start = stop
+    return stages
 
 
 def optimize_pipedream(
-    arrays: LayerArrays, devices: int, bandwidth_Bps: float, straight: bool = False
+    arrays: LayerArrays, devices: int, bandwidth_Bps: float, straight: bool = False,
+    memory_bytes: float | None = None, optimizer: str = "adam",
 ) -> Solution:
-    """The plan minimising PipeDream's bottleneck on at most `devices` devices (fewest devices on ties)."""
+    """The plan minimising PipeDream's bottleneck on at most `devices` devices (fewest devices on ties).
+
+    With `memory_bytes`, every device's memory (see `costmodel`) must fit; InfeasiblePlanError
+    names the smallest memory per device that admits a plan.
+    """
     if devices < 1:
         raise PlannerError(f"need at least one device, got {devices}")
     if arrays.num_layers < 1:
         raise PlannerError("the profile has no layers")
+    if optimizer not in OPTIMIZER_STATE_COPIES:
+        raise PlannerError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_COPIES)}")
     table = _PairTable(arrays, bandwidth_Bps)
-    total_s = float(arrays.compute_s[-1])
-    if total_s <= 0:
-        return Solution(((0, arrays.num_layers, 1),), 0.0)
+    copies = OPTIMIZER_STATE_COPIES[optimizer]
+    memory = None if memory_bytes is None else _MemoryLimit(float(memory_bytes), copies)
 
-    def feasible(bound_s: float) -> bool:
-        return _fewest_devices(table, table.fewest_replicas(bound_s, devices, straight))[0] <= devices
+    def solve(bound_s: float) -> list[tuple[int, int, int]] | None:
+        used, chosen_stop, chosen_replicas = _fewest_devices(table, bound_s, devices, straight, memory)
+        return _stages(chosen_stop, chosen_replicas, arrays.num_layers) if used <= devices else None
 
-    low, high = total_s / devices * (1.0 - 1e-12), total_s  # feasible(high); low is a lower bound
-    while high - low > 1e-3 * high:
+    best = solve(math.inf)  # with no bound on time, only memory can make this fail
+    if best is None:
+        raise InfeasiblePlanError(memory_bytes or 0, _smallest_memory(table, devices, straight, copies))
+    best_value = pipedream_bottleneck_s(arrays, best, bandwidth_Bps)
+    low = float(arrays.compute_s[-1]) / devices * (1.0 - 1e-9)  # no plan beats perfect division of the work
+    high = best_value
+    for _ in range(_MAX_STEPS):  # bisection to a relative width of 1e-3 (fewer steps unless T* ~ 0)
+        if high - low <= 1e-3 * high:
+            break
         middle = (low + high) / 2
-        if feasible(middle):
+        plan = solve(middle)
+        if plan is None:
+            low = middle
+        else:
+            best, best_value = plan, pipedream_bottleneck_s(arrays, plan, bandwidth_Bps)
+            high = min(best_value, middle)
+    for _ in range(_MAX_STEPS):  # exact finish: look for any plan strictly better than the best one
+        if best_value <= 0:
+            break
+        plan = solve(best_value * (1.0 - _TIE))
+        value = None if plan is None else pipedream_bottleneck_s(arrays, plan, bandwidth_Bps)
+        if value is None or value >= best_value:
+            break
+        best, best_value = plan, value
+    # Among plans within the floating-point tie tolerance of the optimum, take the fewest devices:
+    # stage sums come from prefix differences, so equal stages may differ in the last bit.
+    fewest = solve(best_value * (1.0 + _TIE))
+    if fewest is not None and sum(r for _, _, r in fewest) < sum(r for _, _, r in best):
+        best, best_value = fewest, pipedream_bottleneck_s(arrays, fewest, bandwidth_Bps)
+    return Solution(tuple(best), best_value)
+
+
+def _smallest_memory(table: _PairTable, devices: int, straight: bool, copies: int) -> float:
+    """The least device memory (bytes) at which some plan fits, by bisection on the memory."""
+    low, high = 0.0, float(np.max(table.weight_bytes * (2 + copies) + table.saved_bytes)) * (devices + 2)
+    for _ in range(100):
+        middle = (low + high) / 2
+        if _fewest_devices(table, math.inf, devices, straight, _MemoryLimit(middle, copies))[0] <= devices:
             high = middle
         else:
             low = middle
-    # Exact finish: the optimum is the value of some stage, inside (low, high].
-    candidates = _candidate_values(table, low, high, devices, straight)
-    lo_index, hi_index = 0, len(candidates) - 1  # candidates[-1] == high, feasible
-    while lo_index < hi_index:
-        middle = (lo_index + hi_index) // 2
-        if feasible(float(candidates[middle])):
-            hi_index = middle
-        else:
-            lo_index = middle + 1
-    bound = float(candidates[hi_index])
-    replicas = table.fewest_replicas(bound, devices, straight)
-    _, choice = _fewest_devices(table, replicas)
-    stages = _stages(table, replicas, choice)
-    return Solution(tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth_Bps))
-
-
-def _candidate_values(table: _PairTable, low: float, high: float, devices: int, straight: bool) -> np.ndarray:
-    """Sorted distinct values value(i, j, r) in (low, high] for the r that can meet a bound there, plus high."""
-    r_high = table.fewest_replicas(high, devices, straight)
-    r_low = table.fewest_replicas(low, devices, straight) if not straight else r_high
-    r_low = np.where(r_low == _NO_PLAN, devices, r_low)
-    usable = r_high != _NO_PLAN
-    values = [np.array([high])]
-    r = np.where(usable, r_high, 1).astype(float)
-    stop_r = np.where(usable, r_low, 0).astype(float)
-    active = usable.copy()
-    while active.any():
-        value = table.value(r)
-        inside = active & (value > low) & (value <= high)
-        values.append(value[inside])
-        active &= r < stop_r
-        r = r + 1.0
-    return np.unique(np.concatenate(values))
-
-
-def brute_force_pipedream(arrays: LayerArrays, devices: int, bandwidth_Bps: float, straight: bool = False) -> float:
-    """The optimum by enumerating every partition and replica assignment (tiny inputs only; tests)."""
-    n = arrays.num_layers
-    best = float("inf")
-
-    def search(start: int, left: int, worst: float) -> None:
-        nonlocal best
-        if start == n:
-            best = min(best, worst)
-            return
-        for stop in range(start + 1, n + 1):
-            for replicas in ([1] if straight else range(1, left + 1)):
-                if replicas > left:
-                    break
-                value = pipedream_stage_value_s(
-                    float(arrays.compute_s[stop] - arrays.compute_s[start]),
-                    float(arrays.param_bytes[stop] - arrays.param_bytes[start]),
-                    arrays.cut_before(start), arrays.cut_after(stop), replicas, bandwidth_Bps,
-                )
-                search(stop, left - replicas, max(worst, value))
-
-    search(0, devices, 0.0)
-    return best
+        if high - low <= 1e-6 * high:
+            break
+    return high

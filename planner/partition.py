@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from planner.baselines import baseline_plans
 from planner.cluster import Cluster, ClusterError
-from planner.costmodel import LayerArrays, pipedream_bottleneck_s, pipedream_stage_value_s
+from planner.costmodel import (
+    OPTIMIZER_STATE_COPIES, LayerArrays, pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_stage_value_s,
+)
 from planner.errors import PlannerError
 from planner.optimizer import optimize_pipedream
 from planner.plan import Plan, Prediction, ProfileRef, StagePlan, profile_digest
@@ -17,39 +19,47 @@ COST_MODELS = ("pipedream",)
 
 def partition(
     profile: Profile, cluster: Cluster, cost_model: str = "pipedream", straight: bool = False,
-    profile_path: str = "",
+    optimizer: str = "adam", profile_path: str = "",
 ) -> Plan:
     """The best plan for `profile` on `cluster` under `cost_model` (see `costmodel`, `optimizer`).
 
-    `straight` forbids replication. The plan may use fewer devices than the cluster has when more
-    would not lower the objective; its notes then say so.
+    `straight` forbids replication. With `cluster.memory_bytes`, every device's memory must fit
+    (`optimizer` says how many optimizer state copies weights have). The plan may use fewer
+    devices than the cluster has when more would not lower the objective; its notes then say so.
     """
     if cost_model not in COST_MODELS:
         raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
     bandwidth = _flat_bandwidth(cluster)
     arrays = LayerArrays.from_profile(profile)
-    solution = optimize_pipedream(arrays, cluster.num_devices, bandwidth, straight)
+    solution = optimize_pipedream(
+        arrays, cluster.num_devices, bandwidth, straight, cluster.memory_bytes, optimizer
+    )
+    copies = OPTIMIZER_STATE_COPIES[optimizer]
     stages = []
     next_rank = 0
     busy_s = 0.0
-    for start, stop, replicas in solution.stages:
+    for index, (start, stop, replicas) in enumerate(solution.stages):
         compute_s = float(arrays.compute_s[stop] - arrays.compute_s[start])
         params = float(arrays.param_bytes[stop] - arrays.param_bytes[start])
         cut_in, cut_out = arrays.cut_before(start), arrays.cut_after(stop)
-        value_s = pipedream_stage_value_s(compute_s, params, cut_in, cut_out, replicas, bandwidth)
+        comm_s = 2.0 * max(cut_in, cut_out) / (bandwidth * replicas)
         stage_time_s = pipedream_stage_value_s(compute_s, params, 0.0, 0.0, replicas, bandwidth)
         busy_s += replicas * stage_time_s
+        downstream = sum(r for _, _, r in solution.stages[index + 1:])
         stages.append(StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
             replicas=replicas, ranks=tuple(range(next_rank, next_rank + replicas)), recompute=False,
-            compute_ms=compute_s * 1000.0, comm_ms=2000.0 * max(cut_in, cut_out) / (bandwidth * replicas),
-            value_ms=value_s * 1000.0,
+            compute_ms=compute_s * 1000.0, comm_ms=comm_s * 1000.0, value_ms=max(stage_time_s, comm_s) * 1000.0,
+            memory_bytes=int(pipedream_stage_memory_bytes(
+                arrays.stage_weight_bytes(start, stop), arrays.stage_saved_bytes(start, stop), replicas, downstream,
+                copies,
+            )),
         ))
         next_rank += replicas
     bottleneck_s = solution.objective_s
     total_s = float(arrays.compute_s[-1])
     devices = cluster.num_devices
-    data_parallel_s = pipedream_stage_value_s(total_s, float(arrays.param_bytes[-1]), 0.0, 0.0, devices, bandwidth)
+    data_parallel_s = pipedream_bottleneck_s(arrays, [(0, arrays.num_layers, devices)], bandwidth)
     per_batch = profile.batch_size or 1
     predicted = Prediction(
         bottleneck_s=bottleneck_s,
@@ -59,15 +69,20 @@ def partition(
         speedup_vs_single_device=total_s / bottleneck_s if bottleneck_s > 0 else 1.0,
         speedup_vs_data_parallel=data_parallel_s / bottleneck_s if bottleneck_s > 0 else 1.0,
         devices_used=solution.devices,
+        peak_memory_bytes=max(stage.memory_bytes for stage in stages),
     )
     notes = []
     if solution.devices < devices:
         notes.append(f"uses {solution.devices} of {devices} GPUs: more would not lower the bottleneck")
     if profile.batch_size is None:
         notes.append("the profile does not say its batch size: samples/s counts profiled mini-batches")
+    memory_note = (
+        f"each device's memory fits {cluster.memory_bytes / 1e9:.4g} GB" if cluster.memory_bytes is not None
+        else "memory is reported but not constrained (give --memory)"
+    )
     notes.append(
-        "pipedream cost model: asynchronous 1F1B in steady state, one profiled mini-batch per replica; "
-        "iteration_ms is the time per mini-batch; memory is not modelled"
+        f"pipedream cost model: asynchronous 1F1B with weight stashing in steady state, one profiled mini-batch "
+        f"per replica; iteration_ms is the time per mini-batch; {memory_note} ({optimizer} optimizer state)"
     )
     return Plan(
         profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),

@@ -7,11 +7,12 @@ Schema (format "pipeline-planner/plan", version 1):
 - `cluster`: `Cluster.to_dict()`; `cost_model`: "pipedream"; `schedule`; `microbatches`
   (None for the asynchronous schedule, which has no flush); `microbatch_size` (samples).
 - `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),
-  `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions per micro-batch:
-  `compute_ms` (forward + backward of the stage, per replica's micro-batch), `comm_ms` (its
-  largest communication term), `value_ms` (what the cost model minimises the maximum of).
+  `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions: `compute_ms`
+  (forward + backward of one mini-batch through the stage on one device), `comm_ms` (its
+  largest communication term per mini-batch, shared by its replicas), `value_ms` (what the
+  cost model minimises the maximum of), `memory_bytes` (per device, see `costmodel`).
 - `predicted`: `bottleneck_s`, `iteration_ms`, `samples_per_s`, `bubble_fraction`,
-  `speedup_vs_single_device`, `speedup_vs_data_parallel`, `devices_used`.
+  `speedup_vs_single_device`, `speedup_vs_data_parallel`, `devices_used`, `peak_memory_bytes`.
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
 """
 
@@ -46,8 +47,12 @@ class PlanProfileMismatchError(PlannerError):
 
 
 def profile_digest(profile: Profile) -> str:
-    """SHA-256 of the profile's canonical JSON body (sorted keys, no whitespace)."""
-    text = json.dumps(profile.to_dict(), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of what a plan depends on in a profile, as canonical JSON: model name, batch size,
+    input bytes, layers and shared parameters (not the date, path or settings, so re-importing
+    or copying the same measurements keeps the digest)."""
+    body = profile.to_dict()
+    content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -74,6 +79,7 @@ class StagePlan:
     compute_ms: float
     comm_ms: float
     value_ms: float
+    memory_bytes: int
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Prediction:
     speedup_vs_single_device: float
     speedup_vs_data_parallel: float
     devices_used: int
+    peak_memory_bytes: int
 
 
 @dataclass(frozen=True)
@@ -133,27 +140,56 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
             StagePlan(
                 start=int(s["layers"][0]), stop=int(s["layers"][1]), first_layer=str(s["first_layer"]),
                 last_layer=str(s["last_layer"]), replicas=int(s["replicas"]),
-                ranks=tuple(int(r) for r in s["ranks"]), recompute=bool(s["recompute"]),
+                ranks=tuple(int(r) for r in s["ranks"]), recompute=_strict_bool(s["recompute"], "recompute"),
                 compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]), value_ms=float(s["value_ms"]),
+                memory_bytes=int(s["memory_bytes"]),
             )
             for s in body["stages"]
         )
         ref = body["profile"]
         predicted = body["predicted"]
-        return Plan(
+        plan = Plan(
             profile=ProfileRef(str(ref["name"]), str(ref["path"]), str(ref["digest"])),
             cluster=cluster_from_dict(body["cluster"], source),
             cost_model=str(body["cost_model"]), schedule=str(body["schedule"]),
             microbatches=None if body["microbatches"] is None else int(body["microbatches"]),
             microbatch_size=None if body["microbatch_size"] is None else int(body["microbatch_size"]),
-            straight=bool(body["straight"]), stages=stages,
+            straight=_strict_bool(body["straight"], "straight"), stages=stages,
             predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)}),
-            notes=tuple(str(n) for n in body.get("notes", [])),
+            notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
         )
+        _check_stages(plan.stages, source)
+        return plan
     except KeyError as exc:
         raise FileFormatError(source, f"plan is missing the field {exc.args[0]!r}") from None
-    except (TypeError, ValueError, IndexError) as exc:
+    except (TypeError, ValueError, IndexError, ArithmeticError) as exc:
         raise FileFormatError(source, f"plan has a malformed field: {exc}") from None
+
+
+def _strict_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _strict_list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return value
+
+
+def _check_stages(stages: tuple[StagePlan, ...], source: str) -> None:
+    """Stages must cover [0, n) contiguously, each with replicas >= 1 and as many ranks."""
+    if not stages:
+        raise FileFormatError(source, "plan has no stages")
+    expected_start = 0
+    for index, stage in enumerate(stages):
+        if stage.start != expected_start or stage.stop <= stage.start:
+            raise FileFormatError(source, f"stage {index} covers layers [{stage.start}, {stage.stop}), "
+                                          f"expected to start at {expected_start} and be non-empty")
+        if stage.replicas < 1 or len(stage.ranks) != stage.replicas:
+            raise FileFormatError(source, f"stage {index} has {stage.replicas} replicas and {len(stage.ranks)} ranks")
+        expected_start = stage.stop
 
 
 def _field_type(prediction_field: dataclasses.Field) -> type:

@@ -64,14 +64,14 @@ def plan_table(plan: Plan) -> Table:
     )
     for header, justify in (("stage", "right"), ("layers", "left"), ("#", "right"), ("replicas", "right"),
                             ("ranks", "left"), ("compute ms", "right"), ("comm ms", "right"),
-                            ("stage value ms", "right")):
+                            ("stage value ms", "right"), ("memory/GPU", "right")):
         table.add_column(header, justify=justify, no_wrap=True)
     for index, stage in enumerate(plan.stages):
         ranks = f"{stage.ranks[0]}" if len(stage.ranks) == 1 else f"{stage.ranks[0]}-{stage.ranks[-1]}"
         table.add_row(
             str(index), f"{stage.first_layer} .. {stage.last_layer}", str(stage.stop - stage.start),
             str(stage.replicas), ranks, format_ms(stage.compute_ms), format_ms(stage.comm_ms),
-            format_ms(stage.value_ms),
+            format_ms(stage.value_ms), memory_cell(stage.memory_bytes, plan.cluster.memory_bytes),
         )
     return table
 
@@ -104,3 +104,10 @@ def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
         speedup = "" if name == "optimized" else f"{bottleneck_ms / optimized_ms:.2f}x faster"
         table.add_row(name, shape, str(devices), f"{bottleneck_ms:.4g}", speedup)
     return table
+
+
+def memory_cell(memory_bytes: int, limit_bytes: int | None) -> str:
+    """'12.3 GiB' or, with a limit, '12.3 GiB / 80 GB (15%)'."""
+    if limit_bytes is None:
+        return format_bytes(memory_bytes)
+    return f"{format_bytes(memory_bytes)} ({memory_bytes / limit_bytes:.0%} of {limit_bytes / 1e9:.3g} GB)"

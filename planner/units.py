@@ -24,7 +24,7 @@ _SIZE_FACTORS = {
     "": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_BIT_FACTORS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+_BIT_FACTORS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
 
 def _split_number(text: str) -> tuple[float, str]:
@@ -52,21 +52,25 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read size {text!r}; use e.g. 80GB, 40GiB, 512MB or a number of bytes") from None
     if not number > 0 or number == float("inf"):
         raise ValueError(f"size {text!r} must be positive")
+    if number * factor < 1:
+        raise ValueError(f"size {text!r} is less than one byte")
     return int(number * factor)
 
 
 def parse_bandwidth(text: str) -> float:
     """A bandwidth such as '300GB/s', '25Gbit/s', '100Gb/s' (bits) or plain '1e9' bytes/s, in bytes/s.
 
-    Byte units: B/s, KB/s, MB/s, GB/s, TB/s (powers of 10) and KiB/s ... TiB/s; bit units:
-    bit/s, Kbit/s ... Tbit/s, Kb/s, Mb/s, Gb/s (lower-case b) and Gbps, divided by 8.
+    Byte units: B/s, KB/s, MB/s, GB/s, TB/s (powers of 10), KiB/s ... TiB/s and GBps; bit units:
+    bit/s, Kbit/s ... Tbit/s, Kb/s ... Tb/s (lower-case b) and Gbps, divided by 8.
     """
     try:
         number, unit = _split_number(text)
-        if unit.endswith("/s"):
+        if unit.lower().endswith("/s"):
             unit = unit[:-2]
         elif unit.endswith("bps"):  # Gbps = Gbit/s
             unit = unit[:-3] + "bit"
+        elif unit.endswith("Bps"):  # GBps = GB/s
+            unit = unit[:-2]
         bits = unit.lower().endswith("bit") or (unit.endswith("b") and unit not in ("", "b"))
         if bits:
             factor = _BIT_FACTORS[unit.lower()] / 8

@@ -72,8 +72,30 @@ def test_cluster_files_json_and_yaml(tmp_path: Path) -> None:
 
 def test_bad_cluster_files_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"levels": [{"size": 0, "bandwidth": "1GB/s"}]}')
-    with pytest.raises(FileFormatError, match=r"bad\.json.*at least 1"):
+    with pytest.raises(FileFormatError, match=r"bad\.json.*has 0 members; it needs a whole number"):
         load_cluster(tmp_path / "bad.json")
     (tmp_path / "broken.yaml").write_text("levels: [")
     with pytest.raises(FileFormatError, match=r"broken\.yaml: cannot be parsed"):
         load_cluster(tmp_path / "broken.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"levels": [{"size": 1e999, "bandwidth": "1GB/s"}]}', "malformed"),
+        ('{"levels": [{"size": 2.5, "bandwidth": "1GB/s"}]}', "not a whole number"),
+        ('{"levels": [{"size": true, "bandwidth": "1GB/s"}]}', "not a whole number"),
+        ('{"levels": [{"size": 4, "bandwidth_Bps": 300}]}', "give units"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s"}], "memory": "80"}', "give units"),
+    ],
+)
+def test_cluster_values_that_would_mean_something_else_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
+    (tmp_path / "c.json").write_text(text)
+    with pytest.raises(FileFormatError, match=fragment):
+        load_cluster(tmp_path / "c.json")
+
+
+def test_a_bandwidth_without_units_is_refused_on_the_command_line() -> None:
+    with pytest.raises(ClusterError, match="give units"):
+        make_cluster(4, None, ["300"])
+    assert parse_bandwidth("10GBps") == 10e9 and parse_bandwidth("10 MB/S") == 10e6

@@ -105,3 +105,30 @@ def test_cli_partition_bad_values_are_one_line(tmp_path: Path, arguments: list[s
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and fragment in result.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_memory_limit_shapes_the_plan_and_is_reported(tmp_path: Path) -> None:
+    profile = import_pipedream(PIPEDREAM_DIR / "vgg16.txt" if PIPEDREAM_FILES else SKIP_GRAPH, batch_size=128)
+    free = partition(profile, make_cluster(8, bandwidths=["10GB/s"]))
+    limit = int(free.predicted.peak_memory_bytes * 0.8)  # 20% less than the unconstrained plan needs
+    tight = partition(profile, make_cluster(8, bandwidths=["10GB/s"], memory=limit))
+    assert tight.predicted.peak_memory_bytes <= limit
+    assert all(stage.memory_bytes <= limit for stage in tight.stages)
+    assert tight.predicted.bottleneck_s >= free.predicted.bottleneck_s
+
+
+def test_cli_memory_too_small_names_the_smallest_that_works(tmp_path: Path) -> None:
+    # two layers of 1 GB weights, Adam: the best split needs 1 x 3 + 2 x 1 = 5 GB on the first device
+    graph = tmp_path / "big.txt"
+    graph.write_text(
+        "node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=0, parameter_size=0\n"
+        "node2 -- Linear -- forward_compute_time=5, backward_compute_time=5, activation_size=0, parameter_size=1e9\n"
+        "node3 -- Linear -- forward_compute_time=5, backward_compute_time=5, activation_size=0, parameter_size=1e9\n"
+        "\tnode1 -- node2\n\tnode2 -- node3\n"
+    )
+    profile_path = import_pipedream(graph).save(tmp_path / "big.json")
+    result = CliRunner().invoke(app, ["partition", str(profile_path), "--gpus", "2", "--bandwidth", "10GB/s",
+                                      "--memory", "4GB", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: no plan fits in 4 GB per device; the smallest memory that admits a plan is 5 GB")
+    assert not (tmp_path / "p.json").exists()
