@@ -10,13 +10,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from planner.cluster import load_cluster, make_cluster
 from planner.errors import PlannerError
 from planner.model_file import load_model_file
+from planner.partition import COST_MODELS, compare_baselines, partition
 from planner.pipedream import import_pipedream
 from planner.profile import Profile, load_profile
 from planner.profiler import ProfileSettings, profile_model
-from planner.cluster import load_cluster, make_cluster
-from planner.partition import COST_MODELS, compare_baselines, partition
 from planner.tables import comparison_table, plan_table, profile_table
 
 app = typer.Typer(

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costmodel import OPTIMIZER_STATE_COPIES, LayerArrays, pipedream_bottleneck_s
+from planner.costmodel import (
+    OPTIMIZER_STATE_COPIES,
+    LayerArrays,
+    pipedream_bottleneck_s,
+)
 from planner.errors import InfeasiblePlanError, PlannerError
 
 _NO_PLAN = 1 << 40  # 'no replica count works'; far above any device count, far below int64 overflow

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from planner.baselines import baseline_plans
 from planner.cluster import Cluster, ClusterError
 from planner.costmodel import (
-    OPTIMIZER_STATE_COPIES, LayerArrays, pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_stage_value_s,
+    OPTIMIZER_STATE_COPIES,
+    LayerArrays,
+    pipedream_bottleneck_s,
+    pipedream_stage_memory_bytes,
+    pipedream_stage_value_s,
 )
 from planner.errors import PlannerError
 from planner.optimizer import optimize_pipedream

@@ -11,14 +11,19 @@ import torch
 from torch import nn
 
 from planner.dataflow import Dataflow, measure_dataflow
-from planner.tensors import tensor_nbytes
+from planner.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.layers import Layer, find_layers
 from planner.memory import measure_peak_memory
-from planner.model_file import ModelFile, build_checked_model, checked_example_batch, default_loss
+from planner.model_file import (
+    ModelFile,
+    build_checked_model,
+    checked_example_batch,
+    default_loss,
+)
 from planner.profile import LayerProfile, Profile, SharedParam
+from planner.tensors import tensor_nbytes
 from planner.timing import clock_for, time_layers
-from planner.devices import device_name, resolve_device, resolve_dtype
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")

@@ -31,7 +31,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from planner.tensors import tensors_in
 from planner.layers import Layer
 from planner.segments import LayerTracker
 

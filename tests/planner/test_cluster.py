@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from planner.cluster import Cluster, ClusterError, Level, cluster_from_dict, load_cluster, make_cluster
+from planner.cluster import (
+    Cluster,
+    ClusterError,
+    Level,
+    cluster_from_dict,
+    load_cluster,
+    make_cluster,
+)
 from planner.errors import FileFormatError
 from planner.units import parse_bandwidth, parse_bytes
 

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 
 from planner.errors import ModelFileError
 from planner.model_file import (
-    ModelFile, build_checked_model, checked_example_batch, default_loss, load_model_file,
+    ModelFile,
+    build_checked_model,
+    checked_example_batch,
+    default_loss,
+    load_model_file,
 )
 
 VALID = """

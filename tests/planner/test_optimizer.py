@@ -8,7 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costmodel import (
-    OPTIMIZER_STATE_COPIES, LayerArrays, pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_stage_value_s,
+    OPTIMIZER_STATE_COPIES,
+    LayerArrays,
+    pipedream_bottleneck_s,
+    pipedream_stage_memory_bytes,
+    pipedream_stage_value_s,
 )
 from planner.errors import InfeasiblePlanError
 from planner.optimizer import optimize_pipedream

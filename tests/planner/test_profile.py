@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from planner.errors import FileFormatError
-from planner.profile import LAYER_COLUMNS, PROFILE_FORMAT, LayerProfile, Profile, SharedParam, load_profile
+from planner.profile import (
+    LAYER_COLUMNS,
+    PROFILE_FORMAT,
+    LayerProfile,
+    Profile,
+    SharedParam,
+    load_profile,
+)
 
 
 def _profile() -> Profile:
