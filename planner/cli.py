@@ -56,7 +56,7 @@ def _console() -> Console:
 
 def _print_profile(profile: Profile, path: Path | None) -> None:
     console = _console()
-    console.print(profile_table(profile))
+    console.print(profile_table(profile, console.width))
     if path is not None:
         console.print(f"wrote {path}")
 
@@ -118,6 +118,9 @@ def import_pipedream_command(
         if batch_size is not None and batch_size < 1:
             raise PlannerError(f"--batch-size must be at least 1, got {batch_size}")
         result = import_pipedream(graph, batch_size=batch_size, model_name=name)
+        if batch_size is None:
+            typer.echo("warning: no --batch-size given: planned throughput will count mini-batches, not samples",
+                       err=True)
         path = result.save(out or Path("profiles") / f"{result.model_name}.json")
         _print_profile(result, path)
 
@@ -147,12 +150,16 @@ def partition_command(
     cost_model: str = typer.Option("pipedream", help=f"Objective: {', '.join(COST_MODELS)}."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
     compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Plan file (default plans/<model>-<N>gpu.json)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Plan file (default plans/<model>-<N>gpu[-straight].json)."
+    ),
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Choose stage boundaries and per-stage replication for PROFILE on a cluster; write the plan."""
 
     def action() -> None:
+        if cluster_file is not None and (gpus is not None or gpus_per_node is not None or memory is not None):
+            raise PlannerError("give either --cluster FILE or --gpus/--gpus-per-node/--memory, not both")
         if cluster_file is not None:
             cluster = load_cluster(cluster_file)
         elif gpus is None:
@@ -162,11 +169,12 @@ def partition_command(
         profile = load_profile(profile_file)
         plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
                          profile_path=profile_file)
-        path = plan.save(out or Path("plans") / f"{profile.model_name}-{cluster.num_devices}gpu.json")
+        default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
+        path = plan.save(out or Path("plans") / default_name)
         console = _console()
-        console.print(plan_table(plan))
+        console.print(plan_table(plan, console.width))
         if compare:
-            console.print(comparison_table(plan, compare_baselines(profile, cluster)))
+            console.print(comparison_table(plan, compare_baselines(profile, cluster, optimizer)))
         console.print(f"wrote {path}")
 
     _run(debug, action)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class PlannerError(Exception):
     """Base of every error the planner reports to a user as one line (no traceback)."""
@@ -47,8 +49,9 @@ class InfeasiblePlanError(PlannerError):
     def __init__(self, memory_bytes: float, smallest_memory_bytes: float) -> None:
         self.memory_bytes = memory_bytes
         self.smallest_memory_bytes = smallest_memory_bytes
+        enough_gb = math.ceil(smallest_memory_bytes / 1e6) / 1e3  # in GB, rounded up to the MB: it does fit
         super().__init__(
             f"no plan fits in {memory_bytes / 1e9:.4g} GB per device; the smallest memory that admits a plan "
-            f"is {smallest_memory_bytes / 1e9:.4g} GB (pass --memory {smallest_memory_bytes / 1e9:.4g}GB or more, "
-            f"use more GPUs, or an optimizer with less state)"
+            f"is {enough_gb:g} GB (pass --memory {enough_gb:g}GB or more, use more GPUs, or an optimizer "
+            f"with less state)"
         )

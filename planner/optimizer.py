@@ -240,7 +240,7 @@ def optimize_pipedream(
 
 
 def _smallest_memory(table: _PairTable, devices: int, straight: bool, copies: int) -> float:
-    """The least device memory (bytes) at which some plan fits, by bisection on the memory."""
+    """The least device memory, to the MB above, at which some plan fits (bisection on the memory)."""
     low, high = 0.0, float(np.max(table.weight_bytes * (2 + copies) + table.saved_bytes)) * (devices + 2)
     for _ in range(100):
         middle = (low + high) / 2
@@ -248,6 +248,6 @@ def _smallest_memory(table: _PairTable, devices: int, straight: bool, copies: in
             high = middle
         else:
             low = middle
-        if high - low <= 1e-6 * high:
+        if high - low <= 1e5:
             break
-    return high
+    return math.ceil(high / 1e6) * 1e6  # rounded up to a whole MB, so that it still admits a plan

@@ -38,7 +38,6 @@ def partition(
     solution = optimize_pipedream(
         arrays, cluster.num_devices, bandwidth, straight, cluster.memory_bytes, optimizer
     )
-    copies = OPTIMIZER_STATE_COPIES[optimizer]
     stages = []
     next_rank = 0
     busy_s = 0.0
@@ -49,15 +48,11 @@ def partition(
         comm_s = 2.0 * max(cut_in, cut_out) / (bandwidth * replicas)
         stage_time_s = pipedream_stage_value_s(compute_s, params, 0.0, 0.0, replicas, bandwidth)
         busy_s += replicas * stage_time_s
-        downstream = sum(r for _, _, r in solution.stages[index + 1:])
         stages.append(StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
             replicas=replicas, ranks=tuple(range(next_rank, next_rank + replicas)), recompute=False,
             compute_ms=compute_s * 1000.0, comm_ms=comm_s * 1000.0, value_ms=max(stage_time_s, comm_s) * 1000.0,
-            memory_bytes=int(pipedream_stage_memory_bytes(
-                arrays.stage_weight_bytes(start, stop), arrays.stage_saved_bytes(start, stop), replicas, downstream,
-                copies,
-            )),
+            memory_bytes=_stage_memory_bytes(arrays, list(solution.stages), index, optimizer),
         ))
         next_rank += replicas
     bottleneck_s = solution.objective_s
@@ -103,26 +98,39 @@ class BaselineResult:
     name: str
     stages: tuple[tuple[int, int, int], ...]
     bottleneck_s: float
+    peak_memory_bytes: int
 
     @property
     def devices(self) -> int:
         return sum(replicas for _, _, replicas in self.stages)
 
 
-def compare_baselines(profile: Profile, cluster: Cluster) -> list[BaselineResult]:
+def compare_baselines(profile: Profile, cluster: Cluster, optimizer: str = "adam") -> list[BaselineResult]:
     """The baselines of `baselines.baseline_plans` evaluated under PipeDream's objective on `cluster`."""
     bandwidth = _flat_bandwidth(cluster)
     arrays = LayerArrays.from_profile(profile)
     return [
-        BaselineResult(name, tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth))
+        BaselineResult(name, tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth),
+                       max(_stage_memory_bytes(arrays, stages, index, optimizer) for index in range(len(stages))))
         for name, stages in baseline_plans(arrays, cluster.num_devices).items()
     ]
+
+
+def _stage_memory_bytes(arrays: LayerArrays, stages: list[tuple[int, int, int]], index: int, optimizer: str) -> int:
+    """Memory per device of stage `index` of a plan (`costmodel.pipedream_stage_memory_bytes`)."""
+    start, stop, replicas = stages[index]
+    downstream = sum(r for _, _, r in stages[index + 1:])
+    return int(pipedream_stage_memory_bytes(
+        arrays.stage_weight_bytes(start, stop), arrays.stage_saved_bytes(start, stop), replicas, downstream,
+        OPTIMIZER_STATE_COPIES[optimizer],
+    ))
 
 
 def _flat_bandwidth(cluster: Cluster) -> float:
     """The single bandwidth of a flat cluster (PipeDream's objective knows no hierarchy)."""
     if len(cluster.levels) != 1:
         raise ClusterError(
-            "the pipedream cost model assumes a flat cluster (one bandwidth); drop --gpus-per-node"
+            f"the pipedream cost model assumes a flat cluster of one level and one bandwidth, got "
+            f"{len(cluster.levels)} levels; omit --gpus-per-node, or give one level in the cluster file"
         )
     return cluster.levels[0].bandwidth_Bps

@@ -274,7 +274,7 @@ def profile_from_graph(
         model_name=model_name,
         source=source,
         device="cuda",
-        device_name="V100 (PipeDream profile)",
+        device_name="V100, PipeDream profile",
         torch_version="unknown",
         dtype="float32",
         batch_size=batch_size,

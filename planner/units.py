@@ -16,7 +16,11 @@ def format_bytes(nbytes: float) -> str:
 
 
 def format_ms(milliseconds: float) -> str:
-    """Milliseconds with 3 significant digits (at least 2 decimals below 10 ms)."""
+    """Milliseconds, readable at every scale: 0.0123, 1.23, 12.3, 1234.5."""
+    if milliseconds == 0:
+        return "0"
+    if milliseconds < 0.1:
+        return f"{milliseconds:.3g}"
     return f"{milliseconds:.2f}" if milliseconds < 10 else f"{milliseconds:.1f}"
 
 

@@ -107,14 +107,27 @@ def test_cli_partition_bad_values_are_one_line(tmp_path: Path, arguments: list[s
     assert not (tmp_path / "p.json").exists()
 
 
+def _chain_graph(tmp_path: Path, layers: int = 6) -> Path:
+    """A PipeDream-format chain of `layers` layers with GB-scale weights and activations."""
+    lines = ["node0 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=1e8, parameter_size=0"]
+    for index in range(1, layers + 1):
+        lines.append(f"node{index} -- Linear -- forward_compute_time={10 * index}, backward_compute_time={20 * index}, "
+                     f"activation_size={index}e8, parameter_size={layers + 1 - index}e8")
+    lines += [f"\tnode{index} -- node{index + 1}" for index in range(layers)]
+    path = tmp_path / "chain.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_memory_limit_shapes_the_plan_and_is_reported(tmp_path: Path) -> None:
-    profile = import_pipedream(PIPEDREAM_DIR / "vgg16.txt" if PIPEDREAM_FILES else SKIP_GRAPH, batch_size=128)
+    profile = import_pipedream(_chain_graph(tmp_path), batch_size=32)
     free = partition(profile, make_cluster(8, bandwidths=["10GB/s"]))
     limit = int(free.predicted.peak_memory_bytes * 0.8)  # 20% less than the unconstrained plan needs
     tight = partition(profile, make_cluster(8, bandwidths=["10GB/s"], memory=limit))
     assert tight.predicted.peak_memory_bytes <= limit
     assert all(stage.memory_bytes <= limit for stage in tight.stages)
     assert tight.predicted.bottleneck_s >= free.predicted.bottleneck_s
+    assert [stage.replicas for stage in tight.stages] != [stage.replicas for stage in free.stages]
 
 
 def test_cli_memory_too_small_names_the_smallest_that_works(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_skip_graph_layer_fields_and_profile_fields() -> None:
     assert profile.model_name == "pipedream_skip"
     assert profile.source == str(SKIP_GRAPH)
     assert profile.device == "cuda"
-    assert profile.device_name == "V100 (PipeDream profile)"
+    assert profile.device_name == "V100, PipeDream profile"
     assert profile.torch_version == "unknown"
     assert profile.dtype == "float32"
     assert profile.batch_size == 32
