@@ -336,7 +336,7 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
     assert "error:" not in result.output
-    table_layers = re.findall(r"^│\s*(\d+)\s*│\s*(\S+)\s*│", result.stdout, flags=re.MULTILINE)
+    table_layers = re.findall(r"^\s*(\d+)\s+(\S+)\s+(?:Linear|ReLU)\s", result.stdout, flags=re.MULTILINE)
     assert [name for _index, name in table_layers] == [str(i) for i in range(13)]
     assert [int(index) for index, _name in table_layers] == list(range(13))
     assert f"wrote {out}" in result.stdout
