@@ -350,7 +350,7 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     inspected = invoke("inspect", out)
     assert inspected.exit_code == 0, inspected.output
     assert inspected.stderr == ""
-    inspected_layers = re.findall(r"^│\s*\d+\s*│\s*(\S+)\s*│", inspected.stdout, flags=re.MULTILINE)
+    inspected_layers = re.findall(r"^\s*\d+\s+(\S+)\s+(?:Linear|ReLU)\s", inspected.stdout, flags=re.MULTILINE)
     assert inspected_layers == [str(i) for i in range(13)]
 
 
