@@ -45,6 +45,7 @@ def profiler_s(model_path: Path, settings: ProfileSettings) -> float:
 
 
 def main() -> None:
+    """Run the rounds and print each ratio and their median."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "examples" / "gpt.py")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -43,6 +43,7 @@ def timed(arrays: LayerArrays, gpus: int, straight: bool) -> tuple[float, float,
 
 
 def main() -> None:
+    """Solve every case and print its time, objective and GPUs used."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=Path, default=REPO.parent / "shared" / "pipedream-profiles")
     args = parser.parse_args()

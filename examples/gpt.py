@@ -88,6 +88,7 @@ class GPT(nn.Module):
 
 
 def build_model() -> nn.Module:
+    """The 12-block model with tied embeddings."""
     return GPT()
 
 

@@ -60,6 +60,7 @@ class ResNet(nn.Module):
 
 
 def build_model() -> nn.Module:
+    """The ResNet-like model."""
     return ResNet()
 
 

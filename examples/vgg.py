@@ -40,6 +40,7 @@ class VGG(nn.Module):
 
 
 def build_model() -> nn.Module:
+    """The VGG-like model."""
     return VGG()
 
 

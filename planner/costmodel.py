@@ -49,10 +49,12 @@ class LayerArrays:
 
     @property
     def num_layers(self) -> int:
+        """Number of layers."""
         return len(self.cut_bytes)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "LayerArrays":
+        """Prefix sums of a profile's layers (times converted from ms to seconds)."""
         compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
         params = np.array([float(layer.param_bytes) for layer in profile.layers])
         saved = np.array([float(layer.saved_bytes) for layer in profile.layers])

@@ -48,6 +48,7 @@ class Solution:
 
     @property
     def devices(self) -> int:
+        """Devices the plan uses: the sum of its replicas."""
         return sum(replicas for _, _, replicas in self.stages)
 
 

@@ -102,6 +102,7 @@ class BaselineResult:
 
     @property
     def devices(self) -> int:
+        """Devices the baseline uses: the sum of its replicas."""
         return sum(replicas for _, _, replicas in self.stages)
 
 

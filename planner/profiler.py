@@ -68,12 +68,15 @@ class _Step:
         self.loss_fn = model_file.loss_fn or default_loss
 
     def forward(self) -> Any:
+        """The model on the example inputs."""
         return self.model(*self.inputs)
 
     def loss(self) -> torch.Tensor:
+        """Forward and loss: what one instrumented step runs before backward."""
         return self.loss_fn(self.forward(), self.target)
 
     def zero_grad(self) -> None:
+        """Drop the gradients (set to None), as between training steps."""
         self.model.zero_grad(set_to_none=True)
 
     def check(self) -> None:

@@ -56,9 +56,11 @@ class HostClock:
         return time.perf_counter()
 
     def synchronize(self) -> None:
+        """Nothing to wait for: host marks are taken when they happen."""
         return None
 
     def elapsed_ms(self, start: float, end: float) -> float:
+        """(end - start) in milliseconds."""
         return (end - start) * 1000.0
 
 
@@ -75,9 +77,11 @@ class CudaClock:
         return event
 
     def synchronize(self) -> None:
+        """Wait for the device, so that every recorded event has happened."""
         torch.cuda.synchronize(self.device)
 
     def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        """Milliseconds between two recorded events (after `synchronize`)."""
         return float(start.elapsed_time(end))
 
 
@@ -181,6 +185,7 @@ class _InstrumentedStep:
         return totals
 
     def remove(self) -> None:
+        """Remove the forward hooks (node hooks go with their graph)."""
         self.tracker.remove()
 
 
