@@ -89,15 +89,19 @@ class LayerArrays:
         return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
 
 
+def pipedream_stage_time_s(compute_s: float, param_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
+    """stage_time = (T + 4 (r - 1) P / (B r)) / r: compute plus amortised all-reduce per mini-batch, seconds."""
+    r = float(replicas)
+    return (compute_s + 4.0 * (r - 1.0) * param_bytes / (bandwidth_Bps * r)) / r
+
+
 def pipedream_stage_value_s(
     compute_s: float, param_bytes: float, cut_in_bytes: float, cut_out_bytes: float, replicas: int,
     bandwidth_Bps: float,
 ) -> float:
     """max(stage_time, comm_in, comm_out) of one stage under PipeDream's objective, in seconds."""
-    r = float(replicas)
-    stage_time = (compute_s + 4.0 * (r - 1.0) * param_bytes / (bandwidth_Bps * r)) / r
-    comm = 2.0 * max(cut_in_bytes, cut_out_bytes) / (bandwidth_Bps * r)
-    return max(stage_time, comm)
+    comm = 2.0 * max(cut_in_bytes, cut_out_bytes) / (bandwidth_Bps * replicas)
+    return max(pipedream_stage_time_s(compute_s, param_bytes, replicas, bandwidth_Bps), comm)
 
 
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}

@@ -11,7 +11,7 @@ from planner.costmodel import (
     LayerArrays,
     pipedream_bottleneck_s,
     pipedream_stage_memory_bytes,
-    pipedream_stage_value_s,
+    pipedream_stage_time_s,
 )
 from planner.errors import PlannerError
 from planner.optimizer import optimize_pipedream
@@ -46,7 +46,7 @@ def partition(
         params = float(arrays.param_bytes[stop] - arrays.param_bytes[start])
         cut_in, cut_out = arrays.cut_before(start), arrays.cut_after(stop)
         comm_s = 2.0 * max(cut_in, cut_out) / (bandwidth * replicas)
-        stage_time_s = pipedream_stage_value_s(compute_s, params, 0.0, 0.0, replicas, bandwidth)
+        stage_time_s = pipedream_stage_time_s(compute_s, params, replicas, bandwidth)
         busy_s += replicas * stage_time_s
         stages.append(StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,

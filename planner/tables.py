@@ -12,7 +12,6 @@ from planner.plan import Plan
 from planner.profile import Profile
 from planner.units import format_bytes, format_ms
 
-
 _COMPACT = {"box": box.SIMPLE_HEAD, "pad_edge": False}  # no vertical rules: fits 80 columns
 
 
