@@ -1,10 +1,11 @@
 """Optimizer solve times: every PipeDream profile for 4 to 64 GPUs, and a 1,000-layer profile on 1,024.
 
-    python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles]
+    python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles] [--cost-model pipedream|planner]
 
-Uses PipeDream's cost model (`--cost-model pipedream`) on a flat cluster at 10 GB/s, with and
-without replication. Prints one line per solve and the slowest; targets: each PipeDream profile
-under 1 s, the synthetic profile under 10 s.
+`pipedream`: PipeDream's cost model on a flat cluster at 10 GB/s, with and without replication.
+`planner`: the planner's cost model (1f1b with 8 microbatches, and pipedream) on a flat cluster
+at 100 GB/s and on 8 GPUs per node (100 GB/s within, 10 GB/s between nodes). Prints one line per
+solve and the slowest; targets: each PipeDream profile under 1 s, the synthetic profile under 10 s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.cluster import make_cluster
 from planner.costmodel import LayerArrays
-from planner.optimizer import optimize_pipedream
+from planner.optimizer import optimize
 from planner.pipedream import import_pipedream
+from planner.pipedream_optimizer import optimize_pipedream
+from planner.schedule_cost import CostInputs
 
 REPO = Path(__file__).resolve().parents[1]
 BANDWIDTH_BPS = 10e9
@@ -31,7 +35,8 @@ def synthetic_arrays(num_layers: int, seed: int = 0) -> LayerArrays:
     params = [rng.choice([0.0, rng.uniform(1e5, 5e7)]) for _ in range(num_layers)]
     cuts = [rng.uniform(1e5, 2e7) for _ in range(num_layers - 1)] + [0.0]
     return LayerArrays(
-        np.concatenate([[0.0], np.cumsum(compute)]), np.concatenate([[0.0], np.cumsum(params)]), np.array(cuts)
+        np.concatenate([[0.0], np.cumsum(compute)]), np.concatenate([[0.0], np.cumsum(params)]), np.array(cuts),
+        fwd_s=np.concatenate([[0.0], np.cumsum(compute)]) / 3.0,
     )
 
 
@@ -42,11 +47,23 @@ def timed(arrays: LayerArrays, gpus: int, straight: bool) -> tuple[float, float,
     return time.perf_counter() - start, solution.objective_s, solution.devices
 
 
+def timed_planner(arrays: LayerArrays, gpus: int, per_node: int | None, schedule: str) -> tuple[float, float, int]:
+    """(seconds to solve, objective in seconds, devices used) under the planner's cost model."""
+    cluster = make_cluster(gpus, per_node, ["100GB/s", "10GB/s"])
+    start = time.perf_counter()
+    solution = optimize(CostInputs(arrays, cluster, schedule, 8))
+    return time.perf_counter() - start, solution.objective_s, solution.devices
+
+
 def main() -> None:
     """Solve every case and print its time, objective and GPUs used."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=Path, default=REPO.parent / "shared" / "pipedream-profiles")
+    parser.add_argument("--cost-model", choices=("pipedream", "planner"), default="pipedream")
     args = parser.parse_args()
+    if args.cost_model == "planner":
+        planner_main(args.profiles)
+        return
     slowest = 0.0
     for graph in sorted(args.profiles.glob("*.txt")):
         arrays = LayerArrays.from_profile(import_pipedream(graph))
@@ -63,6 +80,30 @@ def main() -> None:
         seconds, objective, used = timed(arrays, 1024, straight)
         print(f"synthetic 1000 layers, 1024 GPUs, {'straight' if straight else 'replicated'}: {seconds:.2f} s "
               f"(target < 10 s), bottleneck {objective * 1000:.3f} ms on {used} GPUs")
+
+
+def planner_main(profiles: Path) -> None:
+    """The planner cost model's solves: flat and 8 per node, 1f1b (m = 8) and pipedream."""
+    slowest: dict[str, float] = {}
+    for graph in sorted(profiles.glob("*.txt")):
+        arrays = LayerArrays.from_profile(import_pipedream(graph))
+        for gpus in (4, 8, 16, 32, 64):
+            for per_node in (None, 8):
+                if per_node is not None and per_node >= gpus:
+                    continue
+                for schedule in ("1f1b", "pipedream"):
+                    seconds, objective, used = timed_planner(arrays, gpus, per_node, schedule)
+                    shape = "flat" if per_node is None else f"{per_node}/node"
+                    slowest[shape] = max(slowest.get(shape, 0.0), seconds)
+                    print(f"{graph.stem:14s} layers {arrays.num_layers:5d} gpus {gpus:3d} {shape:7s} {schedule:9s} "
+                          f"{seconds:7.3f} s  objective {objective * 1000:9.3f} ms on {used} GPUs", flush=True)
+    for shape, seconds in slowest.items():
+        print(f"slowest PipeDream-profile solve, {shape}: {seconds:.3f} s (target < 1 s)")
+    arrays = synthetic_arrays(1000)
+    for per_node in (None, 8):
+        seconds, objective, used = timed_planner(arrays, 1024, per_node, "1f1b")
+        print(f"synthetic 1000 layers, 1024 GPUs, {'flat' if per_node is None else '8/node'}, 1f1b: {seconds:.2f} s "
+              f"(target < 10 s), objective {objective * 1000:.3f} ms on {used} GPUs", flush=True)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,13 @@ def partition_command(
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
-    cost_model: str = typer.Option("pipedream", help=f"Objective: {', '.join(COST_MODELS)}."),
+    cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
+    schedule: str = typer.Option("auto", help="auto (fastest), gpipe, 1f1b or pipedream (asynchronous)."),
+    microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b, or auto."),
+    microbatch_size: Optional[int] = typer.Option(
+        None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."
+    ),
+    no_recompute: bool = typer.Option(False, "--no-recompute", help="Never recompute activations."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
     compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model."),
     out: Optional[Path] = typer.Option(
@@ -166,15 +172,20 @@ def partition_command(
             raise PlannerError("give --gpus N (or --cluster FILE)")
         else:
             cluster = make_cluster(gpus, gpus_per_node, [b.strip() for b in bandwidth.split(",") if b.strip()], memory)
+        count = microbatches.strip()
+        if count != "auto" and not count.isdigit():
+            raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")
         profile = load_profile(profile_file)
         plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
-                         profile_path=profile_file)
+                         profile_path=profile_file, schedule=schedule,
+                         microbatches="auto" if count == "auto" else int(count),
+                         microbatch_size=microbatch_size, recompute=not no_recompute)
         default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
         path = plan.save(out or Path("plans") / default_name)
         console = _console()
         console.print(plan_table(plan, console.width))
         if compare:
-            console.print(comparison_table(plan, compare_baselines(profile, cluster, optimizer)))
+            console.print(comparison_table(plan, compare_baselines(profile, plan, optimizer)))
         console.print(f"wrote {path}")
 
     _run(debug, action)

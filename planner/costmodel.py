@@ -34,7 +34,8 @@ from planner.profile import Profile
 class LayerArrays:
     """Prefix sums over a profile's layers: stage [i, j) totals are `x[j] - x[i]`.
 
-    `compute_s`: forward + backward seconds; `param_bytes`; `cut_bytes[k]`: bytes crossing the
+    `compute_s`: forward + backward seconds; `fwd_s`: forward seconds alone (None: all zero);
+    `param_bytes`; `cut_bytes[k]`: bytes crossing the
     boundary after layer k (not a prefix sum); `saved_bytes`: activation bytes kept per
     in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
     (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
@@ -46,6 +47,11 @@ class LayerArrays:
     cut_bytes: np.ndarray
     saved_bytes: np.ndarray | None = None
     shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
+    fwd_s: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.fwd_s is None:
+            object.__setattr__(self, "fwd_s", np.zeros_like(self.compute_s))
 
     @property
     def num_layers(self) -> int:
@@ -56,6 +62,7 @@ class LayerArrays:
     def from_profile(cls, profile: Profile) -> "LayerArrays":
         """Prefix sums of a profile's layers (times converted from ms to seconds)."""
         compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
+        forward = np.array([layer.fwd_ms / 1000.0 for layer in profile.layers])
         params = np.array([float(layer.param_bytes) for layer in profile.layers])
         saved = np.array([float(layer.saved_bytes) for layer in profile.layers])
         return cls(
@@ -64,6 +71,7 @@ class LayerArrays:
             cut_bytes=np.array([float(layer.cut_bytes) for layer in profile.layers]),
             saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
             shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params),
+            fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
         )
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
@@ -79,6 +87,16 @@ class LayerArrays:
             if not start <= first < stop and any(start <= layer < stop for layer in others)
         )
         return own + copies
+
+    def pair_weight_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """`stage_weight_bytes` of many stages [starts[k], stops[k]) at once."""
+        weights = self.param_bytes[stops] - self.param_bytes[starts]
+        for first, others, nbytes in self.shared:
+            holds_other = np.zeros(len(starts), dtype=bool)
+            for layer in others:
+                holds_other |= (starts <= layer) & (layer < stops)
+            weights = weights + np.where(holds_other & ~((starts <= first) & (first < stops)), nbytes, 0.0)
+        return weights
 
     def cut_before(self, start: int) -> float:
         """Bytes entering a stage that begins at layer `start` (0 for the first stage)."""

@@ -1,254 +1,462 @@
-"""Optimizers: choose stage boundaries and per-stage replication for a profile (pure functions).
+"""The planner's optimizer: stage boundaries, replicas and recompute flags minimising `schedule_cost`.
 
-PipeDream's objective (see `costmodel`) is a bottleneck: minimise max over stages of value(s),
-optionally with every device's memory within a limit. It is solved exactly by a search over
-the bottleneck T*:
+The objective (see `schedule_cost`) is `fill_drain + max_s Q(s)`, where fill_drain is a constant
+plus the recomputed forwards (flush schedules; 0 for pipedream). It is solved exactly by a
+search over a bound beta on max_s Q(s):
 
-- feasible(T*) asks whether some partition fits in G devices with every stage's value <= T*
-  (and memory <= M). For a stage [i, j) the fewest replicas meeting T* come in closed form: the
-  comm terms need r >= 2 max(cut_in, cut_out) / (B T*); stage_time(r) <= T* is the quadratic
-  T* r^2 - (T + a) r + a >= 0 with a = 4P/B, which holds for r <= r- or r >= r+ =
-  ((T + a) + sqrt((T + a)^2 - 4 T* a)) / (2 T*). Memory falls as r grows (fewer mini-batches
-  in flight per replica), so it adds a lower bound on r that depends on the devices D used by
-  the stages after [i, j). A dynamic program over suffixes, E[i] = min_j r(i, j, E[j]) + E[j],
-  gives the fewest devices for layers [i, L); feasible(T*) iff E[0] <= G. The fewest replicas
-  and the fewest downstream devices are optimal choices because devices are the only resource
-  stages share and memory only grows with downstream devices.
-- T* is bisected between T_total / G (no plan beats perfect division of the work) and the
-  one-device time, to a relative width of 1e-3; then, from the best plan found, T* is set just
-  below that plan's own objective until no plan is feasible: the last plan is optimal (to a
-  relative 1e-12, the floating-point resolution of the comparison).
+- solve(beta) is a dynamic program over suffixes of the layers. A state is (first layer i,
+  devices d used by layers [i, L)); only d mod M matters for bandwidth (M: second-outermost
+  group size; shifting ranks by M changes no link), and among states of one residue fewer
+  devices are never worse (fewer devices downstream only lower memory, and leave more for the
+  stages before). So each layer keeps a Pareto front of (devices, recompute cost) per residue.
+  A stage [i, j) placed on top of a state takes the ranks just before it; it is feasible when
+  Q(s) <= beta, memory fits and the placement rule holds. Replica counts up to M are all tried
+  (each reaches another residue); beyond M a stage is whole outer groups, every bandwidth it sees
+  is the outermost one, and the fewest feasible replicas come from a short fixed-point
+  iteration (flush: `_flush_fixed_point`) or the quadratic of PipeDream's objective (pipedream).
+- beta is bisected to the smallest feasible value (relative 1e-3), then lowered just below the
+  best plan's own max Q until nothing is feasible: exact to a relative 1e-9.
+- Recompute costs time in the fill/drain sum, so with a memory limit (the only case where it
+  can help) every cheaper-recompute breakpoint of solve(beta) above the smallest beta is found
+  by bisection, as long as it can still beat the best plan; the best fill_drain + max Q wins.
+- Ties within a relative 1e-9 go to the plan with the fewest devices.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.costmodel import (
-    OPTIMIZER_STATE_COPIES,
-    LayerArrays,
-    pipedream_bottleneck_s,
-)
+from planner.bound_search import MAX_STEPS, TIE, smallest_bound
 from planner.errors import InfeasiblePlanError, PlannerError
+from planner.schedule_cost import (
+    FLUSH_SCHEDULES,
+    SCHEDULES,
+    CostInputs,
+    Stage,
+    fill_drain_s,
+    objective_s,
+    stage_cost,
+    stage_costs,
+)
 
-_NO_PLAN = 1 << 40  # 'no replica count works'; far above any device count, far below int64 overflow
-_TIE = 1e-9  # objectives within this relative distance count as equal
-_MAX_STEPS = 200  # bisection and descent steps: far more than the ~60 needed to exhaust a float
+_NONE = np.iinfo(np.int64).max // 4  # 'no replica count works'
 
 
 @dataclass(frozen=True)
 class Solution:
-    """Stages as (start, stop, replicas) over layer indices [start, stop), and the objective."""
+    """Stages as (start, stop, replicas, recompute) and the objective (seconds)."""
 
-    stages: tuple[tuple[int, int, int], ...]
+    stages: tuple[Stage, ...]
     objective_s: float
 
     @property
     def devices(self) -> int:
         """Devices the plan uses: the sum of its replicas."""
-        return sum(replicas for _, _, replicas in self.stages)
+        return sum(stage[2] for stage in self.stages)
 
 
-class _PairTable:
-    """Every candidate stage [i, j), i < j, as flat arrays ordered by i then j."""
+class _Pairs:
+    """Every candidate stage [i, j), i < j, as flat arrays ordered by i then j (scaled to the microbatch)."""
 
-    def __init__(self, arrays: LayerArrays, bandwidth_Bps: float) -> None:
+    def __init__(self, inputs: CostInputs) -> None:
+        arrays, sigma = inputs.arrays, inputs.scale
         n = arrays.num_layers
-        counts = np.arange(n, 0, -1)  # stages starting at i end at i+1 .. n
+        counts = np.arange(n, 0, -1)
         starts = np.repeat(np.arange(n), counts)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        stops = starts + 1 + (np.arange(len(starts)) - self.offsets[starts])
         self.num_layers = n
-        self.offsets = offsets  # pairs starting at i occupy [offsets[i], offsets[i+1])
         self.starts, self.stops = starts, stops
-        self.compute_s = arrays.compute_s[stops] - arrays.compute_s[starts]
-        self.allreduce_s = 4.0 * (arrays.param_bytes[stops] - arrays.param_bytes[starts]) / bandwidth_Bps
-        cut = np.concatenate([arrays.cut_bytes, [0.0]])
-        cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
-        cut_out = np.where(stops < n, cut[stops - 1], 0.0)
-        self.comm_s = 2.0 * np.maximum(cut_in, cut_out) / bandwidth_Bps
-        weights = arrays.param_bytes[stops] - arrays.param_bytes[starts]
-        for first, others, nbytes in arrays.shared:  # copies of shared parameters (see LayerArrays)
-            holds_other = np.zeros(len(starts), dtype=bool)
-            for layer in others:
-                holds_other |= (starts <= layer) & (layer < stops)
-            weights = weights + np.where(holds_other & ~((starts <= first) & (first < stops)), nbytes, 0.0)
-        self.weight_bytes = weights
+        self.fwd = sigma * (arrays.fwd_s[stops] - arrays.fwd_s[starts])
+        self.both = sigma * (arrays.compute_s[stops] - arrays.compute_s[starts])
+        cut = np.concatenate([arrays.cut_bytes, [0.0]]) * sigma
+        self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
+        self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
+        self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
+        weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
+        self.weights = weights
         saved = arrays.saved_bytes
-        self.saved_bytes = np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts]
-
-    def stage_time(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
-        """stage_time(i, j, r) = (T + a (r - 1) / r) / r of the pairs in `where`, a = 4P/B."""
-        return (self.compute_s[where] + self.allreduce_s[where] * (replicas - 1.0) / replicas) / replicas
-
-    def value(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
-        """value(i, j, r) of the pairs in `where` (vectorised `pipedream_stage_value_s`)."""
-        return np.maximum(self.stage_time(replicas, where), self.comm_s[where] / replicas)
-
-    def fewest_replicas(
-        self, bound_s: float, max_replicas: int, straight: bool, at_least: np.ndarray | None = None,
-        where: slice = slice(None),
-    ) -> np.ndarray:
-        """Smallest r >= at_least per pair in `where` with value(r) <= bound_s, else _NO_PLAN.
-
-        The comm terms need r >= r_c = ceil(2 max(cut_in, cut_out) / (B bound)). With r0 = max(r_c,
-        at_least), the answer is r0 when stage_time(r0) <= bound, else the first integer >= r+.
-        """
-        with np.errstate(divide="ignore", invalid="ignore"):  # bound 0 or infinite terms: masked below
-            return self._fewest_replicas(bound_s, max_replicas, straight, at_least, where)
-
-    def _fewest_replicas(
-        self, bound_s: float, max_replicas: int, straight: bool, at_least: np.ndarray | None, where: slice
-    ) -> np.ndarray:
-        comm = self.comm_s[where]
-        lowest = np.ones_like(comm) if at_least is None else np.maximum(at_least.astype(float), 1.0)
-        if straight:
-            ones = np.ones_like(comm)
-            fits = (self.value(ones, where) <= bound_s) & (lowest <= 1.0)
-            return np.where(fits, 1, _NO_PLAN).astype(np.int64)
-        t, a = self.compute_s[where], self.allreduce_s[where]
-        r = np.maximum(np.ceil(comm / bound_s), 1.0)
-        r = np.where(comm / r <= bound_s, r, r + 1.0)  # ceil() of a rounded quotient
-        r = np.maximum(r, lowest)
-        root = ((t + a) + np.sqrt(np.maximum((t + a) ** 2 - 4.0 * bound_s * a, 0.0))) / (2.0 * bound_s)
-        r = np.where(self.stage_time(r, where) <= bound_s, r, np.maximum(r, np.ceil(root)))
-        r = np.where(self.value(r, where) <= bound_s, r, r + 1.0)  # ceil() of a rounded root
-        below = np.maximum(r - 1.0, 1.0)  # ... or one above the true answer
-        r = np.where((below >= lowest) & (self.value(below, where) <= bound_s), below, r)
-        bad = ~np.isfinite(r) | (r > max_replicas) | ~(self.value(r, where) <= bound_s)
-        fewest = np.where(bad, _NO_PLAN, np.minimum(np.nan_to_num(r), _NO_PLAN)).astype(np.int64)
-        return fewest
+        self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
 
 
-@dataclass(frozen=True)
-class _MemoryLimit:
-    """Device memory and optimizer state copies, for the memory bound on replicas."""
+class _Evaluator:
+    """Vectorised `schedule_cost.stage_cost`: bound Q(s) and memory of many candidate stages."""
 
-    memory_bytes: float
-    optimizer_copies: int
+    def __init__(self, inputs: CostInputs, pairs: _Pairs) -> None:
+        self.inputs, self.pairs = inputs, pairs
+        self.groups = inputs.cluster.group_sizes()
+        self.bandwidths = [level.bandwidth_Bps for level in inputs.cluster.levels]
 
-    def fewest_replicas(self, table: _PairTable, where: slice, downstream: np.ndarray) -> np.ndarray:
-        """Smallest r with W (1 + k) + (1 + ceil(D / r)) (W + A) <= M per pair, else _NO_PLAN.
+    def bandwidth(self, rank_a: np.ndarray, rank_b: np.ndarray) -> np.ndarray:
+        """Bandwidth of the innermost level holding both ranks (rank_a <= rank_b), per element."""
+        result = np.full(np.shape(rank_a), self.bandwidths[-1])
+        for group, rate in zip(self.groups[-2::-1], self.bandwidths[-2::-1]):
+            result = np.where(rank_a // group == rank_b // group, rate, result)
+        return result
 
-        With q = floor((M - W (1 + k)) / (W + A)) - 1 allowed extra mini-batches, ceil(D / r) <= q
-        iff r >= ceil(D / q); q < 0 fits nothing, q = 0 fits only the last stage (D = 0).
-        """
-        weights, saved = table.weight_bytes[where], table.saved_bytes[where]
-        per_flight = weights + saved
-        spare = self.memory_bytes - weights * (1 + self.optimizer_copies)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            extra = np.where(per_flight > 0, np.floor(spare / per_flight) - 1.0, np.inf)
-            extra = np.where(spare < 0, -1.0, extra)
-            r = np.where(downstream == 0, 1.0, np.ceil(downstream / extra))
-        r = np.where((extra < 0) | ((extra == 0) & (downstream > 0)), np.inf, np.maximum(r, 1.0))
-        return np.minimum(r, _NO_PLAN).astype(np.int64)
+    def placement_ok(self, first: np.ndarray, replicas: np.ndarray) -> np.ndarray:
+        """`schedule_cost.placement_ok`, per element."""
+        ok = first >= 0
+        last = first + replicas - 1
+        for group in self.groups[:-1]:
+            ok &= (first // group == last // group) | ((first % group == 0) & (replicas % group == 0))
+        return ok
 
-
-def _fewest_devices(
-    table: _PairTable, bound_s: float, devices: int, straight: bool, memory: _MemoryLimit | None
-) -> tuple[int, np.ndarray, np.ndarray]:
-    """E[0] (fewest devices for the whole model), and per start i the chosen stop and replicas.
-
-    E[i] = min over stops j of r(i, j, E[j]) + E[j], E[L] = 0; ties go to the shortest stage.
-    """
-    n = table.num_layers
-    best = np.full(n + 1, _NO_PLAN, dtype=np.int64)
-    best[n] = 0
-    chosen_stop = np.zeros(n + 1, dtype=np.int64)
-    chosen_replicas = np.zeros(n + 1, dtype=np.int64)
-    unlimited = None if memory is not None else table.fewest_replicas(bound_s, devices, straight)
-    for start in range(n - 1, -1, -1):
-        where = slice(int(table.offsets[start]), int(table.offsets[start + 1]))
-        downstream = best[start + 1:]
-        if memory is None:
-            replicas = unlimited[where]
+    def terms(
+        self, pair: np.ndarray, replicas: np.ndarray, first: np.ndarray, recompute: np.ndarray, downstream: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(Q(s), memory bytes) of stages `pair` with these replicas, first ranks and recompute flags."""
+        p, inputs = self.pairs, self.inputs
+        r = replicas.astype(float)
+        compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
+        last = first + replicas - 1
+        comm_in = np.where(p.starts[pair] > 0, p.cut_in[pair] / self.bandwidth(first - 1, first), 0.0)
+        comm_out = np.where(p.stops[pair] < p.num_layers, p.cut_out[pair] / self.bandwidth(last, last + 1), 0.0)
+        weights = p.weights[pair]
+        allreduce = np.where(replicas > 1, 2.0 * (r - 1.0) / r * weights / self.bandwidth(first, last), 0.0)
+        if inputs.schedule == "pipedream":
+            bound = np.maximum(np.maximum(compute + allreduce, comm_in), comm_out) / r
         else:
-            at_least = memory.fewest_replicas(table, where, downstream)
-            replicas = table.fewest_replicas(bound_s, devices, straight, at_least, where)
-        totals = np.minimum(replicas + downstream, _NO_PLAN)
+            turns = -(-inputs.microbatches // replicas) - 1
+            bound = turns * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
+        flights = self.in_flight(replicas, replicas + downstream)
+        saved = p.saved[pair]
+        memory = weights * (2 + inputs.optimizer_copies) + flights * np.where(recompute, p.entering[pair], saved)
+        memory = memory + np.where(recompute, saved, 0.0)
+        if inputs.schedule == "pipedream":
+            memory = memory + (flights - 1) * weights
+        return bound, memory
+
+    def in_flight(self, replicas: np.ndarray, devices_from_here: np.ndarray) -> np.ndarray:
+        """`schedule_cost.in_flight`, per element."""
+        per_replica = -(-self.inputs.microbatches // replicas)
+        through = -(-devices_from_here // replicas)
+        if self.inputs.schedule == "gpipe":
+            return per_replica
+        if self.inputs.schedule == "1f1b":
+            return np.minimum(per_replica, through)
+        return through
+
+    def fewest_outer(
+        self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
+    ) -> np.ndarray:
+        """Fewest replicas r = k M, k >= 2, ending at rank `first_end` (exclusive), with Q <= bound and
+        memory within the limit; _NONE where none works. Every link such a stage sees is outermost."""
+        inputs, p = self.inputs, self.pairs
+        group = inputs.class_size
+        top = self.bandwidths[-1]
+        compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
+        comm = np.maximum(
+            np.where(p.starts[pair] > 0, p.cut_in[pair], 0.0), np.where(p.stops[pair] < p.num_layers, p.cut_out[pair], 0.0)
+        ) / top
+        a = 2.0 * p.weights[pair] / top
+        lowest = np.full(len(pair), 2.0 * group)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if inputs.schedule == "pipedream":
+                need = np.maximum(lowest, comm / bound)
+                root = ((compute + a) + np.sqrt(np.maximum((compute + a) ** 2 - 4.0 * bound * a, 0.0))) / (2.0 * bound)
+                need = np.where(self._outer_ok(pair, need, first_end, recompute, downstream, bound, group), need,
+                                np.maximum(need, root))
+                need = np.maximum(need, self._memory_replicas(pair, recompute, downstream))
+            else:
+                need = np.maximum(lowest, self._memory_replicas(pair, recompute, downstream))
+                need = self._flush_fixed_point(np.maximum(compute, comm), a, need, bound, group)
+            need = np.ceil(np.minimum(need, 4.0 * _NONE) / group - 1e-9) * group  # a multiple of M
+        need = np.where(np.isfinite(need) & (need <= inputs.cluster.num_devices), need, _NONE).astype(np.int64)
+        # the closed forms round: step down while the one below still works, else up once
+        below = need - group
+        use_below = (below >= 2 * group) & self._outer_ok(pair, below, first_end, recompute, downstream, bound, group)
+        need = np.where(use_below, below, need)
+        fine = self._outer_ok(pair, need, first_end, recompute, downstream, bound, group)
+        above = need + group
+        need = np.where(fine, need, np.where(self._outer_ok(pair, above, first_end, recompute, downstream, bound, group),
+                                             above, _NONE))
+        return need
+
+    def _flush_fixed_point(
+        self, busy: np.ndarray, a: np.ndarray, lowest: np.ndarray, bound: float, group: int
+    ) -> np.ndarray:
+        """Fewest r (multiple of M, >= lowest) with (ceil(m / r) - 1) busy + a (1 - 1/r) <= bound.
+
+        For r >= r_k the all-reduce term is at least a (1 - 1/r_k), so ceil(m / r) may be at most
+        c = 1 + floor((bound - a (1 - 1/r_k)) / busy), i.e. r >= ceil(m / c) =: r_(k+1): no r below
+        r_(k+1) works. Iterating from `lowest` reaches the fewest r where the bound holds.
+        """
+        m = float(self.inputs.microbatches)
+        ceiling = float(self.inputs.cluster.num_devices + group)  # more than the cluster: no plan
+        r = np.minimum(np.ceil(lowest / group - 1e-9) * group, ceiling)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            for _ in range(MAX_STEPS):
+                spare = bound - a * (1.0 - 1.0 / r)
+                turns = np.where(busy > 0, np.floor(spare / busy * (1 + 1e-12)), np.where(spare >= 0, m, -1.0))
+                nxt = np.where(turns >= 0, np.ceil(m / (1.0 + np.minimum(turns, m)) / group - 1e-9) * group, np.inf)
+                nxt = np.minimum(np.maximum(nxt, r), ceiling)
+                if np.array_equal(nxt, r):
+                    break
+                r = nxt
+        return r
+
+    def _outer_ok(
+        self, pair: np.ndarray, replicas: np.ndarray, first_end: np.ndarray, recompute: np.ndarray,
+        downstream: np.ndarray, bound: float, group: int,
+    ) -> np.ndarray:
+        usable = np.isfinite(replicas) & (replicas < _NONE)
+        replicas = np.where(usable, replicas, 2 * group).astype(np.int64)
+        replicas = np.maximum(-(-replicas // group) * group, 2 * group)
+        first = first_end - replicas
+        q, memory = self.terms(pair, replicas, first, recompute, downstream)
+        ok = usable & (q <= bound) & (first >= 0)
+        if self.inputs.memory_bytes is not None:
+            ok &= memory <= self.inputs.memory_bytes
+        return ok
+
+    def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
+        """Lower bound on replicas from memory: n(r) microbatches in flight must fit (see schedule_cost)."""
+        inputs, p = self.inputs, self.pairs
+        if inputs.memory_bytes is None:
+            return np.zeros(len(pair))
+        weights, saved = p.weights[pair], p.saved[pair]
+        per_flight = np.where(recompute, p.entering[pair], saved)
+        base = weights * (2 + inputs.optimizer_copies) + np.where(recompute, saved, 0.0)
+        if inputs.schedule == "pipedream":
+            per_flight, base = per_flight + weights, base - weights
+        with np.errstate(divide="ignore", invalid="ignore"):
+            flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
+        flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
+        # limit must not be lost to rounding; every candidate is checked exactly afterwards)
+        m = float(inputs.microbatches)
+        d = downstream.astype(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            by_count = np.where(flights >= 1, np.ceil(m / flights), np.inf)
+            by_depth = np.where(d == 0, np.where(flights >= 1, 1.0, np.inf),
+                                np.where(flights >= 2, np.ceil(d / (flights - 1)), np.inf))
+        if inputs.schedule == "gpipe":
+            return by_count
+        if inputs.schedule == "1f1b":
+            return np.minimum(by_count, by_depth)
+        return by_depth
+
+
+@dataclass
+class _Front:
+    """Every Pareto entry of every suffix, as parallel arrays; entry 0 is the empty suffix."""
+
+    devices: np.ndarray
+    cost: np.ndarray
+    stop: np.ndarray  # first layer of the suffix the entry extends (its own start is its state)
+    parent: np.ndarray
+    replicas: np.ndarray
+    recompute: np.ndarray
+    start: np.ndarray
+
+
+def _solve(
+    evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
+) -> list[Stage] | None:
+    """The plan with every Q(s) <= bound of least recompute cost (if tracked), then fewest devices."""
+    if evaluator.inputs.class_size == 1 and evaluator.inputs.memory_bytes is None:
+        return _solve_flat(evaluator, bound, straight)
+    found = _solve_front(evaluator, bound, straight, recompute_options, track_cost)
+    return found[0] if found else None
+
+
+def _solve_front(
+    evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
+) -> list[list[Stage]]:
+    """Every Pareto plan (devices, recompute cost) for the whole model with every Q(s) <= bound,
+    least cost first, then fewest devices."""
+    inputs, pairs = evaluator.inputs, evaluator.pairs
+    n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
+    front = _Front(*(np.zeros(1, dtype=t) for t in (np.int64, float, np.int64, np.int64, np.int64, bool, np.int64)))
+    front.start[0], front.stop[0], front.parent[0] = n, n, -1
+    small = np.arange(1, (1 if straight else group) + 1)
+    for start in range(n - 1, -1, -1):
+        entries = np.nonzero(front.start > start)[0]
+        pair = pairs.offsets[start] + front.start[entries] - start - 1
+        downstream = front.devices[entries]
+        end = total - downstream  # exclusive end rank of the new stage
+        pieces = []
+        for recompute in recompute_options:
+            flags = np.full(len(entries), recompute)
+            # replica counts 1..M: each reaches its own residue class
+            r = np.broadcast_to(small, (len(entries), len(small)))
+            e_pair, e_down, e_end = (np.repeat(x, len(small)) for x in (pair, downstream, end))
+            e_flag, e_entry, r = np.repeat(flags, len(small)), np.repeat(entries, len(small)), r.ravel()
+            q, memory = evaluator.terms(e_pair, r, e_end - r, e_flag, e_down)
+            ok = (q <= bound) & evaluator.placement_ok(e_end - r, r)
+            if inputs.memory_bytes is not None:
+                ok &= memory <= inputs.memory_bytes
+            pieces.append((e_entry[ok], r[ok], e_flag[ok]))
+            if not straight:  # whole outer groups: the fewest that work
+                aligned = end % group == 0
+                r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], flags[aligned], downstream[aligned], bound)
+                keep = r_outer < _NONE
+                pieces.append((entries[aligned][keep], r_outer[keep], flags[aligned][keep]))
+        parent = np.concatenate([piece[0] for piece in pieces])
+        replicas = np.concatenate([piece[1] for piece in pieces]).astype(np.int64)
+        flags = np.concatenate([piece[2] for piece in pieces]).astype(bool)
+        devices = front.devices[parent] + replicas
+        fits = devices <= total
+        parent, replicas, flags, devices = parent[fits], replicas[fits], flags[fits], devices[fits]
+        if len(parent) == 0:
+            continue
+        stop = front.start[parent]
+        cost = front.cost[parent] + (np.where(flags, pairs.fwd[pairs.offsets[start] + stop - start - 1], 0.0)
+                                     if track_cost else 0.0)
+        residue = devices % group
+        order = np.lexsort((flags, replicas, stop, cost, devices, residue))
+        residue, devices, cost = residue[order], devices[order], cost[order]
+        new_class = np.concatenate([[True], residue[1:] != residue[:-1]])
+        # Pareto within each residue: keep an entry only if it is cheaper than every earlier (fewer-device) one
+        shifted = cost - residue * (2.0 * (float(np.max(cost)) + 1.0))  # later classes restart the running min
+        running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
+        keep = new_class | (shifted < running)
+        if not track_cost:
+            keep = new_class
+        chosen = order[keep]
+        front.devices = np.concatenate([front.devices, devices[keep]])
+        front.cost = np.concatenate([front.cost, cost[keep]])
+        front.stop = np.concatenate([front.stop, stop[order][keep]])
+        front.parent = np.concatenate([front.parent, parent[chosen]])
+        front.replicas = np.concatenate([front.replicas, replicas[chosen]])
+        front.recompute = np.concatenate([front.recompute, flags[chosen]])
+        front.start = np.concatenate([front.start, np.full(int(keep.sum()), start)])
+    at_zero = np.nonzero(front.start == 0)[0]
+    plans = []
+    for entry in at_zero[np.lexsort((front.devices[at_zero], front.cost[at_zero]))]:
+        stages = []
+        while front.start[entry] < n:
+            stages.append((int(front.start[entry]), int(front.stop[entry]), int(front.replicas[entry]),
+                           bool(front.recompute[entry])))
+            entry = int(front.parent[entry])
+        plans.append(stages)
+    return plans
+
+
+def _solve_flat(evaluator: _Evaluator, bound: float, straight: bool) -> list[Stage] | None:
+    """`_solve` for a flat cluster without a memory limit: a stage's fewest replicas depend on the
+    stage alone, so they are found for every pair at once; E[i] = min_j r(i, j) + E[j]."""
+    pairs, total = evaluator.pairs, evaluator.inputs.cluster.num_devices
+    count = len(pairs.starts)
+    every = np.arange(count)
+    no_flag, nothing_after = np.zeros(count, dtype=bool), np.zeros(count, dtype=np.int64)
+    ones = np.ones(count, dtype=np.int64)
+    q, _ = evaluator.terms(every, ones, np.full(count, total - 1), no_flag, nothing_after)
+    replicas = np.where(q <= bound, 1, _NONE)
+    if not straight:
+        outer = evaluator.fewest_outer(every, np.full(count, total), no_flag, nothing_after, bound)
+        replicas = np.where(replicas == 1, 1, outer)
+    n = pairs.num_layers
+    best = np.full(n + 1, _NONE, dtype=np.int64)
+    best[n] = 0
+    chosen = np.zeros(n + 1, dtype=np.int64)
+    for start in range(n - 1, -1, -1):
+        where = slice(int(pairs.offsets[start]), int(pairs.offsets[start + 1]))
+        totals = np.minimum(replicas[where] + best[start + 1:], _NONE)
         index = int(np.argmin(totals))
-        best[start] = totals[index]
-        chosen_stop[start] = start + 1 + index
-        chosen_replicas[start] = replicas[index]
-    return int(best[0]), chosen_stop, chosen_replicas
-
-
-def _stages(chosen_stop: np.ndarray, chosen_replicas: np.ndarray, num_layers: int) -> list[tuple[int, int, int]]:
+        best[start], chosen[start] = totals[index], index
+    if best[0] > total:
+        return None
     stages, start = [], 0
-    while start < num_layers:
-        stop = int(chosen_stop[start])
-        stages.append((start, stop, int(chosen_replicas[start])))
+    while start < n:
+        stop = start + 1 + int(chosen[start])
+        stages.append((start, stop, int(replicas[pairs.offsets[start] + chosen[start]]), False))
         start = stop
     return stages
 
 
-def optimize_pipedream(
-    arrays: LayerArrays, devices: int, bandwidth_Bps: float, straight: bool = False,
-    memory_bytes: float | None = None, optimizer: str = "adam",
-) -> Solution:
-    """The plan minimising PipeDream's bottleneck on at most `devices` devices (fewest devices on ties).
-
-    With `memory_bytes`, every device's memory (see `costmodel`) must fit; InfeasiblePlanError
-    names the smallest memory per device that admits a plan.
-    """
-    if devices < 1:
-        raise PlannerError(f"need at least one device, got {devices}")
-    if arrays.num_layers < 1:
+def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool = True) -> Solution:
+    """The plan minimising `schedule_cost.objective_s` on at most the cluster's devices (module docstring)."""
+    if inputs.schedule not in SCHEDULES:
+        raise PlannerError(f"unknown schedule {inputs.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if inputs.microbatches < 1:
+        raise PlannerError(f"need at least one microbatch, got {inputs.microbatches}")
+    if inputs.arrays.num_layers < 1:
         raise PlannerError("the profile has no layers")
-    if optimizer not in OPTIMIZER_STATE_COPIES:
-        raise PlannerError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_COPIES)}")
-    table = _PairTable(arrays, bandwidth_Bps)
-    copies = OPTIMIZER_STATE_COPIES[optimizer]
-    memory = None if memory_bytes is None else _MemoryLimit(float(memory_bytes), copies)
+    pairs = _Pairs(inputs)
+    evaluator = _Evaluator(inputs, pairs)
+    options = (False, True) if allow_recompute and inputs.memory_bytes is not None else (False,)
 
-    def solve(bound_s: float) -> list[tuple[int, int, int]] | None:
-        used, chosen_stop, chosen_replicas = _fewest_devices(table, bound_s, devices, straight, memory)
-        return _stages(chosen_stop, chosen_replicas, arrays.num_layers) if used <= devices else None
+    def solve(bound: float, track_cost: bool = False) -> list[Stage] | None:
+        return _solve(evaluator, bound, straight, options, track_cost)
 
-    best = solve(math.inf)  # with no bound on time, only memory can make this fail
+    def max_bound(stages: list[Stage]) -> float:
+        return max(cost.bound_s for cost in stage_costs(inputs, stages))
+
+    best = solve(math.inf)
     if best is None:
-        raise InfeasiblePlanError(memory_bytes or 0, _smallest_memory(table, devices, straight, copies))
-    best_value = pipedream_bottleneck_s(arrays, best, bandwidth_Bps)
-    low = float(arrays.compute_s[-1]) / devices * (1.0 - 1e-9)  # no plan beats perfect division of the work
-    high = best_value
-    for _ in range(_MAX_STEPS):  # bisection to a relative width of 1e-3 (fewer steps unless T* ~ 0)
-        if high - low <= 1e-3 * high:
-            break
-        middle = (low + high) / 2
-        plan = solve(middle)
-        if plan is None:
-            low = middle
-        else:
-            best, best_value = plan, pipedream_bottleneck_s(arrays, plan, bandwidth_Bps)
-            high = min(best_value, middle)
-    for _ in range(_MAX_STEPS):  # exact finish: look for any plan strictly better than the best one
-        if best_value <= 0:
-            break
-        plan = solve(best_value * (1.0 - _TIE))
-        value = None if plan is None else pipedream_bottleneck_s(arrays, plan, bandwidth_Bps)
-        if value is None or value >= best_value:
-            break
-        best, best_value = plan, value
-    # Among plans within the floating-point tie tolerance of the optimum, take the fewest devices:
-    # stage sums come from prefix differences, so equal stages may differ in the last bit.
-    fewest = solve(best_value * (1.0 + _TIE))
-    if fewest is not None and sum(r for _, _, r in fewest) < sum(r for _, _, r in best):
-        best, best_value = fewest, pipedream_bottleneck_s(arrays, fewest, bandwidth_Bps)
-    return Solution(tuple(best), best_value)
+        raise InfeasiblePlanError(inputs.memory_bytes or 0, _smallest_memory(inputs, straight, options))
+    # no plan beats perfect division of the work (pipedream); flush bounds start from 0
+    per_device = float(inputs.arrays.compute_s[-1]) * inputs.scale / inputs.cluster.num_devices
+    low = per_device * (1.0 - 1e-9) if inputs.schedule == "pipedream" else 0.0
+    best, best_bound = smallest_bound(solve, max_bound, best, low)
+    if inputs.schedule in FLUSH_SCHEDULES and True in options:
+        best = _cheaper_recompute(inputs, solve, best, best_bound)
+    best_value = objective_s(inputs, best)
+    # ties within the tolerance go to the fewest devices: every Pareto plan whose max Q could tie
+    limit = best_value * (1.0 + TIE)
+    bound = limit - fill_drain_s(inputs, [])
+    if True in options and inputs.schedule in FLUSH_SCHEDULES:
+        candidates = _solve_front(evaluator, bound, straight, options, True)
+    else:
+        candidates = [plan for plan in [solve(bound)] if plan is not None]
+    tied = [plan for plan in candidates if objective_s(inputs, plan) <= limit]
+    if tied:
+        fewest = min(tied, key=lambda plan: sum(stage[2] for stage in plan))
+        if sum(stage[2] for stage in fewest) < sum(stage[2] for stage in best):
+            best = fewest
+    return Solution(tuple(best), objective_s(inputs, best))
 
 
-def _smallest_memory(table: _PairTable, devices: int, straight: bool, copies: int) -> float:
-    """The least device memory, to the MB above, at which some plan fits (bisection on the memory)."""
-    low, high = 0.0, float(np.max(table.weight_bytes * (2 + copies) + table.saved_bytes)) * (devices + 2)
+def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage], lowest_bound: float) -> list[Stage]:
+    """Walk up the bound through every breakpoint where less recompute becomes possible (module docstring)."""
+    constant = fill_drain_s(inputs, [])
+    plan = solve(lowest_bound * (1.0 + TIE), True) or best
+    best, best_value = plan, objective_s(inputs, plan)
+    low = lowest_bound * (1.0 + TIE)
+    current_cost = fill_drain_s(inputs, plan) - constant
+    for _ in range(MAX_STEPS):
+        if current_cost <= 0:
+            break
+        high = best_value - constant  # a plan with a larger max Q cannot beat the best one
+        if high <= low:
+            break
+        cheaper = solve(high, True)
+        if cheaper is None or fill_drain_s(inputs, cheaper) - constant >= current_cost:
+            break
+        for _ in range(MAX_STEPS):  # the smallest bound at which a cheaper plan exists
+            if high - low <= TIE * high:
+                break
+            middle = (low + high) / 2
+            plan = solve(middle, True)
+            if plan is not None and fill_drain_s(inputs, plan) - constant < current_cost:
+                high, cheaper = middle, plan
+            else:
+                low = middle
+        value = objective_s(inputs, cheaper)
+        if value < best_value:
+            best, best_value = cheaper, value
+        current_cost = fill_drain_s(inputs, cheaper) - constant
+        low = high
+    return best
+
+
+def _smallest_memory(inputs: CostInputs, straight: bool, options: tuple[bool, ...]) -> float:
+    """The least device memory, rounded up to a whole MB, at which some plan fits (bisection)."""
+
+    def fits(memory: float) -> bool:
+        trial = replace(inputs, memory_bytes=memory)
+        return _solve(_Evaluator(trial, _Pairs(trial)), math.inf, straight, options, False) is not None
+
+    whole = stage_cost(inputs, 0, inputs.arrays.num_layers, 1, False, inputs.cluster.num_devices - 1, 1)
+    low, high = 0.0, whole.memory_bytes * 1.01 + 1e6
     for _ in range(100):
-        middle = (low + high) / 2
-        if _fewest_devices(table, math.inf, devices, straight, _MemoryLimit(middle, copies))[0] <= devices:
-            high = middle
-        else:
-            low = middle
         if high - low <= 1e5:
             break
-    return math.ceil(high / 1e6) * 1e6  # rounded up to a whole MB, so that it still admits a plan
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    whole_mb = math.floor(high / 1e6) * 1e6
+    return whole_mb if whole_mb > low and fits(whole_mb) else math.ceil(high / 1e6) * 1e6

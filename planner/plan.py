@@ -4,15 +4,21 @@ Schema (format "pipeline-planner/plan", version 1):
 
 - `profile`: {name, path, digest}: the profile the plan came from; `digest` is the SHA-256 of
   the profile's canonical JSON body (`profile_digest`), so a plan is never applied to another.
-- `cluster`: `Cluster.to_dict()`; `cost_model`: "pipedream"; `schedule`; `microbatches`
-  (None for the asynchronous schedule, which has no flush); `microbatch_size` (samples).
+- `cluster`: `Cluster.to_dict()`; `cost_model`: "planner" (`schedule_cost`) or "pipedream"
+  (`costmodel`); `schedule`: gpipe, 1f1b or pipedream; `microbatches` per iteration (None for
+  the asynchronous schedule, which has no flush); `microbatch_size` (samples; None when the
+  profile does not know its batch size); `straight`.
 - `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),
   `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions: `compute_ms`
-  (forward + backward of one mini-batch through the stage on one device), `comm_ms` (its
-  largest communication term per mini-batch, shared by its replicas), `value_ms` (what the
-  cost model minimises the maximum of), `memory_bytes` (per device, see `costmodel`).
-- `predicted`: `bottleneck_s`, `iteration_ms`, `samples_per_s`, `bubble_fraction`,
-  `speedup_vs_single_device`, `speedup_vs_data_parallel`, `devices_used`, `peak_memory_bytes`.
+  (forward + backward, plus the recomputed forward, of one microbatch on one device),
+  `comm_ms` (its larger transfer per microbatch, in or out), `allreduce_ms` (the gradient
+  all-reduce among its replicas), `period_ms` (steady-state time per microbatch the stage
+  allows; the planner model: max(compute, transfers) / replicas), `memory_bytes` (per device).
+- `predicted`: `bottleneck_s` (the largest per-stage term the cost model minimises),
+  `iteration_ms` (flush schedules: one iteration of `microbatches`; pipedream: time per
+  microbatch), `samples_per_s`, `bubble_fraction` (share of device time not computing),
+  `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
+  schedule), `devices_used`, `peak_memory_bytes`.
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
 """
 
@@ -31,7 +37,7 @@ from planner.fileformat import read_versioned_json, write_versioned_json
 from planner.profile import Profile
 
 PLAN_FORMAT = "pipeline-planner/plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: planner cost model; stages gained allreduce_ms, value_ms became period_ms
 
 
 class PlanProfileMismatchError(PlannerError):
@@ -78,7 +84,8 @@ class StagePlan:
     recompute: bool
     compute_ms: float
     comm_ms: float
-    value_ms: float
+    allreduce_ms: float
+    period_ms: float
     memory_bytes: int
 
 
@@ -141,7 +148,8 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
                 start=int(s["layers"][0]), stop=int(s["layers"][1]), first_layer=str(s["first_layer"]),
                 last_layer=str(s["last_layer"]), replicas=int(s["replicas"]),
                 ranks=tuple(int(r) for r in s["ranks"]), recompute=_strict_bool(s["recompute"], "recompute"),
-                compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]), value_ms=float(s["value_ms"]),
+                compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
+                allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
                 memory_bytes=int(s["memory_bytes"]),
             )
             for s in body["stages"]

@@ -80,8 +80,9 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
     )
     table.add_column("stage", justify="right", no_wrap=True)
     table.add_column("layers", overflow="fold", min_width=10)
-    headers = ("#", "replicas", "ranks", "compute ms", "comm ms", "stage ms", "memory/GPU")
-    for header in headers if wide else [h for h in headers if h not in ("#", "ranks")]:
+    headers = ("#", "replicas", "ranks", "compute ms", "comm ms", "all-reduce ms", "period ms", "memory/GPU",
+               "recompute")
+    for header in headers if wide else [h for h in headers if h not in ("#", "ranks", "all-reduce ms")]:
         table.add_column(header, justify="right", no_wrap=True)
     for index, stage in enumerate(plan.stages):
         ranks = f"{stage.ranks[0]}" if len(stage.ranks) == 1 else f"{stage.ranks[0]}-{stage.ranks[-1]}"
@@ -89,7 +90,8 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
         table.add_row(
             str(index), f"{stage.first_layer} .. {stage.last_layer}", *count, str(stage.replicas),
             *([ranks] if wide else []), format_ms(stage.compute_ms), format_ms(stage.comm_ms),
-            format_ms(stage.value_ms), memory_cell(stage.memory_bytes, plan.cluster.memory_bytes),
+            *([format_ms(stage.allreduce_ms)] if wide else []), format_ms(stage.period_ms),
+            memory_cell(stage.memory_bytes, plan.cluster.memory_bytes), "yes" if stage.recompute else "no",
         )
     return table
 
@@ -97,9 +99,12 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
 def plan_summary(plan: Plan) -> str:
     """Predicted bottleneck, throughput and speedups, then the plan's notes."""
     p = plan.predicted
+    if plan.microbatches is None:
+        timing = f"{p.iteration_ms:.4g} ms per microbatch (steady state, {plan.schedule} schedule)"
+    else:
+        timing = f"iteration {p.iteration_ms:.4g} ms ({plan.schedule}, {plan.microbatches} microbatches)"
     lines = [
-        f"bottleneck {p.bottleneck_s * 1000:.4g} ms per mini-batch; {p.samples_per_s:.4g} samples/s; "
-        f"GPUs idle {p.bubble_fraction:.1%} of the time",
+        f"{timing}; {p.samples_per_s:.4g} samples/s; GPUs idle {p.bubble_fraction:.1%} of the time",
         f"speedup {p.speedup_vs_single_device:.3g}x over one GPU, {p.speedup_vs_data_parallel:.3g}x over "
         f"data parallelism on {plan.cluster.num_devices} GPUs; {p.devices_used} GPUs used",
     ]
@@ -107,18 +112,19 @@ def plan_summary(plan: Plan) -> str:
 
 
 def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
-    """The plan against baselines under the same cost model: bottleneck and the plan's speedup."""
-    table = Table(title=f"{plan.profile.name}: the plan against common splits ({plan.cost_model} cost model)",
-                  **_COMPACT)
+    """The plan against baselines under the same cost model and schedule: time and the plan's speedup."""
+    table = Table(title=f"{plan.profile.name}: the plan against common splits ({plan.cost_model} cost model, "
+                        f"{plan.schedule} schedule)", **_COMPACT)
+    unit = "ms per microbatch" if plan.microbatches is None else "iteration ms"
     for header, justify in (("plan", "left"), ("replicas per stage", "left"), ("GPUs", "right"),
-                            ("bottleneck ms", "right"), ("memory/GPU", "right"), ("its time / optimized", "right")):
+                            (unit, "right"), ("memory/GPU", "right"), ("its time / optimized", "right")):
         table.add_column(header, justify=justify, no_wrap=True)
-    optimized_ms = plan.predicted.bottleneck_s * 1000.0
+    optimized_ms = plan.predicted.iteration_ms
     limit = plan.cluster.memory_bytes
     table.add_row("optimized", _replica_shape([s.replicas for s in plan.stages]), str(plan.predicted.devices_used),
                   f"{optimized_ms:.4g}", memory_cell(plan.predicted.peak_memory_bytes, limit), "")
     for baseline in baselines:
-        bottleneck_ms = baseline.bottleneck_s * 1000.0
+        bottleneck_ms = baseline.iteration_s * 1000.0
         fits = limit is None or baseline.peak_memory_bytes <= limit
         memory = memory_cell(baseline.peak_memory_bytes, limit) + ("" if fits else " does not fit")
         speedup = f"{bottleneck_ms / optimized_ms:.2f}x" if optimized_ms > 0 else ""

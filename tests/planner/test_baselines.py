@@ -40,14 +40,16 @@ def test_balanced_stages_minimise_the_heaviest_stage(weights: list[int], parts: 
 
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])
-def test_optimized_gpt_plan_beats_equal_layer_and_equal_parameter_splits(gpus: int) -> None:
+@pytest.mark.parametrize(("cost_model", "schedule"), [("planner", "auto"), ("planner", "1f1b"), ("planner", "pipedream"),
+                                                      ("pipedream", "auto")])
+def test_optimized_gpt_plan_beats_equal_layer_and_equal_parameter_splits(gpus: int, cost_model: str, schedule: str) -> None:
     profile = load_profile(GPT_PROFILE)
     cluster = make_cluster(gpus, bandwidths=["25GB/s"])
-    plan = partition(profile, cluster)
-    results = {result.name: result.bottleneck_s for result in compare_baselines(profile, cluster)}
-    assert all(plan.predicted.bottleneck_s <= value * (1 + 1e-12) for value in results.values())
-    assert plan.predicted.bottleneck_s < results["uniform"]
-    assert plan.predicted.bottleneck_s < results["parameters"]
+    plan = partition(profile, cluster, cost_model=cost_model, schedule=schedule)
+    results = {result.name: result.iteration_s * 1000.0 for result in compare_baselines(profile, plan)}
+    assert all(plan.predicted.iteration_ms <= value * (1 + 1e-9) for value in results.values())
+    assert plan.predicted.iteration_ms < results["uniform"]
+    assert plan.predicted.iteration_ms < results["parameters"]
 
 
 def test_cli_compare_prints_every_baseline(tmp_path: Path) -> None:

@@ -1,0 +1,42 @@
+"""Exact minimisation of a plan's max term by bisection on a bound, shared by both optimizers (pure)."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+Plan = TypeVar("Plan")
+
+TIE = 1e-9  # objectives within this relative distance count as equal
+MAX_STEPS = 200  # bisection and descent steps: far more than the ~60 needed to exhaust a float
+
+
+def smallest_bound(
+    solve: Callable[[float], Plan | None], value: Callable[[Plan], float], best: Plan, low: float
+) -> tuple[Plan, float]:
+    """The plan of least `value` among those `solve(bound)` can return, and that value.
+
+    `solve(bound)` returns a plan whose value is at most `bound`, or None when none exists, and
+    must be monotone (a larger bound never loses a plan); `best` is any plan, `low` a bound no
+    plan beats. The bound is bisected to a relative width of 1e-3, then set just below the best
+    plan's own value until nothing is found: the last plan is optimal to a relative TIE.
+    """
+    best_value = value(best)
+    high = best_value
+    for _ in range(MAX_STEPS):
+        if high - low <= 1e-3 * high:
+            break
+        middle = (low + high) / 2
+        plan = solve(middle)
+        if plan is None:
+            low = middle
+        else:
+            best, best_value = plan, value(plan)
+            high = min(best_value, middle)
+    for _ in range(MAX_STEPS):
+        if best_value <= 0:
+            break
+        plan = solve(best_value * (1.0 - TIE))
+        if plan is None or value(plan) >= best_value:
+            break
+        best, best_value = plan, value(plan)
+    return best, best_value
