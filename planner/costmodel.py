@@ -107,6 +107,16 @@ class LayerArrays:
         return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
 
 
+def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every candidate stage [i, j), i < j, ordered by i then j: (starts, stops, offsets), where the
+    stages starting at i occupy [offsets[i], offsets[i + 1])."""
+    counts = np.arange(num_layers, 0, -1)  # stages starting at i end at i+1 .. n
+    starts = np.repeat(np.arange(num_layers), counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
+    return starts, stops, offsets
+
+
 def pipedream_stage_time_s(compute_s: float, param_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
     """stage_time = (T + 4 (r - 1) P / (B r)) / r: compute plus amortised all-reduce per mini-batch, seconds."""
     r = float(replicas)

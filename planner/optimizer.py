@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.bound_search import MAX_STEPS, TIE, smallest_bound
+from planner.costmodel import stage_pairs
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.schedule_cost import (
     FLUSH_SCHEDULES,
@@ -37,7 +38,10 @@ from planner.schedule_cost import (
     CostInputs,
     Stage,
     fill_drain_s,
+    in_flight,
+    link_bandwidth,
     objective_s,
+    placement_ok,
     stage_cost,
     stage_costs,
 )
@@ -64,10 +68,7 @@ class _Pairs:
     def __init__(self, inputs: CostInputs) -> None:
         arrays, sigma = inputs.arrays, inputs.scale
         n = arrays.num_layers
-        counts = np.arange(n, 0, -1)
-        starts = np.repeat(np.arange(n), counts)
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        stops = starts + 1 + (np.arange(len(starts)) - self.offsets[starts])
+        starts, stops, self.offsets = stage_pairs(n)
         self.num_layers = n
         self.starts, self.stops = starts, stops
         self.fwd = sigma * (arrays.fwd_s[stops] - arrays.fwd_s[starts])
@@ -87,23 +88,11 @@ class _Evaluator:
 
     def __init__(self, inputs: CostInputs, pairs: _Pairs) -> None:
         self.inputs, self.pairs = inputs, pairs
-        self.groups = inputs.cluster.group_sizes()
         self.bandwidths = [level.bandwidth_Bps for level in inputs.cluster.levels]
 
-    def bandwidth(self, rank_a: np.ndarray, rank_b: np.ndarray) -> np.ndarray:
-        """Bandwidth of the innermost level holding both ranks (rank_a <= rank_b), per element."""
-        result = np.full(np.shape(rank_a), self.bandwidths[-1])
-        for group, rate in zip(self.groups[-2::-1], self.bandwidths[-2::-1]):
-            result = np.where(rank_a // group == rank_b // group, rate, result)
-        return result
-
     def placement_ok(self, first: np.ndarray, replicas: np.ndarray) -> np.ndarray:
-        """`schedule_cost.placement_ok`, per element."""
-        ok = first >= 0
-        last = first + replicas - 1
-        for group in self.groups[:-1]:
-            ok &= (first // group == last // group) | ((first % group == 0) & (replicas % group == 0))
-        return ok
+        """`schedule_cost.placement_ok`, per element (and not before rank 0)."""
+        return (first >= 0) & placement_ok(self.inputs.cluster, first, replicas)
 
     def terms(
         self, pair: np.ndarray, replicas: np.ndarray, first: np.ndarray, recompute: np.ndarray, downstream: np.ndarray
@@ -113,32 +102,22 @@ class _Evaluator:
         r = replicas.astype(float)
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         last = first + replicas - 1
-        comm_in = np.where(p.starts[pair] > 0, p.cut_in[pair] / self.bandwidth(first - 1, first), 0.0)
-        comm_out = np.where(p.stops[pair] < p.num_layers, p.cut_out[pair] / self.bandwidth(last, last + 1), 0.0)
+        comm_in = np.where(p.starts[pair] > 0, p.cut_in[pair] / link_bandwidth(self.inputs.cluster, first - 1, first), 0.0)
+        comm_out = np.where(p.stops[pair] < p.num_layers, p.cut_out[pair] / link_bandwidth(self.inputs.cluster, last, last + 1), 0.0)
         weights = p.weights[pair]
-        allreduce = np.where(replicas > 1, 2.0 * (r - 1.0) / r * weights / self.bandwidth(first, last), 0.0)
+        allreduce = np.where(replicas > 1, 2.0 * (r - 1.0) / r * weights / link_bandwidth(self.inputs.cluster, first, last), 0.0)
         if inputs.schedule == "pipedream":
             bound = np.maximum(np.maximum(compute + allreduce, comm_in), comm_out) / r
         else:
             turns = -(-inputs.microbatches // replicas) - 1
             bound = turns * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
-        flights = self.in_flight(replicas, replicas + downstream)
+        flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
         saved = p.saved[pair]
         memory = weights * (2 + inputs.optimizer_copies) + flights * np.where(recompute, p.entering[pair], saved)
         memory = memory + np.where(recompute, saved, 0.0)
         if inputs.schedule == "pipedream":
             memory = memory + (flights - 1) * weights
         return bound, memory
-
-    def in_flight(self, replicas: np.ndarray, devices_from_here: np.ndarray) -> np.ndarray:
-        """`schedule_cost.in_flight`, per element."""
-        per_replica = -(-self.inputs.microbatches // replicas)
-        through = -(-devices_from_here // replicas)
-        if self.inputs.schedule == "gpipe":
-            return per_replica
-        if self.inputs.schedule == "1f1b":
-            return np.minimum(per_replica, through)
-        return through
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -309,13 +288,12 @@ def _solve_front(
         residue = devices % group
         order = np.lexsort((flags, replicas, stop, cost, devices, residue))
         residue, devices, cost = residue[order], devices[order], cost[order]
-        new_class = np.concatenate([[True], residue[1:] != residue[:-1]])
-        # Pareto within each residue: keep an entry only if it is cheaper than every earlier (fewer-device) one
-        shifted = cost - residue * (2.0 * (float(np.max(cost)) + 1.0))  # later classes restart the running min
-        running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
-        keep = new_class | (shifted < running)
-        if not track_cost:
-            keep = new_class
+        keep = np.concatenate([[True], residue[1:] != residue[:-1]])  # the fewest devices of each residue
+        if track_cost:
+            # Pareto within each residue: keep an entry only if it is cheaper than every earlier (fewer-device) one
+            shifted = cost - residue * (2.0 * (float(np.max(cost)) + 1.0))  # later classes restart the running min
+            running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
+            keep = keep | (shifted < running)
         chosen = order[keep]
         front.devices = np.concatenate([front.devices, devices[keep]])
         front.cost = np.concatenate([front.cost, cost[keep]])

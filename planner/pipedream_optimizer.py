@@ -32,6 +32,7 @@ from planner.costmodel import (
     OPTIMIZER_STATE_COPIES,
     LayerArrays,
     pipedream_bottleneck_s,
+    stage_pairs,
 )
 from planner.errors import InfeasiblePlanError, PlannerError
 
@@ -56,10 +57,7 @@ class _PairTable:
 
     def __init__(self, arrays: LayerArrays, bandwidth_Bps: float) -> None:
         n = arrays.num_layers
-        counts = np.arange(n, 0, -1)  # stages starting at i end at i+1 .. n
-        starts = np.repeat(np.arange(n), counts)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
+        starts, stops, offsets = stage_pairs(n)
         self.num_layers = n
         self.offsets = offsets  # pairs starting at i occupy [offsets[i], offsets[i+1])
         self.starts, self.stops = starts, stops

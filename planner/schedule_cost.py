@@ -50,6 +50,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
 
 from planner.cluster import Cluster
 from planner.costmodel import LayerArrays
@@ -58,6 +61,7 @@ SCHEDULES = ("gpipe", "1f1b", "pipedream")
 FLUSH_SCHEDULES = ("gpipe", "1f1b")
 
 Stage = tuple[int, int, int, bool]  # (start, stop, replicas, recompute)
+ArrayOrInt = Union[int, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -84,20 +88,31 @@ class CostInputs:
         return sizes[-2] if len(sizes) >= 2 else 1
 
 
-def level_bandwidth(cluster: Cluster, rank_a: int, rank_b: int) -> float:
-    """Bandwidth between two ranks (the innermost level holding both), bytes/s."""
-    return cluster.levels[cluster.span_level(min(rank_a, rank_b), max(rank_a, rank_b))].bandwidth_Bps
+def link_bandwidth(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> np.ndarray:
+    """Bandwidth between ranks (the innermost level holding both; rank_a <= rank_b), bytes/s.
+
+    Works element-wise on arrays of ranks; a 0-d array for two ints.
+    """
+    sizes = cluster.group_sizes()
+    rates = [level.bandwidth_Bps for level in cluster.levels]
+    result = np.full(np.shape(rank_a), rates[-1])
+    for group, rate in zip(sizes[-2::-1], rates[-2::-1]):
+        result = np.where(np.floor_divide(rank_a, group) == np.floor_divide(rank_b, group), rate, result)
+    return result
 
 
-def placement_ok(cluster: Cluster, first_rank: int, replicas: int) -> bool:
-    """The placement rule: below the outermost level, the ranks lie in one group or are whole groups."""
-    last = first_rank + replicas - 1
+def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt) -> np.ndarray:
+    """The placement rule: below the outermost level, the ranks lie in one group or are whole groups.
+
+    Works element-wise on arrays; a 0-d bool array for two ints.
+    """
+    last = np.add(first_rank, replicas) - 1
+    ok = np.full(np.shape(first_rank), True)
     for group in cluster.group_sizes()[:-1]:
-        inside = first_rank // group == last // group
-        whole = first_rank % group == 0 and replicas % group == 0
-        if not (inside or whole):
-            return False
-    return True
+        inside = np.floor_divide(first_rank, group) == np.floor_divide(last, group)
+        whole = (np.remainder(first_rank, group) == 0) & (np.remainder(replicas, group) == 0)
+        ok = ok & (inside | whole)
+    return ok
 
 
 def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
@@ -126,14 +141,14 @@ class StageCost:
     memory_bytes: float
 
 
-def in_flight(schedule: str, microbatches: int, replicas: int, devices_from_here: int) -> int:
-    """Microbatches in flight per replica (module docstring)."""
+def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
+    """Microbatches in flight per replica (module docstring); element-wise on arrays."""
     per_replica = -(-microbatches // replicas)
     through = -(-devices_from_here // replicas)
     if schedule == "gpipe":
         return per_replica
     if schedule == "1f1b":
-        return min(per_replica, through)
+        return np.minimum(per_replica, through)
     return through
 
 
@@ -147,14 +162,14 @@ def stage_cost(
     both = sigma * float(arrays.compute_s[stop] - arrays.compute_s[start])
     compute = both + (fwd if recompute else 0.0)
     last_rank = first_rank + replicas - 1
-    comm_in = 0.0 if start == 0 else sigma * arrays.cut_before(start) / level_bandwidth(cluster, first_rank - 1, first_rank)
+    comm_in = 0.0 if start == 0 else sigma * arrays.cut_before(start) / float(link_bandwidth(cluster, first_rank - 1, first_rank))
     comm_out = (
         0.0 if stop == arrays.num_layers
-        else sigma * arrays.cut_after(stop) / level_bandwidth(cluster, last_rank, last_rank + 1)
+        else sigma * arrays.cut_after(stop) / float(link_bandwidth(cluster, last_rank, last_rank + 1))
     )
     weights = arrays.stage_weight_bytes(start, stop)
     allreduce = 0.0 if replicas == 1 else (
-        2.0 * (replicas - 1) / replicas * weights / level_bandwidth(cluster, first_rank, last_rank)
+        2.0 * (replicas - 1) / replicas * weights / float(link_bandwidth(cluster, first_rank, last_rank))
     )
     if inputs.schedule == "pipedream":
         period = max(compute + allreduce, comm_in, comm_out) / replicas
@@ -164,7 +179,7 @@ def stage_cost(
         bound = (-(-inputs.microbatches // replicas) - 1) * period * replicas + allreduce
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
-    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here)
+    flights = int(in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here))
     memory = weights * (2 + inputs.optimizer_copies) + flights * (entering if recompute else saved)
     if recompute:
         memory += saved
@@ -203,7 +218,7 @@ def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
 def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:
     """True when the placement rule holds and every device fits the memory limit (if any)."""
     ranks = first_ranks(inputs, stages)
-    if ranks[0] < 0 or not all(placement_ok(inputs.cluster, rank, s[2]) for rank, s in zip(ranks, stages)):
+    if ranks[0] < 0 or not all(bool(placement_ok(inputs.cluster, rank, s[2])) for rank, s in zip(ranks, stages)):
         return False
     if inputs.memory_bytes is None:
         return True

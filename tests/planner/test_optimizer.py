@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cluster import Cluster, make_cluster
+from layer_strategies import layer_arrays
 from planner.costmodel import LayerArrays
 from planner.errors import InfeasiblePlanError
 from planner.optimizer import Solution, optimize
@@ -85,32 +86,6 @@ def check_solution(inputs: CostInputs, solution: Solution, straight: bool, allow
     assert allow_recompute or not any(stage[3] for stage in stages)
     assert plan_fits(inputs, stages)
     assert solution.objective_s == objective_s(inputs, stages)
-
-
-@st.composite
-def layer_arrays(draw: st.DrawFn) -> LayerArrays:
-    """1-5 layers: compute 0-100 ms (forward a share of it), parameters, cuts and saved activations."""
-    n = draw(st.integers(1, 5))
-    # times from 1 us up (or exactly 0): subnormal floats would make "equal" meaningless; the
-    # powers of two add exactly, so different plans tie exactly
-    compute = draw(st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.03, 0.1, 0.03125, 0.0625]) | st.floats(1e-6, 0.1),
-                            min_size=n, max_size=n))
-    shares = draw(st.lists(st.sampled_from([0.0, 0.25, 1 / 3, 0.5, 1.0]), min_size=n, max_size=n))
-    forward = [time * share for time, share in zip(compute, shares)]
-    params = draw(st.lists(st.sampled_from([0.0, 1e6, 5e7, 2e8, 4e8]), min_size=n, max_size=n))
-    cuts = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7, 1e8, 4e8]), min_size=n, max_size=n))
-    saved = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
-    shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
-    if n >= 2 and draw(st.booleans()):
-        shared = ((0, (n - 1,), float(draw(st.sampled_from([1e6, 1e8, 4e8])))),)  # a tied first/last weight
-    return LayerArrays(
-        compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
-        param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
-        cut_bytes=np.array(cuts[:-1] + [0.0]),
-        saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
-        shared=shared,
-        fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
-    )
 
 
 BANDWIDTHS = [1e9, 1e10, 1e11]

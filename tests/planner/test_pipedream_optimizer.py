@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layer_strategies import layer_arrays
 from planner.costmodel import (
     OPTIMIZER_STATE_COPIES,
     LayerArrays,
@@ -72,28 +73,6 @@ def brute_force(arrays: LayerArrays, devices: int, bandwidth: float, straight: b
     optimum = min(value for value, _ in scored)
     # plans within a relative 1e-9 of the optimum tie (floating-point sums); the fewest devices wins
     return optimum, min(used for value, used in scored if value <= optimum * (1 + 1e-9))
-
-
-@st.composite
-def layer_arrays(draw: st.DrawFn) -> LayerArrays:
-    """1-5 layers with times 0-100 ms, parameters 0-400 MB, cuts and saved activations 0-400 MB."""
-    n = draw(st.integers(1, 5))
-    # times from 1 us up (or exactly 0): subnormal floats would make "equal" meaningless
-    compute = draw(st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.03, 0.1]) | st.floats(1e-6, 0.1),
-                            min_size=n, max_size=n))
-    params = draw(st.lists(st.sampled_from([0.0, 1e6, 5e7, 2e8, 4e8]), min_size=n, max_size=n))
-    cuts = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7, 1e8, 4e8]), min_size=n, max_size=n))
-    saved = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
-    shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
-    if n >= 2 and draw(st.booleans()):
-        shared = ((0, (n - 1,), float(draw(st.sampled_from([1e6, 1e8])))),)  # a tied first/last weight
-    return LayerArrays(
-        compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
-        param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
-        cut_bytes=np.array(cuts[:-1] + [0.0]),
-        saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
-        shared=shared,
-    )
 
 
 @settings(max_examples=400, deadline=None)
