@@ -17,11 +17,22 @@ def smallest_bound(
 
     `solve(bound)` returns a plan whose value is at most `bound`, or None when none exists, and
     must be monotone (a larger bound never loses a plan); `best` is any plan, `low` a bound no
-    plan beats. The bound is bisected to a relative width of 1e-3, then set just below the best
-    plan's own value until nothing is found: the last plan is optimal to a relative TIE.
+    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, 1, ... are tried first (optima
+    often lie just above such a bound); then the bound is bisected to a relative width of 1e-3,
+    then set just below the best plan's own value until nothing is found: the last plan is
+    optimal to a relative TIE.
     """
     best_value = value(best)
     high = best_value
+    base, step = low, 1e-3
+    while 0 < base * (1.0 + step) < high:
+        probe = base * (1.0 + step)
+        plan = solve(probe)
+        if plan is not None:
+            best, best_value = plan, value(plan)
+            high = min(best_value, probe)
+            break
+        low, step = probe, 2.0 * step
     for _ in range(MAX_STEPS):
         if high - low <= 1e-3 * high:
             break

@@ -42,6 +42,7 @@ from planner.schedule_cost import (
     link_bandwidth,
     objective_s,
     placement_ok,
+    plan_fits,
     stage_cost,
     stage_costs,
 )
@@ -89,6 +90,8 @@ class _Evaluator:
     def __init__(self, inputs: CostInputs, pairs: _Pairs) -> None:
         self.inputs, self.pairs = inputs, pairs
         self.bandwidths = [level.bandwidth_Bps for level in inputs.cluster.levels]
+        self.outer_comm = np.maximum(pairs.cut_in, pairs.cut_out) / self.bandwidths[-1]  # both links outermost
+        self.combos = _GroupCombos(inputs, pairs) if inputs.memory_bytes is None else None
 
     def placement_ok(self, first: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """`schedule_cost.placement_ok`, per element (and not before rank 0)."""
@@ -111,13 +114,18 @@ class _Evaluator:
         else:
             turns = -(-inputs.microbatches // replicas) - 1
             bound = turns * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
+        return bound, self.memory(pair, replicas, recompute, downstream)
+
+    def memory(self, pair: np.ndarray, replicas: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
+        """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
+        p, inputs = self.pairs, self.inputs
+        weights, saved = p.weights[pair], p.saved[pair]
         flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
-        saved = p.saved[pair]
         memory = weights * (2 + inputs.optimizer_copies) + flights * np.where(recompute, p.entering[pair], saved)
         memory = memory + np.where(recompute, saved, 0.0)
         if inputs.schedule == "pipedream":
             memory = memory + (flights - 1) * weights
-        return bound, memory
+        return memory
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -128,9 +136,7 @@ class _Evaluator:
         group = inputs.class_size
         top = self.bandwidths[-1]
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        comm = np.maximum(
-            np.where(p.starts[pair] > 0, p.cut_in[pair], 0.0), np.where(p.stops[pair] < p.num_layers, p.cut_out[pair], 0.0)
-        ) / top
+        comm = self.outer_comm[pair]
         a = 2.0 * p.weights[pair] / top
         lowest = np.full(len(pair), 2.0 * group)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -185,11 +191,16 @@ class _Evaluator:
         usable = np.isfinite(replicas) & (replicas < _NONE)
         replicas = np.where(usable, replicas, 2 * group).astype(np.int64)
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
-        first = first_end - replicas
-        q, memory = self.terms(pair, replicas, first, recompute, downstream)
-        ok = usable & (q <= bound) & (first >= 0)
+        p, top, r = self.pairs, self.bandwidths[-1], replicas.astype(float)
+        compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
+        allreduce = 2.0 * (r - 1.0) / r * p.weights[pair] / top  # every link of the stage is outermost
+        if self.inputs.schedule == "pipedream":
+            q = np.maximum(compute + allreduce, self.outer_comm[pair]) / r
+        else:
+            q = (-(-self.inputs.microbatches // replicas) - 1) * np.maximum(compute, self.outer_comm[pair]) + allreduce
+        ok = usable & (q <= bound) & (first_end - replicas >= 0)
         if self.inputs.memory_bytes is not None:
-            ok &= memory <= self.inputs.memory_bytes
+            ok &= self.memory(pair, replicas, recompute, downstream) <= self.inputs.memory_bytes
         return ok
 
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
@@ -236,8 +247,8 @@ def _solve(
     evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
 ) -> list[Stage] | None:
     """The plan with every Q(s) <= bound of least recompute cost (if tracked), then fewest devices."""
-    if evaluator.inputs.class_size == 1 and evaluator.inputs.memory_bytes is None:
-        return _solve_flat(evaluator, bound, straight)
+    if evaluator.inputs.memory_bytes is None:
+        return _solve_unlimited(evaluator, evaluator.combos, bound, straight)
     found = _solve_front(evaluator, bound, straight, recompute_options, track_cost)
     return found[0] if found else None
 
@@ -314,35 +325,133 @@ def _solve_front(
     return plans
 
 
-def _solve_flat(evaluator: _Evaluator, bound: float, straight: bool) -> list[Stage] | None:
-    """`_solve` for a flat cluster without a memory limit: a stage's fewest replicas depend on the
-    stage alone, so they are found for every pair at once; E[i] = min_j r(i, j) + E[j]."""
-    pairs, total = evaluator.pairs, evaluator.inputs.cluster.num_devices
-    count = len(pairs.starts)
-    every = np.arange(count)
-    no_flag, nothing_after = np.zeros(count, dtype=bool), np.zeros(count, dtype=np.int64)
-    ones = np.ones(count, dtype=np.int64)
-    q, _ = evaluator.terms(every, ones, np.full(count, total - 1), no_flag, nothing_after)
-    replicas = np.where(q <= bound, 1, _NONE)
-    if not straight:
-        outer = evaluator.fewest_outer(every, np.full(count, total), no_flag, nothing_after, bound)
-        replicas = np.where(replicas == 1, 1, outer)
-    n = pairs.num_layers
-    best = np.full(n + 1, _NONE, dtype=np.int64)
-    best[n] = 0
-    chosen = np.zeros(n + 1, dtype=np.int64)
+class _GroupCombos:
+    """Stage shapes for plans without a memory limit, by combination of residue and replicas.
+
+    A state (layer j, rho) holds the fewest devices D with D mod M = rho used by layers [j, L);
+    a stage [i, j) with r replicas on top of it ends at rank total - D, whose residue fixes every
+    link the stage sees (shifting ranks by M changes no bandwidth). Combination k is a pair
+    (rho_k, r_k) that obeys the placement rule; it leads to residue (rho_k + r_k) mod M. They are
+    every r <= M inside one group and, for flush schedules, whole outer groups r = k M >= 2 M from
+    residue 0: the least r for each value of ceil(m / r), since among equal turns the fewest
+    replicas have the least all-reduce. (pipedream's Q falls with r, so its outer stages come from
+    `_Evaluator.fewest_outer` per bound.) Q of every stage and combination is a function of the
+    stage's sums and the combination's three bandwidths (in, out, all-reduce) alone.
+    """
+
+    def __init__(self, inputs: CostInputs, pairs: _Pairs) -> None:
+        self.inputs, self.pairs = inputs, pairs
+        group, cluster = inputs.class_size, inputs.cluster
+        rho, replicas = [], []
+        for downstream in range(group):
+            end = (-downstream) % group  # residue of the stage's exclusive end rank
+            room = end if end > 0 else group  # ranks left in the group below the end
+            for r in range(1, room + 1):
+                rho.append(downstream)
+                replicas.append(r)
+        if inputs.schedule in FLUSH_SCHEDULES:
+            turns = inputs.microbatches
+            for r in range(2 * group, cluster.num_devices + 1, group):
+                if -(-inputs.microbatches // r) - 1 < turns:
+                    turns = -(-inputs.microbatches // r) - 1
+                    rho.append(0)
+                    replicas.append(r)
+        self.rho, self.replicas = np.array(rho, dtype=np.int64), np.array(replicas, dtype=np.int64)
+        self.next_rho = (self.rho + self.replicas) % group
+        end = (-self.rho) % group
+        end = np.where(end > 0, end, np.maximum(group, self.replicas))  # a representative end rank (>= r)
+        first = end - self.replicas
+        self.bw_in = link_bandwidth(cluster, first - 1, first)
+        self.bw_out = link_bandwidth(cluster, end - 1, end)
+        self.bw_allreduce = link_bandwidth(cluster, first, end - 1)
+        self.turns = (-(-inputs.microbatches // self.replicas) - 1).astype(float)
+        self.share = 2.0 * (self.replicas - 1.0) / self.replicas  # ring all-reduce traffic per weight byte
+        self._cache = None
+        self._cache = self.bounds(slice(None)) if len(pairs.starts) * len(self.rho) <= _CACHE_ENTRIES else None
+        whole = int(np.nonzero((self.rho == 0) & (self.replicas == group))[0][0])
+        self.lowest = np.empty(len(pairs.starts))  # least Q of each pair inside a group
+        self.whole_group_q = np.empty(len(pairs.starts))  # Q on a whole inner group
+        for i in range(pairs.num_layers):
+            where = slice(int(pairs.offsets[i]), int(pairs.offsets[i + 1]))
+            row = self.bounds(where)
+            self.lowest[where], self.whole_group_q[where] = row.min(axis=1), row[:, whole]
+
+    def bounds(self, where: slice) -> np.ndarray:
+        """Q of the pairs in `where` (rows) under every combination (columns), seconds."""
+        if self._cache is not None:
+            return self._cache[where]
+        p = self.pairs
+        compute = p.both[where][:, None]
+        comm_in = p.cut_in[where][:, None] / self.bw_in
+        comm_out = p.cut_out[where][:, None] / self.bw_out
+        allreduce = self.share * p.weights[where][:, None] / self.bw_allreduce
+        if self.inputs.schedule == "pipedream":
+            return np.maximum(np.maximum(compute + allreduce, comm_in), comm_out) / self.replicas
+        return self.turns * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
+
+
+_CACHE_ENTRIES = 8_000_000  # Q values (8 bytes each) kept across bounds; larger tables are recomputed
+
+
+def _solve_unlimited(evaluator: _Evaluator, combos: _GroupCombos, bound: float, straight: bool) -> list[Stage] | None:
+    """`_solve` without a memory limit: one state per (layer, residue), the fewest devices.
+
+    E[i, rho'] = min over stops j and combinations k with next_rho_k = rho' of E[j, rho_k] + r_k
+    over stages with Q <= bound; stages on whole outer groups (r = k M >= 2 M, only from residue
+    0, every link outermost) add E[j, 0] + fewest_outer(i, j), needed only where the whole inner
+    group (same residue, fewer devices) fails. Stops beyond the last one any stage from i can
+    reach are skipped. Ties go to the shortest stage, then the fewest replicas.
+    """
+    inputs, pairs = evaluator.inputs, evaluator.pairs
+    n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
+    usable = combos.replicas == 1 if straight else np.ones(len(combos.rho), dtype=bool)
+    order = np.argsort(combos.next_rho[usable], kind="stable")
+    columns = np.nonzero(usable)[0][order]
+    rho, replicas, next_rho = combos.rho[columns], combos.replicas[columns], combos.next_rho[columns]
+    present = np.isin(np.arange(group), next_rho)
+    heads = np.searchsorted(next_rho, np.arange(group)[present])
+    reach = combos.lowest <= bound
+    outer = np.full(len(pairs.starts), _NONE, dtype=np.int64)
+    if not straight and total >= 2 * group and inputs.schedule == "pipedream":
+        need = np.nonzero(combos.whole_group_q > bound)[0]
+        outer[need] = evaluator.fewest_outer(need, np.full(len(need), total), np.zeros(len(need), dtype=bool),
+                                             np.zeros(len(need), dtype=np.int64), bound)
+        reach |= outer < _NONE
+    last_stop = np.maximum.reduceat(np.where(reach, pairs.stops, 0), pairs.offsets[:-1])
+    worst = total + 1  # 'no plan'; keys below encode (devices, stop, replicas) in one integer
+    stride_r = max(total, group) + 1
+    stride_j = (n + 1) * stride_r
+    best = np.full((n + 1, group), worst, dtype=np.int64)
+    best[n, 0] = 0
+    key = np.full((n + 1, group), worst * stride_j, dtype=np.int64)
     for start in range(n - 1, -1, -1):
-        where = slice(int(pairs.offsets[start]), int(pairs.offsets[start + 1]))
-        totals = np.minimum(replicas[where] + best[start + 1:], _NONE)
-        index = int(np.argmin(totals))
-        best[start], chosen[start] = totals[index], index
-    if best[0] > total:
+        width = int(last_stop[start]) - start
+        if width <= 0:
+            continue
+        where = slice(int(pairs.offsets[start]), int(pairs.offsets[start]) + width)
+        stops = np.arange(start + 1, start + 1 + width)
+        downstream = best[start + 1:start + 1 + width]
+        devices = np.minimum(downstream[:, rho] + replicas, worst)
+        devices = np.where((combos.bounds(where)[:, columns] <= bound) & (devices <= total), devices, worst)
+        keys = (devices * (n + 1) + stops[:, None]) * stride_r + replicas
+        row = np.full(group, worst * stride_j, dtype=np.int64)
+        row[present] = np.minimum.reduceat(keys.min(axis=0), heads)
+        extra = outer[where]
+        devices = np.minimum(downstream[:, 0] + extra, worst)
+        devices = np.where(devices <= total, devices, worst)
+        row[0] = min(row[0], int(((devices * (n + 1) + stops) * stride_r + np.minimum(extra, stride_r - 1)).min()))
+        key[start] = row
+        best[start] = np.minimum(row // stride_j, worst)
+    residues = np.nonzero(best[0] <= total)[0]
+    if len(residues) == 0:
         return None
+    state = int(residues[np.argmin(best[0, residues])])
     stages, start = [], 0
     while start < n:
-        stop = start + 1 + int(chosen[start])
-        stages.append((start, stop, int(replicas[pairs.offsets[start] + chosen[start]]), False))
-        start = stop
+        code = int(key[start, state])
+        stop, r = (code // stride_r) % (n + 1), code % stride_r
+        stages.append((start, stop, r, False))
+        start, state = stop, (state - r) % group
     return stages
 
 
@@ -367,6 +476,9 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     best = solve(math.inf)
     if best is None:
         raise InfeasiblePlanError(inputs.memory_bytes or 0, _smallest_memory(inputs, straight, options))
+    everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]  # data parallelism: a
+    if not straight and plan_fits(inputs, everywhere) and max_bound(everywhere) < max_bound(best):  # first bound
+        best = everywhere
     # no plan beats perfect division of the work (pipedream); flush bounds start from 0
     per_device = float(inputs.arrays.compute_s[-1]) * inputs.scale / inputs.cluster.num_devices
     low = per_device * (1.0 - 1e-9) if inputs.schedule == "pipedream" else 0.0
