@@ -18,6 +18,7 @@ from planner.optimizer import Solution, optimize
 from planner.pipedream_optimizer import optimize_pipedream
 from planner.plan import Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.profile import Profile
+from planner.simulator import simulate_stages
 from planner.schedule_cost import (
     FLUSH_SCHEDULES,
     SCHEDULES,
@@ -151,6 +152,9 @@ def _planner_plan(
         for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
     )
     objective = solution.objective_s
+    closed_form = objective
+    if inputs.schedule == "gpipe":  # its closed form assumes one stage is slowest both ways: simulate
+        objective = simulate_stages(inputs, stages_list).iteration_s()
     flush = inputs.schedule in FLUSH_SCHEDULES
     per_iteration = inputs.microbatches if flush else 1
     busy_s = per_iteration * sum(cost.compute_s for cost in costs)
@@ -160,7 +164,7 @@ def _planner_plan(
     predicted = Prediction(
         bottleneck_s=max(cost.bound_s for cost in costs),
         iteration_ms=objective * 1000.0,
-        samples_per_s=chosen.samples_per_s,
+        samples_per_s=samples_per_s(inputs, objective, size),
         bubble_fraction=max(0.0, 1.0 - busy_s / (solution.devices * objective)) if objective > 0 else 0.0,
         speedup_vs_single_device=single_s / objective if objective > 0 else 1.0,
         speedup_vs_data_parallel=data_parallel / objective if objective > 0 else 1.0,
@@ -172,6 +176,9 @@ def _planner_plan(
     if flush:
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
                      "iteration_ms is one flushed iteration")
+    if inputs.schedule == "gpipe":
+        notes.append(f"gpipe: iteration_ms is simulated; the closed form the optimizer minimised says "
+                     f"{closed_form * 1000:.4g} ms (it assumes the slowest forward and backward are on one stage)")
     else:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch")
@@ -183,7 +190,7 @@ def _planner_plan(
         profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),
         cluster=inputs.cluster, cost_model="planner", schedule=inputs.schedule,
         microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
-        stages=stages, predicted=predicted, notes=tuple(notes),
+        stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer,
     )
 
 
@@ -253,7 +260,7 @@ def _partition_pipedream(
         profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),
         cluster=cluster, cost_model="pipedream", schedule="pipedream", microbatches=None,
         microbatch_size=profile.batch_size, straight=straight, stages=tuple(stages), predicted=predicted,
-        notes=tuple(notes),
+        notes=tuple(notes), optimizer=optimizer,
     )
 
 
@@ -286,17 +293,26 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str = "adam") -> 
                            max(_stage_memory_bytes(arrays, stages, index, optimizer) for index in range(len(stages))))
             for name, stages in found.items()
         ]
-    profiled = profile.batch_size or 1
-    inputs = CostInputs(
-        arrays, cluster, plan.schedule, plan.microbatches or 1, (plan.microbatch_size or profiled) / profiled,
-        float(profile.input_bytes), OPTIMIZER_STATE_COPIES[optimizer], cluster.memory_bytes,
-    )
+    inputs = plan_cost_inputs(profile, plan, optimizer)
     results = []
     for name, stages in found.items():
         flagged = [(start, stop, replicas, False) for start, stop, replicas in stages]
         peak = max(cost.memory_bytes for cost in stage_costs(inputs, flagged))
         results.append(BaselineResult(name, tuple(stages), objective_s(inputs, flagged), int(peak)))
     return results
+
+
+def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None) -> CostInputs:
+    """The planner cost model's inputs for a saved plan: its cluster, schedule, microbatches and
+    microbatch scale (pipedream plans: one microbatch of the profiled batch); `optimizer`
+    overrides the plan's own."""
+    profiled = profile.batch_size or 1
+    memory = plan.cluster.memory_bytes
+    return CostInputs(
+        LayerArrays.from_profile(profile), plan.cluster, plan.schedule, plan.microbatches or 1,
+        (plan.microbatch_size or profiled) / profiled, float(profile.input_bytes),
+        OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
+    )
 
 
 def _stage_memory_bytes(arrays: LayerArrays, stages: list[tuple[int, int, int]], index: int, optimizer: str) -> int:

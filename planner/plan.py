@@ -20,6 +20,7 @@ Schema (format "pipeline-planner/plan", version 1):
   `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
   schedule), `devices_used`, `peak_memory_bytes`.
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
+- `optimizer`: adam or sgd, whose state the memory figures count (absent in older files: adam).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     predicted: Prediction
     notes: tuple[str, ...] = field(default_factory=tuple)
+    optimizer: str = "adam"
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `plan_from_dict`."""
@@ -165,6 +167,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
             straight=_strict_bool(body["straight"], "straight"), stages=stages,
             predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)}),
             notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
+            optimizer=str(body.get("optimizer", "adam")),
         )
         _check_stages(plan.stages, source)
         return plan

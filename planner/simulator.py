@@ -1,0 +1,250 @@
+"""Event-driven simulation of a schedule: when each op runs, per rank, and what memory it holds (pure).
+
+`simulate_schedule(schedule, stage_times, cluster)` plays the `schedule.Schedule` with op
+durations in seconds: each rank runs its compute ops (forward, backward, all-reduce, step) one
+at a time in program order; a send starts a transfer on the sender's channel for that direction
+(activations, gradients: one transfer at a time each, overlapped with compute) as soon as the
+sent data exists and the channel is free; a receive waits for its transfer to arrive; an
+all-reduce starts when every replica of the stage has reached it and occupies each of them.
+Transfer time = bytes / bandwidth of the link between the two ranks (`schedule_cost.link_bandwidth`).
+
+Memory per device (bytes): base (weights, gradients, optimizer state, and for pipedream one
+weight version) plus, per microbatch from the start of its forward to the end of its backward,
+`held_bytes` (saved activations, or only the stage input when recomputing: with weight stashing
+also a weight version), plus `rebuilt_bytes` during a recomputing backward. This is the cost
+model's memory formula played out over time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from planner.cluster import Cluster
+from planner.schedule import (
+    ALLREDUCE,
+    BACKWARD,
+    FORWARD,
+    RECV_ACTIVATION,
+    RECV_GRADIENT,
+    SEND_ACTIVATION,
+    SEND_GRADIENT,
+    STEP,
+    Schedule,
+    build_schedule,
+)
+from planner.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, stage_cost
+
+COLUMNS = ("rank", "stage", "replica", "microbatch", "iteration", "op", "peer", "start_s", "end_s")
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Durations (seconds, per microbatch) and memory (bytes per device) of one stage."""
+
+    forward_s: float
+    backward_s: float  # with the recomputed forward when the stage recomputes
+    allreduce_s: float
+    activation_bytes: float  # sent to the next stage per microbatch (the same size of gradient comes back)
+    base_bytes: float = 0.0
+    held_bytes: float = 0.0
+    rebuilt_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated ops: `events` has one row per op (columns COLUMNS; sends are the transfers,
+    on the sender's rank, `peer` the receiver), plus what the summaries need."""
+
+    events: pd.DataFrame
+    schedule: str
+    microbatches: int
+    iterations: int
+    stage_times: tuple[StageTimes, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        """End of the last op, seconds."""
+        return float(self.events["end_s"].max()) if len(self.events) else 0.0
+
+    def iteration_s(self) -> float:
+        """Flush schedules: seconds per iteration (makespan / iterations). pipedream: the
+        steady-state seconds per microbatch: the last K of the first stage's backwards span K
+        microbatches, K the largest multiple of its replicas up to half of them (replicas finish
+        in rounds)."""
+        if self.schedule != "pipedream":
+            return self.makespan_s / self.iterations
+        first = self.events[(self.events["op"] == BACKWARD) & (self.events["stage"] == 0)]
+        ends = np.sort(first["end_s"].to_numpy())
+        replicas = max(int(first["replica"].max()) + 1, 1) if len(first) else 1
+        span = (len(ends) // 2) // replicas * replicas
+        if span <= 0:
+            return self.makespan_s / max(len(ends), 1)
+        return float((ends[-1] - ends[-1 - span]) / span)
+
+    def bubble_fraction(self) -> pd.Series:
+        """Per rank: the share of the makespan it spends neither computing nor all-reducing."""
+        busy = self.events[self.events["op"].isin((FORWARD, BACKWARD, ALLREDUCE))]
+        per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
+        ranks = sorted(self.events["rank"].unique())
+        span = self.makespan_s
+        return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).rename("bubble_fraction") if span > 0 else \
+            pd.Series(0.0, index=ranks, name="bubble_fraction")
+
+    def memory(self) -> pd.DataFrame:
+        """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
+        value holds from time_s until the rank's next row)."""
+        rows = []
+        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD))]
+        for (rank, stage), ops in compute.groupby(["rank", "stage"]):
+            times = self.stage_times[int(stage)]
+            changes = [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
+            for start, end in ops.loc[ops["op"] == BACKWARD, ["start_s", "end_s"]].itertuples(index=False):
+                changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - times.held_bytes)]
+            changes.sort(key=lambda change: (change[0], change[1]))  # frees before allocations at one instant
+            level = times.base_bytes
+            rows.append((int(rank), int(stage), 0.0, level))
+            for time_s, delta in changes:
+                level += delta
+                rows.append((int(rank), int(stage), time_s, level))
+        return pd.DataFrame(rows, columns=["rank", "stage", "time_s", "bytes"])
+
+    def peak_memory(self) -> pd.Series:
+        """Per stage: the most bytes any of its devices holds at once."""
+        return self.memory().groupby("stage")["bytes"].max().rename("peak_bytes")
+
+    def to_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (Perfetto, chrome://tracing): one complete event per op;
+        process = rank, thread 0 = compute, 1 = activation sends, 2 = gradient sends."""
+        thread = {SEND_ACTIVATION: 1, SEND_GRADIENT: 2}
+        events: list[dict[str, Any]] = []
+        for row in self.events.itertuples(index=False):
+            label = row.op if row.microbatch < 0 else f"{row.op} {row.microbatch}"
+            events.append({
+                "name": label, "cat": row.op, "ph": "X", "pid": int(row.rank), "tid": thread.get(row.op, 0),
+                "ts": row.start_s * 1e6, "dur": (row.end_s - row.start_s) * 1e6,
+                "args": {"stage": int(row.stage), "replica": int(row.replica), "microbatch": int(row.microbatch),
+                         "iteration": int(row.iteration), "peer": int(row.peer)},
+            })
+        names = [{"name": "process_name", "ph": "M", "pid": int(rank), "args": {"name": f"rank {int(rank)}"}}
+                 for rank in sorted(self.events["rank"].unique())]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+    def write_trace(self, path: str) -> None:
+        """Write `to_trace()` as a JSON file."""
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_trace(), handle)
+
+
+def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
+    """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
+    if len(stage_times) != schedule.num_stages:
+        raise ValueError(f"{len(stage_times)} stage times for a schedule of {schedule.num_stages} stages")
+    programs = {program.rank: program for program in schedule.programs}
+    position = dict.fromkeys(programs, 0)
+    free_at = dict.fromkeys(programs, 0.0)  # when the rank's compute is next free
+    channel_free: dict[tuple[int, str], float] = {}
+    arrival: dict[tuple[str, int, int, int], float] = {}  # (send op, microbatch, iteration, receiver) -> time
+    waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, n-th all-reduce) -> rank -> ready time
+    reductions = dict.fromkeys(programs, 0)
+    rows: list[tuple] = []
+
+    def transfer_s(action_bytes: float, source: int, target: int) -> float:
+        if cluster is None or action_bytes <= 0:
+            return 0.0
+        return action_bytes / float(link_bandwidth(cluster, min(source, target), max(source, target)))
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in programs.items():
+            while position[rank] < len(program.actions):
+                action = program.actions[position[rank]]
+                times = stage_times[action.stage]
+                base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
+                if action.op in (FORWARD, BACKWARD):
+                    duration = times.forward_s if action.op == FORWARD else times.backward_s
+                    rows.append(base + (free_at[rank], free_at[rank] + duration))
+                    free_at[rank] += duration
+                elif action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                    start = max(free_at[rank], channel_free.get((rank, action.op), 0.0))
+                    end = start + transfer_s(times.activation_bytes if action.op == SEND_ACTIVATION
+                                             else stage_times[action.stage - 1].activation_bytes, rank, action.peer)
+                    channel_free[(rank, action.op)] = end
+                    arrival[(action.op, action.microbatch, action.iteration, action.peer)] = end
+                    rows.append(base + (start, end))
+                elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                    kind = SEND_ACTIVATION if action.op == RECV_ACTIVATION else SEND_GRADIENT
+                    ready = arrival.get((kind, action.microbatch, action.iteration, rank))
+                    if ready is None:
+                        break
+                    free_at[rank] = max(free_at[rank], ready)
+                elif action.op == ALLREDUCE:
+                    arrived = waiting.setdefault((action.stage, reductions[rank]), {})
+                    arrived[rank] = free_at[rank]
+                    if len(arrived) < len(schedule.stage_ranks[action.stage]):
+                        break
+                    start = max(arrived.values())
+                    rows.append(base + (start, start + times.allreduce_s))
+                    free_at[rank] = start + times.allreduce_s
+                    reductions[rank] += 1
+                elif action.op == STEP:
+                    rows.append(base + (free_at[rank], free_at[rank]))
+                position[rank] += 1
+                progress = True
+    stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]
+    if stuck:
+        raise ValueError(f"the schedule deadlocks on ranks {stuck}; run schedule.validate for where")
+    events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
+    return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
+                    tuple(stage_times))
+
+
+def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
+    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`)."""
+    arrays, sigma = inputs.arrays, inputs.scale
+    ranks = first_ranks(inputs, list(stages))
+    result, devices_after = [], 0
+    for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
+        devices_after += replicas
+        cost = stage_cost(inputs, start, stop, replicas, recompute, rank, devices_after)
+        weights = arrays.stage_weight_bytes(start, stop)
+        saved = sigma * arrays.stage_saved_bytes(start, stop)
+        held = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start)) if recompute else saved
+        base = weights * (2 + inputs.optimizer_copies)
+        if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
+            base, held = base - weights, held + weights
+        result.append(StageTimes(
+            forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
+            activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
+            base_bytes=base, held_bytes=held, rebuilt_bytes=saved if recompute else 0.0,
+        ))
+    return tuple(result[::-1])
+
+
+def stage_ranks(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each stage under the cost model's placement (`schedule_cost.first_ranks`)."""
+    return tuple(tuple(range(first, first + stage[2])) for first, stage in zip(first_ranks(inputs, list(stages)), stages))
+
+
+def pipedream_microbatches(stages: Sequence[Stage], at_least: int = 32) -> int:
+    """Microbatches for a pipedream simulation: a multiple of every stage's replicas, enough to reach steady state."""
+    unit = math.lcm(*(stage[2] for stage in stages))
+    wanted = max(at_least, 4 * len(stages) * max(stage[2] for stage in stages))
+    return unit * -(-wanted // unit)
+
+
+def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1) -> Timeline:
+    """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches."""
+    if inputs.schedule == "pipedream":
+        count, iterations = pipedream_microbatches(stages), 1
+    else:
+        count = inputs.microbatches
+    schedule = build_schedule(inputs.schedule, [stage[2] for stage in stages], count, iterations,
+                              stage_ranks(inputs, stages))
+    return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster)
