@@ -121,11 +121,10 @@ class _Evaluator:
         p, inputs = self.pairs, self.inputs
         weights, saved = p.weights[pair], p.saved[pair]
         flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
-        memory = weights * (2 + inputs.optimizer_copies) + flights * np.where(recompute, p.entering[pair], saved)
-        memory = memory + np.where(recompute, saved, 0.0)
-        if inputs.schedule == "pipedream":
-            memory = memory + (flights - 1) * weights
-        return memory
+        base, held = weights * (2 + inputs.optimizer_copies), np.where(recompute, p.entering[pair], saved)
+        if inputs.schedule == "pipedream":  # the same terms, in the same order, as schedule_cost.stage_cost
+            base, held = base - weights, held + weights
+        return base + flights * held + np.where(recompute, saved, 0.0)
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -366,8 +365,8 @@ class _GroupCombos:
         self.bw_allreduce = link_bandwidth(cluster, first, end - 1)
         self.turns = (-(-inputs.microbatches // self.replicas) - 1).astype(float)
         self.share = 2.0 * (self.replicas - 1.0) / self.replicas  # ring all-reduce traffic per weight byte
-        self._cache = None
-        self._cache = self.bounds(slice(None)) if len(pairs.starts) * len(self.rho) <= _CACHE_ENTRIES else None
+        small = len(pairs.starts) * len(self.rho) <= _CACHE_ENTRIES
+        self._cache = self._compute(slice(None)) if small else None
         whole = int(np.nonzero((self.rho == 0) & (self.replicas == group))[0][0])
         self.lowest = np.empty(len(pairs.starts))  # least Q of each pair inside a group
         self.whole_group_q = np.empty(len(pairs.starts))  # Q on a whole inner group
@@ -378,8 +377,10 @@ class _GroupCombos:
 
     def bounds(self, where: slice) -> np.ndarray:
         """Q of the pairs in `where` (rows) under every combination (columns), seconds."""
-        if self._cache is not None:
-            return self._cache[where]
+        return self._cache[where] if self._cache is not None else self._compute(where)
+
+    def _compute(self, where: slice) -> np.ndarray:
+        """`bounds` from the stage sums: turns max(t, c_in, c_out) + ar (flush) or max(t + ar, c_in, c_out) / r."""
         p = self.pairs
         compute = p.both[where][:, None]
         comm_in = p.cut_in[where][:, None] / self.bw_in
@@ -411,8 +412,9 @@ def _solve_unlimited(evaluator: _Evaluator, combos: _GroupCombos, bound: float, 
     present = np.isin(np.arange(group), next_rho)
     heads = np.searchsorted(next_rho, np.arange(group)[present])
     reach = combos.lowest <= bound
-    outer = np.full(len(pairs.starts), _NONE, dtype=np.int64)
+    outer = None
     if not straight and total >= 2 * group and inputs.schedule == "pipedream":
+        outer = np.full(len(pairs.starts), _NONE, dtype=np.int64)
         need = np.nonzero(combos.whole_group_q > bound)[0]
         outer[need] = evaluator.fewest_outer(need, np.full(len(need), total), np.zeros(len(need), dtype=bool),
                                              np.zeros(len(need), dtype=np.int64), bound)
@@ -436,10 +438,11 @@ def _solve_unlimited(evaluator: _Evaluator, combos: _GroupCombos, bound: float, 
         keys = (devices * (n + 1) + stops[:, None]) * stride_r + replicas
         row = np.full(group, worst * stride_j, dtype=np.int64)
         row[present] = np.minimum.reduceat(keys.min(axis=0), heads)
-        extra = outer[where]
-        devices = np.minimum(downstream[:, 0] + extra, worst)
-        devices = np.where(devices <= total, devices, worst)
-        row[0] = min(row[0], int(((devices * (n + 1) + stops) * stride_r + np.minimum(extra, stride_r - 1)).min()))
+        if outer is not None:
+            extra = outer[where]
+            devices = np.minimum(downstream[:, 0] + extra, worst)
+            devices = np.where(devices <= total, devices, worst)
+            row[0] = min(row[0], int(((devices * (n + 1) + stops) * stride_r + np.minimum(extra, stride_r - 1)).min()))
         key[start] = row
         best[start] = np.minimum(row // stride_j, worst)
     residues = np.nonzero(best[0] <= total)[0]

@@ -138,7 +138,10 @@ class StageCost:
     allreduce_s: float
     period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
     bound_s: float  # Q(s): what the plan's max is taken over
-    memory_bytes: float
+    memory_bytes: float  # base_bytes + in_flight * held_bytes + rebuilt_bytes
+    base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
+    held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
+    rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
 
 
 def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
@@ -180,12 +183,12 @@ def stage_cost(
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     flights = int(in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here))
-    memory = weights * (2 + inputs.optimizer_copies) + flights * (entering if recompute else saved)
-    if recompute:
-        memory += saved
-    if inputs.schedule == "pipedream":
-        memory += (flights - 1) * weights
-    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory)
+    base, held = weights * (2 + inputs.optimizer_copies), entering if recompute else saved
+    if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
+        base, held = base - weights, held + weights
+    rebuilt = saved if recompute else 0.0
+    memory = base + flights * held + rebuilt
+    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt)
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:

@@ -8,11 +8,9 @@ sent data exists and the channel is free; a receive waits for its transfer to ar
 all-reduce starts when every replica of the stage has reached it and occupies each of them.
 Transfer time = bytes / bandwidth of the link between the two ranks (`schedule_cost.link_bandwidth`).
 
-Memory per device (bytes): base (weights, gradients, optimizer state, and for pipedream one
-weight version) plus, per microbatch from the start of its forward to the end of its backward,
-`held_bytes` (saved activations, or only the stage input when recomputing: with weight stashing
-also a weight version), plus `rebuilt_bytes` during a recomputing backward. This is the cost
-model's memory formula played out over time.
+Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
+forward to the end of its backward, plus `rebuilt_bytes` during a recomputing backward: the
+terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
 """
 
 from __future__ import annotations
@@ -213,16 +211,10 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
     for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
         devices_after += replicas
         cost = stage_cost(inputs, start, stop, replicas, recompute, rank, devices_after)
-        weights = arrays.stage_weight_bytes(start, stop)
-        saved = sigma * arrays.stage_saved_bytes(start, stop)
-        held = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start)) if recompute else saved
-        base = weights * (2 + inputs.optimizer_copies)
-        if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
-            base, held = base - weights, held + weights
         result.append(StageTimes(
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
-            base_bytes=base, held_bytes=held, rebuilt_bytes=saved if recompute else 0.0,
+            base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
         ))
     return tuple(result[::-1])
 
