@@ -18,11 +18,12 @@ from planner.optimizer import Solution, optimize
 from planner.pipedream_optimizer import optimize_pipedream
 from planner.plan import Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.profile import Profile
-from planner.simulator import simulate_stages
+from planner.simulator import SimulationTooLongError, simulate_stages
 from planner.schedule_cost import (
     FLUSH_SCHEDULES,
     SCHEDULES,
     CostInputs,
+    Stage,
     first_ranks,
     objective_s,
     samples_per_s,
@@ -76,6 +77,7 @@ def partition(
 class _Candidate:
     inputs: CostInputs
     solution: Solution
+    iteration_s: float  # simulated (`predicted_iteration_s`)
     samples_per_s: float
 
 
@@ -96,7 +98,8 @@ def _choose(
                 # without a memory limit gpipe and 1f1b have the same objective and the same best plan
                 found = solved[(twin, count)]
                 inputs = replace(found.inputs, schedule=schedule)
-                solved[key] = _Candidate(inputs, found.solution, found.samples_per_s)
+                iteration = predicted_iteration_s(inputs, list(found.solution.stages))
+                solved[key] = _Candidate(inputs, found.solution, iteration, samples_per_s(inputs, iteration, size))
                 return solved[key]
             inputs = replace(base, schedule=schedule, microbatches=count)
             try:
@@ -105,7 +108,8 @@ def _choose(
                 failures.append(exc)
                 solved[key] = None
             else:
-                solved[key] = _Candidate(inputs, solution, samples_per_s(inputs, solution.objective_s, size))
+                iteration = predicted_iteration_s(inputs, list(solution.stages))
+                solved[key] = _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size))
         return solved[key]
 
     for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
@@ -151,16 +155,13 @@ def _planner_plan(
         )
         for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
     )
-    objective = solution.objective_s
-    closed_form = objective
-    if inputs.schedule == "gpipe":  # its closed form assumes one stage is slowest both ways: simulate
-        objective = simulate_stages(inputs, stages_list).iteration_s()
+    objective, closed_form = chosen.iteration_s, solution.objective_s
     flush = inputs.schedule in FLUSH_SCHEDULES
     per_iteration = inputs.microbatches if flush else 1
     busy_s = per_iteration * sum(cost.compute_s for cost in costs)
     single_s = per_iteration * inputs.scale * float(inputs.arrays.compute_s[-1])
     devices = inputs.cluster.num_devices
-    data_parallel = objective_s(inputs, [(0, inputs.arrays.num_layers, devices, False)])
+    data_parallel = predicted_iteration_s(inputs, [(0, inputs.arrays.num_layers, devices, False)])
     predicted = Prediction(
         bottleneck_s=max(cost.bound_s for cost in costs),
         iteration_ms=objective * 1000.0,
@@ -170,16 +171,16 @@ def _planner_plan(
         speedup_vs_data_parallel=data_parallel / objective if objective > 0 else 1.0,
         devices_used=solution.devices,
         peak_memory_bytes=max(stage.memory_bytes for stage in stages),
+        objective_ms=closed_form * 1000.0,
     )
     notes = _common_notes(profile, inputs.cluster, solution.devices, optimizer)
     unit = "samples" if profile.batch_size else "profiled mini-batches"
     if flush:
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
                      "iteration_ms is one flushed iteration")
-    if inputs.schedule == "gpipe":
-        notes.append(f"gpipe: iteration_ms is simulated; the closed form the optimizer minimised says "
-                     f"{closed_form * 1000:.4g} ms (it assumes the slowest forward and backward are on one stage)")
-    else:
+    notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
+                 f"closed form the optimizer minimised says {closed_form * 1000:.4g} ms")
+    if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch")
     if size != (profile.batch_size or 1):
@@ -250,6 +251,7 @@ def _partition_pipedream(
         speedup_vs_data_parallel=data_parallel_s / bottleneck_s if bottleneck_s > 0 else 1.0,
         devices_used=solution.devices,
         peak_memory_bytes=max(stage.memory_bytes for stage in stages),
+        objective_ms=bottleneck_s * 1000.0,
     )
     notes = _common_notes(profile, cluster, solution.devices, optimizer)
     notes.append(
@@ -298,8 +300,18 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str = "adam") -> 
     for name, stages in found.items():
         flagged = [(start, stop, replicas, False) for start, stop, replicas in stages]
         peak = max(cost.memory_bytes for cost in stage_costs(inputs, flagged))
-        results.append(BaselineResult(name, tuple(stages), objective_s(inputs, flagged), int(peak)))
+        results.append(BaselineResult(name, tuple(stages), predicted_iteration_s(inputs, flagged), int(peak)))
     return results
+
+
+def predicted_iteration_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """What a plan's `iteration_ms` states (seconds): the simulated iteration (flush schedules) or
+    steady-state time per microbatch (pipedream) of `stages`; the closed form `objective_s` when
+    the replica counts make a pipedream simulation too long (`simulator.SimulationTooLongError`)."""
+    try:
+        return simulate_stages(inputs, stages).iteration_s()
+    except SimulationTooLongError:
+        return objective_s(inputs, stages)
 
 
 def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None) -> CostInputs:

@@ -16,7 +16,9 @@ Schema (format "pipeline-planner/plan", version 1):
   allows; the planner model: max(compute, transfers) / replicas), `memory_bytes` (per device).
 - `predicted`: `bottleneck_s` (the largest per-stage term the cost model minimises),
   `iteration_ms` (flush schedules: one iteration of `microbatches`; pipedream: time per
-  microbatch), `samples_per_s`, `bubble_fraction` (share of device time not computing),
+  microbatch; under the planner cost model simulated by `simulator`, which plays the schedule op
+  by op), `objective_ms` (the closed form the optimizer minimised, same unit; in version 2 files
+  equal to `iteration_ms`), `samples_per_s`, `bubble_fraction` (share of device time not computing),
   `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
   schedule), `devices_used`, `peak_memory_bytes`.
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
@@ -38,7 +40,7 @@ from planner.fileformat import read_versioned_json, write_versioned_json
 from planner.profile import Profile
 
 PLAN_FORMAT = "pipeline-planner/plan"
-PLAN_VERSION = 2  # 2: planner cost model; stages gained allreduce_ms, value_ms became period_ms
+PLAN_VERSION = 3  # 2: planner cost model, allreduce_ms, period_ms; 3: simulated iteration_ms, objective_ms
 
 
 class PlanProfileMismatchError(PlannerError):
@@ -102,6 +104,7 @@ class Prediction:
     speedup_vs_data_parallel: float
     devices_used: int
     peak_memory_bytes: int
+    objective_ms: float
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,9 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
             microbatches=None if body["microbatches"] is None else int(body["microbatches"]),
             microbatch_size=None if body["microbatch_size"] is None else int(body["microbatch_size"]),
             straight=_strict_bool(body["straight"], "straight"), stages=stages,
-            predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)}),
+            predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)
+                                    if f.name != "objective_ms"},
+                                 objective_ms=float(predicted.get("objective_ms", predicted["iteration_ms"]))),
             notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
             optimizer=str(body.get("optimizer", "adam")),
         )

@@ -5,7 +5,13 @@ durations in seconds: each rank runs its compute ops (forward, backward, all-red
 at a time in program order; a send starts a transfer on the sender's channel for that direction
 (activations, gradients: one transfer at a time each, overlapped with compute) as soon as the
 sent data exists and the channel is free; a receive waits for its transfer to arrive; an
-all-reduce starts when every replica of the stage has reached it and occupies each of them.
+all-reduce starts when every replica of the stage has reached it. In flush schedules it occupies
+each replica (nothing else is left to do); in `pipedream` it runs on its own channel per rank,
+one at a time, overlapped with the next forwards and backwards (the step applies when it ends;
+weight stashing keeps every backward on its forward's weights), so replicas that take turns on
+the microbatches never wait for each other; a forward waits only while two of its rank's
+all-reduces are unfinished (at most one update pending, so weights are never more than one
+update behind).
 Transfer time = bytes / bandwidth of the link between the two ranks (`schedule_cost.link_bandwidth`).
 
 Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
@@ -24,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from planner.cluster import Cluster
+from planner.errors import PlannerError
 from planner.schedule import (
     ALLREDUCE,
     BACKWARD,
@@ -72,22 +79,26 @@ class Timeline:
 
     def iteration_s(self) -> float:
         """Flush schedules: seconds per iteration (makespan / iterations). pipedream: the
-        steady-state seconds per microbatch: the last K of the first stage's backwards span K
-        microbatches, K the largest multiple of its replicas up to half of them (replicas finish
-        in rounds)."""
+        steady-state seconds per microbatch, measured on the first stage's backwards between the
+        rounds that end a quarter and three quarters of the way through (a round: as many
+        microbatches as the least common multiple of the stages' replicas, after which every
+        replica has had its share)."""
         if self.schedule != "pipedream":
             return self.makespan_s / self.iterations
         first = self.events[(self.events["op"] == BACKWARD) & (self.events["stage"] == 0)]
-        ends = np.sort(first["end_s"].to_numpy())
-        replicas = max(int(first["replica"].max()) + 1, 1) if len(first) else 1
-        span = (len(ends) // 2) // replicas * replicas
-        if span <= 0:
-            return self.makespan_s / max(len(ends), 1)
-        return float((ends[-1] - ends[-1 - span]) / span)
+        done = np.maximum.accumulate(first.sort_values("microbatch")["end_s"].to_numpy())
+        unit = math.lcm(*(int(part["replica"].max()) + 1 for _, part in self.events.groupby("stage")))
+        rounds = len(done) // unit
+        low, high = rounds // 4 * unit, (3 * rounds) // 4 * unit
+        if low <= 0 or high <= low:
+            return self.makespan_s / max(len(done), 1)
+        return float((done[high - 1] - done[low - 1]) / (high - low))
 
     def bubble_fraction(self) -> pd.Series:
-        """Per rank: the share of the makespan it spends neither computing nor all-reducing."""
-        busy = self.events[self.events["op"].isin((FORWARD, BACKWARD, ALLREDUCE))]
+        """Per rank: the share of the makespan it spends not computing (nor, in flush schedules,
+        all-reducing; pipedream's all-reduces overlap compute)."""
+        working = (FORWARD, BACKWARD) if self.schedule == "pipedream" else (FORWARD, BACKWARD, ALLREDUCE)
+        busy = self.events[self.events["op"].isin(working)]
         per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
         ranks = sorted(self.events["rank"].unique())
         span = self.makespan_s
@@ -118,8 +129,8 @@ class Timeline:
 
     def to_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON (Perfetto, chrome://tracing): one complete event per op;
-        process = rank, thread 0 = compute, 1 = activation sends, 2 = gradient sends."""
-        thread = {SEND_ACTIVATION: 1, SEND_GRADIENT: 2}
+        process = rank, thread 0 = compute, 1 = activation sends, 2 = gradient sends, 3 = all-reduces."""
+        thread = {SEND_ACTIVATION: 1, SEND_GRADIENT: 2, ALLREDUCE: 3}
         events: list[dict[str, Any]] = []
         for row in self.events.itertuples(index=False):
             label = row.op if row.microbatch < 0 else f"{row.op} {row.microbatch}"
@@ -150,6 +161,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     arrival: dict[tuple[str, int, int, int], float] = {}  # (send op, microbatch, iteration, receiver) -> time
     waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, n-th all-reduce) -> rank -> ready time
     reductions = dict.fromkeys(programs, 0)
+    reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
     rows: list[tuple] = []
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
@@ -167,6 +179,8 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                 base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
                 if action.op in (FORWARD, BACKWARD):
                     duration = times.forward_s if action.op == FORWARD else times.backward_s
+                    if action.op == FORWARD and len(reduce_ends[rank]) >= 2:  # at most one update pending
+                        free_at[rank] = max(free_at[rank], reduce_ends[rank][-2])
                     rows.append(base + (free_at[rank], free_at[rank] + duration))
                     free_at[rank] += duration
                 elif action.op in (SEND_ACTIVATION, SEND_GRADIENT):
@@ -188,11 +202,16 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     if len(arrived) < len(schedule.stage_ranks[action.stage]):
                         break
                     start = max(arrived.values())
+                    if schedule.name == "pipedream":
+                        start = max(start, reduce_ends[rank][-1] if reduce_ends[rank] else 0.0)
+                    else:
+                        free_at[rank] = start + times.allreduce_s
                     rows.append(base + (start, start + times.allreduce_s))
-                    free_at[rank] = start + times.allreduce_s
+                    reduce_ends[rank].append(start + times.allreduce_s)
                     reductions[rank] += 1
-                elif action.op == STEP:
-                    rows.append(base + (free_at[rank], free_at[rank]))
+                elif action.op == STEP:  # applies the last all-reduce's result
+                    at = max(free_at[rank], reduce_ends[rank][-1]) if reduce_ends[rank] else free_at[rank]
+                    rows.append(base + (at, at))
                 position[rank] += 1
                 progress = True
     stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]
@@ -224,9 +243,24 @@ def stage_ranks(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[tuple[int,
     return tuple(tuple(range(first, first + stage[2])) for first, stage in zip(first_ranks(inputs, list(stages)), stages))
 
 
+class SimulationTooLongError(PlannerError):
+    """A pipedream plan whose replica counts have a least common multiple too large to simulate."""
+
+    def __init__(self, replicas: list[int], unit: int) -> None:
+        self.replicas, self.unit = replicas, unit
+        super().__init__(f"simulating replicas {replicas} takes multiples of {unit} microbatches "
+                         f"(more than {MAX_PIPEDREAM_ROUND}); use the closed form")
+
+
+MAX_PIPEDREAM_ROUND = 1024  # microbatches in one round of every replica, beyond which pipedream is not simulated
+
+
 def pipedream_microbatches(stages: Sequence[Stage], at_least: int = 32) -> int:
-    """Microbatches for a pipedream simulation: a multiple of every stage's replicas, enough to reach steady state."""
+    """Microbatches for a pipedream simulation: a multiple of every stage's replicas, enough to reach
+    steady state; SimulationTooLongError when that multiple exceeds MAX_PIPEDREAM_ROUND."""
     unit = math.lcm(*(stage[2] for stage in stages))
+    if unit > MAX_PIPEDREAM_ROUND:
+        raise SimulationTooLongError([stage[2] for stage in stages], unit)
     wanted = max(at_least, 4 * len(stages) * max(stage[2] for stage in stages))
     return unit * -(-wanted // unit)
 

@@ -206,7 +206,7 @@ def test_planner_cost_model_plans_every_pipedream_profile(graph: Path, tmp_path:
             cluster = make_cluster(gpus, per_node, ["100GB/s", "10GB/s"])
             plan = partition(profile, cluster, schedule=schedule, microbatches=8)
             path = plan.save(tmp_path / f"{gpus}-{schedule}.json")
-            assert plan.predicted.iteration_ms / 1000.0 == pytest.approx(
+            assert plan.predicted.objective_ms / 1000.0 == pytest.approx(
                 planner_iteration_from_file(path, profile), rel=1e-9
             )
             used = [rank for stage in plan.stages for rank in stage.ranks]

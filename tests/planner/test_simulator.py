@@ -7,7 +7,7 @@ import json
 import pytest
 
 from planner.cluster import make_cluster
-from planner.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, build_schedule
+from planner.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, build_schedule
 from planner.simulator import StageTimes, simulate_schedule
 
 F, B = 1.0, 2.0
@@ -79,15 +79,27 @@ def test_transfers_take_bytes_over_the_link_and_overlap_compute() -> None:
 
 
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
-    """Asynchronous 1F1B settles at the slowest stage's f + b per microbatch. Two replicas of that
-    stage speed it up, but with ceil(D / r) microbatches in flight (PipeDream's NOAM) the first
-    stage cannot keep both busy: 3.35 s, not the cost model's 3 s (a known gap, recorded in the
-    issue notes; the first rounds were traced by hand, the value itself is the simulation's)."""
+    """Asynchronous 1F1B settles at the slowest stage's f + b per microbatch; two replicas of that
+    stage take turns and halve it: stage 1 needs 2 (F + B) = 6 s per microbatch per replica, so 3 s."""
     times = [StageTimes(F / 2, B / 2, 0.0, 0.0), StageTimes(2 * F, 2 * B, 0.0, 0.0)]
     timeline = simulate_schedule(build_schedule("pipedream", [1, 1], 40), times)
     assert timeline.iteration_s() == pytest.approx(2 * (F + B))
     replicated = simulate_schedule(build_schedule("pipedream", [1, 2], 40), times)
-    assert replicated.iteration_s() == pytest.approx(3.35)
+    assert replicated.iteration_s() == pytest.approx(F + B)
+
+
+@pytest.mark.parametrize("allreduce_s", [1.0, 5.0])
+def test_pipedream_allreduce_overlaps_compute(allreduce_s: float) -> None:
+    """pipedream all-reduces run on their own channel: two data-parallel replicas (t = F + B = 3 s
+    each) finish a microbatch every max(t, a) / 2 s, and every all-reduce starts when the later
+    replica's backward of the round ends, never before."""
+    timeline = simulate_schedule(build_schedule("pipedream", [2], 40), [StageTimes(F, B, allreduce_s, 0.0)])
+    assert timeline.iteration_s() == pytest.approx(max(F + B, allreduce_s) / 2)
+    events = timeline.events
+    backward_ends = events[events["op"] == BACKWARD].groupby(["rank"])["end_s"].apply(sorted)
+    for rank, starts in events[events["op"] == ALLREDUCE].groupby("rank")["start_s"]:
+        rounds = zip(backward_ends[0], backward_ends[1])
+        assert all(start >= max(pair) - 1e-12 for start, pair in zip(sorted(starts), rounds))
 
 
 def test_bubble_fraction_of_gpipe() -> None:
