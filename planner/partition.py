@@ -26,6 +26,7 @@ from planner.schedule_cost import (
     Stage,
     first_ranks,
     objective_s,
+    plan_fits,
     samples_per_s,
     stage_costs,
 )
@@ -98,8 +99,7 @@ def _choose(
                 # without a memory limit gpipe and 1f1b have the same objective and the same best plan
                 found = solved[(twin, count)]
                 inputs = replace(found.inputs, schedule=schedule)
-                iteration = predicted_iteration_s(inputs, list(found.solution.stages))
-                solved[key] = _Candidate(inputs, found.solution, iteration, samples_per_s(inputs, iteration, size))
+                solved[key] = _simulated_candidate(inputs, found.solution, straight, size)
                 return solved[key]
             inputs = replace(base, schedule=schedule, microbatches=count)
             try:
@@ -108,8 +108,7 @@ def _choose(
                 failures.append(exc)
                 solved[key] = None
             else:
-                iteration = predicted_iteration_s(inputs, list(solution.stages))
-                solved[key] = _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size))
+                solved[key] = _simulated_candidate(inputs, solution, straight, size)
         return solved[key]
 
     for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
@@ -125,6 +124,18 @@ def _choose(
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
     best = max(result.samples_per_s for result in results)
     return next(result for result in results if result.samples_per_s >= best * (1.0 - 1e-9))
+
+
+def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool, size: int) -> _Candidate:
+    """The optimizer's plan judged by simulation; data parallelism (one stage on every device)
+    instead when it fits and simulates faster (the closed form can rank the two the other way)."""
+    iteration = predicted_iteration_s(inputs, list(solution.stages))
+    everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    if not straight and list(solution.stages) != everywhere and plan_fits(inputs, everywhere):
+        data_parallel = predicted_iteration_s(inputs, everywhere)
+        if data_parallel < iteration:
+            solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
+    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size))
 
 
 def _auto_microbatches(run) -> _Candidate | None:
@@ -282,9 +293,10 @@ class BaselineResult:
         return sum(replicas for _, _, replicas in self.stages)
 
 
-def compare_baselines(profile: Profile, plan: Plan, optimizer: str = "adam") -> list[BaselineResult]:
+def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None) -> list[BaselineResult]:
     """The baselines of `baselines.baseline_plans`, evaluated under the plan's cost model, schedule,
-    microbatches and cluster."""
+    microbatches, cluster and optimizer (`optimizer` overrides the plan's)."""
+    optimizer = optimizer or plan.optimizer
     arrays = LayerArrays.from_profile(profile)
     cluster = plan.cluster
     found = baseline_plans(arrays, cluster.num_devices)

@@ -102,8 +102,9 @@ class Timeline:
         per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
         ranks = sorted(self.events["rank"].unique())
         span = self.makespan_s
-        return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).rename("bubble_fraction") if span > 0 else \
-            pd.Series(0.0, index=ranks, name="bubble_fraction")
+        if span <= 0:
+            return pd.Series(0.0, index=ranks, name="bubble_fraction")
+        return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).clip(lower=0.0).rename("bubble_fraction")
 
     def memory(self) -> pd.DataFrame:
         """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
