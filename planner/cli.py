@@ -15,9 +15,13 @@ from planner.errors import PlannerError
 from planner.model_file import load_model_file
 from planner.partition import COST_MODELS, compare_baselines, partition
 from planner.pipedream import import_pipedream
+from planner.plan import Plan, load_plan
+from planner.plan_simulation import resolve_profile, simulate
+from planner.plots import plan_figure, save_figure, scaling_figure
 from planner.profile import Profile, load_profile
 from planner.profiler import ProfileSettings, profile_model
-from planner.tables import comparison_table, plan_table, profile_table
+from planner.scaling import scaling_table
+from planner.tables import comparison_table, plan_table, profile_table, timeline_table
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -189,6 +193,70 @@ def partition_command(
         console.print(f"wrote {path}")
 
     _run(debug, action)
+
+
+PROFILE_OPTION = typer.Option(
+    None, "--profile", "-p", help="The profile the plan was made from (default: the path the plan records)."
+)
+
+
+@app.command()
+def show(
+    plan_file: str = typer.Argument(..., help="A plan written by `planner partition`."),
+    profile_file: Optional[str] = PROFILE_OPTION,
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Image file: .png, .svg or .pdf (default: next to the plan, <plan>.png)."
+    ),
+    scaling: bool = typer.Option(False, "--scaling", help="Also re-plan for 1, 2, 4, ... GPUs: <out>-scaling image."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Draw a plan: layer times by stage, memory per GPU, the simulated schedule and memory over time."""
+
+    def action() -> None:
+        plan, profile = _plan_and_profile(plan_file, profile_file)
+        path = out or Path(plan_file).with_suffix(".png")
+        console = _console()
+        console.print(f"wrote {save_figure(plan_figure(plan, profile, simulate(plan, profile)), path)} "
+                      "(partition, schedule and memory panels)")
+        if scaling:
+            table = scaling_table(profile, plan.cluster, cost_model=plan.cost_model, straight=plan.straight,
+                                  optimizer=plan.optimizer, microbatch_size=plan.microbatch_size)
+            scaled = path.with_name(f"{path.stem}-scaling{path.suffix}")
+            console.print(f"wrote {save_figure(scaling_figure(table), scaled)} (predicted throughput by GPU count)")
+
+    _run(debug, action)
+
+
+@app.command("simulate")
+def simulate_command(
+    plan_file: str = typer.Argument(..., help="A plan written by `planner partition`."),
+    profile_file: Optional[str] = PROFILE_OPTION,
+    iterations: int = typer.Option(1, "--iterations", "-n", help="Flushed iterations to simulate (gpipe, 1f1b)."),
+    trace: Optional[Path] = typer.Option(
+        None, "--trace", help="Write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)."
+    ),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Play the plan's schedule op by op: iteration time, and idle share per rank; optionally a trace."""
+
+    def action() -> None:
+        if iterations < 1:
+            raise PlannerError(f"--iterations must be at least 1, got {iterations}")
+        plan, profile = _plan_and_profile(plan_file, profile_file)
+        timeline = simulate(plan, profile, iterations)
+        console = _console()
+        console.print(timeline_table(plan, timeline))
+        if trace is not None:
+            console.print(f"wrote {timeline.write_trace(trace)} ({len(timeline.events)} ops)")
+
+    _run(debug, action)
+
+
+def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, Profile]:
+    """The plan and the profile it was made from (given, or the path the plan records)."""
+    plan = load_plan(plan_file)
+    profile = None if profile_file is None else load_profile(profile_file)
+    return plan, resolve_profile(plan, profile, plan_file, profile_file)
 
 
 def main() -> None:

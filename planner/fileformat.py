@@ -6,30 +6,37 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 from planner.errors import FileFormatError
 from planner.version import __version__
 
 
 def write_versioned_json(path: str | Path, file_format: str, version: int, body: dict[str, Any]) -> Path:
-    """Write `body` under a header {format, version, planner_version} atomically (temp file + rename).
-
-    A crash mid-write leaves the previous file intact: the new content appears only by `os.replace`.
-    """
-    path = Path(path)
+    """Write `body` under a header {format, version, planner_version} atomically (`write_atomically`)."""
     document = {"format": file_format, "version": version, "planner_version": __version__, **body}
     text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    return write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), "e.g. ending in .json")
+
+
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], Any], example: str = "") -> Path:
+    """Create or replace the file `path` with what `write` puts into a binary handle; returns the path.
+
+    The content goes to a temporary file in the same folder, is flushed to disk, then renamed over
+    `path`: a crash or an error mid-write leaves the previous file intact. Unwritable places and
+    directories are a FileFormatError naming the path.
+    """
+    path = Path(path)
     if path.is_dir():
-        raise FileFormatError(str(path), "is a directory", "give a file name, e.g. ending in .json")
+        raise FileFormatError(str(path), "is a directory", f"give a file name{', ' + example if example else ''}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise FileFormatError(str(path), f"cannot be written: {exc.strerror}", "choose a writable location") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         # mkstemp makes the file private (0600); keep the mode of the file replaced, else rw-r--r--

@@ -32,12 +32,17 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
 from planner.fileformat import read_versioned_json, write_versioned_json
 from planner.profile import Profile
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from planner.simulator import Timeline
 
 PLAN_FORMAT = "pipeline-planner/plan"
 PLAN_VERSION = 3  # 2: planner cost model, allreduce_ms, period_ms; 3: simulated iteration_ms, objective_ms
@@ -137,6 +142,27 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write the plan as versioned JSON (atomically); returns the path."""
         return write_versioned_json(path, PLAN_FORMAT, PLAN_VERSION, self.to_dict())
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the stage table and predictions (`html.plan_html`)."""
+        from planner.html import plan_html  # html imports this module
+
+        return plan_html(self)
+
+    def simulate(self, profile: Profile | None = None, iterations: int = 1) -> "Timeline":
+        """The simulated schedule (`plan_simulation.simulate`); `profile` defaults to the file at
+        `self.profile.path` (PlannerError if it is not there or is another profile)."""
+        from planner.plan_simulation import resolve_profile, simulate
+
+        return simulate(self, resolve_profile(self, profile), iterations)
+
+    def plot(self, profile: Profile | None = None) -> "Figure":
+        """Partition, schedule and memory panels in one Figure (`plots.plan_figure`); `profile` as in `simulate`."""
+        from planner.plan_simulation import resolve_profile, simulate
+        from planner.plots import plan_figure
+
+        found = resolve_profile(self, profile)
+        return plan_figure(self, found, simulate(self, found))
 
     def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>") -> None:
         """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from."""

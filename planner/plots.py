@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -17,6 +18,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, NullLocator
 
+from planner.errors import PlannerError
+from planner.fileformat import write_atomically
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
@@ -127,6 +130,28 @@ def plan_figure(plan: Plan, profile: Profile, timeline: Timeline) -> Figure:
     _draw_gantt(middle, timeline, False)
     _draw_memory(bottom, timeline, plan.cluster.memory_bytes)
     return fig
+
+
+def timeline_figure(timeline: Timeline, communication: bool = False, limit_bytes: float | None = None) -> Figure:
+    """The Gantt chart (sends too with `communication`) over the memory per device, in one image."""
+    heights = [_gantt_height(timeline, communication), MEMORY_HEIGHT_IN]
+    fig = Figure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=heights)
+    _draw_gantt(top, timeline, communication)
+    _draw_memory(bottom, timeline, limit_bytes)
+    return fig
+
+
+IMAGE_FORMATS = ("png", "svg", "pdf")
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write `fig` to `path` (its suffix picks png, svg or pdf) atomically; PlannerError for other suffixes."""
+    image_format = Path(path).suffix.lstrip(".").lower()
+    if image_format not in IMAGE_FORMATS:
+        raise PlannerError(f"{path}: cannot write a {Path(path).suffix or 'suffix-less'} image; "
+                           f"end the name in {', '.join('.' + name for name in IMAGE_FORMATS)}")
+    return write_atomically(path, lambda handle: fig.savefig(handle, format=image_format, dpi=110))
 
 
 # ---------------------------------------------------------------- drawing into a (sub)figure

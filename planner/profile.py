@@ -122,6 +122,12 @@ class Profile:
         rows = [dataclasses.asdict(layer) for layer in self.layers]
         return pd.DataFrame(rows, columns=list(LAYER_COLUMNS))
 
+    def _repr_html_(self) -> str:
+        """Jupyter: the layer table and summary (`html.profile_html`)."""
+        from planner.html import profile_html  # html imports this module
+
+        return profile_html(self)
+
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`."""
         return dataclasses.asdict(self)

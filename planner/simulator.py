@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pandas as pd
 
 from planner.cluster import Cluster
 from planner.errors import PlannerError
+from planner.fileformat import write_atomically
 from planner.schedule import (
     ALLREDUCE,
     BACKWARD,
@@ -44,6 +46,9 @@ from planner.schedule import (
     build_schedule,
 )
 from planner.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, stage_cost
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLUMNS = ("rank", "stage", "replica", "microbatch", "iteration", "op", "peer", "start_s", "end_s")
 
@@ -128,6 +133,12 @@ class Timeline:
         """Per stage: the most bytes any of its devices holds at once."""
         return self.memory().groupby("stage")["bytes"].max().rename("peak_bytes")
 
+    def plot(self, communication: bool = False, limit_bytes: float | None = None) -> "Figure":
+        """Jupyter: the Gantt chart over the memory per device (`plots.timeline_figure`)."""
+        from planner.plots import timeline_figure  # plots imports this module
+
+        return timeline_figure(self, communication, limit_bytes)
+
     def to_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON (Perfetto, chrome://tracing): one complete event per op;
         process = rank, thread 0 = compute, 1 = activation sends, 2 = gradient sends, 3 = all-reduces."""
@@ -145,10 +156,10 @@ class Timeline:
                  for rank in sorted(self.events["rank"].unique())]
         return {"traceEvents": names + events, "displayTimeUnit": "ms"}
 
-    def write_trace(self, path: str) -> None:
-        """Write `to_trace()` as a JSON file."""
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(self.to_trace(), handle)
+    def write_trace(self, path: str | Path) -> Path:
+        """Write `to_trace()` as a JSON file (atomically); returns the path."""
+        text = json.dumps(self.to_trace())
+        return write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), "e.g. trace.json")
 
 
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:

@@ -1,4 +1,4 @@
-"""Readable tables of profiles for the terminal (rich) and for Jupyter (HTML)."""
+"""Readable tables of profiles, plans and simulations for the terminal (rich)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from rich.table import Table
 from planner.partition import BaselineResult
 from planner.plan import Plan
 from planner.profile import Profile
+from planner.schedule import BACKWARD, FORWARD
+from planner.simulator import Timeline
 from planner.units import format_bytes, format_ms
 
 _COMPACT = {"box": box.SIMPLE_HEAD, "pad_edge": False}  # no vertical rules: fits 80 columns
@@ -85,7 +87,7 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
     for header in headers if wide else [h for h in headers if h not in ("#", "ranks", "all-reduce ms")]:
         table.add_column(header, justify="right", no_wrap=True)
     for index, stage in enumerate(plan.stages):
-        ranks = f"{stage.ranks[0]}" if len(stage.ranks) == 1 else f"{stage.ranks[0]}-{stage.ranks[-1]}"
+        ranks = rank_range(stage.ranks)
         count = [str(stage.stop - stage.start)] if wide else []
         table.add_row(
             str(index), f"{stage.first_layer} .. {stage.last_layer}", *count, str(stage.replicas),
@@ -131,6 +133,39 @@ def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
         table.add_row(baseline.name, _replica_shape([r for _, _, r in baseline.stages]), str(baseline.devices),
                       f"{bottleneck_ms:.4g}", memory, speedup)
     return table
+
+
+def timeline_table(plan: Plan, timeline: Timeline) -> Table:
+    """Per rank of a simulated plan: its stage and replica, compute time, idle share and peak memory;
+    the caption compares the simulated iteration with the plan's prediction."""
+    table = Table(title=f"{plan.profile.name}: simulated {timeline.schedule} schedule", **_COMPACT)
+    for header in ("rank", "stage", "replica", "compute ms", "idle", "peak memory/GPU"):
+        table.add_column(header, justify="right", no_wrap=True)
+    events = timeline.events
+    compute = events[events["op"].isin((FORWARD, BACKWARD))]
+    busy_ms = (compute["end_s"] - compute["start_s"]).groupby(compute["rank"]).sum() * 1000.0
+    bubbles = timeline.bubble_fraction()
+    memory = timeline.memory().groupby("rank")["bytes"].max()
+    owners = events.drop_duplicates("rank").set_index("rank")
+    for rank in bubbles.index:
+        table.add_row(str(rank), str(owners.at[rank, "stage"]), str(owners.at[rank, "replica"]),
+                      format_ms(busy_ms.get(rank, 0.0)), f"{bubbles[rank]:.1%}",
+                      memory_cell(int(memory.get(rank, 0)), plan.cluster.memory_bytes))
+    simulated_ms = timeline.iteration_s() * 1000.0
+    if timeline.schedule == "pipedream":
+        what = f"{simulated_ms:.4g} ms per microbatch in steady state ({timeline.microbatches} microbatches simulated)"
+    else:
+        what = (f"{simulated_ms:.4g} ms per iteration of {timeline.microbatches} microbatches "
+                f"({timeline.iterations} simulated)")
+    table.caption = (f"{what}; the plan states {plan.predicted.iteration_ms:.4g} ms; "
+                     f"idle: mean {bubbles.mean():.1%}, worst {bubbles.max():.1%}")
+    table.caption_justify = "left"
+    return table
+
+
+def rank_range(ranks: Sequence[int]) -> str:
+    """'3' for one rank, '0-3' for a contiguous block."""
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def _replica_shape(replicas: list[int]) -> str:

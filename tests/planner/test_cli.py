@@ -405,3 +405,114 @@ def test_profile_out_pointing_at_a_directory_is_one_line(tmp_path: Path) -> None
     path = write(tmp_path, TINY)
     result = invoke("profile", path, *FAST, "--out", tmp_path)
     assert_one_line_error(result, str(tmp_path), "is a directory")
+
+
+# planner show and planner simulate ------------------------------------------------------------
+
+EXAMPLE_PROFILES = sorted((REPO / "profiles").glob("*.json"))
+
+
+def make_plan(tmp_path: Path, profile_path: Path, *options: str) -> Path:
+    """`planner partition PROFILE --gpus 4 --gpus-per-node 2 OPTIONS --out <tmp>/<name>.json`; its path."""
+    out = tmp_path / f"{profile_path.stem}-plan.json"
+    result = invoke("partition", profile_path, "--gpus", "4", "--gpus-per-node", "2",
+                    "--bandwidth", "50GB/s,5GB/s", *options, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def assert_real_image(path: Path) -> None:
+    """A PNG of plausible size with more than one colour in it."""
+    import matplotlib.image
+
+    assert path.stat().st_size > 10_000
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 500
+    assert pixels[..., :3].std() > 0.05
+
+
+@pytest.mark.parametrize("profile_path", EXAMPLE_PROFILES, ids=lambda path: path.stem)
+def test_show_and_simulate_every_example(profile_path: Path, tmp_path: Path) -> None:
+    from planner.plan import load_plan
+    from planner.plan_simulation import simulate
+
+    plan_path = make_plan(tmp_path, profile_path)
+    shown = invoke("show", plan_path)
+    assert shown.exit_code == 0, shown.output
+    assert_real_image(plan_path.with_suffix(".png"))  # next to the plan by default
+
+    trace_path = tmp_path / "trace.json"
+    simulated = invoke("simulate", plan_path, "--trace", trace_path)
+    assert simulated.exit_code == 0, simulated.output
+    plan = load_plan(plan_path)
+    timeline = simulate(plan, load_profile(profile_path))
+    ops = [event for event in json.loads(trace_path.read_text())["traceEvents"] if event["ph"] == "X"]
+    assert len(ops) == len(timeline.events)  # one trace event per simulated op
+    assert {(event["pid"], event["name"]) for event in ops} == {
+        (row.rank, row.op if row.microbatch < 0 else f"{row.op} {row.microbatch}")
+        for row in timeline.events.itertuples()
+    }
+    ranks = [rank for stage in plan.stages for rank in stage.ranks]
+    for rank in ranks:  # one table row per rank
+        assert re.search(rf"^\s*{rank}\s+\d+\s+\d+\s", simulated.stdout, re.MULTILINE), simulated.stdout
+    assert f"the plan states {plan.predicted.iteration_ms:.4g} ms" in " ".join(simulated.stdout.split())
+
+
+def test_simulate_more_iterations_simulates_more_ops(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "gpt.json", "--schedule", "1f1b", "--microbatches", "4")
+    counts = []
+    for iterations in ("1", "3"):
+        trace_path = tmp_path / f"trace{iterations}.json"
+        result = invoke("simulate", plan_path, "--iterations", iterations, "--trace", trace_path)
+        assert result.exit_code == 0, result.output
+        counts.append(sum(event["ph"] == "X" for event in json.loads(trace_path.read_text())["traceEvents"]))
+    assert counts[1] == 3 * counts[0]
+
+
+@pytest.mark.parametrize("suffix,magic", [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_show_writes_vector_formats(tmp_path: Path, suffix: str, magic: bytes) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json")
+    out = tmp_path / f"picture{suffix}"
+    result = invoke("show", plan_path, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes().startswith(magic) and out.stat().st_size > 10_000
+
+
+def test_show_scaling_writes_a_second_image(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json", "--schedule", "1f1b", "--microbatches", "4")
+    result = invoke("show", plan_path, "--out", tmp_path / "mlp.png", "--scaling")
+    assert result.exit_code == 0, result.output
+    assert_real_image(tmp_path / "mlp-scaling.png")
+
+
+def test_show_refuses_an_unknown_image_type_and_keeps_the_old_file(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json")
+    old = tmp_path / "plan.jpg"
+    old.write_bytes(b"keep me")
+    assert_one_line_error(invoke("show", plan_path, "--out", old), "plan.jpg", ".png")
+    assert old.read_bytes() == b"keep me"
+
+
+def test_show_without_the_recorded_profile_asks_for_it(tmp_path: Path) -> None:
+    copy = tmp_path / "profile-copy.json"
+    copy.write_bytes((REPO / "profiles" / "mlp.json").read_bytes())
+    plan_path = make_plan(tmp_path, copy)
+    copy.unlink()
+    assert_one_line_error(invoke("show", plan_path), str(copy), "--profile")
+    result = invoke("show", plan_path, "--profile", REPO / "profiles" / "mlp.json")
+    assert result.exit_code == 0, result.output
+
+
+def test_simulate_with_another_profile_names_both_files(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json")
+    other = REPO / "profiles" / "gpt.json"
+    assert_one_line_error(invoke("simulate", plan_path, "--profile", other), str(plan_path), str(other), "digest")
+
+
+def test_simulate_zero_iterations(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json")
+    assert_one_line_error(invoke("simulate", plan_path, "--iterations", "0"), "--iterations")
+
+
+def test_simulate_missing_plan(tmp_path: Path) -> None:
+    assert_one_line_error(invoke("simulate", tmp_path / "nope.json"), "nope.json")
