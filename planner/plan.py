@@ -38,6 +38,7 @@ from planner.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
 from planner.fileformat import read_versioned_json, write_versioned_json
 from planner.profile import Profile
+from planner.schedule_cost import SCHEDULES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -201,6 +202,9 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
             optimizer=str(body.get("optimizer", "adam")),
         )
         _check_stages(plan.stages, source)
+        if plan.schedule not in SCHEDULES:
+            raise FileFormatError(source, f"plan has an unknown schedule {plan.schedule!r}",
+                                  f"use one of {', '.join(SCHEDULES)}, or re-run `planner partition`")
         return plan
     except KeyError as exc:
         raise FileFormatError(source, f"plan is missing the field {exc.args[0]!r}") from None

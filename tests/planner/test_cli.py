@@ -516,3 +516,21 @@ def test_simulate_zero_iterations(tmp_path: Path) -> None:
 
 def test_simulate_missing_plan(tmp_path: Path) -> None:
     assert_one_line_error(invoke("simulate", tmp_path / "nope.json"), "nope.json")
+
+
+def test_show_a_profile_given_as_the_plan(tmp_path: Path) -> None:
+    assert_one_line_error(invoke("show", REPO / "profiles" / "mlp.json"), "mlp.json", "pipeline-planner/profile")
+
+
+def test_simulate_a_plan_with_an_unknown_schedule(tmp_path: Path) -> None:
+    plan_path = make_plan(tmp_path, REPO / "profiles" / "mlp.json", "--schedule", "1f1b")
+    body = json.loads(plan_path.read_text())
+    body["schedule"] = "zigzag"
+    plan_path.write_text(json.dumps(body))
+    assert_one_line_error(invoke("simulate", plan_path), str(plan_path), "zigzag", "1f1b")
+
+
+def test_partition_unknown_schedule(tmp_path: Path) -> None:
+    assert_one_line_error(invoke("partition", REPO / "profiles" / "mlp.json", "--gpus", "2", "--schedule", "zigzag",
+                                 "--out", tmp_path / "p.json"), "zigzag", "gpipe")
+    assert not (tmp_path / "p.json").exists()
