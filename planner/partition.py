@@ -185,6 +185,9 @@ def _planner_plan(
         objective_ms=closed_form * 1000.0,
     )
     notes = _common_notes(profile, inputs.cluster, solution.devices, optimizer)
+    if not plan_fits(inputs, [(0, inputs.arrays.num_layers, devices, False)]):
+        notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
+                     "with a plan you could not run")
     unit = "samples" if profile.batch_size else "profiled mini-batches"
     if flush:
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
@@ -199,7 +202,7 @@ def _planner_plan(
     if any(stage.recompute for stage in stages):
         notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
     return Plan(
-        profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),
+        profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
         cluster=inputs.cluster, cost_model="planner", schedule=inputs.schedule,
         microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
         stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer,
@@ -270,7 +273,7 @@ def _partition_pipedream(
         "per replica; iteration_ms is the time per mini-batch"
     )
     return Plan(
-        profile=ProfileRef(profile.model_name, profile_path or profile.source, profile_digest(profile)),
+        profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
         cluster=cluster, cost_model="pipedream", schedule="pipedream", microbatches=None,
         microbatch_size=profile.batch_size, straight=straight, stages=tuple(stages), predicted=predicted,
         notes=tuple(notes), optimizer=optimizer,

@@ -2,7 +2,8 @@
 
 Schema (format "pipeline-planner/plan", version 1):
 
-- `profile`: {name, path, digest}: the profile the plan came from; `digest` is the SHA-256 of
+- `profile`: {name, path, digest}: the profile the plan came from (`path` as given to
+  `partition`, "" when it was not given); `digest` is the SHA-256 of
   the profile's canonical JSON body (`profile_digest`), so a plan is never applied to another.
 - `cluster`: `Cluster.to_dict()`; `cost_model`: "planner" (`schedule_cost`) or "pipedream"
   (`costmodel`); `schedule`: gpipe, 1f1b or pipedream; `microbatches` per iteration (None for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 from pathlib import Path
@@ -46,9 +47,19 @@ OP_LABELS = {
 _COMPUTE_LANE = (0.08, 0.84)
 _COMPUTE_LANE_WITH_SENDS = (0.06, 0.56)
 _SEND_LANES = {SEND_ACTIVATION: (0.60, 0.74), SEND_GRADIENT: (0.78, 0.92)}
+INLINE_DPI = 80  # resolution of figures shown in Jupyter
 
 
 # ---------------------------------------------------------------- public figures
+
+
+class InlineFigure(Figure):
+    """A Figure that Jupyter shows as a PNG by itself (no pyplot, no `%matplotlib inline` needed)."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=INLINE_DPI)
+        return buffer.getvalue()
 
 
 def partition_figure(plan: Plan, profile: Profile) -> Figure:
@@ -56,7 +67,7 @@ def partition_figure(plan: Plan, profile: Profile) -> Figure:
     mini-batch) as bars coloured by stage, with the activation bytes crossing each stage boundary;
     bottom, memory per device of each stage (MB or GB, decimal as `--memory` takes) spanning its
     layers, against the device limit (dashed red) when the cluster has one."""
-    fig = Figure(figsize=(WIDTH_IN, PARTITION_HEIGHT_IN), layout="constrained")
+    fig = InlineFigure(figsize=(WIDTH_IN, PARTITION_HEIGHT_IN), layout="constrained")
     _draw_partition(fig, plan, profile)
     return fig
 
@@ -66,7 +77,7 @@ def gantt_figure(timeline: Timeline, communication: bool = False) -> Figure:
     boxes and optimizer steps (black ticks) against time in ms; idle time (bubbles) is blank.
     Boxes wide enough carry their microbatch number. With `communication`, each rank's sends
     (activation, gradient) are thin boxes in two lanes under its compute row."""
-    fig = Figure(figsize=(WIDTH_IN, _gantt_height(timeline, communication)), layout="constrained")
+    fig = InlineFigure(figsize=(WIDTH_IN, _gantt_height(timeline, communication)), layout="constrained")
     _draw_gantt(fig, timeline, communication)
     return fig
 
@@ -75,7 +86,7 @@ def memory_figure(timeline: Timeline, limit_bytes: float | None = None) -> Figur
     """Memory per device over time (MB or GB against ms) from `timeline.memory()`: one step line per
     stage, drawn for the stage's rank with the highest peak (replicas of a stage hold the same
     amounts, shifted in time); the device limit as a dashed red line when given."""
-    fig = Figure(figsize=(WIDTH_IN, MEMORY_HEIGHT_IN), layout="constrained")
+    fig = InlineFigure(figsize=(WIDTH_IN, MEMORY_HEIGHT_IN), layout="constrained")
     _draw_memory(fig, timeline, limit_bytes)
     return fig
 
@@ -84,7 +95,7 @@ def scaling_figure(table: pd.DataFrame) -> Figure:
     """Predicted throughput (samples/s) against GPU count (log2 axis) from `scaling.scaling_table`:
     the optimized pipeline, pure data parallelism (gaps where it does not fit) and ideal linear
     scaling of one device (dashed). The title names the model when `table.attrs` has `model_name`."""
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    fig = InlineFigure(figsize=(7.5, 4.8), layout="constrained")
     ax = fig.add_subplot()
     gpus = table["gpus"].to_numpy(dtype=float)
     pipeline = table["pipeline_samples_per_s"].to_numpy(dtype=float)
@@ -124,7 +135,7 @@ def scaling_figure(table: pd.DataFrame) -> Figure:
 def plan_figure(plan: Plan, profile: Profile, timeline: Timeline) -> Figure:
     """The partition, Gantt (without sends) and memory figures of one plan stacked in one image."""
     heights = [PARTITION_HEIGHT_IN, _gantt_height(timeline, False), MEMORY_HEIGHT_IN]
-    fig = Figure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    fig = InlineFigure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
     top, middle, bottom = fig.subfigures(3, 1, height_ratios=heights)
     _draw_partition(top, plan, profile)
     _draw_gantt(middle, timeline, False)
@@ -135,7 +146,7 @@ def plan_figure(plan: Plan, profile: Profile, timeline: Timeline) -> Figure:
 def timeline_figure(timeline: Timeline, communication: bool = False, limit_bytes: float | None = None) -> Figure:
     """The Gantt chart (sends too with `communication`) over the memory per device, in one image."""
     heights = [_gantt_height(timeline, communication), MEMORY_HEIGHT_IN]
-    fig = Figure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    fig = InlineFigure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=heights)
     _draw_gantt(top, timeline, communication)
     _draw_memory(bottom, timeline, limit_bytes)

@@ -298,3 +298,11 @@ def test_every_figure_renders_to_a_real_png(gpt: Profile, replicated: Plan, time
     for fig in (partition_figure(replicated, gpt), gantt_figure(timeline), gantt_figure(timeline, communication=True),
                 memory_figure(timeline, replicated.cluster.memory_bytes)):
         assert_real_png(fig)
+
+
+def test_figures_show_in_jupyter_without_pyplot() -> None:
+    """Jupyter displays an object through its `_repr_png_`; a bare matplotlib Figure has none."""
+    profile = load_profile(Path(__file__).resolve().parents[2] / "profiles" / "mlp.json")
+    plan = partition(profile, make_cluster(2, None, ["10GB/s"]))
+    png = partition_figure(plan, profile)._repr_png_()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
