@@ -16,7 +16,7 @@ from planner.plan import Plan
 
 __all__ = [
     "StageModule", "StageSplitError", "SharedParameter", "StageSignature", "ValueSpec", "Stages",
-    "build_stages", "split_model", "stage_signatures", "run_stages", "describe_boundaries",
+    "build_stages", "split_model", "stage_signatures", "run_stages", "describe_boundaries", "stage_args",
 ]
 
 # A stage: an nn.Sequential slice of the model (plain nn.Sequential models), an fx.GraphModule
@@ -148,7 +148,7 @@ def run_stages(stages: Sequence[nn.Module], *inputs: Any) -> Any:
     """Chain the stages on the model's inputs, as a single process would; returns the model's output."""
     value: Any = stages[0](*inputs)
     for previous, stage in zip(stages, stages[1:]):
-        value = stage(*_as_args(previous, value))
+        value = stage(*stage_args(previous, value))
     return value
 
 
@@ -158,14 +158,14 @@ def describe_boundaries(stages: Stages, *inputs: Any) -> list[tuple[ValueSpec, .
     with torch.no_grad():
         value: Any = stages[0](*inputs)
         for index, stage in enumerate(stages[1:]):
-            args = _as_args(stages[index], value)
+            args = stage_args(stages[index], value)
             names = stages.signatures[index].outputs
             boundaries.append(tuple(_spec(name, arg) for name, arg in zip(names, args)))
             value = stage(*args)
     return boundaries
 
 
-def _as_args(stage: nn.Module, value: Any) -> tuple[Any, ...]:
+def stage_args(stage: nn.Module, value: Any) -> tuple[Any, ...]:
     """A stage's result as the next stage's arguments: traced stages return a tuple, slices one value."""
     return value if isinstance(stage, fx.GraphModule) else (value,)
 

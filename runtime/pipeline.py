@@ -1,0 +1,505 @@
+"""In-process pipeline: one worker thread per stage walks its rank program of a gpipe or 1f1b schedule.
+
+`Pipeline(stages, devices, schedule, microbatches, checkpoint, loss_fn)` runs the stages of one
+model (`runtime.stages.build_stages` / `split_model`) on `devices`, one worker thread per stage.
+`train_step(inputs, target)` splits the mini-batch into `microbatches` chunks along dim 0 and
+leaves in every parameter's `.grad` the gradient of the mean loss over the whole mini-batch
+(each microbatch's loss is scaled by its share of the batch), as one forward and backward on the
+whole batch would; the caller's optimizer then steps (the schedule's `step` action). It returns
+the loss as a float.
+
+Design:
+- the order of work is the schedule's, as data: worker s walks `build_schedule(schedule, [1] * S,
+  microbatches).programs[s].actions` (`planner.schedule`): receive, forward, send activation,
+  receive gradient, backward, send gradient; `allreduce` and `step` are no-ops here;
+- each worker has an inbox (`queue.Queue`) of steps and answers on the pipeline's reply queue;
+  between workers, each step has one activation queue and one gradient queue per stage
+  (sends never block, receives wait); the sender puts detached tensors, the receiver moves
+  them to its device (`.to(device)`) and makes them leaves that require grad;
+- a worker's exception comes back as a value on the reply queue; the caller then puts an abort
+  marker on every queue of the step (so blocked receives end), waits for every worker, shuts the
+  workers down and raises `PipelineError` naming the stage and microbatch, chained to the
+  original. A pipeline that failed is closed: make a new one to go on;
+- activation checkpointing (`checkpoint[s]`): the forward runs under `torch.no_grad()` and keeps
+  only the stage's input; the backward runs the forward again with grad, then backpropagates;
+- random numbers: each stage draws from its own stream, seeded at every step from the global
+  generator (so `torch.manual_seed` makes a pipeline reproducible): a forward swaps the stream
+  into its device's default generator under a per-device lock (forwards of stages sharing a
+  device take turns; backwards do not) and swaps it out after. A checkpointed forward keeps the
+  stream state it started from and the recomputation replays it, so dropout masks match.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from planner.errors import PlannerError
+from planner.model_file import default_loss
+from planner.schedule import (
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+    RankProgram, build_schedule,
+)
+from runtime.stages import Stages, stage_args, build_stages
+
+__all__ = ["Pipeline", "PipelineError", "IN_PROCESS_SCHEDULES"]
+
+IN_PROCESS_SCHEDULES = ("gpipe", "1f1b")
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+_STOP = object()  # in a worker's inbox: exit the thread
+_ABORT = object()  # in a step's queue: another stage failed, stop waiting
+
+
+class PipelineError(PlannerError):
+    """A pipeline cannot be built or a stage failed; `stage` and `microbatch` say where (None if unknown)."""
+
+    def __init__(self, message: str, stage: int | None = None, microbatch: int | None = None) -> None:
+        self.stage, self.microbatch = stage, microbatch
+        super().__init__(message)
+
+
+class _Aborted(Exception):
+    """Raised in a worker whose receive found the abort marker."""
+
+
+@dataclass
+class _Step:
+    """One train_step as every worker sees it: microbatch inputs, targets and the queues between stages."""
+
+    inputs: list[tuple[Any, ...]]  # stage 0's arguments, per microbatch
+    targets: list[Any]  # the last stage's targets, per microbatch
+    scales: list[float]  # microbatch share of the mini-batch
+    seed: int  # stage s's random stream starts from seed + s
+    activations: list[queue.Queue]  # activations[s]: (microbatch, args) sent to stage s by stage s - 1
+    gradients: list[queue.Queue]  # gradients[s]: (microbatch, grads) sent to stage s by stage s + 1
+
+
+@dataclass
+class _Micro:
+    """What a worker keeps of one microbatch between its forward and its backward."""
+
+    args: tuple[Any, ...] = ()  # the stage's inputs (received ones are leaves requiring grad)
+    output: Any = None  # non-checkpointed: the stage's outputs (last stage: the scaled loss)
+    sent: Any = None  # non-last stages: the outputs as the next stage's arguments, until sent
+    rng: Any = None  # checkpointed: the random stream state the forward started from
+    grads: list[Any] | None = None  # received gradients of the outputs
+
+
+# --- random streams ------------------------------------------------------------------------------
+
+_RNG_LOCKS: dict[str, threading.Lock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _generator(device: torch.device) -> torch.Generator | None:
+    """The default generator random ops on `device` draw from (None for device types not handled)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.init()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+def _rng_lock(device: torch.device) -> threading.Lock:
+    """The process-wide lock of `device`'s default generator."""
+    key = str(device)
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(key, threading.Lock())
+
+
+class _Stream:
+    """A stage's own random stream, swapped into its device's default generator around forwards."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.generator = _generator(device)
+        self.lock = _rng_lock(device)
+        self.state: torch.Tensor | None = None
+
+    def reseed(self, seed: int) -> None:
+        """Start the stream afresh from `seed` (leaves the default generator as it was)."""
+        if self.generator is None:
+            return
+        with self.lock:
+            saved = self.generator.get_state()
+            self.generator.manual_seed(seed)
+            self.state = self.generator.get_state()
+            self.generator.set_state(saved)
+
+    def run(self, function: Callable[[], Any], replay: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """(function(), the stream state it started from), drawing from the stream, or replaying `replay`."""
+        if self.generator is None:
+            return function(), None
+        with self.lock:
+            saved = self.generator.get_state()
+            start = self.state if replay is None else replay
+            self.generator.set_state(start)
+            try:
+                result = function()
+                if replay is None:
+                    self.state = self.generator.get_state()
+            finally:
+                self.generator.set_state(saved)
+        return result, start
+
+
+# --- nested values -------------------------------------------------------------------------------
+
+
+def _map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `function` applied to every tensor in it (tuples, lists and dicts are walked)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, (tuple, list)):
+        mapped = [_map_tensors(function, item) for item in value]
+        return tuple(mapped) if isinstance(value, tuple) else mapped
+    if isinstance(value, dict):
+        return {key: _map_tensors(function, item) for key, item in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value`, in a fixed order (that of `_map_tensors`)."""
+    found: list[torch.Tensor] = []
+    _map_tensors(found.append, value)
+    return found
+
+
+def _split(value: Any, chunks: int) -> list[Any]:
+    """`value` as `chunks` pieces along dim 0 of every tensor (other values are repeated)."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, chunks))
+    if isinstance(value, (tuple, list)):
+        parts = [_split(item, chunks) for item in value]
+        pieces = [[part[k] for part in parts] for k in range(chunks)]
+        return [tuple(piece) if isinstance(value, tuple) else piece for piece in pieces]
+    if isinstance(value, dict):
+        parts_of = {key: _split(item, chunks) for key, item in value.items()}
+        return [{key: part[k] for key, part in parts_of.items()} for k in range(chunks)]
+    return [value] * chunks
+
+
+def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received tensor on `device`: a leaf that requires grad if it is floating point."""
+    moved = tensor.to(device).detach()
+    return moved.requires_grad_(moved.is_floating_point() or moved.is_complex())
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A clone the stage may modify in place (autograd refuses in-place changes of leaves requiring grad)."""
+    return tensor.clone()
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """The thread of one stage: walks its program for every step put in its inbox."""
+
+    def __init__(self, index: int, stage: nn.Module, device: torch.device, program: RankProgram,
+                 checkpoint: bool, last: bool, loss_fn: LossFn, replies: queue.Queue) -> None:
+        self.index, self.stage, self.device, self.program = index, stage, device, program
+        self.checkpoint, self.last, self.loss_fn, self.replies = checkpoint, last, loss_fn, replies
+        self.stream = _Stream(device)
+        self.inbox: queue.Queue = queue.Queue()
+        self.microbatch: int | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"pipeline-stage-{index}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            step = self.inbox.get()
+            if step is _STOP:
+                return
+            self.microbatch = None
+            try:
+                losses = self._run(step)
+            except _Aborted:
+                self.replies.put(("aborted", self.index, None, None))
+            except BaseException as exc:  # every failure goes back to the caller, which re-raises it
+                self.replies.put(("error", self.index, exc, self.microbatch))
+            else:
+                self.replies.put(("done", self.index, losses, None))
+            del step
+
+    def _run(self, step: _Step) -> dict[int, float]:
+        """One step's actions in program order; returns the last stage's loss per microbatch."""
+        self.stream.reseed(step.seed + self.index)
+        micro: dict[int, _Micro] = {}
+        early: dict[tuple[int, int], Any] = {}  # messages that came before their turn, by (queue id, microbatch)
+        losses: dict[int, float] = {}
+        for action in self.program.actions:
+            mb = action.microbatch
+            self.microbatch = mb if mb >= 0 else None
+            if action.op == RECV_ACTIVATION:
+                args = self._receive(step.activations[self.index], mb, early)
+                micro[mb] = _Micro(args=_map_tensors(lambda t: _leaf(t, self.device), args))
+            elif action.op == FORWARD:
+                state = micro.setdefault(mb, _Micro(args=_map_tensors(lambda t: t.to(self.device), step.inputs[mb])))
+                self._forward(step, mb, state, losses)
+            elif action.op == SEND_ACTIVATION:
+                step.activations[self.index + 1].put((mb, micro[mb].sent))
+                micro[mb].sent = None
+            elif action.op == RECV_GRADIENT:
+                grads = self._receive(step.gradients[self.index], mb, early)
+                micro[mb].grads = [None if g is None else g.to(self.device) for g in grads]
+            elif action.op == BACKWARD:
+                self._backward(step, mb, micro[mb], losses)
+            elif action.op == SEND_GRADIENT:
+                leaves = _tensors(micro.pop(mb).args)
+                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+                step.gradients[self.index - 1].put((mb, grads))
+            elif action.op in (ALLREDUCE, STEP):
+                continue  # one replica: nothing to reduce; the caller's optimizer steps
+            else:
+                raise PipelineError(f"unknown action {action.op!r} in the program of stage {self.index}",
+                                    self.index, self.microbatch)
+            if action.op == BACKWARD and self.index == 0:
+                micro.pop(mb, None)  # stage 0 sends no gradient: drop the microbatch now
+        self.microbatch = None
+        return losses
+
+    def _receive(self, inbound: queue.Queue, mb: int, early: dict[tuple[int, int], Any]) -> Any:
+        """The message for microbatch `mb` on `inbound` (others are kept for later); _Aborted on abort."""
+        key = (id(inbound), mb)
+        while key not in early:
+            message = inbound.get()
+            if message is _ABORT:
+                raise _Aborted()
+            early[(id(inbound), message[0])] = message[1]
+        return early.pop(key)
+
+    def _call(self, args: tuple[Any, ...], fresh: bool) -> Any:
+        """The stage on `args` (on clones of its tensors if `fresh`)."""
+        return self.stage(*(_map_tensors(_fresh, args) if fresh else args))
+
+    def _loss(self, step: _Step, mb: int, output: Any) -> torch.Tensor:
+        target = _map_tensors(lambda t: t.to(self.device), step.targets[mb])
+        return self.loss_fn(output, target) * step.scales[mb]
+
+    def _forward(self, step: _Step, mb: int, state: _Micro, losses: dict[int, float]) -> None:
+        """Run the stage on microbatch `mb`; keep what its backward needs (checkpointed: the input only)."""
+        if self.checkpoint:  # stage 0's inputs are cloned too: the recomputation needs them unchanged
+            with torch.no_grad():
+                output, state.rng = self.stream.run(lambda: self._call(state.args, fresh=True))
+        else:
+            output, _ = self.stream.run(lambda: self._call(state.args, fresh=self.index > 0))
+        if self.last:
+            if not self.checkpoint:  # checkpointed: the loss is computed after the recomputation
+                state.output = self._loss(step, mb, output)
+                losses[mb] = float(state.output.detach())
+            return
+        output = stage_args(self.stage, output)
+        state.sent = _map_tensors(torch.Tensor.detach, output)
+        state.output = None if self.checkpoint else output
+
+    def _backward(self, step: _Step, mb: int, state: _Micro, losses: dict[int, float]) -> None:
+        """Backpropagate microbatch `mb` (after recomputing its forward if checkpointed)."""
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.checkpoint:
+            # the recomputation must not update buffers twice (batch norm's running statistics):
+            # they are put back after the backward (autograd may have saved them, so not before)
+            buffers = [(buffer, buffer.detach().clone()) for buffer in self.stage.buffers()]
+            with torch.enable_grad():
+                output, _ = self.stream.run(lambda: self._call(state.args, fresh=True), replay=state.rng)
+                output = self._loss(step, mb, output) if self.last else stage_args(self.stage, output)
+            if self.last:
+                losses[mb] = float(output.detach())
+        else:
+            output = state.output
+            state.output = None
+        if self.last:
+            output.backward()
+        else:
+            grads = state.grads or []
+            pairs = [(tensor, grad) for tensor, grad in zip(_tensors(output), grads)
+                     if grad is not None and tensor.requires_grad]
+            if pairs:
+                torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+            state.grads = None
+        del output
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    """Ask every worker to exit, then join them (also run when a pipeline is garbage collected)."""
+    for worker in workers:
+        worker.inbox.put(_STOP)
+    for worker in workers:
+        if worker.thread is not threading.current_thread():
+            worker.thread.join()
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device; "cpu:0" is "cpu" (one CPU generator, one memory)."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
+def _check_schedule(name: str) -> None:
+    """PipelineError unless `name` is a schedule the in-process pipeline runs."""
+    if name == "pipedream":
+        raise PipelineError(
+            "the pipedream schedule (no flush, weight stashing, an optimizer step after every backward) "
+            "needs the distributed engine; the in-process pipeline runs gpipe or 1f1b")
+    if name not in IN_PROCESS_SCHEDULES:
+        raise PipelineError(f"unknown schedule {name!r}; the in-process pipeline runs "
+                            f"{' or '.join(IN_PROCESS_SCHEDULES)}")
+
+
+class Pipeline:
+    """Trains `stages` as one pipeline in this process: one worker thread per stage; see the module docstring.
+
+    `stages`: the model's stages in order (one replica each); `devices`: one per stage (default:
+    all "cpu"; several stages may share a device); `schedule`: "gpipe" or "1f1b" (with a flush);
+    `microbatches` per `train_step`; `checkpoint`: per stage (or one bool for all), recompute its
+    forward during the backward instead of keeping its activations; `loss_fn(output, target)`:
+    a mean over the batch (default `planner.model_file.default_loss`).
+
+    Not thread-safe: one `train_step` at a time. Use as a context manager or call `close()`.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device | str] | None = None,
+                 schedule: str = "1f1b", microbatches: int = 4,
+                 checkpoint: bool | Sequence[bool] | None = None, loss_fn: LossFn | None = None) -> None:
+        count = len(stages)
+        if count < 1:
+            raise PipelineError("a pipeline needs at least one stage")
+        _check_schedule(schedule)
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
+        devices = ["cpu"] * count if devices is None else list(devices)
+        if len(devices) != count:
+            raise PipelineError(f"{count} stages need {count} devices (one per stage), got {len(devices)}")
+        if checkpoint is None or isinstance(checkpoint, bool):
+            checkpoint = [bool(checkpoint)] * count
+        checkpoint = [bool(flag) for flag in checkpoint]
+        if len(checkpoint) != count:
+            raise PipelineError(f"checkpoint needs one flag per stage ({count}), got {len(checkpoint)}")
+        self.stages = stages
+        self.devices = [_device(device) for device in devices]
+        self.schedule = build_schedule(schedule, [1] * count, microbatches)
+        self.microbatches = microbatches
+        self.checkpoint = tuple(checkpoint)
+        self.loss_fn: LossFn = loss_fn or default_loss
+        self._check_shared_devices()
+        for stage, device in zip(stages, self.devices):
+            stage.to(device)
+        self._replies: queue.Queue = queue.Queue()
+        programs = {program.stage: program for program in self.schedule.programs}
+        self._workers = [
+            _Worker(index, stage, device, programs[index], checkpoint[index], index == count - 1,
+                    self.loss_fn, self._replies)
+            for index, (stage, device) in enumerate(zip(stages, self.devices))
+        ]
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+
+    @classmethod
+    def from_plan(cls, model: nn.Module, plan: Any, devices: Sequence[torch.device | str] | None = None,
+                  microbatches: int | None = None, loss_fn: LossFn | None = None) -> "Pipeline":
+        """A pipeline of `plan`'s stages of `model` with the plan's schedule, microbatches and recompute flags."""
+        replicated = [index for index, stage in enumerate(plan.stages) if stage.replicas > 1]
+        if replicated:
+            first = replicated[0]
+            raise PipelineError(
+                f"stage {first} of the plan has {plan.stages[first].replicas} replicas: the in-process pipeline "
+                "runs one replica per stage; replicated stages need the distributed engine", stage=first)
+        _check_schedule(plan.schedule)
+        count = microbatches or plan.microbatches or 1
+        return cls(build_stages(model, plan), devices, plan.schedule, count,
+                   [stage.recompute for stage in plan.stages], loss_fn)
+
+    def _check_shared_devices(self) -> None:
+        """A tied parameter lives on one device: every stage using it must be on that device."""
+        shared = self.stages.shared if isinstance(self.stages, Stages) else ()
+        for parameter in shared:
+            places = {self.devices[index] for index in parameter.stages}
+            if len(places) > 1:
+                raise PipelineError(
+                    f"tied parameter {parameter.names[0]} is used by stages {list(parameter.stages)} on different "
+                    f"devices ({', '.join(map(str, sorted(places, key=str)))}); in one process they must share a "
+                    "device (the distributed engine sums the copies' gradients instead)")
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran or a step failed."""
+        return self._closed
+
+    def train_step(self, inputs: Any, target: Any) -> float:
+        """Forward and backward of the mini-batch through the pipeline; returns the loss (mean over the batch).
+
+        Every parameter's `.grad` gets (added to it) the gradient of that loss, as `loss.backward()`
+        on the whole batch would give. Raises PipelineError if a stage fails (the pipeline is closed then).
+        """
+        if self._closed:
+            raise PipelineError("the pipeline is closed; make a new one")
+        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        sizes = {tensor.shape[0] if tensor.dim() else None for tensor in _tensors((args, target))}
+        if len(sizes) != 1 or None in sizes:
+            raise PipelineError(f"every input and target tensor needs the batch in dim 0 with one size; "
+                                f"got first dimensions {sorted(sizes, key=str)}")
+        batch = sizes.pop()
+        if batch < self.microbatches:
+            raise PipelineError(f"a batch of {batch} cannot be split into {self.microbatches} microbatches")
+        chunks = _split(tuple(args), self.microbatches)
+        targets = _split(target, self.microbatches)
+        scales = [_tensors(chunk)[0].shape[0] / batch for chunk in chunks]
+        count = len(self._workers)
+        step = _Step(chunks, targets, scales, int(torch.randint(0, 2**62, (1,)).item()),
+                     [queue.Queue() for _ in range(count)], [queue.Queue() for _ in range(count)])
+        for worker in self._workers:
+            worker.inbox.put(step)
+        losses: dict[int, float] = {}
+        failure: tuple[int, int | None, BaseException] | None = None
+        waiting = set(range(count))
+        try:
+            while waiting:
+                kind, index, payload, microbatch = self._replies.get()
+                waiting.discard(index)
+                if kind == "done":
+                    losses.update(payload)
+                elif kind == "error" and failure is None:
+                    failure = (index, microbatch, payload)
+                    self._abort(step)
+        finally:
+            if waiting:  # interrupted while waiting (KeyboardInterrupt): stop every worker
+                self._abort(step)
+                self.close()
+        if failure is not None:
+            index, microbatch, exc = failure
+            self.close()
+            where = f"stage {index}" + (f", microbatch {microbatch}" if microbatch is not None else "")
+            raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}", index, microbatch) from exc
+        return float(sum(losses[mb] for mb in sorted(losses)))
+
+    @staticmethod
+    def _abort(step: _Step) -> None:
+        """Wake every worker waiting on one of the step's queues."""
+        for inbound in (*step.activations, *step.gradients):
+            inbound.put(_ABORT)
+
+    def close(self) -> None:
+        """Stop and join every worker thread (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
