@@ -6,9 +6,8 @@ import copy
 import dataclasses
 import threading
 import time
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,13 +15,14 @@ from torch import nn
 
 from planner.cluster import make_cluster
 from planner.errors import PlannerError
-from planner.model_file import ModelFile, default_loss, load_model_file
+from planner.model_file import default_loss
 from planner.partition import partition
 from planner.plan import Plan
 from planner.profile import load_profile
 from planner.schedule import BACKWARD, FORWARD, build_schedule
 from runtime.pipeline import Pipeline, PipelineError
 from runtime.stages import split_model
+from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
 MICROBATCHES = 4
@@ -34,21 +34,6 @@ SPLITS = {
     ("vgg", 2): ["features.1"], ("vgg", 3): ["features.3", "features.11"],  # stages begin with ReLU(inplace)
 }
 BATCH = {"mlp": 8, "gpt": 4, "resnet": 8, "vgg": 8}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is faster, and steady when other processes share the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@lru_cache(maxsize=None)
-def model_file(name: str) -> ModelFile:
-    """The example's model file, imported once."""
-    return load_model_file(REPO / "examples" / f"{name}.py")
 
 
 def fresh(name: str, train: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -14,10 +14,11 @@ from torch import fx, nn
 
 from planner.cluster import make_cluster
 from planner.errors import PlannerError
-from planner.model_file import ModelFile, default_loss, load_model_file
+from planner.model_file import default_loss
 from planner.partition import partition
 from planner.plan import Plan
 from planner.profile import load_profile
+from runtime_examples import model_file
 from runtime.stages import (
     Stages,
     StageSplitError,
@@ -31,21 +32,6 @@ from runtime.stages import (
 REPO = Path(__file__).resolve().parents[2]
 MODELS = ("mlp", "vgg", "resnet", "gpt")
 BATCH = 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is faster, and steady when other processes share the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@lru_cache(maxsize=None)
-def model_file(name: str) -> ModelFile:
-    """The example's model file, imported once."""
-    return load_model_file(REPO / "examples" / f"{name}.py")
 
 
 @lru_cache(maxsize=None)
