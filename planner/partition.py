@@ -80,6 +80,8 @@ class _Candidate:
     solution: Solution
     iteration_s: float  # simulated (`predicted_iteration_s`)
     samples_per_s: float
+    data_parallel_s: float  # one stage on every device, simulated the same way
+    data_parallel_fits: bool
 
 
 def _choose(
@@ -131,11 +133,11 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
     instead when it fits and simulates faster (the closed form can rank the two the other way)."""
     iteration = predicted_iteration_s(inputs, list(solution.stages))
     everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
-    if not straight and list(solution.stages) != everywhere and plan_fits(inputs, everywhere):
-        data_parallel = predicted_iteration_s(inputs, everywhere)
-        if data_parallel < iteration:
-            solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
-    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size))
+    fits = plan_fits(inputs, everywhere)
+    data_parallel = iteration if list(solution.stages) == everywhere else predicted_iteration_s(inputs, everywhere)
+    if not straight and fits and data_parallel < iteration:
+        solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
+    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
 
 
 def _auto_microbatches(run) -> _Candidate | None:
@@ -172,7 +174,7 @@ def _planner_plan(
     busy_s = per_iteration * sum(cost.compute_s for cost in costs)
     single_s = per_iteration * inputs.scale * float(inputs.arrays.compute_s[-1])
     devices = inputs.cluster.num_devices
-    data_parallel = predicted_iteration_s(inputs, [(0, inputs.arrays.num_layers, devices, False)])
+    data_parallel = chosen.data_parallel_s
     predicted = Prediction(
         bottleneck_s=max(cost.bound_s for cost in costs),
         iteration_ms=objective * 1000.0,
@@ -185,7 +187,7 @@ def _planner_plan(
         objective_ms=closed_form * 1000.0,
     )
     notes = _common_notes(profile, inputs.cluster, solution.devices, optimizer)
-    if not plan_fits(inputs, [(0, inputs.arrays.num_layers, devices, False)]):
+    if not chosen.data_parallel_fits:
         notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
                      "with a plan you could not run")
     unit = "samples" if profile.batch_size else "profiled mini-batches"

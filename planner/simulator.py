@@ -260,8 +260,9 @@ class SimulationTooLongError(PlannerError):
 
     def __init__(self, replicas: list[int], unit: int) -> None:
         self.replicas, self.unit = replicas, unit
-        super().__init__(f"simulating replicas {replicas} takes multiples of {unit} microbatches "
-                         f"(more than {MAX_PIPEDREAM_ROUND}); use the closed form")
+        super().__init__(f"cannot simulate pipedream with replicas {replicas}: every replica's turn takes "
+                         f"{unit} microbatches (the most simulated is {MAX_PIPEDREAM_ROUND}); the plan states the "
+                         f"closed form for it")
 
 
 MAX_PIPEDREAM_ROUND = 1024  # microbatches in one round of every replica, beyond which pipedream is not simulated

@@ -199,9 +199,7 @@ def test_planner_cost_model_plans_every_pipedream_profile(graph: Path, tmp_path:
     profile = import_pipedream(graph, batch_size=32)
     if profile.shared_params:
         pytest.skip("independent recomputation here does not model shared parameter copies")
-    # hierarchical solves of the 700-1,250-layer profiles take 5-25 s (benchmarks/RESULTS.md): flat only there
-    clusters = ((4, None), (16, 8)) if profile.num_layers <= 500 else ((4, None),)
-    for gpus, per_node in clusters:
+    for gpus, per_node in ((4, None), (16, 8)):
         for schedule in ("1f1b", "pipedream"):
             cluster = make_cluster(gpus, per_node, ["100GB/s", "10GB/s"])
             plan = partition(profile, cluster, schedule=schedule, microbatches=8)
