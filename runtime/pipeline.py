@@ -20,13 +20,12 @@ Design:
   marker on every queue of the step (so blocked receives end), waits for every worker, shuts the
   workers down and raises `PipelineError` naming the stage and microbatch, chained to the
   original. A pipeline that failed is closed: make a new one to go on;
-- activation checkpointing (`checkpoint[s]`): the forward runs under `torch.no_grad()` and keeps
-  only the stage's input; the backward runs the forward again with grad, then backpropagates;
-- random numbers: each stage draws from its own stream, seeded at every step from the global
-  generator (so `torch.manual_seed` makes a pipeline reproducible): a forward swaps the stream
-  into its device's default generator under a per-device lock (forwards of stages sharing a
-  device take turns; backwards do not) and swaps it out after. A checkpointed forward keeps the
-  stream state it started from and the recomputation replays it, so dropout masks match.
+- compute: each worker calls its stage's `runtime.stage_runner.StageRunner` (shared with the
+  distributed engine), which does the activation checkpointing (`checkpoint[s]`: the forward
+  keeps only the stage's input and is recomputed in the backward) and the random streams:
+  each stage draws from its own stream (`runtime.rng`), seeded at every step from the global
+  generator (so `torch.manual_seed` makes a pipeline reproducible), and a recomputed forward
+  replays its stream, so dropout masks match.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -46,12 +45,13 @@ from planner.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     RankProgram, build_schedule,
 )
-from runtime.stages import Stages, stage_args, build_stages
+from runtime.nested import batch_size, split_batch, tensors
+from runtime.stage_runner import LossFn, StageRunner
+from runtime.stages import Stages, build_stages
 
 __all__ = ["Pipeline", "PipelineError", "IN_PROCESS_SCHEDULES"]
 
 IN_PROCESS_SCHEDULES = ("gpipe", "1f1b")
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 _STOP = object()  # in a worker's inbox: exit the thread
 _ABORT = object()  # in a step's queue: another stage failed, stop waiting
@@ -81,134 +81,14 @@ class _Step:
     gradients: list[queue.Queue]  # gradients[s]: (microbatch, grads) sent to stage s by stage s + 1
 
 
-@dataclass
-class _Micro:
-    """What a worker keeps of one microbatch between its forward and its backward."""
-
-    args: tuple[Any, ...] = ()  # the stage's inputs (received ones are leaves requiring grad)
-    output: Any = None  # non-checkpointed: the stage's outputs (last stage: the scaled loss)
-    sent: Any = None  # non-last stages: the outputs as the next stage's arguments, until sent
-    rng: Any = None  # checkpointed: the random stream state the forward started from
-    grads: list[Any] | None = None  # received gradients of the outputs
-
-
-# --- random streams ------------------------------------------------------------------------------
-
-_RNG_LOCKS: dict[str, threading.Lock] = {}
-_RNG_LOCKS_GUARD = threading.Lock()
-
-
-def _generator(device: torch.device) -> torch.Generator | None:
-    """The default generator random ops on `device` draw from (None for device types not handled)."""
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.init()
-        return torch.cuda.default_generators[index]
-    return None
-
-
-def _rng_lock(device: torch.device) -> threading.Lock:
-    """The process-wide lock of `device`'s default generator."""
-    key = str(device)
-    with _RNG_LOCKS_GUARD:
-        return _RNG_LOCKS.setdefault(key, threading.Lock())
-
-
-class _Stream:
-    """A stage's own random stream, swapped into its device's default generator around forwards."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.generator = _generator(device)
-        self.lock = _rng_lock(device)
-        self.state: torch.Tensor | None = None
-
-    def reseed(self, seed: int) -> None:
-        """Start the stream afresh from `seed` (leaves the default generator as it was)."""
-        if self.generator is None:
-            return
-        with self.lock:
-            saved = self.generator.get_state()
-            self.generator.manual_seed(seed)
-            self.state = self.generator.get_state()
-            self.generator.set_state(saved)
-
-    def run(self, function: Callable[[], Any], replay: torch.Tensor | None = None) -> tuple[Any, Any]:
-        """(function(), the stream state it started from), drawing from the stream, or replaying `replay`."""
-        if self.generator is None:
-            return function(), None
-        with self.lock:
-            saved = self.generator.get_state()
-            start = self.state if replay is None else replay
-            self.generator.set_state(start)
-            try:
-                result = function()
-                if replay is None:
-                    self.state = self.generator.get_state()
-            finally:
-                self.generator.set_state(saved)
-        return result, start
-
-
-# --- nested values -------------------------------------------------------------------------------
-
-
-def _map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """`value` with `function` applied to every tensor in it (tuples, lists and dicts are walked)."""
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, (tuple, list)):
-        mapped = [_map_tensors(function, item) for item in value]
-        return tuple(mapped) if isinstance(value, tuple) else mapped
-    if isinstance(value, dict):
-        return {key: _map_tensors(function, item) for key, item in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in `value`, in a fixed order (that of `_map_tensors`)."""
-    found: list[torch.Tensor] = []
-    _map_tensors(found.append, value)
-    return found
-
-
-def _split(value: Any, chunks: int) -> list[Any]:
-    """`value` as `chunks` pieces along dim 0 of every tensor (other values are repeated)."""
-    if isinstance(value, torch.Tensor):
-        return list(torch.tensor_split(value, chunks))
-    if isinstance(value, (tuple, list)):
-        parts = [_split(item, chunks) for item in value]
-        pieces = [[part[k] for part in parts] for k in range(chunks)]
-        return [tuple(piece) if isinstance(value, tuple) else piece for piece in pieces]
-    if isinstance(value, dict):
-        parts_of = {key: _split(item, chunks) for key, item in value.items()}
-        return [{key: part[k] for key, part in parts_of.items()} for k in range(chunks)]
-    return [value] * chunks
-
-
-def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A received tensor on `device`: a leaf that requires grad if it is floating point."""
-    moved = tensor.to(device).detach()
-    return moved.requires_grad_(moved.is_floating_point() or moved.is_complex())
-
-
-def _fresh(tensor: torch.Tensor) -> torch.Tensor:
-    """A clone the stage may modify in place (autograd refuses in-place changes of leaves requiring grad)."""
-    return tensor.clone()
-
-
 # --- workers -------------------------------------------------------------------------------------
 
 
 class _Worker:
     """The thread of one stage: walks its program for every step put in its inbox."""
 
-    def __init__(self, index: int, stage: nn.Module, device: torch.device, program: RankProgram,
-                 checkpoint: bool, last: bool, loss_fn: LossFn, replies: queue.Queue) -> None:
-        self.index, self.stage, self.device, self.program = index, stage, device, program
-        self.checkpoint, self.last, self.loss_fn, self.replies = checkpoint, last, loss_fn, replies
-        self.stream = _Stream(device)
+    def __init__(self, index: int, runner: StageRunner, program: RankProgram, replies: queue.Queue) -> None:
+        self.index, self.runner, self.program, self.replies = index, runner, program, replies
         self.inbox: queue.Queue = queue.Queue()
         self.microbatch: int | None = None
         self.thread = threading.Thread(target=self._loop, name=f"pipeline-stage-{index}", daemon=True)
@@ -228,44 +108,42 @@ class _Worker:
                 self.replies.put(("error", self.index, exc, self.microbatch))
             else:
                 self.replies.put(("done", self.index, losses, None))
+            finally:
+                self.runner.reset(0)  # drop what a failed step left
             del step
 
     def _run(self, step: _Step) -> dict[int, float]:
         """One step's actions in program order; returns the last stage's loss per microbatch."""
-        self.stream.reseed(step.seed + self.index)
-        micro: dict[int, _Micro] = {}
+        runner = self.runner
+        runner.reset(step.seed + self.index)
         early: dict[tuple[int, int], Any] = {}  # messages that came before their turn, by (queue id, microbatch)
-        losses: dict[int, float] = {}
+        sent: dict[int, Any] = {}  # outputs or input gradients computed, not yet sent
         for action in self.program.actions:
             mb = action.microbatch
             self.microbatch = mb if mb >= 0 else None
             if action.op == RECV_ACTIVATION:
-                args = self._receive(step.activations[self.index], mb, early)
-                micro[mb] = _Micro(args=_map_tensors(lambda t: _leaf(t, self.device), args))
+                runner.receive(mb, self._receive(step.activations[self.index], mb, early))
             elif action.op == FORWARD:
-                state = micro.setdefault(mb, _Micro(args=_map_tensors(lambda t: t.to(self.device), step.inputs[mb])))
-                self._forward(step, mb, state, losses)
+                output = runner.forward(mb, step.inputs[mb], step.targets[mb], step.scales[mb])
+                if output is not None:
+                    sent[mb] = output
             elif action.op == SEND_ACTIVATION:
-                step.activations[self.index + 1].put((mb, micro[mb].sent))
-                micro[mb].sent = None
+                step.activations[self.index + 1].put((mb, sent.pop(mb)))
             elif action.op == RECV_GRADIENT:
-                grads = self._receive(step.gradients[self.index], mb, early)
-                micro[mb].grads = [None if g is None else g.to(self.device) for g in grads]
+                runner.receive_grads(mb, self._receive(step.gradients[self.index], mb, early))
             elif action.op == BACKWARD:
-                self._backward(step, mb, micro[mb], losses)
+                grads = runner.backward(mb)
+                if grads is not None:
+                    sent[mb] = grads
             elif action.op == SEND_GRADIENT:
-                leaves = _tensors(micro.pop(mb).args)
-                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
-                step.gradients[self.index - 1].put((mb, grads))
+                step.gradients[self.index - 1].put((mb, sent.pop(mb)))
             elif action.op in (ALLREDUCE, STEP):
                 continue  # one replica: nothing to reduce; the caller's optimizer steps
             else:
                 raise PipelineError(f"unknown action {action.op!r} in the program of stage {self.index}",
                                     self.index, self.microbatch)
-            if action.op == BACKWARD and self.index == 0:
-                micro.pop(mb, None)  # stage 0 sends no gradient: drop the microbatch now
         self.microbatch = None
-        return losses
+        return dict(runner.losses)
 
     def _receive(self, inbound: queue.Queue, mb: int, early: dict[tuple[int, int], Any]) -> Any:
         """The message for microbatch `mb` on `inbound` (others are kept for later); _Aborted on abort."""
@@ -276,59 +154,6 @@ class _Worker:
                 raise _Aborted()
             early[(id(inbound), message[0])] = message[1]
         return early.pop(key)
-
-    def _call(self, args: tuple[Any, ...], fresh: bool) -> Any:
-        """The stage on `args` (on clones of its tensors if `fresh`)."""
-        return self.stage(*(_map_tensors(_fresh, args) if fresh else args))
-
-    def _loss(self, step: _Step, mb: int, output: Any) -> torch.Tensor:
-        target = _map_tensors(lambda t: t.to(self.device), step.targets[mb])
-        return self.loss_fn(output, target) * step.scales[mb]
-
-    def _forward(self, step: _Step, mb: int, state: _Micro, losses: dict[int, float]) -> None:
-        """Run the stage on microbatch `mb`; keep what its backward needs (checkpointed: the input only)."""
-        if self.checkpoint:  # stage 0's inputs are cloned too: the recomputation needs them unchanged
-            with torch.no_grad():
-                output, state.rng = self.stream.run(lambda: self._call(state.args, fresh=True))
-        else:
-            output, _ = self.stream.run(lambda: self._call(state.args, fresh=self.index > 0))
-        if self.last:
-            if not self.checkpoint:  # checkpointed: the loss is computed after the recomputation
-                state.output = self._loss(step, mb, output)
-                losses[mb] = float(state.output.detach())
-            return
-        output = stage_args(self.stage, output)
-        state.sent = _map_tensors(torch.Tensor.detach, output)
-        state.output = None if self.checkpoint else output
-
-    def _backward(self, step: _Step, mb: int, state: _Micro, losses: dict[int, float]) -> None:
-        """Backpropagate microbatch `mb` (after recomputing its forward if checkpointed)."""
-        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if self.checkpoint:
-            # the recomputation must not update buffers twice (batch norm's running statistics):
-            # they are put back after the backward (autograd may have saved them, so not before)
-            buffers = [(buffer, buffer.detach().clone()) for buffer in self.stage.buffers()]
-            with torch.enable_grad():
-                output, _ = self.stream.run(lambda: self._call(state.args, fresh=True), replay=state.rng)
-                output = self._loss(step, mb, output) if self.last else stage_args(self.stage, output)
-            if self.last:
-                losses[mb] = float(output.detach())
-        else:
-            output = state.output
-            state.output = None
-        if self.last:
-            output.backward()
-        else:
-            grads = state.grads or []
-            pairs = [(tensor, grad) for tensor, grad in zip(_tensors(output), grads)
-                     if grad is not None and tensor.requires_grad]
-            if pairs:
-                torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
-            state.grads = None
-        del output
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 # --- the pipeline --------------------------------------------------------------------------------
@@ -401,8 +226,8 @@ class Pipeline:
         self._replies: queue.Queue = queue.Queue()
         programs = {program.stage: program for program in self.schedule.programs}
         self._workers = [
-            _Worker(index, stage, device, programs[index], checkpoint[index], index == count - 1,
-                    self.loss_fn, self._replies)
+            _Worker(index, StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn,
+                                       checkpoint=checkpoint[index]), programs[index], self._replies)
             for index, (stage, device) in enumerate(zip(stages, self.devices))
         ]
         self._closed = False
@@ -448,16 +273,16 @@ class Pipeline:
         if self._closed:
             raise PipelineError("the pipeline is closed; make a new one")
         args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        sizes = {tensor.shape[0] if tensor.dim() else None for tensor in _tensors((args, target))}
-        if len(sizes) != 1 or None in sizes:
+        batch = batch_size((args, target))
+        if batch is None:
+            sizes = sorted({t.shape[0] if t.dim() else None for t in tensors((args, target))}, key=str)
             raise PipelineError(f"every input and target tensor needs the batch in dim 0 with one size; "
-                                f"got first dimensions {sorted(sizes, key=str)}")
-        batch = sizes.pop()
+                                f"got first dimensions {sizes}")
         if batch < self.microbatches:
             raise PipelineError(f"a batch of {batch} cannot be split into {self.microbatches} microbatches")
-        chunks = _split(tuple(args), self.microbatches)
-        targets = _split(target, self.microbatches)
-        scales = [_tensors(chunk)[0].shape[0] / batch for chunk in chunks]
+        chunks = split_batch(tuple(args), self.microbatches)
+        targets = split_batch(target, self.microbatches)
+        scales = [tensors(chunk)[0].shape[0] / batch for chunk in chunks]
         count = len(self._workers)
         step = _Step(chunks, targets, scales, int(torch.randint(0, 2**62, (1,)).item()),
                      [queue.Queue() for _ in range(count)], [queue.Queue() for _ in range(count)])

@@ -1,0 +1,430 @@
+"""Distributed engine: one process per rank runs its stage replica's schedule program over torch.distributed.
+
+Launch one process per rank of the plan with torchrun; every process builds the whole model
+(same seed) and calls `Engine.from_plan(model, plan, optimizer=...)` (or `Engine(stages, ...)`),
+then `train_step(inputs, target)` with the same mini-batch on every rank. Rank r runs
+`build_schedule(schedule, replicas, microbatches, stage_ranks=...).programs[r]`: the program of
+its stage and replica (`planner.schedule`), the same data the simulator and the plots use.
+
+- compute: `runtime.stage_runner.StageRunner` (checkpointing per stage; weight stashing for
+  pipedream);
+- communication: `runtime.p2p.Links` sends activations and gradients from background threads
+  (a send never blocks compute) and pre-posts receives into a mailbox; each directed pair of
+  ranks has its own two-rank process group. Shapes and dtypes travel once per microbatch slot
+  and input shape, then only the tensors do;
+- replication: a stage with r replicas runs microbatch i on replica i mod r; its replicas
+  all-reduce their gradients in their own process group before the optimizer step (flush
+  schedules: sum, as each microbatch's loss is scaled by its share of the mini-batch;
+  pipedream: mean, after every backward, as each microbatch is an update of its own);
+- tied parameters on several stages (gpt's embedding and output head): each stage keeps a copy,
+  and their gradients are summed over every rank of those stages (one process group per tied
+  parameter) before the step, so the copies stay equal. Refused under pipedream, whose stages
+  step at different times;
+- schedules: `gpipe` and `1f1b` flush at the end of `train_step` (every parameter then equals
+  single-device training on the mini-batch); `pipedream` runs 1F1B without a flush inside
+  `train_step`, one optimizer step per microbatch, each backward on the weights its forward
+  used. The pipeline drains at the end of each `train_step`, so give pipedream many
+  microbatches per call;
+- failures: a rank whose step raises publishes "rank R (stage S, microbatch M) failed: ..." in
+  the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
+  ranks to see it; every rank waiting for a message or an all-reduce checks the store every
+  `p2p.POLL_S` seconds, so every rank raises `EngineError` with that message instead of hanging.
+  A failed engine is closed. Ranks that died (killed) are not detected here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.model_file import default_loss
+from planner.schedule import (
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+    Schedule, build_schedule,
+)
+from runtime.nested import batch_size, split_batch, tensors
+from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
+from runtime.pipeline import PipelineError
+from runtime.stage_runner import LossFn, StageRunner
+from runtime.stages import Stages, build_stages
+
+__all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
+
+ENGINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Key = tuple[int, int]  # (iteration, microbatch)
+
+
+class EngineError(PipelineError):
+    """The engine cannot run as asked, or a rank failed; `rank` is the rank that failed (None if none did)."""
+
+    def __init__(self, message: str, rank: int | None = None, stage: int | None = None,
+                 microbatch: int | None = None) -> None:
+        self.rank = rank
+        super().__init__(message, stage, microbatch)
+
+
+class _PeerFailed(Exception):
+    """Another rank published a failure; the message is theirs."""
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
+    """Join the torchrun job (idempotent): (rank, world size, this rank's device).
+
+    The backend defaults to NCCL with one GPU per local rank when CUDA is available, gloo on CPU
+    otherwise. Raises EngineError outside torchrun (no RANK / WORLD_SIZE in the environment).
+    """
+    if not dist.is_initialized():
+        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise EngineError(f"not started by torchrun ({', '.join(missing)} unset): launch with "
+                              "`torchrun --nproc-per-node N your_script.py`")
+        chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if chosen == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class Engine:
+    """This rank's part of a pipeline run over torch.distributed; see the module docstring.
+
+    `stages`: every stage of the model (`build_stages` / `split_model`; this rank keeps its own);
+    `schedule`: "gpipe", "1f1b" or "pipedream"; `stage_ranks[s]`: the ranks of stage s (replica
+    k at index k; default one rank per stage, in order); `microbatches` per `train_step`;
+    `checkpoint`: per stage (or one bool), recompute the forward in the backward; `optimizer`:
+    makes this stage's optimizer from its parameters (required for pipedream; without one, a
+    flush schedule leaves the mini-batch gradients in `.grad`, which must be zeroed before the
+    next step); `loss_fn(output, target)`: a mean over the batch; `device`: default
+    `init_distributed`'s. Requires an initialized default process group (`init_distributed`).
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], schedule: str = "1f1b",
+                 stage_ranks: Sequence[Sequence[int]] | None = None, microbatches: int = 4, *,
+                 checkpoint: bool | Sequence[bool] | None = None, optimizer: OptimizerFactory | None = None,
+                 loss_fn: LossFn | None = None, device: torch.device | str | None = None,
+                 failure_timeout_s: float = 10.0) -> None:
+        if not dist.is_initialized():
+            raise EngineError("torch.distributed is not initialized: call runtime.engine.init_distributed() "
+                              "first, in a process started by torchrun")
+        if schedule not in ENGINE_SCHEDULES:
+            raise EngineError(f"unknown schedule {schedule!r}; the engine runs {', '.join(ENGINE_SCHEDULES)}")
+        if schedule == "pipedream" and optimizer is None:
+            raise EngineError("pipedream steps the optimizer after every backward: pass optimizer=")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise EngineError(f"microbatches must be a positive integer, got {microbatches!r}")
+        count = len(stages)
+        ranks = [tuple(group) for group in (stage_ranks or [(s,) for s in range(count)])]
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        _check_ranks(ranks, count, self.world)
+        flags = [bool(checkpoint)] * count if checkpoint is None or isinstance(checkpoint, bool) else list(checkpoint)
+        if len(flags) != count:
+            raise EngineError(f"checkpoint needs one flag per stage ({count}), got {len(flags)}")
+        self.schedule: Schedule = build_schedule(schedule, [len(group) for group in ranks], microbatches,
+                                                 stage_ranks=ranks)
+        _check_message_order(self.schedule)
+        self.program = self.schedule.programs[self.rank]
+        self.stage = self.program.stage
+        self.microbatches = microbatches
+        self.device = torch.device(device) if device is not None else init_distributed()[2]
+        shared = stages.shared if isinstance(stages, Stages) else ()
+        if schedule == "pipedream" and shared:
+            raise EngineError(f"tied parameter {shared[0].names[0]} is used by stages {list(shared[0].stages)}: "
+                              "pipedream steps each stage on its own, so the copies would drift apart; "
+                              "split so that tied layers share a stage, or use gpipe or 1f1b")
+        self.module = stages[self.stage].to(self.device)
+        self.runner = StageRunner(self.module, self.device, last=self.stage == count - 1,
+                                  loss_fn=loss_fn or default_loss, checkpoint=flags[self.stage],
+                                  stash_weights=schedule == "pipedream")
+        self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
+        self.failure_timeout_s = failure_timeout_s
+        self._groups = _make_groups(self.schedule, shared)
+        parameters = dict(self.module.named_parameters())
+        self._tied = [(parameters[held.stage_names[held.stages.index(self.stage)]], self._groups[("tied", k)])
+                      for k, held in enumerate(shared) if self.stage in held.stages]
+        tied_ids = {id(parameter) for parameter, _ in self._tied}
+        self._replicated = [p for p in self.module.parameters() if id(p) not in tied_ids]
+        self._store, self._prefix = _engine_store()
+        self._mailbox = Mailbox()
+        links = {pair: group for pair, group in self._groups.items() if pair[0] != "tied" and pair[0] != "stage"}
+        self._links = Links(self.rank, links, self._mailbox, _comm_device(self.device), self._check)
+        self._sent_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure sent
+        self._received_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure received
+        self._where: Key | None = None
+        self._closed = False
+
+    @classmethod
+    def from_plan(cls, model: nn.Module, plan: Any, *, optimizer: OptimizerFactory | None = None,
+                  loss_fn: LossFn | None = None, microbatches: int | None = None,
+                  device: torch.device | str | None = None) -> "Engine":
+        """This rank's engine for `plan`'s stages of `model`, schedule, microbatches, ranks and recompute flags."""
+        needed = sum(stage.replicas for stage in plan.stages)
+        world = dist.get_world_size() if dist.is_initialized() else None
+        if world is not None and world != needed:
+            raise EngineError(f"the plan has {needed} ranks but the job has {world} processes: "
+                              f"launch with torchrun --nproc-per-node {needed} (or make a plan for {world} GPUs)")
+        return cls(build_stages(model, plan), plan.schedule, [stage.ranks for stage in plan.stages],
+                   microbatches or plan.microbatches or 1, checkpoint=[stage.recompute for stage in plan.stages],
+                   optimizer=optimizer, loss_fn=loss_fn, device=device)
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran or a step failed."""
+        return self._closed
+
+    def train_step(self, inputs: Any, target: Any) -> float | None:
+        """One mini-batch through the pipeline, with the optimizer step(s); every rank passes the same batch.
+
+        Returns the mini-batch's mean loss on the ranks of the last stage, None on the others.
+        Raises EngineError (on every rank) if any rank fails; the engine is closed then.
+        """
+        if self._closed:
+            raise EngineError("the engine is closed; make a new one", self.rank, self.stage)
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        batch = batch_size((args, target))
+        if batch is None or batch < self.microbatches:
+            raise EngineError(f"every input and target tensor needs the batch in dim 0 with one size of at least "
+                              f"{self.microbatches} (the microbatches), got "
+                              f"{sorted({t.shape[0] if t.dim() else None for t in tensors((args, target))}, key=str)}")
+        chunks = split_batch(args, self.microbatches)
+        targets = split_batch(target, self.microbatches)
+        shares = [tensors(chunk)[0].shape[0] / batch for chunk in chunks]
+        slots = [(index, tuple((tuple(t.shape), t.dtype) for t in tensors((chunk, goal))))
+                 for index, (chunk, goal) in enumerate(zip(chunks, targets))]
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.runner.reset(seed + self.stage)
+        self._where = None
+        try:
+            self._expect(slots)
+            return self._run(chunks, targets, shares, slots)
+        except _PeerFailed as failed:
+            self._store.add(self._prefix + "acks", 1)
+            self.close()
+            raise EngineError(str(failed)) from None
+        except BaseException as exc:
+            message = self._publish(exc)
+            self.close()
+            raise EngineError(message, self.rank, self.stage, self._where[1] if self._where else None) from exc
+
+    def close(self) -> None:
+        """Stop this rank's communication threads (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._links.close()
+            self._mailbox.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def _expect(self, slots: list[tuple[int, Any]]) -> None:
+        """Tell the receiver threads which messages this step brings, in program order."""
+        for action in self.program.actions:
+            key = (action.iteration, action.microbatch)
+            if action.op == RECV_ACTIVATION:
+                known = self._received_structures.get((action.peer, slots[action.microbatch]))
+                self._links.expect(action.peer, [Expected(("activation", key), known)])
+            elif action.op == RECV_GRADIENT:
+                self._links.expect(action.peer, [Expected(("gradient", key), Later(("gradient structure", key)))])
+
+    def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
+             slots: list[tuple[int, Any]]) -> float | None:
+        """Walk this rank's program once; returns the loss on the last stage."""
+        runner, pipedream = self.runner, self.schedule.name == "pipedream"
+        outgoing: dict[Key, Any] = {}
+        for action in self.program.actions:
+            mb = action.microbatch
+            key = (action.iteration, mb)
+            self._where = key if mb >= 0 else None
+            if action.op == RECV_ACTIVATION:
+                value, structure = self._mailbox.take(("activation", key), self._check)
+                self._received_structures[(action.peer, slots[mb])] = structure
+                runner.receive(key, value)
+            elif action.op == FORWARD:
+                output = runner.forward(key, chunks[mb], targets[mb], 1.0 if pipedream else shares[mb])
+                if output is not None:
+                    outgoing[key] = output
+            elif action.op == SEND_ACTIVATION:
+                self._send_activation(action.peer, key, slots[mb], outgoing.pop(key))
+            elif action.op == RECV_GRADIENT:
+                value, _ = self._mailbox.take(("gradient", key), self._check)
+                runner.receive_grads(key, value)
+            elif action.op == BACKWARD:
+                grads = runner.backward(key)
+                if grads is not None:
+                    outgoing[key] = [grad for grad in grads if grad is not None]
+            elif action.op == SEND_GRADIENT:
+                self._links.send(action.peer, outgoing.pop(key), with_structure=False)
+            elif action.op == ALLREDUCE:
+                self._all_reduce(self._replicated, self._groups[("stage", self.stage)],
+                                 mean=pipedream, replicas=len(self.schedule.stage_ranks[self.stage]))
+            elif action.op == STEP:
+                self._step()
+        self._where = None
+        return self._loss(shares) if self.runner.last else None
+
+    def _send_activation(self, peer: int, key: Key, slot: Any, value: Any) -> None:
+        """Queue the activation; its structure goes first the first time this slot is sent to `peer`."""
+        structure = describe(value)
+        known = self._sent_structures.get((peer, slot))
+        if known is not None and known != structure:
+            raise EngineError(f"the values sent to rank {peer} for microbatch {key[1]} changed shape or type "
+                              "between steps at the same input shapes; the engine exchanges them once")
+        self._sent_structures[(peer, slot)] = structure
+        self._mailbox.put(("gradient structure", key), [
+            TensorSpec(tuple(t.shape), t.dtype) if (t.is_floating_point() or t.is_complex()) else None
+            for t in tensors(value)])
+        self._links.send(peer, value, with_structure=known is None)
+
+    def _step(self) -> None:
+        """Sum tied parameters' gradients across their stages, then step the optimizer (if any)."""
+        for parameter, group in self._tied:
+            self._all_reduce([parameter], group, mean=False, replicas=1)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _all_reduce(self, parameters: list[nn.Parameter], group: Any, mean: bool, replicas: int) -> None:
+        """All-reduce the gradients of `parameters` in `group` as one flat buffer (sum, or mean over `replicas`)."""
+        if not parameters:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([grad.reshape(-1) for grad in grads]).to(_comm_device(self.device))
+        self._wait(dist.all_reduce(flat, group=group, async_op=True))
+        if mean:
+            flat /= replicas
+        offset = 0
+        for parameter in parameters:
+            size = parameter.numel()
+            parameter.grad = flat[offset:offset + size].view_as(parameter).to(parameter.device)
+            offset += size
+
+    def _loss(self, shares: list[float]) -> float:
+        """The mini-batch's mean loss, summed over the last stage's replicas."""
+        losses = self.runner.losses
+        if self.schedule.name == "pipedream":
+            total = sum(losses[(0, mb)] * shares[mb] for mb in range(self.microbatches) if (0, mb) in losses)
+        else:
+            total = sum(losses.values())
+        replicas = self.schedule.stage_ranks[self.stage]
+        if len(replicas) == 1:
+            return float(total)
+        summed = torch.tensor([total], dtype=torch.float64, device=_comm_device(self.device))
+        self._wait(dist.all_reduce(summed, group=self._groups[("stage", self.stage)], async_op=True))
+        return float(summed.item())
+
+    # --- failures ---------------------------------------------------------------------------------
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective, checking for failures every POLL_S seconds meanwhile.
+
+        Under NCCL, `wait()` only orders this rank's CUDA stream after the collective (the host
+        does not block), and a wait with a timeout would abort the communicator: wait plainly.
+        """
+        if dist.get_backend() == "nccl":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # the collective itself failed
+                    raise
+            self._check()
+
+    def _check(self) -> None:
+        """Raise _PeerFailed if a rank published a failure, or this rank's own communication failure."""
+        if self._store.check([self._prefix + "error"]):
+            raise _PeerFailed(self._store.get(self._prefix + "error").decode())
+        if self._links.error is not None:
+            what, exc = self._links.error
+            raise RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _publish(self, exc: BaseException) -> str:
+        """Publish this rank's failure (unless another rank's came first) and give the others time to see it."""
+        if isinstance(exc, EngineError) and exc.rank is not None:
+            message = str(exc)
+        else:
+            where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
+            message = f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}"
+        winner = self._store.compare_set(self._prefix + "error", "", message).decode()
+        if winner != message:  # another rank failed first: report theirs
+            self._store.add(self._prefix + "acks", 1)
+            return winner
+        deadline = time.monotonic() + self.failure_timeout_s
+        while self._store.add(self._prefix + "acks", 0) < self.world - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return message
+
+
+# --- set-up ---------------------------------------------------------------------------------------
+
+
+def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:
+    """EngineError unless `ranks` gives every stage at least one rank and covers 0..world-1 once."""
+    if len(ranks) != count:
+        raise EngineError(f"{count} stages need {count} rank groups, got {len(ranks)}")
+    every = sorted(rank for group in ranks for rank in group)
+    if not all(ranks) or every != list(range(world)):
+        raise EngineError(f"stage ranks {[list(group) for group in ranks]} must cover ranks 0..{world - 1} once "
+                          f"each (world size {world}); launch one process per rank of the plan")
+
+
+def _check_message_order(schedule: Schedule) -> None:
+    """EngineError unless, for every pair of ranks, messages are received in the order they are sent."""
+    sent: dict[tuple[int, int], list[Key]] = {}
+    received: dict[tuple[int, int], list[Key]] = {}
+    for program in schedule.programs:
+        for action in program.actions:
+            key = (action.iteration, action.microbatch)
+            if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                sent.setdefault((program.rank, action.peer), []).append(key)
+            elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                received.setdefault((action.peer, program.rank), []).append(key)
+    for pair, keys in sent.items():
+        if received.get(pair) != keys:
+            raise EngineError(f"schedule {schedule.name}: rank {pair[1]} receives from rank {pair[0]} in another "
+                              "order than it is sent; the engine's channels are first in, first out")
+
+
+def _make_groups(schedule: Schedule, shared: Sequence[Any]) -> dict[Any, Any]:
+    """Every process group the engine uses, created in the same order on every rank.
+
+    (a, b): messages from rank a to rank b; ("stage", s): the replicas of stage s (if several);
+    ("tied", k): every rank of the stages holding tied parameter k.
+    """
+    pairs = sorted({(program.rank, action.peer) for program in schedule.programs for action in program.actions
+                    if action.op in (SEND_ACTIVATION, SEND_GRADIENT)})
+    groups: dict[Any, Any] = {pair: dist.new_group(sorted(pair)) for pair in pairs}
+    for stage, ranks in enumerate(schedule.stage_ranks):
+        if len(ranks) > 1:
+            groups[("stage", stage)] = dist.new_group(sorted(ranks))
+    for index, held in enumerate(shared):
+        groups[("tied", index)] = dist.new_group(sorted(r for s in held.stages for r in schedule.stage_ranks[s]))
+    return groups
+
+
+def _engine_store() -> tuple[Any, str]:
+    """The job's key-value store and a key prefix that is this engine's on every rank."""
+    store = dist.distributed_c10d._get_default_store()
+    number = [store.add("runtime/engines", 1) if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(number, src=0)
+    return store, f"runtime/engine{number[0]}/"
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """Where messages and all-reduce buffers live: the GPU under NCCL, the CPU under gloo."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -1,0 +1,48 @@
+"""Nested values (tensors in tuples, lists and dicts): map over their tensors, list them, split a batch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["map_tensors", "tensors", "split_batch", "batch_size"]
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `function` applied to every tensor in it (tuples, lists and dicts are walked)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, (tuple, list)):
+        mapped = [map_tensors(function, item) for item in value]
+        return tuple(mapped) if isinstance(value, tuple) else mapped
+    if isinstance(value, dict):
+        return {key: map_tensors(function, item) for key, item in value.items()}
+    return value
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value`, in a fixed order (that of `map_tensors`)."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, value)
+    return found
+
+
+def split_batch(value: Any, chunks: int) -> list[Any]:
+    """`value` as `chunks` pieces along dim 0 of every tensor (`torch.tensor_split`; other values repeat)."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, chunks))
+    if isinstance(value, (tuple, list)):
+        parts = [split_batch(item, chunks) for item in value]
+        pieces = [[part[k] for part in parts] for k in range(chunks)]
+        return [tuple(piece) if isinstance(value, tuple) else piece for piece in pieces]
+    if isinstance(value, dict):
+        parts_of = {key: split_batch(item, chunks) for key, item in value.items()}
+        return [{key: part[k] for key, part in parts_of.items()} for k in range(chunks)]
+    return [value] * chunks
+
+
+def batch_size(value: Any) -> int | None:
+    """The common dim-0 size of every tensor in `value`, or None if they differ, a tensor is 0-d or there is none."""
+    sizes = {tensor.shape[0] if tensor.dim() else None for tensor in tensors(value)}
+    return sizes.pop() if len(sizes) == 1 else None

@@ -1,0 +1,187 @@
+"""Point-to-point messages between ranks from background threads, delivered into a mailbox.
+
+Each rank has, per peer it sends to, one sender thread with a FIFO queue, and per peer it
+receives from, one receiver thread with a FIFO of expected messages; every ordered pair of
+ranks (a -> b) has its own two-rank process group, so the messages of one direction are
+matched in order (gloo and NCCL alike) and never wait behind the other direction's.
+
+A message is a nested value (`runtime.nested`) whose tensors are sent one by one with
+`torch.distributed.send`. Its structure (shapes, dtypes and any non-tensor values) travels
+once, before the first message that needs it: `describe` turns a value into a picklable
+structure with a `TensorSpec` for each tensor, sent as a length and a byte tensor; the receiver
+allocates the tensors with `materialize` and receives into them. Later messages of the same
+structure send the tensors only. Received values land in a `Mailbox` under the key the
+receiver was told to expect; compute threads wait there, checking for failures while they wait.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from runtime.nested import map_tensors, tensors
+
+__all__ = ["TensorSpec", "describe", "materialize", "Mailbox", "Links", "POLL_S"]
+
+POLL_S = 0.05  # how often a waiting thread checks for failures (seconds)
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of a message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def describe(value: Any) -> Any:
+    """`value` with each tensor replaced by its `TensorSpec` (picklable; equal for equal shapes and dtypes)."""
+    return map_tensors(lambda t: TensorSpec(tuple(t.shape), t.dtype), value)
+
+
+def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """A value of `structure` with empty tensors on `device`, and those tensors in `tensors` order."""
+    made: list[torch.Tensor] = []
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, TensorSpec):
+            made.append(torch.empty(item.shape, dtype=item.dtype, device=device))
+            return made[-1]
+        if isinstance(item, (tuple, list)):
+            walked = [walk(part) for part in item]
+            return tuple(walked) if isinstance(item, tuple) else walked
+        if isinstance(item, dict):
+            return {key: walk(part) for key, part in item.items()}
+        return item
+
+    return walk(structure), made
+
+
+class Mailbox:
+    """Values by key, put by receiver threads and taken by compute threads (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._values: dict[Hashable, Any] = {}
+        self._changed = threading.Condition()
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._changed:
+            self._values[key] = value
+            self._changed.notify_all()
+
+    def take(self, key: Hashable, check: Callable[[], None]) -> Any:
+        """The value under `key`, removed; waits for it, calling `check()` (which may raise) every POLL_S."""
+        while True:
+            with self._changed:
+                if self._changed.wait_for(lambda: key in self._values, timeout=POLL_S):
+                    return self._values.pop(key)
+            check()
+
+    def clear(self) -> None:
+        with self._changed:
+            self._values.clear()
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A message a receiver thread waits for: its mailbox `key` and its structure.
+
+    `structure`: known (`describe` of the value), `None` (the sender sends it first), or a
+    mailbox key (a `Hashable` wrapped in `Later`) where the compute thread will put it.
+    """
+
+    key: Hashable
+    structure: Any = None
+
+
+@dataclass(frozen=True)
+class Later:
+    """A structure the compute thread puts in the mailbox under `key` before the message can come."""
+
+    key: Hashable
+
+
+class Links:
+    """One rank's sender and receiver threads; `groups[(a, b)]` is the process group of messages a -> b."""
+
+    def __init__(self, rank: int, groups: dict[tuple[int, int], Any], mailbox: Mailbox,
+                 device: torch.device, check: Callable[[], None]) -> None:
+        self.rank, self.groups, self.mailbox, self.device, self.check = rank, groups, mailbox, device, check
+        self.error: tuple[str, BaseException] | None = None  # the first thread failure: (what, exception)
+        self._outboxes: dict[int, queue.Queue] = {}
+        self._inboxes: dict[int, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        for (source, target) in groups:
+            if source == rank:
+                self._outboxes[target] = self._start(self._send_loop, target, "send to")
+            elif target == rank:
+                self._inboxes[source] = self._start(self._receive_loop, source, "receive from")
+
+    def _start(self, loop: Callable[[int, queue.Queue], None], peer: int, what: str) -> queue.Queue:
+        jobs: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            try:
+                loop(peer, jobs)
+            except BaseException as exc:  # reported to the compute thread by `failure`
+                if self.error is None:
+                    self.error = (f"{what} rank {peer}", exc)
+
+        thread = threading.Thread(target=run, name=f"rank{self.rank}-{what.replace(' ', '-')}-{peer}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return jobs
+
+    def send(self, peer: int, value: Any, with_structure: bool) -> None:
+        """Queue `value` for `peer` (never blocks); its structure goes first if `with_structure`."""
+        self._outboxes[peer].put((value, with_structure))
+
+    def expect(self, peer: int, messages: Iterable[Expected]) -> None:
+        """Tell the receiver thread of `peer` which messages come next, in order."""
+        inbox = self._inboxes[peer]
+        for message in messages:
+            inbox.put(message)
+
+    def close(self) -> None:
+        """Let idle threads exit (threads blocked in a transfer stay, as daemons)."""
+        for jobs in (*self._outboxes.values(), *self._inboxes.values()):
+            jobs.put(_STOP)
+        deadline = time.monotonic() + 1.0
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _send_loop(self, peer: int, jobs: queue.Queue) -> None:
+        group = self.groups[(self.rank, peer)]
+        while (job := jobs.get()) is not _STOP:
+            value, with_structure = job
+            if with_structure:
+                blob = torch.frombuffer(bytearray(pickle.dumps(describe(value))), dtype=torch.uint8)
+                dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=self.device), peer, group=group)
+                dist.send(blob.to(self.device), peer, group=group)
+            for tensor in tensors(value):
+                dist.send(tensor.detach().contiguous(), peer, group=group)
+
+    def _receive_loop(self, peer: int, jobs: queue.Queue) -> None:
+        group = self.groups[(peer, self.rank)]
+        while (job := jobs.get()) is not _STOP:
+            structure = job.structure
+            if isinstance(structure, Later):
+                structure = self.mailbox.take(structure.key, self.check)
+            elif structure is None:
+                length = torch.empty(1, dtype=torch.int64, device=self.device)
+                dist.recv(length, peer, group=group)
+                blob = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+                dist.recv(blob, peer, group=group)
+                structure = pickle.loads(blob.cpu().numpy().tobytes())
+            value, buffers = materialize(structure, self.device)
+            for buffer in buffers:
+                dist.recv(buffer, peer, group=group)
+            self.mailbox.put(job.key, (value, structure))

@@ -1,0 +1,182 @@
+"""One stage's forwards and backwards, microbatch by microbatch: checkpointing and weight stashing.
+
+A `StageRunner` is what a pipeline worker (`runtime.pipeline`) or an engine rank
+(`runtime.engine`) calls for the compute actions of its schedule program; it does no
+communication. Microbatches are named by any hashable key. Per key it keeps what the backward
+needs, between `forward(key)` and `backward(key)`:
+- default: the stage's outputs with their autograd graph;
+- `checkpoint`: only the stage's inputs and the random stream state the forward started from;
+  the forward runs under `torch.no_grad()` and the backward runs it again with grad (same
+  dropout masks), then puts batch-norm buffers back as the first forward left them;
+- `stash_weights` (PipeDream's weight stashing): the forward runs on a copy of the parameters
+  taken at that moment (`torch.func.functional_call`), so optimizer steps between a
+  microbatch's forward and its backward do not change the weights its backward differentiates;
+  the gradient is then added to the live parameters' `.grad`. Memory: one copy of the stage's
+  parameters per microbatch in flight.
+
+The last stage computes `loss_fn(output, target) * scale` (scale: the microbatch's share of the
+mini-batch, so summed gradients are those of the mini-batch mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+
+from runtime.nested import map_tensors, tensors
+from runtime.rng import RandomStream
+from runtime.stages import stage_args
+
+__all__ = ["StageRunner", "LossFn"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Micro:
+    """What the runner keeps of one microbatch between its forward and its backward."""
+
+    args: tuple[Any, ...] = ()  # the stage's inputs (received ones are leaves requiring grad)
+    received: bool = False  # args came from the previous stage (their gradients go back to it)
+    output: Any = None  # not checkpointed: the stage's outputs (last stage: the scaled loss)
+    rng: Any = None  # checkpointed: the random stream state the forward started from
+    weights: dict[str, torch.Tensor] | None = None  # stash_weights: the parameters the forward used
+    target: Any = None  # last stage: the microbatch's target
+    scale: float = 1.0  # last stage: the microbatch's share of the mini-batch
+    grads: list[Any] | None = None  # received gradients of the outputs
+
+
+def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received tensor on `device`: a leaf that requires grad if it is floating point."""
+    moved = tensor.to(device).detach()
+    return moved.requires_grad_(moved.is_floating_point() or moved.is_complex())
+
+
+def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
+    """The leaf's gradient, or zeros if the stage did not use it (receivers expect one tensor per float input)."""
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A clone the stage may modify in place (autograd refuses in-place changes of leaves requiring grad)."""
+    return tensor.clone()
+
+
+class StageRunner:
+    """Forward and backward of one stage on `device`; see the module docstring.
+
+    `last`: the stage computes the loss; `checkpoint`: recompute the forward in the backward;
+    `stash_weights`: each forward runs on its own copy of the parameters.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, *, last: bool, loss_fn: LossFn,
+                 checkpoint: bool = False, stash_weights: bool = False) -> None:
+        self.module, self.device, self.last, self.loss_fn = module, device, last, loss_fn
+        self.checkpoint, self.stash_weights = checkpoint, stash_weights
+        self.stream = RandomStream(device)
+        self.micro: dict[Hashable, _Micro] = {}
+        self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
+
+    def reset(self, seed: int) -> None:
+        """Forget every microbatch and loss; the random stream starts again from `seed`."""
+        self.micro.clear()
+        self.losses.clear()
+        self.stream.reseed(seed)
+
+    def receive(self, key: Hashable, args: tuple[Any, ...]) -> None:
+        """Arguments of microbatch `key` from the previous stage: they become leaves on this device."""
+        self.micro[key] = _Micro(args=map_tensors(lambda t: _leaf(t, self.device), args), received=True)
+
+    def receive_grads(self, key: Hashable, grads: list[Any]) -> None:
+        """Gradients of microbatch `key`'s outputs (in `tensors` order; None for outputs without one)."""
+        self.micro[key].grads = [None if g is None else g.to(self.device) for g in grads]
+
+    def forward(self, key: Hashable, inputs: tuple[Any, ...] | None = None, target: Any = None,
+                scale: float = 1.0) -> tuple[Any, ...] | None:
+        """Run the stage on microbatch `key` (`inputs`: the model's arguments, first stage only).
+
+        Returns the next stage's arguments, detached (None on the last stage, which keeps the loss).
+        """
+        state = self.micro.get(key)
+        if state is None:
+            state = self.micro[key] = _Micro(args=map_tensors(lambda t: t.to(self.device), inputs))
+        state.target, state.scale = target, scale
+        if self.stash_weights:
+            state.weights = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
+                             for name, parameter in self.module.named_parameters()}
+        if self.checkpoint:  # the first stage's inputs are cloned too: the recomputation needs them unchanged
+            with torch.no_grad():
+                output, state.rng = self.stream.run(lambda: self._call(state, fresh=True))
+        else:
+            output, _ = self.stream.run(lambda: self._call(state, fresh=state.received))
+        if self.last:
+            if not self.checkpoint:  # checkpointed: the loss is computed after the recomputation
+                state.output = self._loss(state, output)
+                self.losses[key] = float(state.output.detach())
+            return None
+        output = stage_args(self.module, output)
+        state.output = None if self.checkpoint else output
+        return map_tensors(torch.Tensor.detach, output)
+
+    def backward(self, key: Hashable) -> list[torch.Tensor | None] | None:
+        """Backpropagate microbatch `key` and forget it; its parameters' gradients add to their `.grad`.
+
+        Returns the gradients of the received arguments (in `tensors` order; zeros for floating
+        point arguments the stage did not use, None for the others), or None if the arguments
+        were the model's inputs.
+        """
+        state = self.micro.pop(key)
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.checkpoint:
+            # the recomputation must not update buffers twice (batch norm's running statistics):
+            # they are put back after the backward (autograd may have saved them, so not before)
+            buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+            with torch.enable_grad():
+                output, _ = self.stream.run(lambda: self._call(state, fresh=True), replay=state.rng)
+                output = self._loss(state, output) if self.last else stage_args(self.module, output)
+            if self.last:
+                self.losses[key] = float(output.detach())
+        else:
+            output, state.output = state.output, None
+        if self.last:
+            output.backward()
+        else:
+            pairs = [(tensor, grad) for tensor, grad in zip(tensors(output), state.grads or [])
+                     if grad is not None and tensor.requires_grad]
+            if pairs:
+                torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+        del output
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        if state.weights is not None:
+            self._add_stashed_grads(state.weights)
+        if not state.received:
+            return None
+        return [_grad_or_zeros(leaf) if leaf.requires_grad else None for leaf in tensors(state.args)]
+
+    def _call(self, state: _Micro, fresh: bool) -> Any:
+        """The stage on the microbatch's arguments (on clones of them if `fresh`), on its stashed weights if any."""
+        args = map_tensors(_fresh, state.args) if fresh else state.args
+        if state.weights is None:
+            return self.module(*args)
+        return torch.func.functional_call(self.module, state.weights, args)
+
+    def _loss(self, state: _Micro, output: Any) -> torch.Tensor:
+        target = map_tensors(lambda t: t.to(self.device), state.target)
+        return self.loss_fn(output, target) * state.scale
+
+    def _add_stashed_grads(self, weights: dict[str, torch.Tensor]) -> None:
+        """Add the gradients of a forward's stashed weights to the live parameters' `.grad`."""
+        with torch.no_grad():
+            for name, parameter in self.module.named_parameters():
+                grad = weights[name].grad
+                if grad is None:
+                    continue
+                if parameter.grad is None:
+                    parameter.grad = grad
+                else:
+                    parameter.grad.add_(grad)

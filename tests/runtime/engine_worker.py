@@ -1,0 +1,77 @@
+"""Runs engine cases under torchrun for tests/runtime/test_engine.py: `engine_worker.py SPEC.json OUT_DIR`.
+
+SPEC: {"cases": [case, ...]}; a case: {"name", "model" (an example), "splits" (split points),
+"stage_ranks", "schedule", "microbatches", "batch", "steps", "lr", "checkpoint" (bool or list),
+"fail": null or {"rank", "microbatch", "in": "forward" | "backward"}}. Every rank builds the
+seeded model in eval mode and its batch (seed 1), trains `steps` steps with SGD and writes
+OUT_DIR/NAME.rank{R}.pt: {"losses": [...], "params": {model name: tensor}} for the parameters
+of its stage. A failing case prints "rank R: EngineError: <message>" and the worker exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime.engine import Engine, EngineError, init_distributed  # noqa: E402
+from runtime.stages import split_model  # noqa: E402
+from runtime_examples import model_file  # noqa: E402
+
+
+def deliberate_failure(module: nn.Module, microbatch: int, where: str) -> None:
+    """Make the `microbatch`-th forward (or backward) of `module` on this rank raise ValueError."""
+    calls = {"count": 0}
+
+    def hook(*_: Any) -> None:
+        calls["count"] += 1
+        if calls["count"] == microbatch + 1:
+            raise ValueError(f"deliberate failure in {where}")
+
+    if where == "forward":
+        module.register_forward_pre_hook(hook)
+    else:
+        module.register_full_backward_pre_hook(hook)
+
+
+def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
+    example = model_file(case["model"])
+    torch.manual_seed(0)
+    model = example.build_model().eval()
+    torch.manual_seed(1)
+    inputs, target = example.example_batch(case["batch"])
+    stages = split_model(model, case["splits"])
+    engine = Engine(stages, case["schedule"], case["stage_ranks"], case["microbatches"],
+                    checkpoint=case.get("checkpoint", False), loss_fn=example.loss_fn,
+                    optimizer=lambda parameters: torch.optim.SGD(parameters, lr=case["lr"]))
+    fail = case.get("fail")
+    if fail and fail["rank"] == rank:
+        deliberate_failure(engine.module, fail["microbatch"], fail["in"])
+    losses = [engine.train_step(inputs, target) for _ in range(case["steps"])]
+    engine.close()
+    mine = {id(parameter) for parameter in engine.module.parameters()}
+    params = {name: parameter.detach().clone() for name, parameter in model.named_parameters() if id(parameter) in mine}
+    torch.save({"losses": losses, "params": params}, out / f"{case['name']}.rank{rank}.pt")
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    rank, _, _ = init_distributed()
+    for case in spec["cases"]:
+        try:
+            run_case(case, rank, out)
+        except EngineError as exc:
+            print(f"rank {rank}: EngineError: {exc}", flush=True)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

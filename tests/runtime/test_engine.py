@@ -1,0 +1,255 @@
+"""The distributed engine under torchrun on CPU (gloo): parameters equal single-device training, pipedream
+stashes weights, a failing rank ends every rank; and its pure parts (message order, set-up checks)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from planner.model_file import default_loss
+from planner.schedule import (
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+    build_schedule,
+)
+from runtime.engine import Engine, EngineError, _check_message_order, init_distributed
+from runtime.nested import split_batch
+from runtime.stages import split_model
+from runtime_examples import model_file
+
+WORKER = Path(__file__).resolve().parent / "engine_worker.py"
+GPT4 = ["transformer.h.2.mlp", "transformer.h.6", "transformer.h.9"]  # the first cut is inside a block
+
+
+def case(name: str, model: str, splits: list[str], stage_ranks: list[list[int]], schedule: str,
+         microbatches: int = 4, batch: int = 8, steps: int = 2, lr: float = 0.1, **more: Any) -> dict[str, Any]:
+    return dict(name=name, model=model, splits=splits, stage_ranks=stage_ranks, schedule=schedule,
+                microbatches=microbatches, batch=batch, steps=steps, lr=lr, **more)
+
+
+CASES = {
+    2: [case("gpt-1f1b", "gpt", ["transformer.h.6"], [[0], [1]], "1f1b"),
+        case("gpt-gpipe", "gpt", ["transformer.h.6"], [[0], [1]], "gpipe", steps=1),
+        case("mlp-checkpoint", "mlp", ["6"], [[0], [1]], "1f1b", checkpoint=True),
+        case("mlp-pipedream", "mlp", ["6"], [[0], [1]], "pipedream", microbatches=8, batch=16, lr=0.05)],
+    3: [case("mlp-2-1-gpipe", "mlp", ["6"], [[0, 1], [2]], "gpipe"),
+        case("mlp-2-1-1f1b-checkpoint", "mlp", ["6"], [[0, 1], [2]], "1f1b", checkpoint=[True, False]),
+        case("gpt-1-2-1f1b", "gpt", ["transformer.h.6"], [[0], [1, 2]], "1f1b", steps=1),
+        case("mlp-1-2-pipedream", "mlp", ["6"], [[0], [1, 2]], "pipedream", microbatches=8, batch=16, lr=0.05)],
+    4: [case("gpt-4-1f1b", "gpt", GPT4, [[0], [1], [2], [3]], "1f1b", steps=1),
+        case("gpt-4-gpipe-checkpoint", "gpt", GPT4, [[0], [1], [2], [3]], "gpipe", steps=1, checkpoint=True),
+        case("mlp-2-2-1f1b", "mlp", ["6"], [[0, 1], [2, 3]], "1f1b")],
+}
+FLUSH = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] != "pipedream"]
+PIPEDREAM = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] == "pipedream"]
+
+
+def torchrun(world: int, cases: list[dict[str, Any]], out: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """Run the worker on `world` CPU processes under torchrun; returns the finished process (output captured)."""
+    spec = out / f"spec-{world}.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(WORKER), str(spec), str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of CASES run under torchrun, one job per world size."""
+    out = tmp_path_factory.mktemp("engine")
+    for world, cases in CASES.items():
+        finished = torchrun(world, cases, out)
+        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    return out
+
+
+def load(out: Path, name: str, rank: int) -> dict[str, Any]:
+    return torch.load(out / f"{name}.rank{rank}.pt")
+
+
+def example(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The seeded model in eval mode and its batch, as the worker makes them."""
+    torch.manual_seed(0)
+    model = model_file(name).build_model().eval()
+    torch.manual_seed(1)
+    inputs, target = model_file(name).example_batch(batch)
+    return model, inputs, target
+
+
+def loss_of(name: str) -> Any:
+    return model_file(name).loss_fn or default_loss
+
+
+@pytest.mark.parametrize("world, spec", FLUSH, ids=[c["name"] for _, c in FLUSH])
+def test_flush_schedules_give_the_parameters_and_losses_of_single_device_training(
+        results: Path, world: int, spec: dict[str, Any]) -> None:
+    model, inputs, target = example(spec["model"], spec["batch"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    expected_losses = []
+    for _ in range(spec["steps"]):
+        loss = loss_of(spec["model"])(model(inputs), target)
+        expected_losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = dict(model.named_parameters())
+    last_ranks = spec["stage_ranks"][-1]
+    seen: set[str] = set()
+    for rank in range(world):
+        found = load(results, spec["name"], rank)
+        if rank in last_ranks:
+            assert found["losses"] == pytest.approx(expected_losses, rel=1e-5)
+        else:
+            assert found["losses"] == [None] * spec["steps"]
+        for name, value in found["params"].items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{spec['name']} rank {rank} {name}: {m}")
+        seen |= found["params"].keys()
+    assert seen == set(expected)  # every parameter lives on some rank
+
+
+def pipedream_reference(spec: dict[str, Any], stash: bool) -> dict[int, dict[str, torch.Tensor]]:
+    """Each rank's parameters after PipeDream training, computed here one action at a time.
+
+    Every rank has its own copy of its stage. A forward runs on a deep copy of the rank's
+    weights taken then (`stash`) or at its backward (no stashing); the backward's gradient,
+    averaged over the stage's replicas, updates the live weights with SGD.
+    """
+    model, inputs, target = example(spec["model"], spec["batch"])
+    stages = split_model(model, spec["splits"])
+    replicas = [len(group) for group in spec["stage_ranks"]]
+    m = spec["microbatches"]
+    chunks, targets = split_batch(inputs, m), split_batch(target, m)
+    live: dict[int, nn.Module] = {}
+    for step in range(spec["steps"]):
+        schedule = build_schedule("pipedream", replicas, m, stage_ranks=spec["stage_ranks"])
+        if step == 0:
+            live = {p.rank: copy.deepcopy(stages[p.stage]) for p in schedule.programs}
+        position = {p.rank: 0 for p in schedule.programs}
+        messages: dict[tuple[str, int, int], torch.Tensor] = {}
+        flight: dict[tuple[int, int], Any] = {}  # (rank, microbatch) -> (weights copy, input, output)
+        pending: dict[int, list[torch.Tensor]] = {}
+        arrived: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
+        reductions = dict.fromkeys(position, 0)
+        progress = True
+        while progress:
+            progress = False
+            for program in schedule.programs:
+                rank, last = program.rank, program.stage == len(replicas) - 1
+                while position[rank] < len(program.actions):
+                    action = program.actions[position[rank]]
+                    mb = action.microbatch
+                    if action.op == RECV_ACTIVATION:
+                        if ("activation", mb, rank) not in messages:
+                            break
+                        flight[(rank, mb)] = messages.pop(("activation", mb, rank)).requires_grad_()
+                    elif action.op == FORWARD:
+                        x = flight.pop((rank, mb), chunks[mb])
+                        weights = copy.deepcopy(live[rank]) if stash else None
+                        output = weights(x) if stash else live[rank](x).detach()
+                        flight[(rank, mb)] = (weights, x, output)
+                    elif action.op == SEND_ACTIVATION:
+                        messages[("activation", mb, action.peer)] = flight[(rank, mb)][2].detach().clone()
+                    elif action.op == RECV_GRADIENT:
+                        if ("gradient", mb, rank) not in messages:
+                            break
+                    elif action.op == BACKWARD:
+                        weights, x, output = flight.pop((rank, mb))
+                        if not stash:  # the weights of now, not those of the forward
+                            weights = copy.deepcopy(live[rank])
+                            output = weights(x)
+                        if last:
+                            loss_of(spec["model"])(output, targets[mb]).backward()
+                        else:
+                            output.backward(messages.pop(("gradient", mb, rank)))
+                        pending[rank] = [p.grad for p in weights.parameters()]
+                        if x.requires_grad:
+                            flight[("sent", rank, mb)] = x.grad
+                    elif action.op == SEND_GRADIENT:
+                        messages[("gradient", mb, action.peer)] = flight.pop(("sent", rank, mb))
+                    elif action.op == ALLREDUCE:
+                        group = arrived.setdefault((action.stage, reductions[rank]), {})
+                        group.setdefault(rank, pending[rank])
+                        if len(group) < replicas[action.stage]:
+                            break
+                        pending[rank] = [sum(grads) / len(group) for grads in zip(*group.values())]
+                        reductions[rank] += 1
+                    elif action.op == STEP:
+                        with torch.no_grad():
+                            for parameter, grad in zip(live[rank].parameters(), pending.pop(rank)):
+                                parameter -= spec["lr"] * grad
+                    position[rank] += 1
+                    progress = True
+        assert all(position[p.rank] == len(p.actions) for p in schedule.programs), "reference deadlocked"
+    return {rank: {name: p.detach() for name, p in module.named_parameters()} for rank, module in live.items()}
+
+
+@pytest.mark.parametrize("world, spec", PIPEDREAM, ids=[c["name"] for _, c in PIPEDREAM])
+def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world: int, spec: dict[str, Any]) -> None:
+    stashed, unstashed = pipedream_reference(spec, stash=True), pipedream_reference(spec, stash=False)
+    differs = False
+    for rank in range(world):
+        found = load(results, spec["name"], rank)["params"]
+        assert found.keys() == stashed[rank].keys()
+        for name, value in found.items():
+            torch.testing.assert_close(value, stashed[rank][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{spec['name']} rank {rank} {name}: {m}")
+            differs |= not torch.allclose(value, unstashed[rank][name], rtol=1e-4, atol=1e-5)
+    assert differs, "the case cannot tell stashed weights from the latest ones; make it update between F and B"
+
+
+@pytest.mark.parametrize("world, fail, splits", [
+    (3, {"rank": 1, "microbatch": 2, "in": "forward"}, ["transformer.h.4", "transformer.h.8"]),
+    (2, {"rank": 0, "microbatch": 1, "in": "backward"}, ["transformer.h.6"]),
+])
+def test_a_failing_rank_ends_every_rank_with_its_message(tmp_path: Path, world: int, fail: dict[str, Any],
+                                                         splits: list[str]) -> None:
+    spec = case("failing", "gpt", splits, [[r] for r in range(world)], "1f1b", fail=fail)
+    started = time.monotonic()
+    finished = torchrun(world, [spec], tmp_path, timeout_s=120)
+    assert finished.returncode != 0
+    expected = (f"rank {fail['rank']} (stage {fail['rank']}, microbatch {fail['microbatch']}) failed: "
+                f"ValueError: deliberate failure in {fail['in']}")
+    for rank in range(world):
+        assert f"rank {rank}: EngineError: {expected}" in finished.stdout, finished.stdout + finished.stderr[-3000:]
+    assert time.monotonic() - started < 120
+
+
+# --- without torchrun --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("replicas", [[1, 1], [2, 1], [1, 2], [1, 3, 2], [2, 2, 1, 1]])
+def test_every_channel_receives_in_the_order_it_sends(schedule: str, replicas: list[int]) -> None:
+    _check_message_order(build_schedule(schedule, replicas, 12, iterations=2))
+
+
+def test_a_schedule_whose_receives_are_out_of_order_is_refused() -> None:
+    schedule = build_schedule("gpipe", [1, 1], 2)
+    first, second = schedule.programs
+    receives = [k for k, a in enumerate(second.actions) if a.op == RECV_ACTIVATION]
+    actions = list(second.actions)
+    actions[receives[0]], actions[receives[1]] = actions[receives[1]], actions[receives[0]]
+    swapped = type(schedule)(schedule.name, schedule.microbatches, schedule.iterations, schedule.stage_ranks,
+                             (first, type(second)(second.rank, second.stage, second.replica, tuple(actions))))
+    with pytest.raises(EngineError, match="rank 1 receives from rank 0 in another order"):
+        _check_message_order(swapped)
+
+
+def test_outside_torchrun_the_engine_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(EngineError, match=r"not started by torchrun .* `torchrun --nproc-per-node N"):
+        init_distributed()
+    with pytest.raises(EngineError, match="torch.distributed is not initialized"):
+        Engine([nn.Linear(2, 2)], "1f1b")
