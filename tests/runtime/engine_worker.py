@@ -2,7 +2,9 @@
 
 SPEC: {"cases": [case, ...]}; a case: {"name", "model" (an example), "splits" (split points),
 "stage_ranks", "schedule", "microbatches", "batch", "steps", "lr", "checkpoint" (bool or list),
-"fail": null or {"rank", "microbatch", "in": "forward" | "backward"}}. Every rank builds the
+"fail": null or {"rank", "microbatch", "in": "forward" | "backward"}, "plan": optional plan file}.
+With "plan", the engine is `Engine.from_plan` (splits, ranks, schedule, microbatches and
+checkpointing from the plan). Every rank builds the
 seeded model in eval mode and its batch (seed 1), trains `steps` steps with SGD and writes
 OUT_DIR/NAME.rank{R}.pt: {"losses": [...], "params": {model name: tensor}} for the parameters
 of its stage. A failing case prints "rank R: EngineError: <message>" and the worker exits 3.
@@ -20,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from planner.plan import load_plan  # noqa: E402
 from runtime.engine import Engine, EngineError, init_distributed  # noqa: E402
 from runtime.stages import split_model  # noqa: E402
 from runtime_examples import model_file  # noqa: E402
@@ -46,10 +49,15 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
     model = example.build_model().eval()
     torch.manual_seed(1)
     inputs, target = example.example_batch(case["batch"])
-    stages = split_model(model, case["splits"])
-    engine = Engine(stages, case["schedule"], case["stage_ranks"], case["microbatches"],
-                    checkpoint=case.get("checkpoint", False), loss_fn=example.loss_fn,
-                    optimizer=lambda parameters: torch.optim.SGD(parameters, lr=case["lr"]))
+    def sgd(parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=case["lr"])
+
+    if case.get("plan"):
+        engine = Engine.from_plan(model, load_plan(case["plan"]), optimizer=sgd, loss_fn=example.loss_fn)
+    else:
+        engine = Engine(split_model(model, case["splits"]), case["schedule"], case["stage_ranks"],
+                        case["microbatches"], checkpoint=case.get("checkpoint", False), loss_fn=example.loss_fn,
+                        optimizer=sgd)
     fail = case.get("fail")
     if fail and fail["rank"] == rank:
         deliberate_failure(engine.module, fail["microbatch"], fail["in"])

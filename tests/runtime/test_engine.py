@@ -4,6 +4,7 @@ stashes weights, a failing rank ends every rank; and its pure parts (message ord
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,9 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from planner.cluster import make_cluster
 from planner.model_file import default_loss
+from planner.partition import partition
+from planner.plan import Plan
+from planner.profile import load_profile
 from planner.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     build_schedule,
@@ -26,6 +32,7 @@ from runtime.nested import split_batch
 from runtime.stages import split_model
 from runtime_examples import model_file
 
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 GPT4 = ["transformer.h.2.mlp", "transformer.h.6", "transformer.h.9"]  # the first cut is inside a block
 
@@ -44,6 +51,7 @@ CASES = {
     3: [case("mlp-2-1-gpipe", "mlp", ["6"], [[0, 1], [2]], "gpipe"),
         case("mlp-2-1-1f1b-checkpoint", "mlp", ["6"], [[0, 1], [2]], "1f1b", checkpoint=[True, False]),
         case("gpt-1-2-1f1b", "gpt", ["transformer.h.6"], [[0], [1, 2]], "1f1b", steps=1),
+        case("mlp-plan-2-1-checkpoint", "mlp", [], [[0, 1], [2]], "1f1b", plan="mlp-2-1.plan.json"),
         case("mlp-1-2-pipedream", "mlp", ["6"], [[0], [1, 2]], "pipedream", microbatches=8, batch=16, lr=0.05)],
     4: [case("gpt-4-1f1b", "gpt", GPT4, [[0], [1], [2], [3]], "1f1b", steps=1),
         case("gpt-4-gpipe-checkpoint", "gpt", GPT4, [[0], [1], [2], [3]], "gpipe", steps=1, checkpoint=True),
@@ -57,7 +65,7 @@ def torchrun(world: int, cases: list[dict[str, Any]], out: Path, timeout_s: floa
     """Run the worker on `world` CPU processes under torchrun; returns the finished process (output captured)."""
     spec = out / f"spec-{world}.json"
     spec.write_text(json.dumps({"cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(WORKER), str(spec), str(out)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -67,10 +75,21 @@ def torchrun(world: int, cases: list[dict[str, Any]], out: Path, timeout_s: floa
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case of CASES run under torchrun, one job per world size."""
     out = tmp_path_factory.mktemp("engine")
+    replicated_mlp_plan().save(out / "mlp-2-1.plan.json")
     for world, cases in CASES.items():
+        cases = [{**c, "plan": str(out / c["plan"])} if "plan" in c else c for c in cases]
         finished = torchrun(world, cases, out)
         assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
     return out
+
+
+def replicated_mlp_plan() -> Plan:
+    """The planner's straight 2-stage mlp plan, made 2-1 on 3 ranks with 1f1b, 4 microbatches and recompute on stage 1."""
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True)
+    first, second = plan.stages
+    stages = (dataclasses.replace(first, replicas=2, ranks=(0, 1)),
+              dataclasses.replace(second, ranks=(2,), recompute=True))
+    return dataclasses.replace(plan, stages=stages, schedule="1f1b", microbatches=4)
 
 
 def load(out: Path, name: str, rank: int) -> dict[str, Any]:
@@ -253,3 +272,36 @@ def test_outside_torchrun_the_engine_says_how_to_launch(monkeypatch: pytest.Monk
         init_distributed()
     with pytest.raises(EngineError, match="torch.distributed is not initialized"):
         Engine([nn.Linear(2, 2)], "1f1b")
+
+
+@pytest.fixture
+def one_process_job(tmp_path: Path) -> Any:
+    """A gloo job of one process (this one), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_one_rank_engine_trains_like_one_device_and_checks_its_arguments(one_process_job: Any) -> None:
+    model, inputs, target = example("mlp", 8)
+    reference = copy.deepcopy(model)
+    expected = loss_of("mlp")(reference(inputs), target)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    with Engine([model], "gpipe", microbatches=4, checkpoint=True,
+                optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1)) as engine:
+        assert engine.train_step(inputs, target) == pytest.approx(expected.item(), rel=1e-5)
+        with pytest.raises(EngineError, match=r"at least 4 \(the microbatches\), got \[3\]"):
+            engine.train_step(inputs[:3], target[:3])
+    assert engine.closed
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], parameter, rtol=1e-5, atol=1e-6)
+    with pytest.raises(EngineError, match="the plan has 3 ranks but the job has 1 processes: launch with torchrun "
+                                          "--nproc-per-node 3"):
+        Engine.from_plan(model, replicated_mlp_plan())
+    with pytest.raises(EngineError, match=r"stage ranks \[\[0\], \[1\]\] must cover ranks 0..0"):
+        Engine([nn.Linear(2, 2), nn.Linear(2, 2)], "1f1b")
+    with pytest.raises(EngineError, match="pipedream steps the optimizer after every backward: pass optimizer="):
+        Engine([model], "pipedream")
+    with pytest.raises(EngineError, match="unknown schedule 'zb'"):
+        Engine([model], "zb")
