@@ -169,9 +169,13 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 
 def _device(device: torch.device | str) -> torch.device:
-    """`device` as a torch.device; "cpu:0" is "cpu" (one CPU generator, one memory)."""
+    """`device` as a torch.device; "cpu:0" is "cpu" (one CPU generator, one memory), "cuda" the current GPU."""
     device = torch.device(device)
-    return torch.device("cpu") if device.type == "cpu" else device
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_schedule(name: str) -> None:

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["RandomStream"]
 
-_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS: dict[int, threading.Lock] = {}  # by id of the generator ("cpu" and "cpu:0" share one)
 _LOCKS_GUARD = threading.Lock()
 
 
@@ -30,11 +30,12 @@ def _generator(device: torch.device) -> torch.Generator | None:
     return None
 
 
-def _lock(device: torch.device) -> threading.Lock:
-    """The process-wide lock of `device`'s default generator."""
-    key = str(device)
+def _lock(generator: torch.Generator | None) -> threading.Lock:
+    """The process-wide lock of a default generator (a lock of its own for None)."""
+    if generator is None:
+        return threading.Lock()
     with _LOCKS_GUARD:
-        return _LOCKS.setdefault(key, threading.Lock())
+        return _LOCKS.setdefault(id(generator), threading.Lock())
 
 
 class RandomStream:
@@ -42,8 +43,9 @@ class RandomStream:
 
     def __init__(self, device: torch.device) -> None:
         self.generator = _generator(device)
-        self.lock = _lock(device)
-        self.state: torch.Tensor | None = None
+        self.lock = _lock(self.generator)
+        # until the first reseed, the stream continues from the generator's state of now
+        self.state: torch.Tensor | None = None if self.generator is None else self.generator.get_state()
 
     def reseed(self, seed: int) -> None:
         """Start the stream afresh from `seed` (leaves the default generator as it was)."""

@@ -1,0 +1,490 @@
+"""StageRunner: a stage's forwards and backwards give plain autograd's gradients, with checkpointing and
+weight stashing, for first, middle and last stages."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.nn import functional as F
+
+from runtime.stage_runner import StageRunner
+
+CPU = torch.device("cpu")
+
+
+def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def mlp(dropout: float = 0.0) -> nn.Sequential:
+    """A small seeded MLP whose weight gradients depend on the weights (tanh between two layers)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(4, 6), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(6, 3))
+    return nn.Sequential(*layers)
+
+
+def make_runner(module: nn.Module, *, last: bool = False, checkpoint: bool = False, stash: bool = False,
+                seed: int = 0) -> StageRunner:
+    runner = StageRunner(module, CPU, last=last, loss_fn=mse, checkpoint=checkpoint, stash_weights=stash)
+    runner.reset(seed)
+    return runner
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+
+
+def assert_grads_close(expected: dict[str, torch.Tensor | None], found: dict[str, torch.Tensor | None]) -> None:
+    assert expected.keys() == found.keys()
+    for name, grad in expected.items():
+        assert (grad is None) == (found[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(found[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def batch(rows: int = 5, width: int = 4, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=generator)
+
+
+def leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone().requires_grad_(True)
+
+
+class Double(nn.Module):
+    """Doubles its input in place (a stage must not change the tensors it keeps for the backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)
+
+
+class ThreeInputs(nn.Module):
+    """Uses a float input, ignores another, and uses an integer input (nested in a dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3)
+        self.embedding = nn.Embedding(10, 3)
+
+    def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.linear(x) + self.embedding(extra["index"])
+
+
+class TwoOutputs(nn.Module):
+    """Returns a float activation and an integer tensor passed through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.linear(x))
+        return hidden, hidden * 3, index
+
+
+class Tied(nn.Module):
+    """One nn.Parameter used by two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def perturb(module: nn.Module) -> None:
+    """Change the parameters in place, as an optimizer step would."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.mul_(1.5).add_(0.1)
+
+
+# --- plain stages ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_first_stage_gives_the_module_output_and_plain_parameter_gradients(checkpoint: bool) -> None:
+    module, reference = mlp(), mlp()
+    x, grad = batch(), batch(5, 3, seed=2)
+    runner = make_runner(module, checkpoint=checkpoint)
+    sent = runner.forward(0, (x,))
+    expected = reference(x)
+    assert isinstance(sent, tuple) and len(sent) == 1
+    torch.testing.assert_close(sent[0], expected.detach())
+    assert not sent[0].requires_grad
+    expected.backward(grad)
+    runner.receive_grads(0, [grad])
+    assert runner.backward(0) is None
+    assert_grads_close(grads(reference), grads(module))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_middle_stage_gives_plain_parameter_and_input_gradients(checkpoint: bool) -> None:
+    module, reference = mlp(), mlp()
+    x, grad = batch(), batch(5, 3, seed=2)
+    runner = make_runner(module, checkpoint=checkpoint)
+    runner.receive(0, (x,))
+    sent = runner.forward(0)
+    x_ref = leaf(x)
+    expected = reference(x_ref)
+    torch.testing.assert_close(sent[0], expected.detach())
+    expected.backward(grad)
+    runner.receive_grads(0, [grad])
+    input_grads = runner.backward(0)
+    assert isinstance(input_grads, list) and len(input_grads) == 1
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+    assert not x.requires_grad and x.grad is None  # the received tensor itself is left alone
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_last_stage_loss_is_loss_fn_times_scale_and_its_gradients_are_plain(checkpoint: bool, scale: float) -> None:
+    module, reference = mlp(), mlp()
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=True, checkpoint=checkpoint)
+    runner.receive(7, (x,))
+    assert runner.forward(7, target=target, scale=scale) is None
+    x_ref = leaf(x)
+    expected = mse(reference(x_ref), target) * scale
+    input_grads = runner.backward(7)
+    expected.backward()
+    assert runner.losses[7] == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+
+
+def test_last_stage_records_its_loss_at_the_forward_without_checkpointing() -> None:
+    module, reference = mlp(), mlp()
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=True)
+    runner.receive("a", (x,))
+    runner.forward("a", target=target, scale=0.5)
+    assert runner.losses["a"] == pytest.approx(mse(reference(x), target).item() * 0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_single_stage_first_and_last_gives_plain_gradients_and_no_input_gradients(checkpoint: bool) -> None:
+    module, reference = mlp(), mlp()
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=True, checkpoint=checkpoint)
+    assert runner.forward(0, (x,), target, 0.5) is None
+    assert runner.backward(0) is None
+    (mse(reference(x), target) * 0.5).backward()
+    assert_grads_close(grads(reference), grads(module))
+
+
+def test_microbatches_in_flight_accumulate_their_gradients() -> None:
+    module, reference = mlp(), mlp()
+    xs = [batch(seed=s) for s in (1, 2, 3)]
+    targets = [batch(5, 3, seed=s) for s in (4, 5, 6)]
+    runner = make_runner(module, last=True)
+    for key, x in enumerate(xs):
+        runner.receive(key, (x,))
+        runner.forward(key, target=targets[key], scale=1 / 3)
+    returned = {key: runner.backward(key) for key in (2, 0, 1)}
+    for key, (x, target) in enumerate(zip(xs, targets)):
+        x_ref = leaf(x)
+        (mse(reference(x_ref), target) / 3).backward()
+        torch.testing.assert_close(returned[key][0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+    assert sorted(runner.losses) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_middle_stage_may_modify_its_received_input_in_place(checkpoint: bool) -> None:
+    module, reference = nn.Sequential(Double(), mlp()), nn.Sequential(Double(), mlp())
+    x, grad = batch(), batch(5, 3, seed=2)
+    kept = x.clone()
+    runner = make_runner(module, checkpoint=checkpoint)
+    runner.receive(0, (x,))
+    runner.forward(0)
+    runner.receive_grads(0, [grad])
+    input_grads = runner.backward(0)
+    x_ref = leaf(x)
+    reference(x_ref.clone()).backward(grad)
+    assert torch.equal(x, kept)
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+
+
+def test_checkpointed_first_stage_recomputes_on_unchanged_inputs() -> None:
+    """A first stage that changes its input in place still gets plain gradients when recomputed."""
+    module, reference = nn.Sequential(Double(), mlp()), nn.Sequential(Double(), mlp())
+    x, grad = batch(), batch(5, 3, seed=2)
+    runner = make_runner(module, checkpoint=True)
+    sent = runner.forward(0, (x.clone(),))
+    runner.receive_grads(0, [grad])
+    runner.backward(0)
+    expected = reference(x.clone())
+    expected.backward(grad)
+    torch.testing.assert_close(sent[0], expected.detach())
+    assert_grads_close(grads(reference), grads(module))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_backward_returns_zeros_for_unused_float_inputs_and_none_for_integer_inputs(checkpoint: bool) -> None:
+    module, reference = ThreeInputs(), ThreeInputs()
+    x, unused, index = batch(), batch(5, 2, seed=4), torch.tensor([1, 4, 4, 0, 9])
+    grad = batch(5, 3, seed=2)
+    runner = make_runner(module, checkpoint=checkpoint)
+    runner.receive(0, (x, {"unused": unused, "index": index}))
+    runner.forward(0)
+    runner.receive_grads(0, [grad])
+    input_grads = runner.backward(0)
+    x_ref = leaf(x)
+    reference(x_ref, {"unused": unused, "index": index}).backward(grad)
+    assert len(input_grads) == 3  # in `tensors` order: x, unused, index
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    assert torch.equal(input_grads[1], torch.zeros(5, 2))
+    assert input_grads[2] is None
+    assert_grads_close(grads(reference), grads(module))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_outputs_without_a_received_gradient_are_not_backpropagated(checkpoint: bool) -> None:
+    module, reference = TwoOutputs(), TwoOutputs()
+    x, index = batch(), torch.arange(5)
+    grad = batch(5, 4, seed=2)
+    runner = make_runner(module, checkpoint=checkpoint)
+    runner.receive(0, (x, index))
+    sent = runner.forward(0)
+    hidden, tripled, passed = sent[0]  # a plain module's tuple result is one argument of the next stage
+    torch.testing.assert_close(tripled, hidden * 3)
+    assert torch.equal(passed, index) and passed.dtype == torch.int64
+    runner.receive_grads(0, [None, grad, None])
+    input_grads = runner.backward(0)
+    x_ref = leaf(x)
+    reference(x_ref, index)[1].backward(grad)
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    assert input_grads[1] is None
+    assert_grads_close(grads(reference), grads(module))
+
+
+def test_traced_stage_output_tuple_is_the_next_stage_arguments() -> None:
+    traced = fx.symbolic_trace(TwoOutputs())
+    runner = make_runner(traced)
+    index = torch.arange(5)
+    sent = runner.forward(0, (batch(), index))
+    assert isinstance(sent, tuple) and len(sent) == 3
+    assert torch.equal(sent[2], index)
+    torch.testing.assert_close(sent[1], sent[0] * 3)
+
+
+# --- checkpointing in training mode ----------------------------------------------------------------
+
+
+def run_two_microbatches(module: nn.Module, checkpoint: bool, kind: str, seed: int = 5) -> dict[str, Any]:
+    """Forward microbatches 0 and 1, then backward 1 and 0, as stage `kind`; what came out."""
+    runner = make_runner(module, last=kind == "last", checkpoint=checkpoint, seed=seed)
+    xs, targets = [batch(seed=1), batch(seed=2)], [batch(5, 3, seed=3), batch(5, 3, seed=4)]
+    sent = []
+    for key in (0, 1):
+        if kind == "first":
+            sent.append(runner.forward(key, (xs[key],)))
+        else:
+            runner.receive(key, (xs[key],))
+            sent.append(runner.forward(key, target=targets[key], scale=0.5))
+    input_grads = {}
+    for key in (1, 0):
+        if kind != "last":
+            runner.receive_grads(key, [targets[key]])
+        input_grads[key] = runner.backward(key)
+    return {"sent": sent, "input_grads": input_grads, "grads": grads(module), "losses": dict(runner.losses)}
+
+
+@pytest.mark.parametrize("kind", ["first", "middle", "last"])
+def test_checkpointing_with_dropout_replays_the_masks(kind: str) -> None:
+    plain = run_two_microbatches(mlp(dropout=0.5).train(), False, kind)
+    recomputed = run_two_microbatches(mlp(dropout=0.5).train(), True, kind)
+    no_dropout = run_two_microbatches(mlp().train(), False, kind)
+    some = next(iter(no_dropout["grads"]))
+    assert not torch.allclose(plain["grads"][some], no_dropout["grads"][some])  # dropout did drop
+    assert_grads_close(plain["grads"], recomputed["grads"])
+    for key in (0, 1):
+        if kind != "last":
+            torch.testing.assert_close(recomputed["sent"][key], plain["sent"][key])
+        if kind != "first":
+            torch.testing.assert_close(recomputed["input_grads"][key], plain["input_grads"][key])
+    assert recomputed["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+
+
+def test_same_seed_gives_the_same_dropout_and_another_seed_another() -> None:
+    first = run_two_microbatches(mlp(dropout=0.5).train(), False, "middle", seed=5)
+    again = run_two_microbatches(mlp(dropout=0.5).train(), False, "middle", seed=5)
+    other = run_two_microbatches(mlp(dropout=0.5).train(), False, "middle", seed=6)
+    assert torch.equal(first["sent"][0][0], again["sent"][0][0])
+    assert not torch.equal(first["sent"][0][0], other["sent"][0][0])
+
+
+def test_runner_forwards_leave_the_default_generator_alone() -> None:
+    module = mlp(dropout=0.5).train()
+    torch.manual_seed(8)
+    expected = torch.rand(4)
+    torch.manual_seed(8)
+    run_two_microbatches(module, True, "middle")
+    assert torch.equal(torch.rand(4), expected)
+
+
+def batch_norm_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).train()
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_checkpointing_batch_norm_updates_running_statistics_once(last: bool) -> None:
+    module, reference = batch_norm_net(), batch_norm_net()
+    xs = [batch(6, seed=1), batch(6, seed=2) * 3 + 1]
+    targets = [batch(6, 3, seed=3), batch(6, 3, seed=4)]
+    runner = make_runner(module, last=last, checkpoint=True)
+    returned = {}
+    for key in (0, 1):
+        runner.receive(key, (xs[key],))
+        runner.forward(key, target=targets[key], scale=0.5)
+    for key in (0, 1):
+        if not last:
+            runner.receive_grads(key, [targets[key]])
+        returned[key] = runner.backward(key)
+    for key in (0, 1):
+        x_ref = leaf(xs[key])
+        output = reference(x_ref)
+        if last:
+            (mse(output, targets[key]) * 0.5).backward()
+        else:
+            output.backward(targets[key])
+        torch.testing.assert_close(returned[key][0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+    found, expected = dict(module.named_buffers()), dict(reference.named_buffers())
+    assert int(found["1.num_batches_tracked"]) == 2
+    for name, buffer in expected.items():
+        torch.testing.assert_close(found[name], buffer, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# --- weight stashing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("last", [False, True])
+def test_stashed_forward_backpropagates_through_the_old_weights(last: bool, checkpoint: bool) -> None:
+    module = mlp()
+    old = copy.deepcopy(module)
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=last, checkpoint=checkpoint, stash=True)
+    runner.receive(1, (x,))
+    runner.forward(1, target=target)
+    perturb(module)
+    new = copy.deepcopy(module)
+    if not last:
+        runner.receive_grads(1, [target])
+    input_grads = runner.backward(1)
+
+    expected_grads = {}
+    for name, reference in (("old", old), ("new", new)):
+        x_ref = leaf(x)
+        output = reference(x_ref)
+        if last:
+            mse(output, target).backward()
+        else:
+            output.backward(target)
+        expected_grads[name] = (grads(reference), x_ref.grad)
+    assert_grads_close(expected_grads["old"][0], grads(module))
+    torch.testing.assert_close(input_grads[0], expected_grads["old"][1])
+    found = grads(module)
+    for name in ("0.weight", "0.bias", "2.weight"):  # (a middle stage's last bias gradient is the output's)
+        assert not torch.allclose(found[name], expected_grads["new"][0][name], rtol=1e-3, atol=1e-5), name
+    for (name, parameter), changed in zip(module.named_parameters(), new.parameters()):
+        assert torch.equal(parameter, changed), name  # the live weights stay the new ones
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_several_stashed_microbatches_in_flight_each_use_their_forward_weights(checkpoint: bool) -> None:
+    module = mlp()
+    x = [batch(seed=1), batch(seed=2)]
+    target = [batch(5, 3, seed=3), batch(5, 3, seed=4)]
+    runner = make_runner(module, last=True, checkpoint=checkpoint, stash=True)
+    weights = []  # the module at each forward
+    for key in (0, 1):
+        runner.receive(key, (x[key],))
+        weights.append(copy.deepcopy(module))
+        runner.forward(key, target=target[key])
+        perturb(module)
+    returned = {key: runner.backward(key) for key in (0, 1)}
+    expected: dict[str, torch.Tensor] = {}
+    for key in (0, 1):
+        x_ref = leaf(x[key])
+        mse(weights[key](x_ref), target[key]).backward()
+        torch.testing.assert_close(returned[key][0], x_ref.grad)
+        for name, grad in grads(weights[key]).items():
+            expected[name] = grad if name not in expected else expected[name] + grad
+    assert_grads_close(expected, grads(module))
+
+
+def test_stashing_without_a_weight_change_gives_plain_gradients() -> None:
+    module, reference = mlp(), mlp()
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, stash=True)
+    sent = runner.forward(0, (x,))
+    runner.receive_grads(0, [target])
+    runner.backward(0)
+    output = reference(x)
+    output.backward(target)
+    torch.testing.assert_close(sent[0], output.detach())
+    assert_grads_close(grads(reference), grads(module))
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_stashing_with_a_tied_parameter_gives_the_plain_gradient(change: bool) -> None:
+    module = Tied()
+    assert module.first.weight is module.second.weight
+    old = copy.deepcopy(module)
+    x, target = batch(), batch(5, 4, seed=3)
+    runner = make_runner(module, last=True, stash=True)
+    runner.receive(0, (x,))
+    runner.forward(0, target=target)
+    if change:
+        perturb(module)
+    runner.backward(0)
+    mse(old(x), target).backward()
+    assert_grads_close(grads(old), grads(module))
+    assert module.first.weight is module.second.weight
+
+
+# --- reset ----------------------------------------------------------------------------------------
+
+
+def test_reset_forgets_microbatches_and_losses() -> None:
+    module, reference = mlp(), mlp()
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=True)
+    runner.receive(0, (x * 10,))
+    runner.forward(0, target=target)
+    assert 0 in runner.losses
+    runner.reset(0)
+    assert runner.losses == {}
+    with pytest.raises(KeyError):
+        runner.backward(0)
+    runner.receive(0, (x,))
+    runner.forward(0, target=target)
+    runner.backward(0)
+    mse(reference(x), target).backward()
+    assert_grads_close(grads(reference), grads(module))  # nothing of the forgotten microbatch
+
+
+def test_forward_before_any_reset_runs() -> None:
+    module, reference = mlp(), mlp()
+    runner = StageRunner(module, CPU, last=False, loss_fn=mse)
+    sent = runner.forward(0, (batch(),))
+    torch.testing.assert_close(sent[0], reference(batch()).detach())
