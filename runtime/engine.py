@@ -341,8 +341,9 @@ class Engine:
                 work.wait(timedelta(seconds=POLL_S))
                 return
             except RuntimeError:
-                if work.is_completed():  # the collective itself failed
-                    raise
+                if work.is_completed():  # it finished just after the timeout, or failed: wait() tells
+                    work.wait()
+                    return
             self._check()
 
     def _check(self) -> None:
