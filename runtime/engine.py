@@ -48,7 +48,7 @@ from planner.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     Schedule, build_schedule,
 )
-from runtime.nested import batch_size, split_batch, tensors
+from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
@@ -146,7 +146,7 @@ class Engine:
                                   stash_weights=schedule == "pipedream")
         self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
         self.failure_timeout_s = failure_timeout_s
-        self._groups = _make_groups(self.schedule, shared)
+        links, self._groups = _make_groups(self.schedule, shared)
         parameters = dict(self.module.named_parameters())
         self._tied = [(parameters[held.stage_names[held.stages.index(self.stage)]], self._groups[("tied", k)])
                       for k, held in enumerate(shared) if self.stage in held.stages]
@@ -154,7 +154,6 @@ class Engine:
         self._replicated = [p for p in self.module.parameters() if id(p) not in tied_ids]
         self._store, self._prefix = _engine_store()
         self._mailbox = Mailbox()
-        links = {pair: group for pair, group in self._groups.items() if pair[0] != "tied" and pair[0] != "stage"}
         self._links = Links(self.rank, links, self._mailbox, _comm_device(self.device), self._check)
         self._sent_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure sent
         self._received_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure received
@@ -188,15 +187,10 @@ class Engine:
         """
         if self._closed:
             raise EngineError("the engine is closed; make a new one", self.rank, self.stage)
-        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        batch = batch_size((args, target))
-        if batch is None or batch < self.microbatches:
-            raise EngineError(f"every input and target tensor needs the batch in dim 0 with one size of at least "
-                              f"{self.microbatches} (the microbatches), got "
-                              f"{sorted({t.shape[0] if t.dim() else None for t in tensors((args, target))}, key=str)}")
-        chunks = split_batch(args, self.microbatches)
-        targets = split_batch(target, self.microbatches)
-        shares = [tensors(chunk)[0].shape[0] / batch for chunk in chunks]
+        try:
+            chunks, targets, shares = split_minibatch(inputs, target, self.microbatches)
+        except ValueError as exc:
+            raise EngineError(str(exc), self.rank, self.stage) from None
         slots = [(index, tuple((tuple(t.shape), t.dtype) for t in tensors((chunk, goal))))
                  for index, (chunk, goal) in enumerate(zip(chunks, targets))]
         seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -356,11 +350,8 @@ class Engine:
 
     def _publish(self, exc: BaseException) -> str:
         """Publish this rank's failure (unless another rank's came first) and give the others time to see it."""
-        if isinstance(exc, EngineError) and exc.rank is not None:
-            message = str(exc)
-        else:
-            where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
-            message = f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}"
+        where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
+        message = f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}"
         winner = self._store.compare_set(self._prefix + "error", "", message).decode()
         if winner != message:  # another rank failed first: report theirs
             self._store.add(self._prefix + "acks", 1)
@@ -401,21 +392,22 @@ def _check_message_order(schedule: Schedule) -> None:
                               "order than it is sent; the engine's channels are first in, first out")
 
 
-def _make_groups(schedule: Schedule, shared: Sequence[Any]) -> dict[Any, Any]:
-    """Every process group the engine uses, created in the same order on every rank.
+def _make_groups(schedule: Schedule, shared: Sequence[Any]) -> tuple[dict[tuple[int, int], Any], dict[Any, Any]]:
+    """Every process group the engine uses, created in the same order on every rank: (links, collectives).
 
-    (a, b): messages from rank a to rank b; ("stage", s): the replicas of stage s (if several);
-    ("tied", k): every rank of the stages holding tied parameter k.
+    links[(a, b)]: messages from rank a to rank b; collectives[("stage", s)]: the replicas of
+    stage s (if several); collectives[("tied", k)]: every rank of the stages holding tied parameter k.
     """
     pairs = sorted({(program.rank, action.peer) for program in schedule.programs for action in program.actions
                     if action.op in (SEND_ACTIVATION, SEND_GRADIENT)})
-    groups: dict[Any, Any] = {pair: dist.new_group(sorted(pair)) for pair in pairs}
+    links = {pair: dist.new_group(sorted(pair)) for pair in pairs}
+    groups: dict[Any, Any] = {}
     for stage, ranks in enumerate(schedule.stage_ranks):
         if len(ranks) > 1:
             groups[("stage", stage)] = dist.new_group(sorted(ranks))
     for index, held in enumerate(shared):
         groups[("tied", index)] = dist.new_group(sorted(r for s in held.stages for r in schedule.stage_ranks[s]))
-    return groups
+    return links, groups
 
 
 def _engine_store() -> tuple[Any, str]:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_tensors", "tensors", "split_batch", "batch_size"]
+__all__ = ["map_tensors", "tensors", "split_batch", "batch_size", "split_minibatch"]
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -46,3 +46,21 @@ def batch_size(value: Any) -> int | None:
     """The common dim-0 size of every tensor in `value`, or None if they differ, a tensor is 0-d or there is none."""
     sizes = {tensor.shape[0] if tensor.dim() else None for tensor in tensors(value)}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def split_minibatch(inputs: Any, target: Any, count: int) -> tuple[list[tuple[Any, ...]], list[Any], list[float]]:
+    """(inputs per microbatch as argument tuples, targets per microbatch, each microbatch's share of the batch).
+
+    `inputs` is one tensor or a tuple/list of arguments. Raises ValueError (saying what is wrong)
+    unless every tensor has one common batch size in dim 0 of at least `count`.
+    """
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    batch = batch_size((args, target))
+    if batch is None:
+        sizes = sorted({t.shape[0] if t.dim() else None for t in tensors((args, target))}, key=str)
+        raise ValueError(f"every input and target tensor needs the batch in dim 0 with one size; "
+                         f"got first dimensions {sizes}")
+    if batch < count:
+        raise ValueError(f"a batch of {batch} cannot be split into {count} microbatches")
+    chunks = split_batch(args, count)
+    return chunks, split_batch(target, count), [tensors(chunk)[0].shape[0] / batch for chunk in chunks]

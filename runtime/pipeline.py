@@ -45,7 +45,7 @@ from planner.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     RankProgram, build_schedule,
 )
-from runtime.nested import batch_size, split_batch, tensors
+from runtime.nested import split_minibatch
 from runtime.stage_runner import LossFn, StageRunner
 from runtime.stages import Stages, build_stages
 
@@ -109,7 +109,7 @@ class _Worker:
             else:
                 self.replies.put(("done", self.index, losses, None))
             finally:
-                self.runner.reset(0)  # drop what a failed step left
+                self.runner.reset()  # drop what a failed step left
             del step
 
     def _run(self, step: _Step) -> dict[int, float]:
@@ -276,17 +276,10 @@ class Pipeline:
         """
         if self._closed:
             raise PipelineError("the pipeline is closed; make a new one")
-        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        batch = batch_size((args, target))
-        if batch is None:
-            sizes = sorted({t.shape[0] if t.dim() else None for t in tensors((args, target))}, key=str)
-            raise PipelineError(f"every input and target tensor needs the batch in dim 0 with one size; "
-                                f"got first dimensions {sizes}")
-        if batch < self.microbatches:
-            raise PipelineError(f"a batch of {batch} cannot be split into {self.microbatches} microbatches")
-        chunks = split_batch(tuple(args), self.microbatches)
-        targets = split_batch(target, self.microbatches)
-        scales = [tensors(chunk)[0].shape[0] / batch for chunk in chunks]
+        try:
+            chunks, targets, scales = split_minibatch(inputs, target, self.microbatches)
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
         count = len(self._workers)
         step = _Step(chunks, targets, scales, int(torch.randint(0, 2**62, (1,)).item()),
                      [queue.Queue() for _ in range(count)], [queue.Queue() for _ in range(count)])

@@ -80,11 +80,12 @@ class StageRunner:
         self.micro: dict[Hashable, _Micro] = {}
         self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
 
-    def reset(self, seed: int) -> None:
-        """Forget every microbatch and loss; the random stream starts again from `seed`."""
+    def reset(self, seed: int | None = None) -> None:
+        """Forget every microbatch and loss; the random stream starts again from `seed` (if given)."""
         self.micro.clear()
         self.losses.clear()
-        self.stream.reseed(seed)
+        if seed is not None:
+            self.stream.reseed(seed)
 
     def receive(self, key: Hashable, args: tuple[Any, ...]) -> None:
         """Arguments of microbatch `key` from the previous stage: they become leaves on this device."""

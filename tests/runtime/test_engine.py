@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -234,14 +233,12 @@ def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world
 def test_a_failing_rank_ends_every_rank_with_its_message(tmp_path: Path, world: int, fail: dict[str, Any],
                                                          splits: list[str]) -> None:
     spec = case("failing", "gpt", splits, [[r] for r in range(world)], "1f1b", fail=fail)
-    started = time.monotonic()
-    finished = torchrun(world, [spec], tmp_path, timeout_s=120)
+    finished = torchrun(world, [spec], tmp_path, timeout_s=120)  # a hang fails with TimeoutExpired
     assert finished.returncode != 0
     expected = (f"rank {fail['rank']} (stage {fail['rank']}, microbatch {fail['microbatch']}) failed: "
                 f"ValueError: deliberate failure in {fail['in']}")
     for rank in range(world):
         assert f"rank {rank}: EngineError: {expected}" in finished.stdout, finished.stdout + finished.stderr[-3000:]
-    assert time.monotonic() - started < 120
 
 
 # --- without torchrun --------------------------------------------------------------------------------
@@ -291,7 +288,7 @@ def test_a_one_rank_engine_trains_like_one_device_and_checks_its_arguments(one_p
     with Engine([model], "gpipe", microbatches=4, checkpoint=True,
                 optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1)) as engine:
         assert engine.train_step(inputs, target) == pytest.approx(expected.item(), rel=1e-5)
-        with pytest.raises(EngineError, match=r"at least 4 \(the microbatches\), got \[3\]"):
+        with pytest.raises(EngineError, match="a batch of 3 cannot be split into 4 microbatches"):
             engine.train_step(inputs[:3], target[:3])
     assert engine.closed
     for name, parameter in reference.named_parameters():

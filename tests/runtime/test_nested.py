@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.nested import batch_size, map_tensors, split_batch, tensors
+from runtime.nested import batch_size, map_tensors, split_batch, split_minibatch, tensors
 
 
 def nested_value() -> dict[str, Any]:
@@ -134,3 +134,18 @@ def test_batch_size_is_none_without_one_common_size(value: Any) -> None:
 def test_batch_size_of_split_pieces() -> None:
     pieces = split_batch((torch.zeros(10, 2), {"t": torch.ones(10)}, "x"), 4)
     assert [batch_size(piece) for piece in pieces] == [3, 3, 2, 2]
+
+
+def test_split_minibatch_gives_argument_tuples_targets_and_shares() -> None:
+    inputs, target = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    chunks, targets, shares = split_minibatch(inputs, target, 2)
+    assert [chunk[0].shape[0] for chunk in chunks] == [3, 2] and [t.tolist() for t in targets] == [[0, 1, 2], [3, 4]]
+    assert shares == [0.6, 0.4]
+    assert split_minibatch((inputs, inputs), target, 5)[0][4][1].tolist() == [[8.0, 9.0]]
+
+
+def test_split_minibatch_says_what_is_wrong_with_the_batch() -> None:
+    with pytest.raises(ValueError, match="a batch of 3 cannot be split into 4 microbatches"):
+        split_minibatch(torch.zeros(3, 2), torch.zeros(3), 4)
+    with pytest.raises(ValueError, match=r"batch in dim 0 with one size; got first dimensions \[4, 5\]"):
+        split_minibatch(torch.zeros(4, 2), torch.zeros(5), 2)
