@@ -29,13 +29,20 @@ its stage and replica (`planner.schedule`), the same data the simulator and the 
   the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
   ranks to see it; every rank waiting for a message or an all-reduce checks the store every
   `p2p.POLL_S` seconds, so every rank raises `EngineError` with that message instead of hanging.
-  A failed engine is closed. Ranks that died (killed) are not detected here.
+  A failed engine is closed;
+- ranks that stop answering: every rank runs a `runtime.liveness.Heartbeat`; a rank whose
+  heartbeat stops for `timeout_s` seconds (killed, frozen, cut off), a lost connection to a
+  peer, or a wait for one message or all-reduce longer than `timeout_s` (a rank alive but stuck)
+  ends the step on every rank with an `EngineError` naming the rank, as above;
+- timings: `trace` holds an `OpTime` per action of the last `trace_steps` steps
+  (`runtime.trace`), `step_spans` the start and end of every `train_step` (perf_counter s).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Sequence
 
@@ -48,11 +55,13 @@ from planner.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     Schedule, build_schedule,
 )
+from runtime.liveness import Heartbeat, RankMissing
 from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
 from runtime.stages import Stages, build_stages
+from runtime.trace import OpTime
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
@@ -104,14 +113,16 @@ class Engine:
     makes this stage's optimizer from its parameters (required for pipedream; without one, a
     flush schedule leaves the mini-batch gradients in `.grad`, which must be zeroed before the
     next step); `loss_fn(output, target)`: a mean over the batch; `device`: default
-    `init_distributed`'s. Requires an initialized default process group (`init_distributed`).
+    `init_distributed`'s; `timeout_s`: how long a rank may stop answering (no heartbeat) or one
+    wait may last before the step fails; `trace_steps`: how many steps' op timings `trace` keeps.
+    Requires an initialized default process group (`init_distributed`).
     """
 
     def __init__(self, stages: Sequence[nn.Module], schedule: str = "1f1b",
                  stage_ranks: Sequence[Sequence[int]] | None = None, microbatches: int = 4, *,
                  checkpoint: bool | Sequence[bool] | None = None, optimizer: OptimizerFactory | None = None,
                  loss_fn: LossFn | None = None, device: torch.device | str | None = None,
-                 failure_timeout_s: float = 10.0) -> None:
+                 failure_timeout_s: float = 10.0, timeout_s: float = 300.0, trace_steps: int = 100) -> None:
         if not dist.is_initialized():
             raise EngineError("torch.distributed is not initialized: call runtime.engine.init_distributed() "
                               "first, in a process started by torchrun")
@@ -132,7 +143,7 @@ class Engine:
                                                  stage_ranks=ranks)
         _check_message_order(self.schedule)
         self.program = self.schedule.programs[self.rank]
-        self.stage = self.program.stage
+        self.stage, self.replica = self.program.stage, self.program.replica
         self.microbatches = microbatches
         self.device = torch.device(device) if device is not None else init_distributed()[2]
         shared = stages.shared if isinstance(stages, Stages) else ()
@@ -145,7 +156,7 @@ class Engine:
                                   loss_fn=loss_fn or default_loss, checkpoint=flags[self.stage],
                                   stash_weights=schedule == "pipedream")
         self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
-        self.failure_timeout_s = failure_timeout_s
+        self.failure_timeout_s, self.timeout_s = failure_timeout_s, timeout_s
         links, self._groups = _make_groups(self.schedule, shared)
         parameters = dict(self.module.named_parameters())
         self._tied = [(parameters[held.stage_names[held.stages.index(self.stage)]], self._groups[("tied", k)])
@@ -153,17 +164,21 @@ class Engine:
         tied_ids = {id(parameter) for parameter, _ in self._tied}
         self._replicated = [p for p in self.module.parameters() if id(p) not in tied_ids]
         self._store, self._prefix = _engine_store()
+        self._heartbeat = Heartbeat(self._store, self._prefix, self.rank, self.world, timeout_s,
+                                    interval_s=min(1.0, timeout_s / 4))
         self._mailbox = Mailbox()
         self._links = Links(self.rank, links, self._mailbox, _comm_device(self.device), self._check)
         self._sent_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure sent
         self._received_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure received
         self._where: Key | None = None
         self._closed = False
+        self.step_spans: list[tuple[float, float]] = []
+        self._ops: deque[tuple[int, list[OpTime]]] = deque(maxlen=trace_steps)  # (step, its ops)
 
     @classmethod
     def from_plan(cls, model: nn.Module, plan: Any, *, optimizer: OptimizerFactory | None = None,
                   loss_fn: LossFn | None = None, microbatches: int | None = None,
-                  device: torch.device | str | None = None) -> "Engine":
+                  device: torch.device | str | None = None, timeout_s: float = 300.0) -> "Engine":
         """This rank's engine for `plan`'s stages of `model`, schedule, microbatches, ranks and recompute flags."""
         needed = sum(stage.replicas for stage in plan.stages)
         world = dist.get_world_size() if dist.is_initialized() else None
@@ -172,7 +187,25 @@ class Engine:
                               f"launch with torchrun --nproc-per-node {needed} (or make a plan for {world} GPUs)")
         return cls(build_stages(model, plan), plan.schedule, [stage.ranks for stage in plan.stages],
                    microbatches or plan.microbatches or 1, checkpoint=[stage.recompute for stage in plan.stages],
-                   optimizer=optimizer, loss_fn=loss_fn, device=device)
+                   optimizer=optimizer, loss_fn=loss_fn, device=device, timeout_s=timeout_s)
+
+    @property
+    def trace(self) -> list[OpTime]:
+        """This rank's op timings of the last `trace_steps` steps, sorted by start (`runtime.trace`)."""
+        self._collect_transfers()
+        return sorted((op for _, ops in self._ops for op in ops), key=lambda op: (op.start_s, op.end_s))
+
+    def _collect_transfers(self) -> None:
+        """Move the sender threads' finished transfers into their steps' op lists (dropped with old steps)."""
+        kept = dict(self._ops)
+        while self._links.transfers:
+            (step, op, iteration, microbatch, peer), start, end = self._links.transfers.popleft()
+            if step in kept:
+                kept[step].append(OpTime(step, op, iteration, microbatch, peer, start, end))
+
+    def gone(self, wait_s: float = 0.0) -> list[int]:
+        """Ranks of this machine whose process has exited (`Heartbeat.gone`, looking for up to `wait_s` s)."""
+        return self._heartbeat.gone(wait_s)
 
     @property
     def closed(self) -> bool:
@@ -196,22 +229,31 @@ class Engine:
         seed = int(torch.randint(0, 2**62, (1,)).item())
         self.runner.reset(seed + self.stage)
         self._where = None
+        start = time.perf_counter()
         try:
             self._expect(slots)
-            return self._run(chunks, targets, shares, slots)
+            loss = self._run(chunks, targets, shares, slots)
         except _PeerFailed as failed:
             self._store.add(self._prefix + "acks", 1)
             self.close()
             raise EngineError(str(failed)) from None
+        except RankMissing as missing:
+            message = self._publish(str(missing), silent=missing.rank)
+            self.close()
+            raise EngineError(message, missing.rank) from None
         except BaseException as exc:
-            message = self._publish(exc)
+            where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
+            message = self._publish(f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}")
             self.close()
             raise EngineError(message, self.rank, self.stage, self._where[1] if self._where else None) from exc
+        self.step_spans.append((start, time.perf_counter()))
+        return loss
 
     def close(self) -> None:
         """Stop this rank's communication threads (idempotent)."""
         if not self._closed:
             self._closed = True
+            self._heartbeat.close()
             self._links.close()
             self._mailbox.clear()
 
@@ -238,12 +280,16 @@ class Engine:
         """Walk this rank's program once; returns the loss on the last stage."""
         runner, pipedream = self.runner, self.schedule.name == "pipedream"
         outgoing: dict[Key, Any] = {}
+        step, ops = len(self.step_spans), []
+        self._collect_transfers()
+        self._ops.append((step, ops))
         for action in self.program.actions:
             mb = action.microbatch
             key = (action.iteration, mb)
             self._where = key if mb >= 0 else None
+            start = time.perf_counter()
             if action.op == RECV_ACTIVATION:
-                value, structure = self._mailbox.take(("activation", key), self._check)
+                value, structure = self._take(("activation", key), action.peer, f"the activation of microbatch {mb}")
                 self._received_structures[(action.peer, slots[mb])] = structure
                 runner.receive(key, value)
             elif action.op == FORWARD:
@@ -251,25 +297,41 @@ class Engine:
                 if output is not None:
                     outgoing[key] = output
             elif action.op == SEND_ACTIVATION:
-                self._send_activation(action.peer, key, slots[mb], outgoing.pop(key))
+                self._send_activation(action.peer, key, slots[mb], outgoing.pop(key), (step, action.op, *key))
             elif action.op == RECV_GRADIENT:
-                value, _ = self._mailbox.take(("gradient", key), self._check)
+                value, _ = self._take(("gradient", key), action.peer, f"the gradient of microbatch {mb}")
                 runner.receive_grads(key, value)
             elif action.op == BACKWARD:
                 grads = runner.backward(key)
                 if grads is not None:
                     outgoing[key] = [grad for grad in grads if grad is not None]
             elif action.op == SEND_GRADIENT:
-                self._links.send(action.peer, outgoing.pop(key), with_structure=False)
+                self._links.send(action.peer, outgoing.pop(key), with_structure=False,
+                                 tag=(step, action.op, *key, action.peer))
             elif action.op == ALLREDUCE:
                 self._all_reduce(self._replicated, self._groups[("stage", self.stage)],
                                  mean=pipedream, replicas=len(self.schedule.stage_ranks[self.stage]))
             elif action.op == STEP:
                 self._step()
+            if action.op not in (SEND_ACTIVATION, SEND_GRADIENT):  # sends are timed by the sender thread
+                ops.append(OpTime(step, action.op, action.iteration, mb, action.peer, start, time.perf_counter()))
         self._where = None
         return self._loss(shares) if self.runner.last else None
 
-    def _send_activation(self, peer: int, key: Key, slot: Any, value: Any) -> None:
+    def _take(self, key: Hashable, peer: int, what: str) -> Any:
+        """The message `key` from `peer` out of the mailbox; RankMissing after `timeout_s` s of waiting."""
+        started = time.monotonic()
+
+        def check() -> None:
+            self._check()
+            waited = time.monotonic() - started
+            if waited > self.timeout_s:
+                raise RankMissing(f"rank {peer} stopped answering: rank {self.rank} waited {waited:.0f} s for {what} "
+                                  f"(timeout {self.timeout_s:g} s)", peer)
+
+        return self._mailbox.take(key, check)
+
+    def _send_activation(self, peer: int, key: Key, slot: Any, value: Any, tag: tuple) -> None:
         """Queue the activation; its structure goes first the first time this slot is sent to `peer`."""
         structure = describe(value)
         known = self._sent_structures.get((peer, slot))
@@ -280,7 +342,7 @@ class Engine:
         self._mailbox.put(("gradient structure", key), [
             TensorSpec(tuple(t.shape), t.dtype) if (t.is_floating_point() or t.is_complex()) else None
             for t in tensors(value)])
-        self._links.send(peer, value, with_structure=known is None)
+        self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
     def _step(self) -> None:
         """Sum tied parameters' gradients across their stages, then step the optimizer (if any)."""
@@ -296,7 +358,7 @@ class Engine:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
         flat = torch.cat([grad.reshape(-1) for grad in grads]).to(_comm_device(self.device))
-        self._wait(dist.all_reduce(flat, group=group, async_op=True))
+        self._wait(dist.all_reduce(flat, group=group, async_op=True), "a gradient all-reduce")
         if mean:
             flat /= replicas
         offset = 0
@@ -316,12 +378,13 @@ class Engine:
         if len(replicas) == 1:
             return float(total)
         summed = torch.tensor([total], dtype=torch.float64, device=_comm_device(self.device))
-        self._wait(dist.all_reduce(summed, group=self._groups[("stage", self.stage)], async_op=True))
+        self._wait(dist.all_reduce(summed, group=self._groups[("stage", self.stage)], async_op=True),
+                   "the loss all-reduce")
         return float(summed.item())
 
     # --- failures ---------------------------------------------------------------------------------
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, what: str) -> None:
         """Wait for a collective, checking for failures every POLL_S seconds meanwhile.
 
         Under NCCL, `wait()` only orders this rank's CUDA stream after the collective (the host
@@ -330,35 +393,60 @@ class Engine:
         if dist.get_backend() == "nccl":
             work.wait()
             return
+        started = time.monotonic()
         while True:
             try:
                 work.wait(timedelta(seconds=POLL_S))
                 return
             except RuntimeError:
                 if work.is_completed():  # it finished just after the timeout, or failed: wait() tells
-                    work.wait()
+                    try:
+                        work.wait()
+                    except RuntimeError as failure:
+                        self._check()  # a failure another rank published explains it best
+                        raise self._lost(what, failure) from failure
                     return
             self._check()
+            if time.monotonic() - started > self.timeout_s:
+                raise RankMissing(f"{what} of rank {self.rank} waited more than {self.timeout_s:g} s "
+                                  f"for the other ranks; one of them stopped answering", None)
 
     def _check(self) -> None:
-        """Raise _PeerFailed if a rank published a failure, or this rank's own communication failure."""
+        """Raise _PeerFailed if a rank published a failure, RankMissing if a rank stopped answering,
+        or this rank's own communication failure."""
         if self._store.check([self._prefix + "error"]):
             raise _PeerFailed(self._store.get(self._prefix + "error").decode())
+        self._heartbeat.check()
         if self._links.error is not None:
-            what, exc = self._links.error
-            raise RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+            what, exc, peer = self._links.error
+            raise self._lost(what, exc, peer) from exc
 
-    def _publish(self, exc: BaseException) -> str:
-        """Publish this rank's failure (unless another rank's came first) and give the others time to see it."""
-        where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
-        message = f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}"
-        winner = self._store.compare_set(self._prefix + "error", "", message).decode()
-        if winner != message:  # another rank failed first: report theirs
-            self._store.add(self._prefix + "acks", 1)
-            return winner
-        deadline = time.monotonic() + self.failure_timeout_s
-        while self._store.add(self._prefix + "acks", 0) < self.world - 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+    def _lost(self, what: str, exc: BaseException, peer: int | None = None) -> BaseException:
+        """What a failed transfer (with `peer`) or collective means: a rank gone (RankMissing) or an error of its own."""
+        gone = self.gone(wait_s=1.0)
+        if gone:
+            names = ", ".join(str(rank) for rank in gone)
+            return RankMissing(f"rank {names} exited: its process is gone (seen when {what} failed)", gone[0])
+        if not isinstance(exc, RuntimeError):  # not a torch.distributed error: a bug or a bad value
+            return RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}")
+        return RankMissing(f"lost the connection to {'a rank' if peer is None else f'rank {peer}'} ({what} failed: "
+                           f"{type(exc).__name__}: {exc}); it exited or cannot be reached", peer)
+
+    def _publish(self, message: str, silent: int | None = None) -> str:
+        """Publish `message` as the job's failure (unless another rank's came first) and give the
+        others (but the `silent` rank, which stopped answering) time to see it; returns the failure that won."""
+        try:
+            winner = self._store.compare_set(self._prefix + "error", "", message).decode()
+            if winner != message:  # another rank failed first: report theirs
+                self._store.add(self._prefix + "acks", 1)
+                return winner
+            deadline = time.monotonic() + self.failure_timeout_s
+            quiet = {silent, *self.gone()} - {None, self.rank}  # ranks that cannot answer
+            others = self.world - 1 - len(quiet)
+            while self._store.add(self._prefix + "acks", 0) < others and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # the store went away with the rank that hosted it: nobody left to tell
+            pass
         return message
 
 

@@ -20,6 +20,7 @@ import pickle
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
@@ -115,7 +116,8 @@ class Links:
     def __init__(self, rank: int, groups: dict[tuple[int, int], Any], mailbox: Mailbox,
                  device: torch.device, check: Callable[[], None]) -> None:
         self.rank, self.groups, self.mailbox, self.device, self.check = rank, groups, mailbox, device, check
-        self.error: tuple[str, BaseException] | None = None  # the first thread failure: (what, exception)
+        self.error: tuple[str, BaseException, int] | None = None  # the first thread failure: (what, exception, peer)
+        self.transfers: deque[tuple[Hashable, float, float]] = deque()  # (tag, start, end) of tagged sends
         self._outboxes: dict[int, queue.Queue] = {}
         self._inboxes: dict[int, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
@@ -133,16 +135,20 @@ class Links:
                 loop(peer, jobs)
             except BaseException as exc:  # reported to the compute thread by `failure`
                 if self.error is None:
-                    self.error = (f"{what} rank {peer}", exc)
+                    self.error = (f"{what} rank {peer}", exc, peer)
 
         thread = threading.Thread(target=run, name=f"rank{self.rank}-{what.replace(' ', '-')}-{peer}", daemon=True)
         thread.start()
         self._threads.append(thread)
         return jobs
 
-    def send(self, peer: int, value: Any, with_structure: bool) -> None:
-        """Queue `value` for `peer` (never blocks); its structure goes first if `with_structure`."""
-        self._outboxes[peer].put((value, with_structure))
+    def send(self, peer: int, value: Any, with_structure: bool, tag: Hashable | None = None) -> None:
+        """Queue `value` for `peer` (never blocks); its structure goes first if `with_structure`.
+
+        With a `tag`, the sender thread appends (tag, start, end) to `transfers` when the transfer is
+        done (`time.perf_counter()` seconds, from its first send to the return of its last).
+        """
+        self._outboxes[peer].put((value, with_structure, tag))
 
     def expect(self, peer: int, messages: Iterable[Expected]) -> None:
         """Tell the receiver thread of `peer` which messages come next, in order."""
@@ -161,13 +167,16 @@ class Links:
     def _send_loop(self, peer: int, jobs: queue.Queue) -> None:
         group = self.groups[(self.rank, peer)]
         while (job := jobs.get()) is not _STOP:
-            value, with_structure = job
+            value, with_structure, tag = job
+            start = time.perf_counter()
             if with_structure:
                 blob = torch.frombuffer(bytearray(pickle.dumps(describe(value))), dtype=torch.uint8)
                 dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=self.device), peer, group=group)
                 dist.send(blob.to(self.device), peer, group=group)
             for tensor in tensors(value):
                 dist.send(tensor.detach().contiguous(), peer, group=group)
+            if tag is not None:
+                self.transfers.append((tag, start, time.perf_counter()))
 
     def _receive_loop(self, peer: int, jobs: queue.Queue) -> None:
         group = self.groups[(peer, self.rank)]

@@ -1,0 +1,45 @@
+"""What one rank of the engine did and when: an `OpTime` per schedule action, for run reports.
+
+Times are `time.perf_counter()` seconds on the rank's own clock (CLOCK_MONOTONIC on Linux: one
+clock for every process of a machine). `clock_offset_s()` turns them into wall-clock seconds
+(`time.time()`), to line up ranks of several machines.
+
+- `forward`, `backward`: the compute thread running the stage (with the recomputed forward of a
+  checkpointed stage in `backward`);
+- `send_activation`, `send_gradient`: the transfer, timed in the sender thread from its first
+  `torch.distributed.send` to the return of its last (the compute thread only queues the value);
+- `recv_activation`, `recv_gradient`: the compute thread waiting for the message (zero long when
+  it had already arrived);
+- `allreduce`: the replicas' gradient all-reduce, as the compute thread waits for it;
+- `step`: the tied parameters' all-reduce and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = ["OpTime", "clock_offset_s"]
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One action of a rank's program: `op` (a `planner.schedule` op name) during [start_s, end_s].
+
+    `step`: the index of the `train_step` call on this engine (from 0); `iteration` and
+    `microbatch` as in the schedule's `Action` (microbatch -1 for `allreduce` and `step`);
+    `peer`: the other rank of a send or receive, else None.
+    """
+
+    step: int
+    op: str
+    iteration: int
+    microbatch: int
+    peer: int | None
+    start_s: float
+    end_s: float
+
+
+def clock_offset_s() -> float:
+    """Seconds to add to this process's `time.perf_counter()` to get `time.time()`."""
+    return time.time() - time.perf_counter()
