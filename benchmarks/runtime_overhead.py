@@ -57,6 +57,7 @@ from planner.plan import Plan
 from planner.profile import load_profile
 from planner.profiler import ProfileSettings, profile_model
 from runtime.engine import Engine, EngineError, init_distributed
+from runtime.malloc import steady_malloc
 from runtime.stages import Stages, build_stages, split_model, stage_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -670,21 +671,6 @@ def foreign_load(busy_before: float | None, own_before: float, wall_s: float) ->
             f"({other / wall_s:.2f} of {os.cpu_count()} cores on average)")
 
 
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
-
-
-def steady_malloc() -> None:
-    """Re-run this script with glibc keeping freed memory (as `./dev.sh test` does), unless it already does.
-
-    By default glibc hands large freed blocks back to the OS and page-faults them in again on
-    the next step; GPipe, which keeps every microbatch's activations alive at once, then ran
-    5-10% slower than the profile predicts, on both runtimes. The workers inherit the setting.
-    """
-    if all(os.environ.get(name) == value for name, value in STEADY_MALLOC.items()):
-        return
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_MALLOC})
-
-
 def main() -> None:
     """Parent: part 3 here, profile, parts 1 and 2 under torchrun, then the tables. Worker: see `worker`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -697,7 +683,7 @@ def main() -> None:
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    steady_malloc()
+    steady_malloc(sys.argv)
     if args.rounds is None:
         args.rounds = 4 if args.quick else 10
     if args.batch_size % args.microbatches:

@@ -78,6 +78,8 @@ class GPT(nn.Module):
         for name, parameter in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * blocks))
+            elif name in ("transformer.wte.weight", "transformer.wpe.weight"):  # GPT-2's scale: a first loss near ln(VOCAB)
+                nn.init.normal_(parameter, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

@@ -12,14 +12,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from planner.cluster import load_cluster, make_cluster
 from planner.errors import PlannerError
+from planner.export import TARGETS as EXPORT_TARGETS, export_paths, export_plan, write_export
 from planner.model_file import load_model_file
 from planner.partition import COST_MODELS, compare_baselines, partition
 from planner.pipedream import import_pipedream
 from planner.plan import Plan, load_plan
 from planner.plan_simulation import resolve_profile, simulate
-from planner.plots import plan_figure, save_figure, scaling_figure
+from planner.plots import comparison_figure, plan_figure, save_figure, scaling_figure
 from planner.profile import Profile, load_profile
 from planner.profiler import ProfileSettings, profile_model
+from planner.run_report import (
+    calibrate_profile, calibration_table, check_report_plan, load_run_report, measured_timeline, run_report_table,
+)
 from planner.scaling import scaling_table
 from planner.tables import comparison_table, plan_table, profile_table, timeline_table
 
@@ -250,6 +254,106 @@ def simulate_command(
             console.print(f"wrote {timeline.write_trace(trace)} ({len(timeline.events)} ops)")
 
     _run(debug, action)
+
+
+@app.command()
+def compare(
+    plan_file: str = typer.Argument(..., help="The plan the run used."),
+    report_file: str = typer.Argument(..., help="The run's report (runtime.report.write_run_report)."),
+    profile_file: Optional[str] = PROFILE_OPTION,
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Image file (.png, .svg, .pdf): the measured step under the simulated one."
+    ),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Measured against predicted: iteration, throughput, and per stage compute, transfers, all-reduce, idle."""
+
+    def action() -> None:
+        plan, report = load_plan(plan_file), load_run_report(report_file)
+        check_report_plan(report, plan, plan_file)
+        simulated = None  # the simulation gives the predicted idle shares and the upper chart; needs the profile
+        if out is not None or profile_file is not None or (plan.profile.path and Path(plan.profile.path).is_file()):
+            simulated = simulate(*_plan_and_profile(plan_file, profile_file))
+        console = _console()
+        console.print(run_report_table(report, simulated))
+        if simulated is None:
+            console.print("predicted idle shares need the plan's profile: give --profile PATH")
+        if out is not None and simulated is not None:
+            figure = comparison_figure(simulated, measured_timeline(report, simulated.stage_times))
+            console.print(f"wrote {save_figure(figure, out)} (simulated and measured schedules)")
+
+    _run(debug, action)
+
+
+@app.command()
+def calibrate(
+    profile_file: str = typer.Argument(..., help="The profile the plan was made from."),
+    report_file: str = typer.Argument(..., help="The report of a run of the plan."),
+    plan_file: str = typer.Option(..., "--plan", help="The plan the run used (its stages map to layers)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Calibrated profile (default: <profile>-calibrated.json next to PROFILE)."
+    ),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Scale PROFILE's layer times by each stage's measured / predicted compute in REPORT; write a new profile."""
+
+    def action() -> None:
+        plan, report, profile = load_plan(plan_file), load_run_report(report_file), load_profile(profile_file)
+        calibrated = calibrate_profile(profile, plan, report, plan_file, profile_file)
+        source = Path(profile_file)
+        path = calibrated.save(out or source.with_name(f"{source.stem}-calibrated{source.suffix or '.json'}"))
+        console = _console()
+        console.print(calibration_table(plan, report, calibrated.settings["calibrations"][-1]["ratios"]))
+        console.print(f"wrote {path}; plan with it: planner partition {path}")
+
+    _run(debug, action)
+
+
+@app.command("export")
+def export_command(
+    plan_file: str = typer.Argument(..., help="A plan written by `planner partition` (gpipe or 1f1b)."),
+    to: str = typer.Option(..., "--to", help="pippy (torch.distributed.pipelining) or deepspeed."),
+    profile_file: Optional[str] = PROFILE_OPTION,
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="JSON file (default: <plan>.<target>.json next to the plan); the snippet "
+                                  "(.py) or instructions (.txt) go next to it."
+    ),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Write the plan's stages as settings for torch.distributed.pipelining or DeepSpeed, and how to use them."""
+
+    def action() -> None:
+        if to not in EXPORT_TARGETS:
+            raise PlannerError(f"--to must be one of {', '.join(EXPORT_TARGETS)}, got {to!r}")
+        json_path, text_path = export_paths(plan_file, to, out)
+        if to == "deepspeed":  # the layer names per stage come from the profile
+            plan, profile = _plan_and_profile(plan_file, profile_file)
+        else:
+            plan, profile = load_plan(plan_file), None
+        exported = export_plan(plan, to, profile, plan_file)
+        written = write_export(exported, json_path, text_path)
+        typer.echo(exported.text())
+        typer.echo(f"wrote {written[0]} and {written[1]}")
+
+    _run(debug, action)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    model_file: str = typer.Argument(..., help="Python file defining build_model() and example_batch(batch_size)."),
+    plan_file: str = typer.Option(..., "--plan", help="A plan written by `planner partition`."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes (default: the plan's rank count)."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Train MODEL_FILE with PLAN on this machine: torchrun with one process per rank of the plan.
+
+    Other options go to `python -m runtime.train` (see its --help): --steps, --lr, --optimizer,
+    --data, --checkpoint-dir, --checkpoint-every, --resume, --timeout, --report, --log-every, ...
+    """
+    from runtime.launch import launch  # imports torch's launcher: only for this command
+
+    _run(debug, lambda: launch([model_file, "--plan", plan_file, *ctx.args], nproc))
 
 
 def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, Profile]:

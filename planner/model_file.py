@@ -5,6 +5,12 @@ The contract: the file defines
 - `example_batch(batch_size: int) -> (inputs, target)` (required); `inputs` is a tensor or a
   tuple of tensors whose first dimension is the batch, `target` is a tensor,
 - `loss_fn(output, target) -> Tensor` (optional, a scalar). Without it, `default_loss` is used.
+- `data_loader(batch_size: int) -> Iterable[(inputs, target)]` (optional): real training data for
+  `runtime.train` / `planner train`, e.g. a `torch.utils.data.DataLoader`, in mini-batches of
+  `batch_size` samples shaped as `example_batch`'s (use `drop_last=True`). It is called once and
+  iterated once per epoch. Every rank iterates its own copy, so it must give every rank the same
+  batches in the same order: seed any shuffling with a `torch.Generator` of a fixed seed. Without
+  it, training reuses one `example_batch`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class ModelFile:
     example_batch: Callable[[int], Any]
     loss_fn: LossFn | None
     module: ModuleType
+    data_loader: Callable[[int], Any] | None = None
 
 
 def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -91,9 +98,13 @@ def load_model_file(path: str | Path) -> ModelFile:
     loss_fn = getattr(module, "loss_fn", None)
     if loss_fn is not None and not callable(loss_fn):
         raise ModelFileError(path_str, "loss_fn is not a function", "define def loss_fn(output, target) -> Tensor")
+    data_loader = getattr(module, "data_loader", None)
+    if data_loader is not None and not callable(data_loader):
+        raise ModelFileError(path_str, "data_loader is not a function",
+                             "define def data_loader(batch_size) -> iterable of (inputs, target)")
     return ModelFile(
         path=path_str, name=file_path.stem, build_model=build_model, example_batch=example_batch,
-        loss_fn=loss_fn, module=module,
+        loss_fn=loss_fn, module=module, data_loader=data_loader,
     )
 
 

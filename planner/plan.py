@@ -72,6 +72,12 @@ def profile_digest(profile: Profile) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def plan_digest(plan: "Plan") -> str:
+    """SHA-256 of the plan's canonical JSON body: names the plan a checkpoint or run was made with."""
+    text = json.dumps(plan.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 @dataclass(frozen=True)
 class ProfileRef:
     """Which profile a plan belongs to."""

@@ -1,4 +1,4 @@
-"""Matplotlib figures of plans, simulated timelines and scaling tables (Figure objects; no pyplot)."""
+"""Matplotlib figures of plans, simulated and measured timelines and scaling tables (Figure objects; no pyplot)."""
 
 from __future__ import annotations
 
@@ -153,6 +153,20 @@ def timeline_figure(timeline: Timeline, communication: bool = False, limit_bytes
     return fig
 
 
+def comparison_figure(simulated: Timeline, measured: Timeline, communication: bool = False) -> Figure:
+    """The simulated schedule above the measured one (`run_report.measured_timeline`), as Gantt
+    charts on one time axis (ms from the step's start), titled "predicted (simulated)" and
+    "measured"; sends in lanes of their own with `communication`."""
+    heights = [_gantt_height(simulated, communication), _gantt_height(measured, communication)]
+    fig = InlineFigure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=heights)
+    span_ms = max(simulated.makespan_s, measured.makespan_s) * 1000.0 or 1.0
+    for panel, timeline, what in ((top, simulated, "predicted (simulated)"), (bottom, measured, "measured")):
+        _draw_gantt(panel, timeline, communication, span_ms)
+        panel.suptitle(f"{what}: {_timeline_title(timeline)}")
+    return fig
+
+
 IMAGE_FORMATS = ("png", "svg", "pdf")
 
 
@@ -230,12 +244,13 @@ def _draw_stage_memory(ax: Axes, plan: Plan, colors: Sequence[str]) -> None:
         _outside_legend(ax, handles, labels)
 
 
-def _draw_gantt(fig: FigureBase, timeline: Timeline, communication: bool) -> None:
+def _draw_gantt(fig: FigureBase, timeline: Timeline, communication: bool, span_ms: float | None = None) -> None:
+    """The Gantt chart of `timeline` in `fig`, over [0, span_ms] (default: its makespan)."""
     ax = fig.subplots()
     events = timeline.events
     ranks = sorted(int(rank) for rank in events["rank"].unique())
     row = {rank: position for position, rank in enumerate(ranks)}
-    makespan_ms = timeline.makespan_s * 1000.0 or 1.0
+    makespan_ms = span_ms or timeline.makespan_s * 1000.0 or 1.0
     compute_lane = _COMPUTE_LANE_WITH_SENDS if communication else _COMPUTE_LANE
     lanes = {FORWARD: compute_lane, BACKWARD: compute_lane, ALLREDUCE: compute_lane}
     if communication:

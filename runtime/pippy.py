@@ -1,0 +1,237 @@
+"""A plan's stages under torch.distributed.pipelining: this rank's PipelineStage, its schedule, and gradient sync.
+
+`build(model, plan, example_microbatch)` splits the model with `runtime.stages.build_stages`
+(torch.fx, so also models torch.export cannot trace), wraps this rank's stage in a manual
+`torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
+(`planner.export.PIPPY_SCHEDULE_CLASSES`). The plan must be exportable
+(`planner.export.data_parallel_degree`): gpipe or 1f1b, every stage on R ranks. Pipeline k is
+`[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
+share of each mini-batch (`PippyPipeline.shard`).
+
+torch.distributed.pipelining neither sums the gradients of a parameter used by several stages
+(gpt's tied `transformer.wte.weight` / `lm_head.weight`) nor all-reduces the pipelines'
+gradients: call `finish_gradients()` after `schedule.step(...)` and before `optimizer.step()`.
+On every rank, once:
+
+    built = build(model, plan, example_microbatch)
+    stage, schedule = built
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=...)
+
+then per mini-batch (the whole one, the same on every rank; a single stage passes both):
+
+    losses = []
+    if stage.is_first: schedule.step(built.shard(inputs))
+    elif stage.is_last: schedule.step(target=built.shard(target), losses=losses)
+    else: schedule.step()
+    built.finish_gradients()
+    optimizer.step(); optimizer.zero_grad()
+
+or `built.forward_backward(inputs, target)` in place of the lines before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from planner.export import ExportError, pippy_export
+from planner.model_file import LossFn, default_loss
+from planner.plan import Plan
+from runtime.engine import init_distributed
+from runtime.nested import map_tensors, split_batch
+from runtime.pipeline import PipelineError
+from runtime.stages import Stages, build_stages, describe_boundaries
+
+__all__ = ["PippyError", "PippyPipeline", "build"]
+
+_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
+
+
+class PippyError(PipelineError):
+    """The plan cannot run under torch.distributed.pipelining in this job (world size, boundaries, plan)."""
+
+
+class PippyPipeline:
+    """This rank's part of the plan under torch.distributed.pipelining; unpacks as `stage, schedule = built`.
+
+    `stage`: the PipelineStage (its module: `stage.submod`); `schedule`: the plan's schedule
+    class on it; `stage_index`, `replica` (this rank's pipeline), `replicas` (R).
+    """
+
+    def __init__(self, stage: PipelineStage, schedule: PipelineScheduleSingle, replica: int, replicas: int,
+                 tied: Sequence[tuple[nn.Parameter, Any]], replicated: Sequence[nn.Parameter],
+                 replica_group: Any, device: torch.device) -> None:
+        self.stage = stage
+        self.schedule = schedule
+        self.stage_index: int = stage.stage_index
+        self.replica = replica
+        self.replicas = replicas
+        self._tied = list(tied)
+        self._replicated = list(replicated)
+        self._replica_group = replica_group
+        self._device = device
+
+    def __iter__(self) -> Iterator[Any]:
+        """`stage, schedule = build(...)`."""
+        return iter((self.stage, self.schedule))
+
+    def shard(self, value: Any) -> Any:
+        """This pipeline's share of a whole mini-batch: the `replica`-th of R slices along dim 0 of every
+        tensor (`torch.tensor_split`; tuples, lists and dicts are walked). Identity when R = 1."""
+        return value if self.replicas == 1 else split_batch(value, self.replicas)[self.replica]
+
+    def finish_gradients(self) -> None:
+        """Make every `.grad` the gradient of the mini-batch's mean loss, as single-device training gives.
+
+        After `schedule.step`, this stage's gradients are the mean loss of its pipeline's share
+        (scale_grads divides by the microbatch count). A parameter several stages use (tied):
+        its gradient is summed over every rank of those stages (all pipelines), divided by R; any
+        other parameter: summed over this stage's R replicas, divided by R. With equal shares
+        and equal microbatches, mean of R pipeline means = the mini-batch mean. Every rank must
+        call it (collectives); a parameter without a gradient takes part with zeros.
+        """
+        for parameter, group in self._tied:
+            self._all_reduce_mean([parameter], group)
+        if self.replicas > 1:
+            self._all_reduce_mean(self._replicated, self._replica_group)
+
+    def forward_backward(self, inputs: Any, target: Any) -> float | None:
+        """One whole mini-batch (the same on every rank): this pipeline's share through `schedule.step`
+        as this stage's role requires, then `finish_gradients`. Returns the mini-batch's mean loss
+        (the mean of every microbatch loss of every pipeline) on the last stage's ranks, else None.
+        The optimizer step is the caller's."""
+        losses: list[torch.Tensor] = []
+        share = self.shard(inputs)
+        args = (tuple(share) if isinstance(share, (tuple, list)) else (share,)) if self.stage.is_first else ()
+        kwargs = {"target": self.shard(target), "losses": losses} if self.stage.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        self.finish_gradients()
+        if not self.stage.is_last:
+            return None
+        mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
+        if self.replicas > 1:
+            mean = mean.to(_comm_device(self._device))
+            dist.all_reduce(mean, group=self._replica_group)
+            mean /= self.replicas
+        return float(mean.item())
+
+    def _all_reduce_mean(self, parameters: Sequence[nn.Parameter], group: Any) -> None:
+        """Sum the gradients of `parameters` over `group`, then divide by R (one collective per parameter)."""
+        comm = _comm_device(self._device)
+        pending = []
+        for parameter in parameters:
+            grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            buffer = grad.to(comm)
+            pending.append((parameter, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+        for parameter, buffer, work in pending:
+            work.wait()
+            if self.replicas > 1:
+                buffer /= self.replicas
+            parameter.grad = buffer.to(parameter.device)
+
+
+def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: LossFn | None = None,
+          device: torch.device | str | None = None) -> PippyPipeline:
+    """This rank's PipelineStage and schedule for `plan`'s stages of `model`; see the module docstring.
+
+    Every rank calls it with the whole model (same weights) after `torch.distributed` is
+    initialized with one process per rank of the plan; it creates process groups (the same on
+    every rank). `example_microbatch`: the inputs of one microbatch (a tensor or a tuple of
+    arguments): the split model runs once on it (no grad, eval mode, RNG state kept) to check
+    that only tensors cross stage boundaries, as pipelining sends only tensors; None skips the
+    check. Shapes are not given to PipelineStage: it infers them from the first step's first
+    microbatch (a metadata exchange between neighbouring stages), so every microbatch must have
+    that shape (mini-batch = a multiple of R x n_microbatches). `loss_fn(output, target)`: a
+    mean over the microbatch (default `planner.model_file.default_loss`); the schedule keeps
+    scale_grads=True (gradients divided by n_microbatches). `device`: default
+    `runtime.engine.init_distributed`'s (this rank's GPU under NCCL, else CPU). Raises
+    PippyError if the job does not match the plan, ExportError if the plan cannot run here.
+    """
+    if not dist.is_initialized():
+        raise PippyError("torch.distributed is not initialized: call runtime.engine.init_distributed() first, "
+                         "in a process started by torchrun")
+    try:
+        settings = pippy_export(plan)
+    except ExportError as exc:
+        raise PippyError(f"this plan cannot run on torch.distributed.pipelining: {exc.problem}; {exc.fix}") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != settings.world_size:
+        raise PippyError(f"the plan has {settings.world_size} ranks ({settings.num_stages} stages x "
+                         f"{settings.replicas} replicas) but the job has {world} processes: launch with "
+                         f"torchrun --nproc-per-node {settings.world_size} (or make a plan for {world} GPUs)")
+    stages = build_stages(model, plan)
+    if example_microbatch is not None:
+        _check_boundaries(stages, example_microbatch)
+    replica, stage_index = next((k, s) for k, ranks in enumerate(settings.ranks) for s, r in enumerate(ranks)
+                                if r == rank)
+    pipeline_groups, replica_groups, tied_groups = _make_groups(settings.ranks, settings.stage_ranks, stages)
+    chosen = torch.device(device) if device is not None else init_distributed()[2]
+    module = stages[stage_index].to(chosen)
+    group = pipeline_groups[replica]
+    stage = PipelineStage(module, stage_index, settings.num_stages, chosen, group=group)
+    # stage s of this pipeline lives on its group's rank of settings.ranks[replica][s] (new_group sorts ranks)
+    stage.stage_index_to_group_rank = {
+        s: (r if group is None else dist.get_group_rank(group, r)) for s, r in enumerate(settings.ranks[replica])}
+    schedule = _SCHEDULES[settings.schedule_class](stage, n_microbatches=settings.n_microbatches,
+                                                   loss_fn=loss_fn or default_loss, scale_grads=True)
+    parameters = dict(module.named_parameters())
+    tied = [(parameters[held.stage_names[held.stages.index(stage_index)]], tied_groups[k])
+            for k, held in enumerate(stages.shared) if stage_index in held.stages]
+    tied_ids = {id(parameter) for parameter, _ in tied}
+    replicated = [parameter for parameter in module.parameters() if id(parameter) not in tied_ids]
+    return PippyPipeline(stage, schedule, replica, settings.replicas, tied, replicated,
+                         replica_groups[stage_index], chosen)
+
+
+def _make_groups(pipelines: Sequence[Sequence[int]], stage_ranks: Sequence[Sequence[int]],
+                 stages: Stages) -> tuple[list[Any], list[Any], list[Any]]:
+    """Process groups, created in the same order on every rank: (per pipeline, per stage's replicas, per tied
+    parameter). A single pipeline uses the default group; a stage without replicas has None."""
+    if len(pipelines) == 1:
+        pipeline_groups: list[Any] = [None]
+    else:
+        pipeline_groups = [dist.new_group(sorted(ranks)) for ranks in pipelines]
+    replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
+    tied_groups = [dist.new_group(sorted(r for s in held.stages for r in stage_ranks[s])) for held in stages.shared]
+    return pipeline_groups, replica_groups, tied_groups
+
+
+def _check_boundaries(stages: Stages, example_microbatch: Any) -> None:
+    """PippyError naming the first value crossing a stage boundary that is not a tensor."""
+    first = next(iter(stages[0].parameters()), None)
+    where = first.device if first is not None else torch.device("cpu")
+    args = example_microbatch if isinstance(example_microbatch, tuple) else (example_microbatch,)
+    args = map_tensors(lambda tensor: tensor.to(where), args)
+    with _evaluating(stages), torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):
+        boundaries = describe_boundaries(stages, *args)
+    for index, values in enumerate(boundaries):
+        for value in values:
+            if value.kind != "tensor":
+                raise PippyError(
+                    f"the value {value.name!r} ({value.kind}) crosses the boundary between stages {index} and "
+                    f"{index + 1}, but torch.distributed.pipelining sends only tensors: split elsewhere "
+                    "(re-plan) or run the plan with runtime.engine.Engine, which sends any value", index)
+
+
+@contextmanager
+def _evaluating(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (no dropout, no batch-norm statistics updates), restored afterwards."""
+    flags = [(module, module.training) for stage in modules for module in stage.modules()]
+    try:
+        for stage in modules:
+            stage.eval()
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """Where all-reduce buffers live: the GPU under NCCL, the CPU under gloo."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -1,0 +1,410 @@
+"""Run reports: what the engine measured on every rank, against what the plan predicted (a JSON file).
+
+Every rank keeps `engine.trace` (`runtime.trace.OpTime` per action) and `engine.step_spans`;
+`gather_traces` collects them on rank 0 as `RankTrace`s, `build_run_report` (pure) reduces them
+to the report body and `write_run_report` writes it. `planner.run_report` reads the file
+(`planner compare`, `planner calibrate`).
+
+Common clock: each rank's `perf_counter` times plus its `clock_offset_s` are wall-clock seconds;
+the report subtracts rank 0's offset as well (times stay small, so no precision is lost).
+A step's time is the job's: latest end minus earliest start of that `train_step` over all
+ranks. The first `warmup_steps` steps are left out of every figure, and so are steps without op
+timings on some rank (the engine keeps the last `trace_steps`) and ops of a step that did not
+finish (no span).
+
+Schema (format "pipeline-planner/run-report", version 1):
+
+- `plan`: `path` (as given, "" if not), `profile` {name, digest}, `cost_model`, `schedule`,
+  `microbatches` (the plan's; None for pipedream), `microbatch_size`, `stages`: per stage
+  `layers` [start, stop), `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`.
+- `meta`: as the caller gives it (backend, device, torch version, threads, hosts; `run_meta`).
+- `measured`: `steps` (measured: after the warm-up, with op timings), `warmup_steps`, `batch_size`
+  (samples per train_step), `microbatches` (per train_step, as the engine ran), `microbatch_size`
+  (batch_size / microbatches, samples), `step_times_ms` (each measured step's time),
+  `train_step_ms` (their median), `iteration_ms` (the quantity the plan's `iteration_ms` states:
+  flush schedules, the median step time; pipedream, the median over steps of the steady-state
+  time per microbatch, read off the first stage's backwards as `simulator.Timeline.iteration_s`
+  does), `samples_per_s` (flush: batch_size / iteration; pipedream: microbatch_size /
+  iteration), `representative_step` (the step whose time is the median: the one in `events`),
+  `ranks`: [{rank, stage, replica, hostname}], and `stages`, each averaged over the stage's
+  replicas and the measured steps:
+  `forward_ms`, `backward_ms` (per microbatch; backward with a recomputed forward),
+  `compute_ms` (their sum: the plan stage's `compute_ms`), `comm_ms` (per microbatch: the
+  larger of the mean transfers into and out of the stage, each boundary's mean over both
+  directions: the plan stage's `comm_ms`), `send_ms` (this stage's transfers per step, timed in
+  the sender thread; they overlap compute), `recv_wait_ms` (per step, the compute thread waiting
+  for messages), `allreduce_ms` (per step) and `allreduce_each_ms` (per all-reduce, as the plan's
+  `allreduce_ms`; both include waiting for the slowest replica), `step_ms` (optimizer and tied
+  parameters' all-reduce, per step), `busy_ms` (compute + all-reduce + optimizer, per step),
+  `idle_ms` (step time - busy, per step; pipedream: with each train_step's fill and drain),
+  `idle_fraction` (idle_ms / mean step time).
+- `predicted`: the plan's `iteration_ms`, `samples_per_s`, and per stage `compute_ms`, `comm_ms`,
+  `allreduce_ms`.
+- `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms}]
+  (None where the prediction is 0).
+- `losses`: [[step, loss], ...] as given.
+- `events`: the ops of the representative step, rows in `planner.simulator.COLUMNS` order (rank,
+  stage, replica, microbatch, iteration, op, peer, start_s, end_s; peer -1 for none), seconds
+  from the step's start on the common clock; receive waits are left out (the simulator has none:
+  they are in `recv_wait_ms`).
+- `notes`: sentences for the reader (e.g. when the run's microbatches differ from the plan's).
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from planner.fileformat import write_versioned_json
+from planner.plan import Plan
+from planner.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
+from planner.schedule import (
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+)
+from planner.simulator import COLUMNS, Timeline
+from runtime.trace import OpTime, clock_offset_s
+
+__all__ = [
+    "RankTrace", "build_run_report", "gather_traces", "rank_trace", "replay_timeline", "run_meta",
+    "save_run_report", "write_run_report",
+]
+
+KNOWN_OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, SEND_GRADIENT, RECV_ACTIVATION, RECV_GRADIENT, ALLREDUCE, STEP)
+SENDS = (SEND_ACTIVATION, SEND_GRADIENT)
+RECEIVES = (RECV_ACTIVATION, RECV_GRADIENT)
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """What one rank measured: its ops and `train_step` spans (perf_counter seconds on its own
+    clock; add `clock_offset_s` for wall-clock seconds), where it ran, and how the engine was set up."""
+
+    rank: int
+    stage: int
+    replica: int
+    hostname: str
+    clock_offset_s: float
+    ops: tuple[OpTime, ...]
+    step_spans: tuple[tuple[float, float], ...]
+    microbatches: int
+    schedule: str
+
+
+# ---------------------------------------------------------------- on every rank (collective)
+
+
+def rank_trace(engine: Any) -> RankTrace:
+    """This rank's RankTrace from an engine's `trace`, `step_spans`, `rank`, `stage`, `replica`,
+    `microbatches` and `schedule.name`."""
+    return RankTrace(
+        rank=int(engine.rank), stage=int(engine.stage), replica=int(engine.replica), hostname=socket.gethostname(),
+        clock_offset_s=clock_offset_s(), ops=tuple(engine.trace),
+        step_spans=tuple((float(start), float(end)) for start, end in engine.step_spans),
+        microbatches=int(engine.microbatches), schedule=str(engine.schedule.name),
+    )
+
+
+def gather_traces(engine: Any) -> list[RankTrace] | None:
+    """Every rank's RankTrace on rank 0, sorted by rank; None on the other ranks. A collective of
+    the default process group: every rank must call it."""
+    mine = rank_trace(engine)
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    return sorted(gathered, key=lambda trace: trace.rank)
+
+
+def run_meta(engine: Any, traces: Sequence[RankTrace] = ()) -> dict[str, Any]:
+    """What the run ran on: backend, device, torch version, torch threads (of this rank), world
+    size, and the hosts of `traces`."""
+    return {
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": str(getattr(engine, "device", "")), "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else len(traces),
+        "hosts": sorted({trace.hostname for trace in traces}),
+    }
+
+
+def save_run_report(engine: Any, plan: Plan, path: str | Path, *, batch_size: int,
+                    losses: Sequence[tuple[int, float]] = (), warmup_steps: int = 1, plan_path: str = "",
+                    meta: dict[str, Any] | None = None) -> Path | None:
+    """Gather every rank's trace and losses (each rank passes its own; the last stage has them),
+    build the report and write it on rank 0 (returns its path; None on the other ranks).
+    A collective: every rank must call it. `meta` is added to `run_meta`'s."""
+    traces = gather_traces(engine)
+    every_loss: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object([(int(step), float(loss)) for step, loss in losses], every_loss, dst=0)
+    if traces is None or every_loss is None:
+        return None
+    found = next((found for found in every_loss if found), [])
+    body = build_run_report(plan, traces, batch_size=batch_size, losses=found, warmup_steps=warmup_steps,
+                            plan_path=plan_path, meta={**run_meta(engine, traces), **(meta or {})})
+    return write_run_report(path, body)
+
+
+# ---------------------------------------------------------------- the report (pure)
+
+
+def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int,
+                     losses: Sequence[tuple[int, float]], warmup_steps: int = 1, plan_path: str = "",
+                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report body (module docstring) of a run of `plan` whose ranks measured `traces`, with
+    `batch_size` samples per train_step; RunReportError if the traces do not fit the plan."""
+    traces = sorted(traces, key=lambda trace: trace.rank)
+    microbatches = _check_traces(plan, traces, batch_size, warmup_steps)
+    shift = {trace.rank: trace.clock_offset_s - traces[0].clock_offset_s for trace in traces}
+    count = len(traces[0].step_spans)
+    starts = [min(trace.step_spans[k][0] + shift[trace.rank] for trace in traces) for k in range(count)]
+    ends = [max(trace.step_spans[k][1] + shift[trace.rank] for trace in traces) for k in range(count)]
+    traced = set.intersection(*({op.step for op in trace.ops if op.step < count} for trace in traces))
+    measured_steps = [k for k in range(warmup_steps, count) if k in traced]
+    if not measured_steps:
+        raise RunReportError(f"none of the {count - warmup_steps} steps after the warm-up has op timings on every "
+                             "rank (the engine keeps those of its last trace_steps steps): gather right after training")
+    step_s = {k: ends[k] - starts[k] for k in measured_steps}
+    ops = _ops_by_rank_and_step(traces)
+
+    def step_events(k: int) -> pd.DataFrame:
+        return _events(traces, ops, k, starts[k], shift)
+
+    pipedream = plan.schedule == "pipedream"
+    microbatch_size = batch_size / microbatches
+    if pipedream:
+        per_step = [Timeline(step_events(k), plan.schedule, microbatches, 1, ()).iteration_s() for k in measured_steps]
+        iteration_s = statistics.median(per_step)
+        samples = microbatch_size / iteration_s if iteration_s > 0 else None
+    else:
+        iteration_s = statistics.median(step_s.values())
+        samples = batch_size / iteration_s if iteration_s > 0 else None
+    by_length = sorted(measured_steps, key=lambda k: (step_s[k], k))
+    representative = by_length[(len(by_length) - 1) // 2]
+    stage_ranks = [[trace.rank for trace in traces if trace.stage == index] for index in range(len(plan.stages))]
+    boundaries = _boundary_transfer_ms(ops, stage_ranks, measured_steps)
+    mean_step_s = statistics.fmean(step_s.values())
+    stages = [_stage_measurement(ops, ranks, measured_steps, step_s, mean_step_s, boundaries, index)
+              for index, ranks in enumerate(stage_ranks)]
+    iteration_ms = iteration_s * 1000.0
+    predicted = plan.predicted
+    events = step_events(representative)
+    return {
+        "plan": _plan_section(plan, plan_path),
+        "meta": dict(meta or {}),
+        "measured": {
+            "steps": len(measured_steps), "warmup_steps": warmup_steps, "batch_size": batch_size,
+            "microbatches": microbatches, "microbatch_size": microbatch_size,
+            "step_times_ms": [step_s[k] * 1000.0 for k in measured_steps],
+            "train_step_ms": statistics.median(step_s.values()) * 1000.0,
+            "iteration_ms": iteration_ms, "samples_per_s": samples, "representative_step": representative,
+            "ranks": [{"rank": t.rank, "stage": t.stage, "replica": t.replica, "hostname": t.hostname} for t in traces],
+            "stages": stages,
+        },
+        "predicted": {
+            "iteration_ms": predicted.iteration_ms, "samples_per_s": predicted.samples_per_s,
+            "stages": [{"compute_ms": s.compute_ms, "comm_ms": s.comm_ms, "allreduce_ms": s.allreduce_ms}
+                       for s in plan.stages],
+        },
+        "ratios": {
+            "iteration_ms": _ratio(iteration_ms, predicted.iteration_ms),
+            "samples_per_s": _ratio(samples, predicted.samples_per_s),
+            "stages": [{"compute_ms": _ratio(found["compute_ms"], stage.compute_ms)}
+                       for found, stage in zip(stages, plan.stages)],
+        },
+        "losses": [[int(step), float(loss)] for step, loss in losses],
+        "events": [[int(r.rank), int(r.stage), int(r.replica), int(r.microbatch), int(r.iteration), str(r.op),
+                    int(r.peer), float(r.start_s), float(r.end_s)] for r in events.itertuples(index=False)],
+        "notes": _notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps),
+    }
+
+
+def write_run_report(path: str | Path, body: dict[str, Any]) -> Path:
+    """Write a `build_run_report` body as versioned JSON (atomically); returns the path."""
+    return write_versioned_json(path, RUN_REPORT_FORMAT, RUN_REPORT_VERSION, body)
+
+
+def _check_traces(plan: Plan, traces: Sequence[RankTrace], batch_size: int, warmup_steps: int) -> int:
+    """RunReportError unless the traces are one per rank of the plan, on the plan's stages, with
+    one schedule and step count and more steps than `warmup_steps`; returns the microbatches per step."""
+    expected = {rank: index for index, stage in enumerate(plan.stages) for rank in stage.ranks}
+    found = [trace.rank for trace in traces]
+    if sorted(found) != sorted(expected):
+        raise RunReportError(f"the traces are of ranks {found}, but the plan has ranks {sorted(expected)}: "
+                             "gather every rank's trace of a run of this plan")
+    for trace in traces:
+        if trace.stage != expected[trace.rank]:
+            raise RunReportError(f"rank {trace.rank} ran stage {trace.stage}, but the plan puts it on stage "
+                                 f"{expected[trace.rank]}: give the plan the run used")
+        if trace.schedule != plan.schedule:
+            raise RunReportError(f"rank {trace.rank} ran the {trace.schedule} schedule, the plan is {plan.schedule}: "
+                                 "give the plan the run used")
+    counts = {trace.rank: len(trace.step_spans) for trace in traces}
+    if len(set(counts.values())) != 1:
+        raise RunReportError(f"the ranks ran different numbers of train steps {counts}: gather after the same steps")
+    microbatches = {trace.rank: trace.microbatches for trace in traces}
+    if len(set(microbatches.values())) != 1:
+        raise RunReportError(f"the ranks ran different microbatch counts {microbatches}")
+    if batch_size < 1:
+        raise RunReportError(f"batch_size must be at least 1 sample, got {batch_size}")
+    if warmup_steps < 0:
+        raise RunReportError(f"warmup_steps must be 0 or more, got {warmup_steps}")
+    count = counts[traces[0].rank]
+    if count <= warmup_steps:
+        raise RunReportError(f"the run has {count} train steps and {warmup_steps} are warm-up: none is left to "
+                             "measure; run more steps or pass a smaller warmup_steps")
+    for trace in traces:
+        for op in trace.ops:
+            if op.op not in KNOWN_OPS:
+                raise RunReportError(f"rank {trace.rank}: unknown op {op.op!r} in its trace; expected one of "
+                                     f"{', '.join(KNOWN_OPS)}")
+            if op.step < 0:
+                raise RunReportError(f"rank {trace.rank}: an op of step {op.step}; steps count from 0")
+    return microbatches[traces[0].rank]
+
+
+def _ops_by_rank_and_step(traces: Sequence[RankTrace]) -> dict[tuple[int, int], list[OpTime]]:
+    """Each rank's ops, grouped by (rank, step)."""
+    grouped: dict[tuple[int, int], list[OpTime]] = defaultdict(list)
+    for trace in traces:
+        for op in trace.ops:
+            grouped[(trace.rank, op.step)].append(op)
+    return grouped
+
+
+def _events(traces: Sequence[RankTrace], ops: dict[tuple[int, int], list[OpTime]], step: int, start_s: float,
+            shift: dict[int, float]) -> pd.DataFrame:
+    """The ops of `step` but receives, in COLUMNS order, seconds from `start_s` on the common clock."""
+    rows = []
+    for trace in traces:
+        offset = shift[trace.rank] - start_s
+        for op in ops.get((trace.rank, step), []):
+            if op.op in RECEIVES:
+                continue
+            rows.append((trace.rank, trace.stage, trace.replica, op.microbatch, op.iteration, op.op,
+                         -1 if op.peer is None else op.peer, op.start_s + offset, op.end_s + offset))
+    events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
+    return events.reset_index(drop=True)
+
+
+def _durations_ms(ops: dict[tuple[int, int], list[OpTime]], ranks: Iterable[int], steps: Iterable[int],
+                  kinds: tuple[str, ...]) -> list[float]:
+    """Each op of `kinds` on `ranks` in `steps`: end - start, ms."""
+    return [(op.end_s - op.start_s) * 1000.0 for rank in ranks for step in steps
+            for op in ops.get((rank, step), []) if op.op in kinds]
+
+
+def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks: list[list[int]],
+                          steps: list[int]) -> list[float]:
+    """Per boundary b (between stage b and b + 1): the mean transfer across it, ms: activations
+    sent by stage b and gradients sent by stage b + 1 (0 when none was timed)."""
+    means = []
+    for below, above in pairwise(stage_ranks):
+        both = (_durations_ms(ops, below, steps, (SEND_ACTIVATION,)) + _durations_ms(ops, above, steps, (SEND_GRADIENT,)))
+        means.append(statistics.fmean(both) if both else 0.0)
+    return means
+
+
+def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int], steps: list[int],
+                       step_s: dict[int, float], mean_step_s: float, boundaries: list[float],
+                       index: int) -> dict[str, float]:
+    """One stage's figures (module docstring): per-microbatch means over every op of the stage's
+    ranks, per-step totals averaged over (rank, step) pairs."""
+    forwards = _durations_ms(ops, ranks, steps, (FORWARD,))
+    backwards = _durations_ms(ops, ranks, steps, (BACKWARD,))
+    reductions = _durations_ms(ops, ranks, steps, (ALLREDUCE,))
+    pairs = [(rank, step) for rank in ranks for step in steps]
+
+    def per_step(kinds: tuple[str, ...]) -> float:
+        """Mean over (rank, step) of the total ms of `kinds`."""
+        return statistics.fmean(sum(_durations_ms(ops, [rank], [step], kinds)) for rank, step in pairs)
+
+    busy = [sum(_durations_ms(ops, [rank], [step], (FORWARD, BACKWARD, ALLREDUCE, STEP))) for rank, step in pairs]
+    idle = statistics.fmean(step_s[step] * 1000.0 - spent for (_, step), spent in zip(pairs, busy))
+    forward_ms = statistics.fmean(forwards) if forwards else 0.0
+    backward_ms = statistics.fmean(backwards) if backwards else 0.0
+    transfer_in = boundaries[index - 1] if index > 0 else 0.0
+    transfer_out = boundaries[index] if index < len(boundaries) else 0.0
+    return {
+        "forward_ms": forward_ms, "backward_ms": backward_ms, "compute_ms": forward_ms + backward_ms,
+        "comm_ms": max(transfer_in, transfer_out), "send_ms": per_step(SENDS), "recv_wait_ms": per_step(RECEIVES),
+        "allreduce_ms": per_step((ALLREDUCE,)),
+        "allreduce_each_ms": statistics.fmean(reductions) if reductions else 0.0,
+        "step_ms": per_step((STEP,)), "busy_ms": statistics.fmean(busy), "idle_ms": idle,
+        "idle_fraction": idle / (mean_step_s * 1000.0) if mean_step_s > 0 else 0.0,
+    }
+
+
+def _plan_section(plan: Plan, plan_path: str) -> dict[str, Any]:
+    return {
+        "path": plan_path, "profile": {"name": plan.profile.name, "digest": plan.profile.digest},
+        "cost_model": plan.cost_model, "schedule": plan.schedule, "microbatches": plan.microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "stages": [{"layers": [s.start, s.stop], "first_layer": s.first_layer, "last_layer": s.last_layer,
+                    "replicas": s.replicas, "ranks": list(s.ranks), "recompute": s.recompute} for s in plan.stages],
+    }
+
+
+def _notes(plan: Plan, microbatches: int, microbatch_size: float, measured: int, after_warmup: int) -> list[str]:
+    notes = []
+    if measured < after_warmup:
+        notes.append(f"op timings were kept for {measured} of the {after_warmup} steps after the warm-up (the "
+                     "engine's trace_steps): every figure is over those")
+    if plan.microbatches is not None and microbatches != plan.microbatches:
+        notes.append(f"the run split each mini-batch into {microbatches} microbatches, the plan into "
+                     f"{plan.microbatches}: iteration times compare different amounts of work")
+    if plan.microbatch_size is not None and abs(microbatch_size - plan.microbatch_size) > 1e-9:
+        notes.append(f"the run's microbatches have {microbatch_size:g} samples, the plan's {plan.microbatch_size}: "
+                     "per-microbatch times compare different sizes")
+    if plan.cost_model == "pipedream":
+        notes.append("the pipedream cost model's comm_ms is both directions' transfers shared among the "
+                     "replicas; the measured comm_ms is one transfer")
+    if plan.schedule == "pipedream":
+        notes.append("pipedream: iteration_ms is the steady-state time per microbatch (the first stage's "
+                     "backwards in the middle of each step, as the simulator reads it); train_step_ms also "
+                     "fills and drains the pipeline")
+    return notes
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    """measured / predicted, None when either is missing or the prediction is 0."""
+    if measured is None or predicted is None or predicted == 0:
+        return None
+    return measured / predicted
+
+
+# ---------------------------------------------------------------- replaying a simulation
+
+
+def replay_timeline(timeline: Timeline, steps: int = 3, *, step_gap_s: float = 0.001,
+                    clock_offsets_s: dict[int, float] | None = None, hostname: str = "simulated") -> list[RankTrace]:
+    """The RankTraces of a run that went exactly as `timeline`, once per train_step: a dry run of
+    the report, and a fixture whose answers the simulation knows.
+
+    Step k runs over [k (makespan + step_gap_s), + makespan] on the common clock, every rank's
+    span the whole of it; rank r's clock reads common time - clock_offsets_s[r] (default 0).
+    """
+    offsets = clock_offsets_s or {}
+    period = timeline.makespan_s + step_gap_s
+    traces = []
+    for rank, rows in timeline.events.groupby("rank", sort=True):
+        offset = offsets.get(int(rank), 0.0)
+        ops = tuple(
+            OpTime(step=k, op=str(row.op), iteration=int(row.iteration), microbatch=int(row.microbatch),
+                   peer=None if int(row.peer) < 0 else int(row.peer),
+                   start_s=k * period + float(row.start_s) - offset, end_s=k * period + float(row.end_s) - offset)
+            for k in range(steps) for row in rows.itertuples(index=False)
+        )
+        spans = tuple((k * period - offset, k * period + timeline.makespan_s - offset) for k in range(steps))
+        traces.append(RankTrace(rank=int(rank), stage=int(rows["stage"].iloc[0]), replica=int(rows["replica"].iloc[0]),
+                                hostname=hostname, clock_offset_s=offset, ops=ops, step_spans=spans,
+                                microbatches=timeline.microbatches, schedule=timeline.schedule))
+    return traces

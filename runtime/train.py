@@ -1,0 +1,521 @@
+"""Train a model file with a plan under torchrun: `torchrun --nproc-per-node N -m runtime.train MODEL --plan PLAN`.
+
+Every process builds the whole model (same seed), keeps its stage (`runtime.engine.Engine`)
+and runs `--steps` optimizer steps on mini-batches of `microbatch_size x microbatches` samples
+(the plan's, unless overridden). Before any work, every rank checks, and reports in one line:
+the torchrun environment, that the world size is the plan's rank count, that the model file
+matches the profile the plan was made from (its layer names are modules of the model), that the
+device suits the backend, and that the checkpoint folder can be written.
+
+Data: the model file's `data_loader(batch_size)` (called once, an iterable of (inputs, target)
+iterated once per epoch; every rank must get the same batches in the same order, so seed any
+shuffling) if it has one, else one `example_batch(batch_size)` reused every step (`--data`). A
+resumed run skips the batches the checkpoint's steps trained on.
+
+Checkpoints (`--checkpoint-dir`, `--checkpoint-every K`, `runtime.checkpoint`): after every K
+steps and at the end, the first replica of each stage saves its weights, optimizer state and the
+RNG state; rank 0 writes the manifest once all are saved. `--resume` continues from the newest
+complete checkpoint, also one made with another plan (weights and optimizer state are re-split
+by parameter name).
+
+Faults: a rank that fails, exits or stops answering for `--timeout` seconds ends every rank
+with one line naming it and the last complete checkpoint (`runtime.engine`; the heartbeat in
+`runtime.liveness`). At the end rank 0 writes the run report (`runtime.report`): measured times
+next to the plan's predictions, for `planner compare`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from contextlib import contextmanager
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import PlannerError
+from planner.model_file import ModelFile, build_checked_model, load_model_file
+from planner.plan import Plan, load_plan, plan_digest
+from planner.profile import load_profile
+from runtime.checkpoint import (
+    CheckpointError, check_writable, latest_complete, load_stage, named_optimizer_state, optimizer_state_of,
+    load_named_optimizer_state, export_checkpoint, prune, save_stage, write_manifest,
+)
+from runtime.engine import Engine, EngineError
+from runtime.malloc import steady_malloc
+from runtime.report import save_run_report
+
+__all__ = ["TrainOptions", "TrainingError", "parse_args", "main"]
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
+
+
+class TrainingError(PlannerError):
+    """The training job cannot start or go on; the message is the one line every rank prints."""
+
+
+class Stopped(Exception):
+    """SIGTERM: the launcher is stopping this rank (torchrun does so when another rank exits)."""
+
+
+class _CollectiveFailed(Exception):
+    """A collective of the training loop (log, checkpoint, report) failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The command line of `runtime.train` (see `parse_args` for each option's meaning)."""
+
+    model_file: str
+    plan: str
+    steps: int = 100
+    lr: float | None = None
+    optimizer: str | None = None
+    data: str = "auto"
+    microbatches: int | None = None
+    microbatch_size: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    backend: str = "auto"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep: int = 2
+    resume: bool = False
+    timeout_s: float = 300.0
+    report: str | None = None
+    log_every: int = 10
+
+
+def parse_args(argv: Sequence[str]) -> TrainOptions:
+    """TrainOptions from a command line (argparse exits with its usage message on a bad one)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime.train", description="Train MODEL_FILE with PLAN; launch one process per rank "
+        "of the plan with torchrun (or `planner train`).")
+    parser.add_argument("model_file", help="Python file with build_model() and example_batch(batch_size)")
+    parser.add_argument("--plan", required=True, help="plan file written by `planner partition`")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps to reach (default 100)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: sgd 0.01, adam 0.001)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default=None,
+                        help="default: the one the plan counted memory for")
+    parser.add_argument("--data", choices=("auto", "loader", "example"), default="auto",
+                        help="loader: the model file's data_loader(batch_size); example: one example_batch "
+                        "reused; auto (default): loader if the file defines one")
+    parser.add_argument("--microbatches", type=int, default=None, help="default: the plan's")
+    parser.add_argument("--microbatch-size", type=int, default=None, help="samples; default: the plan's")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and dropout")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: one GPU per local rank if CUDA is available, else cpu")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: nccl on cuda, gloo on cpu")
+    parser.add_argument("--checkpoint-dir", default=None, help="folder for training checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="save every K steps (default: only at the end) into --checkpoint-dir")
+    parser.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (default 2)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--timeout", type=float, default=300.0, dest="timeout_s",
+                        help="seconds a rank may stop answering before every rank stops (default 300)")
+    parser.add_argument("--report", default=None,
+                        help="run report written by rank 0 (default runs/<plan name>.report.json)")
+    parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs every N steps (default 10)")
+    return TrainOptions(**vars(parser.parse_args(list(argv))))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the checks found: the plan, the model (built, weights not yet restored) and where to run."""
+
+    plan: Plan
+    model_file: ModelFile
+    model: nn.Module
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    microbatches: int
+    batch_size: int
+    optimizer: str
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m runtime.train`; returns the exit code (0, or 1 after the one-line error)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    options = parse_args(arguments)
+    if options.device != "cuda" and not torch.cuda.is_available() and argv is None:
+        steady_malloc(["-m", "runtime.train", *arguments])
+    rank = os.environ.get("RANK", "?")
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        setup = check_and_build(options)
+        _init_process_group(setup, options.timeout_s)
+        try:
+            train(options, setup)
+        finally:
+            dist.destroy_process_group()
+    except PlannerError as exc:  # TrainingError, CheckpointError, EngineError, model-file errors
+        _say_error(rank, str(exc))
+        return 1
+    except Stopped:
+        _say_error(rank, "stopped by SIGTERM")
+        return 1
+    return 0
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped()
+
+
+def _say_error(rank: str | int, message: str) -> None:
+    text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+    print(f"error: rank {rank}: {text}", file=sys.stderr, flush=True)
+
+
+# --- checks before any work ---------------------------------------------------------------------
+
+
+def check_and_build(options: TrainOptions) -> Setup:
+    """`check_setup` for this torchrun worker (its rank and world size from torchrun's variables)."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise TrainingError(f"not started by torchrun ({', '.join(missing)} unset): run `planner train "
+                            f"{options.model_file} --plan {options.plan}` or `torchrun --nproc-per-node N -m "
+                            "runtime.train ...`")
+    rank, world, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return check_setup(options, rank, world, local_rank)
+
+
+def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -> Setup:
+    """Every check that needs no other rank, then the model built with `options.seed`; TrainingError
+    (or the model file's or plan file's own error) if one fails."""
+    _check_options(options)
+    plan = load_plan(options.plan)
+    needed = sum(stage.replicas for stage in plan.stages)
+    if world != needed:
+        raise TrainingError(f"{options.plan} has {needed} ranks ({len(plan.stages)} stages) but the job has {world} "
+                            f"processes: launch with --nproc-per-node {needed} (or make a plan for {world} GPUs "
+                            "with `planner partition PROFILE --gpus {world}`)")
+    device, backend = _device_and_backend(options, local_rank)
+    model_file = load_model_file(options.model_file)
+    torch.manual_seed(options.seed)
+    model = build_checked_model(model_file)
+    _check_layer_names(model, plan, options)
+    if options.checkpoint_dir is not None:
+        check_writable(options.checkpoint_dir)
+        found = latest_complete(options.checkpoint_dir)
+        if found is not None and not options.resume:
+            raise TrainingError(f"{options.checkpoint_dir} already holds checkpoints (the newest: step {found.step}): "
+                                "continue from it with --resume, or give another --checkpoint-dir")
+    if options.data == "loader" and model_file.data_loader is None:
+        raise TrainingError(f"{options.model_file} has no data_loader(batch_size): define one, or use --data example")
+    microbatches = options.microbatches or plan.microbatches or _pipedream_microbatches(plan)
+    microbatch_size = options.microbatch_size or plan.microbatch_size
+    if microbatch_size is None:
+        raise TrainingError(f"{options.plan} does not know its microbatch size (its profile has no batch size): "
+                            "give --microbatch-size")
+    return Setup(plan, model_file, model, rank, world, device, backend, microbatches, microbatch_size * microbatches,
+                 options.optimizer or plan.optimizer)
+
+
+def _check_options(options: TrainOptions) -> None:
+    for name, value in (("--steps", options.steps), ("--microbatches", options.microbatches),
+                        ("--microbatch-size", options.microbatch_size), ("--checkpoint-every", options.checkpoint_every),
+                        ("--keep", options.keep), ("--log-every", options.log_every)):
+        if value is not None and value < 1:
+            raise TrainingError(f"{name} must be at least 1, got {value}")
+    if options.timeout_s <= 2:
+        raise TrainingError(f"--timeout must be more than 2 seconds, got {options.timeout_s:g}")
+    if options.lr is not None and not options.lr > 0:
+        raise TrainingError(f"--lr must be positive, got {options.lr:g}")
+    if options.checkpoint_dir is None and (options.resume or options.checkpoint_every is not None):
+        flag = "--resume" if options.resume else "--checkpoint-every"
+        raise TrainingError(f"{flag} needs --checkpoint-dir DIR")
+
+
+def _device_and_backend(options: TrainOptions, local_rank: int) -> tuple[torch.device, str]:
+    """The rank's device and the process-group backend, or TrainingError when they do not go together."""
+    cuda = torch.cuda.is_available()
+    kind = options.device if options.device != "auto" else ("cuda" if cuda else "cpu")
+    if kind == "cuda" and not cuda:
+        raise TrainingError("--device cuda but torch finds no CUDA device on this machine: use --device cpu")
+    backend = options.backend if options.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
+    if backend == "nccl" and kind != "cuda":
+        raise TrainingError("--backend nccl needs CUDA devices, but the device is cpu: use --backend gloo")
+    if kind == "cuda":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise TrainingError(f"local rank {local_rank} needs GPU {local_rank}, but this machine has {count}: "
+                                f"start at most {count} processes per machine (--nproc-per-node)")
+        return torch.device("cuda", local_rank), backend
+    return torch.device("cpu"), backend
+
+
+def _check_layer_names(model: nn.Module, plan: Plan, options: TrainOptions) -> None:
+    """The model must have a module for each layer of the plan's profile (or, without the profile file,
+    for each stage's first and last layer); TrainingError naming the first missing ones."""
+    modules = {name for name, _ in model.named_modules() if name}
+    profile_path = Path(plan.profile.path) if plan.profile.path else None
+    if profile_path is not None and profile_path.is_file():
+        profile = load_profile(profile_path)
+        plan.check_profile(profile, options.plan, str(profile_path))
+        names, source = [layer.name for layer in profile.layers], f"the profile {profile_path}"
+    else:
+        names = [name for stage in plan.stages for name in (stage.first_layer, stage.last_layer)]
+        source = f"the plan {options.plan}"
+    missing = [name for name in dict.fromkeys(names) if name not in modules]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise TrainingError(f"{options.model_file} does not match {source}: its layers {shown} are not modules "
+                            f"of the model; profile this model (`planner profile {options.model_file}`) and "
+                            "partition again")
+
+
+def _pipedream_microbatches(plan: Plan) -> int:
+    """Microbatches per `train_step` for pipedream (its plans have none): a multiple of every stage's
+    replica count, at least twice the number of ranks, so the pipeline is mostly full."""
+    unit = math.lcm(*(stage.replicas for stage in plan.stages))
+    ranks = sum(stage.replicas for stage in plan.stages)
+    return unit * max(1, math.ceil(2 * ranks / unit))
+
+
+def _init_process_group(setup: Setup, timeout_s: float) -> None:
+    from datetime import timedelta
+
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    dist.init_process_group(setup.backend, timeout=timedelta(seconds=timeout_s))
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+def train(options: TrainOptions, setup: Setup) -> None:
+    """Restore (--resume), build the engine, run the steps with checkpoints, then write the report."""
+    plan, rank = setup.plan, setup.rank
+    digest = plan_digest(plan)
+    start_step = _restore_weights(options, setup, digest)
+    lr = options.lr if options.lr is not None else DEFAULT_LR[setup.optimizer]
+    engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
+                              loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
+                              device=setup.device, timeout_s=options.timeout_s)
+    if start_step:
+        _restore_stage(options, engine, setup)
+    last_rank = plan.stages[-1].ranks[0]
+    losses: list[tuple[int, float]] = []
+    log = _Progress(rank == 0, options.steps, setup.batch_size, options.log_every, start_step)
+    batches = _batches(options, setup, start_step)
+    step = start_step
+    try:
+        if start_step >= options.steps:
+            if rank == 0:
+                print(f"the checkpoint is at step {start_step}, --steps is {options.steps}: nothing to do", flush=True)
+            return
+        while step < options.steps:
+            inputs, target = next(batches)
+            loss = engine.train_step(inputs, target)
+            step += 1
+            if loss is not None and rank == last_rank:
+                losses.append((step, loss))
+            if log.due(step):
+                log.write(step, _latest_loss(engine, losses, last_rank, setup.device))
+            if options.checkpoint_dir and (step == options.steps or (options.checkpoint_every
+                                                                      and step % options.checkpoint_every == 0)):
+                _save(options, engine, setup, step, digest)
+        _finish(options, setup, engine, losses, start_step)
+    except (EngineError, _CollectiveFailed) as exc:
+        stopped = isinstance(exc.__cause__, Stopped)
+        raise TrainingError(_stop_message(str(exc), step, options.checkpoint_dir, stopped, engine)) from None
+    except Stopped:
+        raise TrainingError(_stop_message("", step, options.checkpoint_dir, True, engine)) from None
+    finally:
+        engine.close()
+
+
+@contextmanager
+def _collective(engine: Engine, what: str) -> Iterator[None]:
+    """Turn a failed collective of the training loop into _CollectiveFailed, naming a rank that exited."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed's errors: a peer gone, or a timeout
+        gone = engine.gone(wait_s=1.0)
+        if gone:
+            reason = f"rank {', '.join(map(str, gone))} exited: its process is gone (seen when {what} failed)"
+        else:
+            reason = f"{what} failed: {' '.join(str(exc).split())}"
+        raise _CollectiveFailed(reason) from None
+
+
+def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: bool, engine: Engine) -> str:
+    """The one line a rank prints when training ends early: why, at which step, and what is safe."""
+    if stopped:
+        gone = engine.gone(wait_s=1.0)
+        who = (f"rank {', '.join(map(str, gone))} exited first" if gone
+               else "another rank exited, or the job was cancelled")
+        reason = f"stopped by SIGTERM from the launcher (torchrun stops every rank when one exits: {who})"
+    found = latest_complete(checkpoint_dir) if checkpoint_dir else None
+    safe = (f"the last complete checkpoint is {found.path}: continue with --resume" if found
+            else "no checkpoint was written (use --checkpoint-dir DIR --checkpoint-every K to keep progress)")
+    return f"training stopped after step {step}: {reason}; {safe}"
+
+
+def _optimizer_factory(name: str, lr: float) -> Any:
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[Any, Any]]:
+    """(inputs, target) mini-batches of `setup.batch_size`: the loader's, epoch after epoch, after the
+    `skip` batches a resumed run has already trained on; or one example batch, repeated."""
+    loader = setup.model_file.data_loader
+    if loader is None or options.data == "example":
+        with torch.random.fork_rng(devices=[]):  # the training's random stream stays as it was
+            torch.manual_seed(options.seed + 1)
+            batch = setup.model_file.example_batch(setup.batch_size)
+        while True:
+            yield batch
+    batches, seen = loader(setup.batch_size), 0
+    while True:
+        empty = True
+        for batch in batches:
+            empty = False
+            seen += 1
+            if seen > skip:
+                yield batch
+        if empty:
+            raise TrainingError(f"{options.model_file}: data_loader({setup.batch_size}) yielded no batches; "
+                                "is the dataset smaller than one mini-batch (with drop_last)?")
+
+
+class _Progress:
+    """Rank 0's log: one line every `every` steps (and the first and last): step, loss, samples/s."""
+
+    def __init__(self, enabled: bool, steps: int, batch_size: int, every: int, start: int) -> None:
+        self.enabled, self.steps, self.batch_size, self.every = enabled, steps, batch_size, every
+        self.first = start + 1
+        self.since_step, self.since_s = start, time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        """True on every rank at the same steps (the loss is fetched collectively)."""
+        return step % self.every == 0 or step in (self.first, self.steps)
+
+    def write(self, step: int, loss: float) -> None:
+        now = time.perf_counter()
+        if self.enabled:
+            rate = (step - self.since_step) * self.batch_size / max(now - self.since_s, 1e-9)
+            print(f"step {step}/{self.steps}  loss {loss:.4f}  {rate:.1f} samples/s", flush=True)
+        self.since_step, self.since_s = step, now
+
+
+def _latest_loss(engine: Engine, losses: list[tuple[int, float]], last_rank: int, device: torch.device) -> float:
+    """The last stage's newest loss, on every rank (a broadcast from the last stage's first rank)."""
+    value = torch.tensor([losses[-1][1] if losses else math.nan], dtype=torch.float64,
+                         device=device if dist.get_backend() == "nccl" else "cpu")
+    with _collective(engine, "the loss broadcast"):
+        dist.broadcast(value, src=last_rank)
+    return float(value.item())
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> int:
+    """With --resume: load the newest complete checkpoint's weights into the whole model and its RNG
+    state; returns its step (0 when there is none)."""
+    if not options.resume:
+        return 0
+    found = latest_complete(options.checkpoint_dir)
+    if found is None:
+        if setup.rank == 0:
+            print(f"no complete checkpoint in {options.checkpoint_dir}: starting from step 0", flush=True)
+        return 0
+    state = export_checkpoint(found.path)
+    missing, unexpected = setup.model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise TrainingError(f"{found.path} does not fit {options.model_file}: missing {list(missing)[:3]}, "
+                            f"unexpected {list(unexpected)[:3]}; resume with the model it was trained with")
+    torch.set_rng_state(load_stage(found, 0)["rng_state"]["torch"])
+    if setup.rank == 0:
+        same = found.manifest.get("plan_digest") == digest
+        print(f"resuming from {found.path} (step {found.step})"
+              + ("" if same else ", made with another plan: weights and optimizer state re-split for this one"),
+              flush=True)
+    return found.step
+
+
+def _restore_stage(options: TrainOptions, engine: Engine, setup: Setup) -> None:
+    """This stage's optimizer state from the newest complete checkpoint (by parameter name)."""
+    found = latest_complete(options.checkpoint_dir)
+    assert found is not None  # _restore_weights found it
+    if engine.optimizer is not None:
+        load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
+                                   optimizer_state_of(found.path))
+
+
+def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest: str) -> None:
+    """Checkpoint after `step`: stage files by each stage's first replica, then rank 0's manifest once
+    every rank reports success; a failure anywhere is a TrainingError on every rank."""
+    root = options.checkpoint_dir
+    assert root is not None
+    problem = None
+    if engine.replica == 0:
+        try:
+            save_stage(root, step, engine.stage, model_state=engine.module.state_dict(),
+                       optimizer_state=(named_optimizer_state(engine.optimizer,
+                                                              engine.module.named_parameters(remove_duplicate=False))
+                                        if engine.optimizer is not None else None),
+                       rng_state={"torch": torch.get_rng_state()}, plan_digest=digest,
+                       meta={"rank": setup.rank})
+        except CheckpointError as exc:
+            problem = f"rank {setup.rank}: {exc}"
+    problems: list[str | None] = [None] * setup.world
+    with _collective(engine, "the checkpoint's all-gather"):
+        dist.all_gather_object(problems, problem)
+    verdict = [next((p for p in problems if p), None)]
+    if setup.rank == 0 and verdict[0] is None:
+        try:
+            write_manifest(root, step, num_stages=len(setup.plan.stages), plan_digest=digest,
+                           meta={"plan": options.plan, "model_file": options.model_file})
+            prune(root, options.keep)
+        except CheckpointError as exc:
+            verdict[0] = f"rank 0: {exc}"
+    with _collective(engine, "the checkpoint's broadcast"):
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        previous = latest_complete(root)
+        kept = f"the last complete checkpoint {previous.path} is intact" if previous else "no earlier checkpoint exists"
+        raise TrainingError(f"checkpoint of step {step} failed: {verdict[0]}; {kept}")
+
+
+# --- the end --------------------------------------------------------------------------------------
+
+
+def _finish(options: TrainOptions, setup: Setup, engine: Engine, losses: list[tuple[int, float]],
+            start_step: int) -> None:
+    """Gather the traces and losses on rank 0 and write the run report there."""
+    path = Path(options.report or Path("runs") / f"{Path(options.plan).stem}.report.json")
+    meta = {"model_file": options.model_file, "optimizer": setup.optimizer, "first_step": start_step + 1}
+    with _collective(engine, "gathering the run report"):
+        written = save_run_report(engine, setup.plan, path, batch_size=setup.batch_size, losses=losses,
+                                  warmup_steps=1 if len(engine.step_spans) > 1 else 0, plan_path=options.plan,
+                                  meta=meta)
+    if written is not None:
+        print(f"wrote {written} (compare with `planner compare {options.plan} {written}`)", flush=True)
+
+
+if __name__ == "__main__":
+    code = main()
+    # Leave without the interpreter's and torch's exit-time clean-up: after a lost peer, threads may
+    # still be blocked in a receive; and about one successful run in five on 2 busy cores ended in
+    # "terminate called without an active exception" (SIGABRT) in torch's teardown after
+    # destroy_process_group. Every file is written and synced by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

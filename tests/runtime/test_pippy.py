@@ -1,0 +1,124 @@
+"""runtime.pippy under torchrun on 2 CPU processes (gloo): torch.distributed.pipelining on our split gives the
+gradients and loss of our engine and of single-device training (mlp, gpt with tied weights, two replicas)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from planner.cluster import make_cluster
+from planner.model_file import default_loss
+from planner.partition import partition
+from planner.plan import Plan
+from planner.profile import load_profile
+from runtime.pippy import PippyError, build
+from runtime_examples import model_file
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "pippy_worker.py"
+BATCH = 8
+
+
+def two_stage_plan(model: str, schedule: str) -> Plan:
+    """The planner's straight 2-stage plan of the example on 2 devices, 4 microbatches."""
+    return partition(load_profile(REPO / "profiles" / f"{model}.json"), make_cluster(2), straight=True,
+                     schedule=schedule, microbatches=4)
+
+
+def replicated_plan() -> Plan:
+    """mlp as one stage on 2 replicas (ranks 0, 1), 1f1b with 4 microbatches: 2 per pipeline."""
+    plan = two_stage_plan("mlp", "1f1b")
+    first, last = plan.stages
+    whole = dataclasses.replace(first, stop=last.stop, last_layer=last.last_layer, replicas=2, ranks=(0, 1))
+    return dataclasses.replace(plan, stages=(whole,))
+
+
+PLANS = {"mlp-1f1b": ("mlp", lambda: two_stage_plan("mlp", "1f1b")),
+         "gpt-gpipe": ("gpt", lambda: two_stage_plan("gpt", "gpipe")),
+         "mlp-1x2-1f1b": ("mlp", replicated_plan)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of PLANS run once under torchrun with 2 processes."""
+    out = tmp_path_factory.mktemp("pippy")
+    cases = []
+    for name, (model, make) in PLANS.items():
+        path = make().save(out / f"{name}.plan.json")
+        cases.append({"name": name, "model": model, "plan": str(path), "batch": BATCH})
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(WORKER), str(spec), str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    return out
+
+
+def single_device(model_name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The mini-batch's mean loss and every parameter's gradient on one device, as the worker seeds them."""
+    torch.manual_seed(0)
+    model: nn.Module = model_file(model_name).build_model().eval()
+    torch.manual_seed(1)
+    inputs, target = model_file(model_name).example_batch(BATCH)
+    loss = (model_file(model_name).loss_fn or default_loss)(model(inputs), target)
+    loss.backward()
+    return loss.item(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_pippy_gradients_equal_the_engines_and_single_device_training(results: Path, name: str) -> None:
+    model_name = PLANS[name][0]
+    expected_loss, expected = single_device(model_name)
+    seen: set[str] = set()
+    last_stage_ranks = set(PLANS[name][1]().stages[-1].ranks)
+    for rank in range(2):
+        found = torch.load(results / f"{name}.rank{rank}.pt")
+        engine, pippy = found["engine"], found["pippy"]
+        assert pippy["grads"].keys() == engine["grads"].keys()
+        for parameter, grad in pippy["grads"].items():
+            where = f"{name} rank {rank} {parameter}"
+            torch.testing.assert_close(grad, engine["grads"][parameter], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, where=where: f"{where} vs engine: {m}")
+            torch.testing.assert_close(grad, expected[parameter], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, where=where: f"{where} vs one device: {m}")
+        if rank in last_stage_ranks:
+            assert pippy["loss"] == pytest.approx(engine["loss"], rel=1e-6)
+            assert pippy["loss"] == pytest.approx(expected_loss, rel=1e-5)
+        else:
+            assert pippy["loss"] is None and engine["loss"] is None
+        seen |= pippy["grads"].keys()
+    assert seen == set(expected)  # every parameter's gradient was checked on some rank
+
+
+def test_the_tied_weight_is_on_both_gpt_stages_with_the_summed_gradient(results: Path) -> None:
+    """gpt's transformer.wte.weight is lm_head.weight: both ranks hold it, both with the whole gradient."""
+    _, expected = single_device("gpt")
+    for rank in range(2):
+        grads = torch.load(results / f"gpt-gpipe.rank{rank}.pt")["pippy"]["grads"]
+        assert "transformer.wte.weight" in grads
+        torch.testing.assert_close(grads["transformer.wte.weight"], expected["transformer.wte.weight"],
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_build_needs_an_initialized_process_group() -> None:
+    assert not torch.distributed.is_initialized()
+    torch.manual_seed(0)
+    with pytest.raises(PippyError, match="not initialized"):
+        build(model_file("mlp").build_model(), two_stage_plan("mlp", "1f1b"), None)
+
+
+def test_a_plan_for_another_world_size_is_refused_with_the_launch_command(results: Path) -> None:
+    for rank in range(2):
+        message = (results / f"mismatch.rank{rank}.txt").read_text()
+        assert message == ("the plan has 1 ranks (1 stages x 1 replicas) but the job has 2 processes: launch with "
+                           "torchrun --nproc-per-node 1 (or make a plan for 2 GPUs)")

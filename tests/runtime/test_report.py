@@ -1,0 +1,396 @@
+"""Run reports from traces: every figure of a hand-made two-rank run, clock alignment, the simulator
+played back as a run (measured = predicted), and gathering under torchrun.
+
+Run as a script (`python -m torch.distributed.run --nproc-per-node=2 test_report.py OUT`), this file
+is the torchrun worker of `test_save_run_report_gathers_every_rank_under_torchrun`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.partition import partition, plan_cost_inputs
+from planner.plan import Plan, StagePlan
+from planner.plan_simulation import simulate
+from planner.profile import Profile, load_profile
+from planner.run_report import RunReportError, load_run_report
+from planner.schedule_cost import first_ranks, samples_per_s, stage_costs
+from planner.simulator import COLUMNS
+from runtime.report import RankTrace, build_run_report, replay_timeline, save_run_report, write_run_report
+from runtime.trace import OpTime
+
+REPO = Path(__file__).resolve().parents[2]
+
+# ---------------------------------------------------------------- a hand-made run of 2 ranks
+# gpipe, 2 microbatches, one rank per stage. Each op: (rank, op, microbatch, peer, start, end) in
+# ms from the step's start at scale 1; step k runs SCALES[k] times slower. Rank 1 starts its step
+# 0.2 ms before rank 0; rank 0 ends last, at 14: the job's step takes 14.2 ms at scale 1.
+
+LAYOUT = [
+    (0, "forward", 0, None, 0.0, 2.0), (0, "send_activation", 0, 1, 2.0, 2.5), (0, "forward", 1, None, 2.0, 4.0),
+    (0, "send_activation", 1, 1, 4.0, 4.5), (0, "recv_gradient", 0, 1, 4.0, 7.0), (0, "backward", 0, None, 7.0, 10.0),
+    (0, "recv_gradient", 1, 1, 10.0, 10.0), (0, "backward", 1, None, 10.0, 13.0), (0, "step", -1, None, 13.0, 13.5),
+    (1, "recv_activation", 0, 0, 0.0, 2.5), (1, "forward", 0, None, 2.5, 3.5), (1, "recv_activation", 1, 0, 3.5, 4.5),
+    (1, "forward", 1, None, 4.5, 5.5), (1, "backward", 0, None, 5.5, 6.5), (1, "send_gradient", 0, 0, 6.5, 7.0),
+    (1, "backward", 1, None, 6.5, 7.5), (1, "send_gradient", 1, 0, 7.5, 8.0), (1, "step", -1, None, 7.5, 8.0),
+]
+SPANS = {0: (0.0, 14.0), 1: (-0.2, 8.2)}
+SCALES = [3.0, 1.0, 2.0, 1.5]  # step 0 is the warm-up; measured: 14.2, 28.4 and 21.3 ms, median 21.3 (step 3)
+STEP_START_S = [5000.0 + 10.0 * k for k in range(len(SCALES))]  # each step's start on the common clock
+OFFSETS = {0: 1000.123, 1: -7.5}  # rank clock + offset = common clock
+BATCH = 8
+
+
+def hand_made_traces(offsets: dict[int, float] = OFFSETS, hostname: str = "host") -> list[RankTrace]:
+    """LAYOUT run for every step of SCALES, each rank on its own clock (common - offset)."""
+    traces = []
+    for rank in (0, 1):
+        def local(k: int, ms: float, rank: int = rank) -> float:
+            return STEP_START_S[k] + ms * SCALES[k] / 1000.0 - offsets[rank]
+
+        ops = tuple(OpTime(k, op, 0, microbatch, peer, local(k, start), local(k, end))
+                    for k in range(len(SCALES)) for r, op, microbatch, peer, start, end in LAYOUT if r == rank)
+        spans = tuple((local(k, SPANS[rank][0]), local(k, SPANS[rank][1])) for k in range(len(SCALES)))
+        traces.append(RankTrace(rank, rank, 0, hostname, offsets[rank], ops, spans, 2, "gpipe"))
+    return traces
+
+
+def hand_made_plan() -> Plan:
+    """A 2-stage gpipe plan of the mlp profile, with round predictions to compare against."""
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2, None, ["1GB/s"]), straight=True,
+                     schedule="gpipe", microbatches=2, microbatch_size=4)
+    first, second = plan.stages
+    stages = (dataclasses.replace(first, ranks=(0,), compute_ms=5.0, comm_ms=0.5, allreduce_ms=0.0),
+              dataclasses.replace(second, ranks=(1,), compute_ms=3.0, comm_ms=0.5, allreduce_ms=0.0))
+    predicted = dataclasses.replace(plan.predicted, iteration_ms=20.0, samples_per_s=400.0)
+    return dataclasses.replace(plan, stages=stages, predicted=predicted)
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return hand_made_plan()
+
+
+@pytest.fixture(scope="module")
+def body(plan: Plan) -> dict[str, Any]:
+    return build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[(1, 2.5), (2, 2.25)],
+                            plan_path="plan.json", meta={"backend": "gloo"})
+
+
+def test_step_times_leave_out_the_warmup_and_take_the_median(body: dict[str, Any]) -> None:
+    measured = body["measured"]
+    assert measured["steps"] == 3 and measured["warmup_steps"] == 1
+    assert measured["step_times_ms"] == pytest.approx([14.2, 28.4, 21.3], abs=1e-6)
+    assert measured["train_step_ms"] == pytest.approx(21.3, abs=1e-6)
+    assert measured["iteration_ms"] == pytest.approx(21.3, abs=1e-6)
+    assert measured["samples_per_s"] == pytest.approx(BATCH / 0.0213, rel=1e-6)
+    assert measured["representative_step"] == 3
+    assert (measured["batch_size"], measured["microbatches"], measured["microbatch_size"]) == (8, 2, 4.0)
+    assert measured["ranks"] == [{"rank": 0, "stage": 0, "replica": 0, "hostname": "host"},
+                                 {"rank": 1, "stage": 1, "replica": 0, "hostname": "host"}]
+
+
+def test_every_stage_figure_of_the_hand_made_run(body: dict[str, Any]) -> None:
+    mean = sum(SCALES[1:]) / 3  # every duration scales with its step; means over steps 1-3 scale by 1.5
+    step_ms = 14.2 * mean
+    first, second = body["measured"]["stages"]
+    expected_first = dict(forward_ms=2.0 * mean, backward_ms=3.0 * mean, compute_ms=5.0 * mean, comm_ms=0.5 * mean,
+                          send_ms=1.0 * mean, recv_wait_ms=3.0 * mean, allreduce_ms=0.0, allreduce_each_ms=0.0,
+                          step_ms=0.5 * mean, busy_ms=10.5 * mean, idle_ms=(14.2 - 10.5) * mean,
+                          idle_fraction=(14.2 - 10.5) * mean / step_ms)
+    expected_second = dict(forward_ms=1.0 * mean, backward_ms=1.0 * mean, compute_ms=2.0 * mean, comm_ms=0.5 * mean,
+                           send_ms=1.0 * mean, recv_wait_ms=3.5 * mean, allreduce_ms=0.0, allreduce_each_ms=0.0,
+                           step_ms=0.5 * mean, busy_ms=4.5 * mean, idle_ms=(14.2 - 4.5) * mean,
+                           idle_fraction=(14.2 - 4.5) * mean / step_ms)
+    assert first == pytest.approx(expected_first, abs=1e-6)
+    assert second == pytest.approx(expected_second, abs=1e-6)
+
+
+def test_predictions_ratios_plan_and_losses(plan: Plan, body: dict[str, Any]) -> None:
+    assert body["predicted"] == {"iteration_ms": 20.0, "samples_per_s": 400.0, "stages": [
+        {"compute_ms": 5.0, "comm_ms": 0.5, "allreduce_ms": 0.0}, {"compute_ms": 3.0, "comm_ms": 0.5, "allreduce_ms": 0.0}]}
+    ratios = body["ratios"]
+    assert ratios["iteration_ms"] == pytest.approx(21.3 / 20.0)
+    assert ratios["samples_per_s"] == pytest.approx(BATCH / 0.0213 / 400.0)
+    assert [s["compute_ms"] for s in ratios["stages"]] == pytest.approx([7.5 / 5.0, 3.0 / 3.0])
+    assert body["losses"] == [[1, 2.5], [2, 2.25]]
+    assert body["meta"] == {"backend": "gloo"}
+    assert body["notes"] == []
+    section = body["plan"]
+    assert (section["path"], section["schedule"], section["microbatches"], section["microbatch_size"]) == \
+        ("plan.json", "gpipe", 2, 4)
+    assert [s["ranks"] for s in section["stages"]] == [[0], [1]]
+    assert [s["layers"] for s in section["stages"]] == [[s.start, s.stop] for s in plan.stages]
+    assert section["profile"] == {"name": plan.profile.name, "digest": plan.profile.digest}
+
+
+def expected_events(step: int) -> list[list[Any]]:
+    """LAYOUT's rows but receives in COLUMNS order, seconds from the job's start of `step`, sorted as the simulator."""
+    start_ms = min(span[0] for span in SPANS.values())
+    rows = [[rank, rank, 0, microbatch, 0, op, -1 if peer is None else peer,
+             (start - start_ms) * SCALES[step] / 1000.0, (end - start_ms) * SCALES[step] / 1000.0]
+            for rank, op, microbatch, peer, start, end in LAYOUT if not op.startswith("recv")]
+    return sorted(rows, key=lambda row: (row[7], row[0]))
+
+
+def assert_same_events(found: list[list[Any]], expected: list[list[Any]]) -> None:
+    assert len(found) == len(expected)
+    for row, want in zip(found, expected):
+        assert row[:7] == want[:7]
+        assert row[7:] == pytest.approx(want[7:], abs=1e-9)
+
+
+def test_events_are_the_median_step_on_the_common_clock_without_receives(body: dict[str, Any]) -> None:
+    assert len(body["events"][0]) == len(COLUMNS)
+    assert_same_events(body["events"], expected_events(3))
+
+
+def test_events_align_ranks_whatever_their_clocks(plan: Plan, body: dict[str, Any]) -> None:
+    shifted = build_run_report(plan, hand_made_traces({0: -123.4, 1: 98765.0}), batch_size=BATCH, losses=[])
+    assert_same_events(shifted["events"], body["events"])
+    for found, expected in zip(shifted["measured"]["stages"], body["measured"]["stages"]):
+        assert found == pytest.approx(expected, abs=1e-6)
+    assert shifted["measured"]["step_times_ms"] == pytest.approx(body["measured"]["step_times_ms"], abs=1e-6)
+    # rank 1 believing its clock 1 ms behind shifts its ops 1 ms later against rank 0's
+    traces = hand_made_traces()
+    traces[1] = dataclasses.replace(traces[1], clock_offset_s=traces[1].clock_offset_s + 0.001)
+    late = build_run_report(plan, traces, batch_size=BATCH, losses=[], warmup_steps=3)
+    rows = {(row[0], row[5], row[3]): row for row in late["events"]}
+    gap = rows[(1, "forward", 0)][7] - rows[(0, "forward", 0)][7]
+    assert gap == pytest.approx((2.5 * 1.5) / 1000.0 + 0.001, abs=1e-9)
+
+
+def test_no_warmup_measures_every_step(plan: Plan) -> None:
+    body = build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=0)
+    assert body["measured"]["steps"] == 4
+    assert body["measured"]["step_times_ms"] == pytest.approx([42.6, 14.2, 28.4, 21.3], abs=1e-6)
+    assert body["measured"]["iteration_ms"] == pytest.approx((28.4 + 21.3) / 2, abs=1e-6)  # median of an even count
+    assert body["measured"]["representative_step"] == 3  # the shorter of the middle two
+
+
+def test_notes_when_the_run_used_other_microbatches_than_the_plan(plan: Plan) -> None:
+    traces = [dataclasses.replace(trace, microbatches=4) for trace in hand_made_traces()]
+    notes = build_run_report(plan, traces, batch_size=8, losses=[])["notes"]
+    assert any("4 microbatches" in note and "2" in note for note in notes)
+    assert any("2 samples" in note for note in notes)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda ts: ts[:1], "ranks [0]"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], stage=0)], "rank 1 ran stage 0"),
+    (lambda ts: [dataclasses.replace(t, schedule="1f1b") for t in ts], "1f1b schedule"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], step_spans=ts[1].step_spans[:3])], "different numbers"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], microbatches=4)], "different microbatch counts"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], ops=ts[1].ops + (OpTime(0, "nap", 0, 0, None, 0.0, 1.0),))],
+     "unknown op 'nap'"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], ops=ts[1].ops + (OpTime(-1, "step", 0, -1, None, 0.0, 1.0),))],
+     "step -1"),
+])
+def test_traces_that_do_not_fit_the_plan_are_refused(plan: Plan, change: Any, fragment: str) -> None:
+    with pytest.raises(RunReportError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        build_run_report(plan, change(hand_made_traces()), batch_size=BATCH, losses=[])
+
+
+def test_no_step_left_after_the_warmup_is_refused(plan: Plan) -> None:
+    with pytest.raises(RunReportError, match="none is left to measure"):
+        build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=4)
+
+
+def test_only_steps_traced_on_every_rank_are_measured(plan: Plan, body: dict[str, Any]) -> None:
+    """The engine keeps the ops of its last steps only; an unfinished step has ops but no span."""
+    first, second = hand_made_traces()
+    unfinished = tuple(dataclasses.replace(op, step=4) for op in second.ops if op.step == 3)
+    second = dataclasses.replace(second, ops=tuple(op for op in second.ops if op.step != 2) + unfinished)
+    partial = build_run_report(plan, [first, second], batch_size=BATCH, losses=[])
+    assert partial["measured"]["steps"] == 2
+    assert partial["measured"]["step_times_ms"] == pytest.approx([14.2, 21.3], abs=1e-6)
+    mean = (SCALES[1] + SCALES[3]) / 2
+    assert partial["measured"]["stages"][0]["compute_ms"] == pytest.approx(5.0 * mean, abs=1e-6)
+    assert partial["measured"]["stages"][1]["recv_wait_ms"] == pytest.approx(3.5 * mean, abs=1e-6)
+    assert any("2 of the 3 steps" in note for note in partial["notes"])
+    with pytest.raises(RunReportError, match="op timings on every rank"):
+        build_run_report(plan, [first, dataclasses.replace(second, ops=())], batch_size=BATCH, losses=[])
+
+
+def test_written_report_loads_back(tmp_path: Path, body: dict[str, Any]) -> None:
+    report = load_run_report(write_run_report(tmp_path / "run.json", body))
+    assert json.loads((tmp_path / "run.json").read_text())["format"] == "pipeline-planner/run-report"
+    assert report.iteration_ms == body["measured"]["iteration_ms"]
+    assert report.measured[0].compute_ms == body["measured"]["stages"][0]["compute_ms"]
+    assert report.events.values.tolist() == body["events"]
+    assert report.losses == ((1, 2.5), (2, 2.25))
+
+
+# ---------------------------------------------------------------- the simulator played back
+
+
+def reshaped(plan: Plan, profile: Profile, shape: list[tuple[int, int, int, bool]]) -> Plan:
+    """`plan` with stages `shape` (start, stop, replicas, recompute), their terms from the cost model
+    and the simulated iteration as the prediction (as `partition` states them)."""
+    inputs = plan_cost_inputs(profile, plan)
+    stages = tuple(
+        StagePlan(start, stop, profile.layers[start].name, profile.layers[stop - 1].name, replicas,
+                  tuple(range(first, first + replicas)), recompute, cost.compute_s * 1e3,
+                  max(cost.comm_in_s, cost.comm_out_s) * 1e3, cost.allreduce_s * 1e3, cost.period_s * 1e3,
+                  int(cost.memory_bytes))
+        for (start, stop, replicas, recompute), cost, first in zip(shape, stage_costs(inputs, shape),
+                                                                   first_ranks(inputs, shape)))
+    new = dataclasses.replace(plan, stages=stages)
+    iteration_s = simulate(new, profile).iteration_s()
+    predicted = dataclasses.replace(plan.predicted, iteration_ms=iteration_s * 1e3,
+                                    samples_per_s=samples_per_s(inputs, iteration_s, plan.microbatch_size))
+    return dataclasses.replace(new, predicted=predicted)
+
+
+SHAPES = {
+    "1f1b-straight": ("1f1b", 4, [(0, 3, 1, False), (3, 6, 1, False), (6, 9, 1, False), (9, 13, 1, False)]),
+    "gpipe-2-1-recompute": ("gpipe", 3, [(0, 5, 2, True), (5, 13, 1, False)]),
+    "1f1b-1-2": ("1f1b", 3, [(0, 7, 1, False), (7, 13, 2, True)]),
+    "pipedream-straight": ("pipedream", 3, [(0, 4, 1, False), (4, 8, 1, False), (8, 13, 1, False)]),
+    "pipedream-2-1": ("pipedream", 3, [(0, 6, 2, False), (6, 13, 1, False)]),
+}
+
+
+@pytest.fixture(scope="module")
+def mlp() -> Profile:
+    return load_profile(REPO / "profiles" / "mlp.json")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_a_run_that_went_as_simulated_measures_what_was_predicted(mlp: Profile, name: str) -> None:
+    schedule, gpus, shape = SHAPES[name]
+    base = partition(mlp, make_cluster(gpus, None, ["1GB/s"]), schedule=schedule,
+                     microbatches=6 if schedule != "pipedream" else "auto")
+    plan = reshaped(base, mlp, shape)
+    timeline = simulate(plan, mlp)
+    offsets = {rank: 1000.0 * rank - 3.7 for rank in range(gpus)}
+    batch = timeline.microbatches * plan.microbatch_size
+    body = build_run_report(plan, replay_timeline(timeline, 3, clock_offsets_s=offsets), batch_size=batch, losses=[])
+    assert body["ratios"]["iteration_ms"] == pytest.approx(1.0, rel=1e-6)
+    assert body["ratios"]["samples_per_s"] == pytest.approx(1.0, rel=1e-6)
+    assert body["measured"]["steps"] == 2
+    scale = plan.microbatch_size / mlp.batch_size
+    bubbles = timeline.bubble_fraction()
+    for index, (found, stage) in enumerate(zip(body["measured"]["stages"], plan.stages)):
+        layers = mlp.layers[stage.start:stage.stop]
+        fwd_ms = scale * sum(layer.fwd_ms for layer in layers)
+        both_ms = scale * sum(layer.fwd_ms + layer.bwd_ms for layer in layers)
+        assert found["forward_ms"] == pytest.approx(fwd_ms, rel=1e-6)
+        assert found["compute_ms"] == pytest.approx(both_ms + (fwd_ms if stage.recompute else 0.0), rel=1e-6)
+        assert body["ratios"]["stages"][index]["compute_ms"] == pytest.approx(1.0, rel=1e-6)
+        assert found["comm_ms"] == pytest.approx(stage.comm_ms, rel=1e-6)
+        assert found["allreduce_each_ms"] == pytest.approx(stage.allreduce_ms, rel=1e-6)
+        assert (found["allreduce_ms"] > 0) == (stage.replicas > 1)
+        if schedule != "pipedream":  # the simulator's idle share: not computing nor all-reducing
+            assert found["idle_fraction"] == pytest.approx(float(bubbles[list(stage.ranks)].mean()), rel=1e-6)
+    def ordered(rows: list[list[Any]]) -> list[list[Any]]:
+        return sorted(rows, key=lambda row: (tuple(row[:7]), row[7]))
+
+    found, expected = ordered(body["events"]), ordered(timeline.events.values.tolist())
+    assert [row[:7] for row in found] == [row[:7] for row in expected]
+    assert [t for row in found for t in row[7:]] == pytest.approx([t for row in expected for t in row[7:]], abs=1e-9)
+
+
+# ---------------------------------------------------------------- gathering under torchrun
+
+
+class FakeEngine(SimpleNamespace):
+    """What rank_trace reads of an Engine."""
+
+
+def worker(out: Path) -> None:
+    """On every rank: an engine-like object holding this rank's hand-made trace (times on the
+    common clock, as the same machine's ranks share perf_counter), then save_run_report."""
+    from runtime.engine import init_distributed
+
+    rank, _, device = init_distributed("gloo")
+    mine = hand_made_traces({0: 0.0, 1: 0.0})[rank]
+    engine = FakeEngine(rank=rank, stage=mine.stage, replica=mine.replica, microbatches=mine.microbatches,
+                        schedule=SimpleNamespace(name=mine.schedule), trace=list(mine.ops),
+                        step_spans=list(mine.step_spans), device=device)
+    losses = [(1, 2.5), (2, 2.25)] if rank == 1 else []  # only the last stage knows the loss
+    written = save_run_report(engine, hand_made_plan(), out / "run.json", batch_size=BATCH, losses=losses)
+    (out / f"rank{rank}.json").write_text(json.dumps({"returned": None if written is None else str(written)}))
+    train_the_mlp(out)
+
+
+def train_the_mlp(out: Path) -> None:
+    """On every rank: 4 steps of the real engine on hand_made_plan's mlp, then its report as engine.json."""
+    import torch
+
+    from planner.model_file import load_model_file
+    from runtime.engine import Engine
+
+    example = load_model_file(REPO / "examples" / "mlp.py")
+    torch.manual_seed(0)
+    model = example.build_model()
+    torch.manual_seed(1)
+    inputs, target = example.example_batch(BATCH)
+    plan = hand_made_plan()
+    with Engine.from_plan(model, plan, optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+                          loss_fn=example.loss_fn) as engine:
+        losses = []
+        for step in range(4):
+            loss = engine.train_step(inputs, target)
+            if loss is not None:
+                losses.append((step, loss))
+        save_run_report(engine, plan, out / "engine.json", batch_size=BATCH, losses=losses, plan_path="mlp.plan")
+
+
+def test_save_run_report_gathers_every_rank_under_torchrun(tmp_path: Path, body: dict[str, Any]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               str(tmp_path)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"returned": str(tmp_path / "run.json")}
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"returned": None}
+    written = json.loads((tmp_path / "run.json").read_text())
+    measured = written["measured"]
+    assert [r["rank"] for r in measured["ranks"]] == [0, 1]
+    assert {r["hostname"] for r in measured["ranks"]} == {socket.gethostname()}
+    assert written["losses"] == [[1, 2.5], [2, 2.25]]
+    assert written["meta"]["backend"] == "gloo" and written["meta"]["world_size"] == 2
+    assert written["meta"]["hosts"] == [socket.gethostname()]
+    # the ranks measured their real clock offsets (equal to within clock jitter on one machine)
+    assert measured["step_times_ms"] == pytest.approx(body["measured"]["step_times_ms"], abs=0.05)
+    for found, expected in zip(measured["stages"], body["measured"]["stages"]):
+        assert found["compute_ms"] == pytest.approx(expected["compute_ms"], abs=1e-6)
+        assert found["idle_ms"] == pytest.approx(expected["idle_ms"], abs=0.05)
+    assert len(written["events"]) == len(body["events"])
+    assert all(math.isclose(a[7], b[7], abs_tol=5e-5) for a, b in zip(written["events"], body["events"]))
+    check_engine_report(load_run_report(tmp_path / "engine.json"))
+
+
+def check_engine_report(report: Any) -> None:
+    """The report of 4 real gpipe steps of 2 microbatches on 2 ranks (1 warm-up): consistent, if not predictable, times."""
+    assert (report.steps, report.microbatches, report.plan_path) == (3, 2, "mlp.plan")
+    assert [step for step, _ in report.losses] == [0, 1, 2, 3]
+    assert report.iteration_ms == pytest.approx(sorted(report.step_times_ms)[1])
+    for stage in report.measured:
+        assert stage.forward_ms > 0 and stage.backward_ms > 0 and stage.step_ms > 0
+        assert stage.compute_ms == pytest.approx(stage.forward_ms + stage.backward_ms)
+        assert 0 < stage.busy_ms < report.iteration_ms * 1.5 and 0 <= stage.idle_fraction < 1
+    events = report.events
+    counts = events.groupby(["rank", "op"]).size().to_dict()
+    assert counts == {(0, "forward"): 2, (0, "backward"): 2, (0, "send_activation"): 2, (0, "step"): 1,
+                      (1, "forward"): 2, (1, "backward"): 2, (1, "send_gradient"): 2, (1, "step"): 1}
+    assert (events["end_s"] >= events["start_s"]).all() and events["start_s"].min() >= 0
+    step_ms = max(report.step_times_ms)
+    assert events["end_s"].max() * 1000.0 <= step_ms + 1.0  # a transfer may end just after its sender's step
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

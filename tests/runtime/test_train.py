@@ -1,0 +1,314 @@
+"""`python -m runtime.train` under torchrun on CPU: checks before work, checkpoints and resume, exported weights
+equal to single-device training, re-partitioned resume, and ranks that die or freeze."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from planner.cluster import make_cluster
+from planner.model_file import default_loss
+from planner.partition import partition
+from planner.plan import Plan
+from planner.profile import load_profile
+from runtime.checkpoint import export_checkpoint, latest_complete
+from runtime.train import parse_args
+from runtime_examples import model_file
+
+REPO = Path(__file__).resolve().parents[2]
+MICROBATCH = 64  # samples: mlp steps of about 0.2 s, slow enough to kill a job between two checkpoints
+
+
+def mlp_plan(replicas: tuple[int, ...] = (1, 1), split: int | None = None) -> Plan:
+    """The planner's straight 2-stage mlp plan with 1f1b and 4 microbatches, replicated as asked,
+    optionally cut before layer `split` instead."""
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True,
+                     schedule="1f1b", microbatches=4)
+    first, second = plan.stages
+    if split is not None:
+        names = [layer.name for layer in load_profile(REPO / "profiles" / "mlp.json").layers]
+        first = dataclasses.replace(first, stop=split, last_layer=names[split - 1])
+        second = dataclasses.replace(second, start=split, first_layer=names[split])
+    first = dataclasses.replace(first, replicas=replicas[0], ranks=tuple(range(replicas[0])))
+    second = dataclasses.replace(second, replicas=replicas[1],
+                                 ranks=tuple(range(replicas[0], replicas[0] + replicas[1])))
+    return dataclasses.replace(plan, stages=(first, second))
+
+
+def command(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "runtime.train", *args]
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def run(nproc: int, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(command(nproc, *args), capture_output=True, text=True, timeout=timeout_s,
+                          env=environment(), cwd=REPO)
+
+
+def start(nproc: int, *args: str) -> subprocess.Popen:
+    """The job in its own session (so the test can kill all of it); output in files next to the checkpoints."""
+    return subprocess.Popen(command(nproc, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment(), cwd=REPO, start_new_session=True)
+
+
+def losses(report: Path) -> dict[int, float]:
+    return {int(step): loss for step, loss in json.loads(report.read_text())["losses"]}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: rank")]
+
+
+def worker_pid(launcher: int, rank: int) -> int:
+    """The pid of torchrun's worker process of `rank` (from /proc: its parent and RANK variable)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            variables = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in variables:
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker (torchrun starts each worker in a session of its own)."""
+    workers = []
+    for rank in range(8):
+        try:
+            workers.append(worker_pid(job.pid, rank))
+        except AssertionError:
+            pass
+    for pid in (job.pid, *workers):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.communicate()
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("plans")
+    made = {"mlp-1-1": mlp_plan(), "mlp-2-1": mlp_plan((2, 1), split=4),
+            "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True)}
+    return {name: plan.save(folder / f"{name}.json") for name, plan in made.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """10 steps of the 2-rank mlp plan with a checkpoint every 2 steps (kept: all); returns its folder."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    finished = run(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "10", "--microbatch-size",
+                   str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(out / "checkpoints"),
+                   "--checkpoint-every", "2", "--keep", "10", "--report", str(out / "report.json"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return out
+
+
+def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> None:
+    """The checkpoint of step 10, exported to one state_dict, equals 10 SGD steps on one device on the
+    model file's data_loader batches (8 a epoch: the second epoch is reshuffled)."""
+    source = model_file("mlp")
+    torch.manual_seed(0)
+    model = source.build_model()
+    loader = source.data_loader(4 * MICROBATCH)
+    batches = [*loader, *loader][:10]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    expected_losses = []
+    for inputs, target in batches:
+        loss = default_loss(model(inputs), target)
+        expected_losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    exported = export_checkpoint(uninterrupted / "checkpoints")
+    fresh = source.build_model()
+    fresh.load_state_dict(exported)  # strict: every name of the model, nothing else
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    measured = losses(uninterrupted / "report.json")
+    assert list(measured) == list(range(1, 11))
+    torch.testing.assert_close(list(measured.values()), expected_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_killed_job_resumes_with_the_same_losses(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
+    """SIGKILL the whole job after its first checkpoint; --resume continues from the newest complete one,
+    and every later step's loss equals the uninterrupted run's (same seed, deterministic CPU ops)."""
+    folder = tmp_path / "checkpoints"
+    job = start(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "1000", "--microbatch-size",
+                str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(folder), "--checkpoint-every", "2")
+    try:
+        wait_for(lambda: latest_complete(folder) is not None or job.poll() is not None, 120, "a checkpoint")
+    finally:
+        kill_job(job)
+    found = latest_complete(folder)
+    assert found is not None and found.step <= 8, found
+    resumed = run(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", str(found.step + 2),
+                  "--microbatch-size", str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(folder),
+                  "--resume", "--report", str(tmp_path / "report.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {found.path} (step {found.step})" in resumed.stdout
+    after = losses(tmp_path / "report.json")
+    reference = losses(uninterrupted / "report.json")
+    assert list(after) == [found.step + 1, found.step + 2]
+    assert after == {step: reference[step] for step in after}  # bit for bit
+
+
+def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
+    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 plan cut elsewhere:
+    the weights and SGD momentum are re-split by name, so the losses follow the uninterrupted run."""
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints" / "step-00000006", folder / "step-00000006")
+    resumed = run(3, "examples/mlp.py", "--plan", str(plans["mlp-2-1"]), "--steps", "8", "--microbatch-size",
+                  str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(folder), "--resume",
+                  "--report", str(tmp_path / "report.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "made with another plan" in resumed.stdout
+    after = losses(tmp_path / "report.json")
+    reference = losses(uninterrupted / "report.json")
+    assert list(after) == [7, 8]
+    torch.testing.assert_close([after[7], after[8]], [reference[7], reference[8]], rtol=1e-5, atol=1e-6)
+    assert latest_complete(folder).step == 8
+
+
+def test_a_killed_rank_ends_the_job_naming_it_and_the_checkpoint(plans: dict[str, Path], tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    job = start(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "1000", "--microbatch-size",
+                str(MICROBATCH), "--checkpoint-dir", str(folder), "--checkpoint-every", "2", "--timeout", "30")
+    try:
+        wait_for(lambda: latest_complete(folder) is not None or job.poll() is not None, 120, "a checkpoint")
+        os.kill(worker_pid(job.pid, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert job.returncode != 0
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: training stopped after step "), stderr[-3000:]
+    assert "rank 1 exited" in lines[0], lines[0]
+    newest = latest_complete(folder)
+    assert newest is not None and f"the last complete checkpoint is {newest.path}" in lines[0], lines[0]
+    assert elapsed < 30, elapsed  # well within --timeout: a dead process is seen at once
+
+
+def test_a_frozen_rank_is_named_after_the_timeout(plans: dict[str, Path], tmp_path: Path) -> None:
+    """A rank that stops (SIGSTOP) neither exits nor answers: the heartbeat names it after --timeout."""
+    job = start(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "1000", "--microbatch-size",
+                str(MICROBATCH), "--timeout", "4", "--log-every", "1")
+    frozen = None
+    try:
+        assert job.stdout is not None
+        assert job.stdout.readline().startswith("step 1/1000"), "the job did not start"
+        frozen = worker_pid(job.pid, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: job.poll() is not None or not _running(job.pid, 0), 60, "rank 0 to give up")
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        os.kill(job.pid, signal.SIGKILL)
+        _, stderr = job.communicate()
+    lines = error_lines(stderr)
+    assert lines and lines[0].startswith("error: rank 0: training stopped after step "), stderr[-3000:]
+    assert "rank 1 stopped answering" in lines[0] and "no checkpoint was written" in lines[0], lines[0]
+    assert 4 <= elapsed < 30, elapsed
+
+
+def _running(launcher: int, rank: int) -> bool:
+    try:
+        worker_pid(launcher, rank)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_world_size_mismatch_is_one_line_on_every_rank(plans: dict[str, Path]) -> None:
+    finished = run(2, "examples/mlp.py", "--plan", str(plans["mlp-2-1"]), "--steps", "1", timeout_s=120)
+    assert finished.returncode != 0
+    lines = sorted(error_lines(finished.stderr))
+    assert [line.split(":")[1] for line in lines] == [" rank 0", " rank 1"], finished.stderr[-3000:]
+    assert all("has 3 ranks (2 stages) but the job has 2 processes" in line and "--nproc-per-node 3" in line
+               for line in lines)
+    assert f'File "{REPO / "runtime"}' not in finished.stderr  # torchrun's own report aside, no traceback of ours
+
+
+def test_a_failed_checkpoint_stops_every_rank_and_keeps_the_previous(plans: dict[str, Path], tmp_path: Path) -> None:
+    """The folder of step 4 cannot be made (a file is in its way): both ranks stop with one line, and
+    the step-2 checkpoint stays complete."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step-00000004").write_text("in the way")
+    finished = run(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "6",
+                   "--checkpoint-dir", str(folder), "--checkpoint-every", "2")
+    assert finished.returncode != 0
+    lines = error_lines(finished.stderr)
+    assert len(lines) == 2, finished.stderr[-3000:]
+    assert all("checkpoint of step 4 failed" in line and "step-00000002 is intact" in line for line in lines), lines
+    assert latest_complete(folder).step == 2
+
+
+def single_rank(args: list[str], **variables: str) -> subprocess.CompletedProcess:
+    """runtime.train in one process with torchrun's variables set by hand (its checks run before any
+    process group is made)."""
+    env = {**environment(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1", **variables}
+    return subprocess.run([sys.executable, "-m", "runtime.train", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["examples/gpt.py"], "does not match the plan"),
+    (["examples/mlp.py", "--backend", "nccl"], "--backend nccl needs CUDA devices"),
+    (["examples/mlp.py", "--resume"], "--resume needs --checkpoint-dir DIR"),
+    (["examples/gpt.py", "--data", "loader", "--plan", "{gpt}"], "has no data_loader(batch_size)"),
+    (["examples/mlp.py", "--checkpoint-dir", "{plan}/sub"], "cannot be written"),
+])
+def test_bad_setups_are_one_line(plans: dict[str, Path], args: list[str], expected: str) -> None:
+    plan = str(plans["mlp-1-1"])
+    finished = single_rank(["--plan", plan] + [arg.format(plan=plan, gpt=plans["gpt-1-1"]) for arg in args])
+    assert finished.returncode == 1
+    assert finished.stderr.count("\n") == 1 and finished.stderr.startswith("error: rank 0: "), finished.stderr
+    assert expected in finished.stderr
+
+
+def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path]) -> None:
+    env = {name: value for name, value in environment().items() if name not in ("RANK", "WORLD_SIZE")}
+    finished = subprocess.run([sys.executable, "-m", "runtime.train", "examples/mlp.py", "--plan",
+                               str(plans["mlp-1-1"])], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert finished.returncode == 1
+    assert "not started by torchrun" in finished.stderr and "planner train" in finished.stderr
+
+
+def test_options() -> None:
+    options = parse_args(["m.py", "--plan", "p.json", "--steps", "5", "--timeout", "60", "--checkpoint-dir", "c",
+                          "--resume"])
+    assert (options.steps, options.timeout_s, options.checkpoint_dir, options.resume) == (5, 60.0, "c", True)
