@@ -175,7 +175,8 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 def _say_error(rank: str | int, message: str) -> None:
     text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
-    print(f"error: rank {rank}: {text}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: rank {rank}: {text}\n")  # one write: the ranks share torchrun's stderr
+    sys.stderr.flush()
 
 
 # --- checks before any work ---------------------------------------------------------------------
@@ -488,10 +489,8 @@ def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest
             verdict[0] = f"rank 0: {exc}"
     with _collective(engine, "the checkpoint's broadcast"):
         dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        previous = latest_complete(root)
-        kept = f"the last complete checkpoint {previous.path} is intact" if previous else "no earlier checkpoint exists"
-        raise TrainingError(f"checkpoint of step {step} failed: {verdict[0]}; {kept}")
+    if verdict[0] is not None:  # the CheckpointError says which complete checkpoint is intact
+        raise TrainingError(f"checkpoint of step {step} failed: {verdict[0]}")
 
 
 # --- the end --------------------------------------------------------------------------------------

@@ -272,7 +272,8 @@ def test_a_failed_checkpoint_stops_every_rank_and_keeps_the_previous(plans: dict
     assert finished.returncode != 0
     lines = error_lines(finished.stderr)
     assert len(lines) == 2, finished.stderr[-3000:]
-    assert all("checkpoint of step 4 failed" in line and "step-00000002 is intact" in line for line in lines), lines
+    assert all("checkpoint of step 4 failed" in line and "step-00000002 (step 2) is intact" in line
+               for line in lines), lines
     assert latest_complete(folder).step == 2
 
 
