@@ -20,7 +20,9 @@ Schema (format "pipeline-planner/run-report", version 1):
 - `meta`: as the caller gives it (backend, device, torch version, threads, hosts; `run_meta`).
 - `measured`: `steps` (measured: after the warm-up, with op timings), `warmup_steps`, `batch_size`
   (samples per train_step), `microbatches` (per train_step, as the engine ran), `microbatch_size`
-  (batch_size / microbatches, samples), `step_times_ms` (each measured step's time),
+  (batch_size / microbatches, samples), `step_times_ms` (each measured step's time: from its
+  first rank's start, or the previous step's last end if that is later, to its last rank's end;
+  what the loop does between steps is not counted),
   `train_step_ms` (their median), `iteration_ms` (the quantity the plan's `iteration_ms` states:
   flush schedules, the median step time; pipedream, the median over steps of the steady-state
   time per microbatch, read off the first stage's backwards as `simulator.Timeline.iteration_s`
@@ -172,11 +174,15 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
     if not measured_steps:
         raise RunReportError(f"none of the {count - warmup_steps} steps after the warm-up has op timings on every "
                              "rank (the engine keeps those of its last trace_steps steps): gather right after training")
-    step_s = {k: ends[k] - starts[k] for k in measured_steps}
+    # a step runs from its first start to its last end, but not from before the previous step's last
+    # end: the last stage enters step k while the first still finishes step k - 1, and counting that
+    # overlap twice made steps read up to 8% long
+    origins = [max(starts[k], ends[k - 1]) if k > 0 else starts[k] for k in range(count)]
+    step_s = {k: ends[k] - origins[k] for k in measured_steps}
     ops = _ops_by_rank_and_step(traces)
 
     def step_events(k: int) -> pd.DataFrame:
-        return _events(traces, ops, k, starts[k], shift)
+        return _events(traces, ops, k, origins[k], shift)
 
     pipedream = plan.schedule == "pipedream"
     microbatch_size = batch_size / microbatches
