@@ -146,6 +146,29 @@ def train(model_path: Path, plan: Plan, plan_path: Path, report_path: Path, step
     return load_run_report(report_path), wall_s
 
 
+@dataclass(frozen=True)
+class Trained:
+    """One plan made and trained: its file, its report, and the figures read off the report."""
+
+    plan: Plan
+    plan_path: Path
+    report: RunReport
+    figures: RunFigures
+
+
+def plan_and_train(folder: Path, stem: str, model_path: Path, profile: Profile, profile_path: Path, schedule: str,
+                   bandwidth_Bps: float, steps: int) -> Trained:
+    """Plan `profile` for `schedule`, train the plan with runtime.train, and say how it went."""
+    plan = make_plan(profile, profile_path, schedule, bandwidth_Bps)
+    plan_path = folder / f"{stem}.plan.json"
+    plan.save(plan_path)
+    report, wall_s = train(model_path, plan, plan_path, folder / f"{stem}.report.json", steps)
+    found = figures(plan, profile, report, wall_s)
+    say(f"{stem}: cut {found.cut}, predicted {found.predicted_ms:.1f} ms, measured {found.measured_ms:.1f} ms "
+        f"({found.ratio:.2f}), {wall_s:.0f} s")
+    return Trained(plan, plan_path, report, found)
+
+
 def figures(plan: Plan, profile: Profile, report: RunReport, wall_s: float) -> RunFigures:
     """What the table shows of one run: the report against the plan, the simulated idle shares."""
     table = comparison_table(report, simulate(plan, profile))
@@ -185,26 +208,15 @@ def run_example(name: str, schedules: Sequence[str], steps: int, bandwidth_Bps: 
     profile.save(profile_path)
     rows = []
     for schedule in schedules:
-        plan_path = folder / f"{name}.{schedule}.plan.json"
-        plan = make_plan(profile, profile_path, schedule, bandwidth_Bps)
-        plan.save(plan_path)
-        report_path = folder / f"{name}.{schedule}.report.json"
-        report, wall_s = train(model_path, plan, plan_path, report_path, steps)
-        before = figures(plan, profile, report, wall_s)
-        say(f"{name} {schedule}: cut {before.cut}, predicted {before.predicted_ms:.1f} ms, measured "
-            f"{before.measured_ms:.1f} ms ({before.ratio:.2f}), {wall_s:.0f} s")
-
-        calibrated = calibrate_profile(profile, plan, report, str(plan_path), str(profile_path))
+        before = plan_and_train(folder, f"{name}.{schedule}", model_path, profile, profile_path, schedule,
+                                bandwidth_Bps, steps)
+        plan, report = before.plan, before.report
+        calibrated = calibrate_profile(profile, plan, report, str(before.plan_path), str(profile_path))
         calibrated_path = folder / f"{name}.{schedule}.calibrated.profile.json"
         calibrated.save(calibrated_path)
-        plan_after = make_plan(calibrated, calibrated_path, schedule, bandwidth_Bps)
-        plan_after_path = folder / f"{name}.{schedule}.calibrated.plan.json"
-        plan_after.save(plan_after_path)
-        report_after_path = folder / f"{name}.{schedule}.calibrated.report.json"
-        report_after, wall_after_s = train(model_path, plan_after, plan_after_path, report_after_path, steps)
-        after = figures(plan_after, calibrated, report_after, wall_after_s)
-        say(f"{name} {schedule} calibrated: cut {after.cut}, predicted {after.predicted_ms:.1f} ms, measured "
-            f"{after.measured_ms:.1f} ms ({after.ratio:.2f}), {wall_after_s:.0f} s")
+        after = plan_and_train(folder, f"{name}.{schedule}.calibrated", model_path, calibrated, calibrated_path,
+                               schedule, bandwidth_Bps, steps)
+        before, after = before.figures, after.figures
         rows.append(Row(name, schedule, microbatch_size, before, after))
     return rows
 

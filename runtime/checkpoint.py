@@ -34,6 +34,7 @@ from torch import nn
 from planner.errors import FileFormatError, FileProblemError
 from planner.fileformat import read_versioned_json
 from planner.version import __version__
+from runtime.nested import map_tensors
 
 __all__ = [
     "MANIFEST_FORMAT", "MANIFEST_VERSION", "STAGE_FORMAT", "STAGE_VERSION", "Checkpoint", "CheckpointError",
@@ -114,8 +115,8 @@ def save_stage(root: str | Path, step: int, stage: int, *, model_state: dict[str
     _check_safe(path, "meta", meta)
     payload = {
         "format": STAGE_FORMAT, "version": STAGE_VERSION, "step": step, "stage": stage,
-        "plan_digest": plan_digest, "model_state": _to_cpu(model_state),
-        "optimizer_state": _to_cpu(optimizer_state), "rng_state": _to_cpu(rng_state), "meta": meta,
+        "plan_digest": plan_digest, "model_state": _on_cpu(model_state),
+        "optimizer_state": _on_cpu(optimizer_state), "rng_state": _on_cpu(rng_state), "meta": meta,
     }
     _make_step_dir(root, folder)
     return _write_atomically(path, lambda handle: torch.save(payload, handle), root)
@@ -274,15 +275,9 @@ def _check_safe(path: Path, what: str, value: Any, where: str = "") -> None:
         )
 
 
-def _to_cpu(value: Any) -> Any:
+def _on_cpu(value: Any) -> Any:
     """`value` with every tensor detached and on the CPU (the same tensor when it already is)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value
+    return map_tensors(lambda tensor: tensor.detach().cpu(), value)
 
 
 def _sha256(path: Path) -> str:
@@ -595,7 +590,8 @@ def load_named_optimizer_state(optimizer: torch.optim.Optimizer,
                     )
             known = next((name for name in all_names if name in saved_state), None)
             if known is not None:
-                torch_state[index] = _copy_state(saved_state[known])
+                # fresh tensors: the optimizer updates them in place, and tied names must not share them
+                torch_state[index] = map_tensors(lambda t: t.detach().clone(), saved_state[known])
             grouped = next((name for name in all_names if name in saved_group_of), None)
             if grouped is not None:
                 sources.append((grouped, saved_group_of[grouped]))
@@ -617,22 +613,6 @@ def _hyper_parameters(sources: list[tuple[str, dict[str, Any]]], source: str | P
                 "with different hyper-parameters", "put them in separate param groups, as when saved",
             )
     return chosen
-
-
-def _copy_state(values: dict[str, Any]) -> dict[str, Any]:
-    """A copy of one parameter's state with fresh tensors (the optimizer updates them in place)."""
-    return {key: _clone(value) for key, value in values.items()}
-
-
-def _clone(value: Any) -> Any:
-    """Deep copy of tensors in a state value."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {key: _clone(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(item) for item in value)
-    return value
 
 
 def _names_by_id(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> dict[int, list[str]]:

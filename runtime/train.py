@@ -46,7 +46,7 @@ from planner.model_file import ModelFile, build_checked_model, load_model_file
 from planner.plan import Plan, load_plan, plan_digest
 from planner.profile import load_profile
 from runtime.checkpoint import (
-    CheckpointError, check_writable, latest_complete, load_stage, named_optimizer_state, optimizer_state_of,
+    Checkpoint, CheckpointError, check_writable, latest_complete, load_stage, named_optimizer_state, optimizer_state_of,
     load_named_optimizer_state, export_checkpoint, prune, save_stage, write_manifest,
 )
 from runtime.engine import Engine, EngineError
@@ -301,13 +301,15 @@ def train(options: TrainOptions, setup: Setup) -> None:
     """Restore (--resume), build the engine, run the steps with checkpoints, then write the report."""
     plan, rank = setup.plan, setup.rank
     digest = plan_digest(plan)
-    start_step = _restore_weights(options, setup, digest)
+    resumed = _restore_weights(options, setup, digest)
+    start_step = resumed.step if resumed is not None else 0
     lr = options.lr if options.lr is not None else DEFAULT_LR[setup.optimizer]
     engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
                               device=setup.device, timeout_s=options.timeout_s)
-    if start_step:
-        _restore_stage(options, engine, setup)
+    if resumed is not None and engine.optimizer is not None:  # this stage's optimizer state, by parameter name
+        load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
+                                   optimizer_state_of(resumed.path))
     last_rank = plan.stages[-1].ranks[0]
     losses: list[tuple[int, float]] = []
     log = _Progress(rank == 0, options.steps, setup.batch_size, options.log_every, start_step)
@@ -427,16 +429,16 @@ def _latest_loss(engine: Engine, losses: list[tuple[int, float]], last_rank: int
 # --- checkpoints ---------------------------------------------------------------------------------
 
 
-def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> int:
+def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> Checkpoint | None:
     """With --resume: load the newest complete checkpoint's weights into the whole model and its RNG
-    state; returns its step (0 when there is none)."""
+    state; returns that checkpoint (None when there is none)."""
     if not options.resume:
-        return 0
+        return None
     found = latest_complete(options.checkpoint_dir)
     if found is None:
         if setup.rank == 0:
             print(f"no complete checkpoint in {options.checkpoint_dir}: starting from step 0", flush=True)
-        return 0
+        return None
     state = export_checkpoint(found.path)
     missing, unexpected = setup.model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -448,16 +450,7 @@ def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> int:
         print(f"resuming from {found.path} (step {found.step})"
               + ("" if same else ", made with another plan: weights and optimizer state re-split for this one"),
               flush=True)
-    return found.step
-
-
-def _restore_stage(options: TrainOptions, engine: Engine, setup: Setup) -> None:
-    """This stage's optimizer state from the newest complete checkpoint (by parameter name)."""
-    found = latest_complete(options.checkpoint_dir)
-    assert found is not None  # _restore_weights found it
-    if engine.optimizer is not None:
-        load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
-                                   optimizer_state_of(found.path))
+    return found
 
 
 def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest: str) -> None:
