@@ -16,7 +16,9 @@ install() {
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
     # constraints.txt pins torch==2.13.0 and everything else the tests were run with
     echo "installing into $VENV (log: $VENV/install.log) ..." >&2
-    if ! "$VENV/bin/python" -m pip install -c constraints.txt -e '.[dev]' >"$VENV/install.log" 2>&1; then
+    # DeepSpeed builds against the torch already installed (--no-build-isolation), so it comes second
+    if ! { "$VENV/bin/python" -m pip install -c constraints.txt -e '.[dev]' &&
+           "$VENV/bin/python" -m pip install -c constraints.txt --no-build-isolation deepspeed; } >"$VENV/install.log" 2>&1; then
       tail -20 "$VENV/install.log" >&2
       echo "error: installing the project failed; the whole log is in $VENV/install.log" >&2
       exit 1

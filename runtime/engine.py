@@ -178,14 +178,19 @@ class Engine:
     @classmethod
     def from_plan(cls, model: nn.Module, plan: Any, *, optimizer: OptimizerFactory | None = None,
                   loss_fn: LossFn | None = None, microbatches: int | None = None,
-                  device: torch.device | str | None = None, timeout_s: float = 300.0) -> "Engine":
-        """This rank's engine for `plan`'s stages of `model`, schedule, microbatches, ranks and recompute flags."""
+                  device: torch.device | str | None = None, timeout_s: float = 300.0,
+                  example_inputs: Any = None) -> "Engine":
+        """This rank's engine for `plan`'s stages of `model`, schedule, microbatches, ranks and recompute flags.
+
+        `example_inputs`: one microbatch of the model's inputs, for models torch.fx cannot trace
+        (`runtime.stages.build_stages`).
+        """
         needed = sum(stage.replicas for stage in plan.stages)
         world = dist.get_world_size() if dist.is_initialized() else None
         if world is not None and world != needed:
             raise EngineError(f"the plan has {needed} ranks but the job has {world} processes: "
                               f"launch with torchrun --nproc-per-node {needed} (or make a plan for {world} GPUs)")
-        return cls(build_stages(model, plan), plan.schedule, [stage.ranks for stage in plan.stages],
+        return cls(build_stages(model, plan, example_inputs), plan.schedule, [stage.ranks for stage in plan.stages],
                    microbatches or plan.microbatches or 1, checkpoint=[stage.recompute for stage in plan.stages],
                    optimizer=optimizer, loss_fn=loss_fn, device=device, timeout_s=timeout_s)
 

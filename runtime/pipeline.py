@@ -239,8 +239,13 @@ class Pipeline:
 
     @classmethod
     def from_plan(cls, model: nn.Module, plan: Any, devices: Sequence[torch.device | str] | None = None,
-                  microbatches: int | None = None, loss_fn: LossFn | None = None) -> "Pipeline":
-        """A pipeline of `plan`'s stages of `model` with the plan's schedule, microbatches and recompute flags."""
+                  microbatches: int | None = None, loss_fn: LossFn | None = None,
+                  example_inputs: Any = None) -> "Pipeline":
+        """A pipeline of `plan`'s stages of `model` with the plan's schedule, microbatches and recompute flags.
+
+        `example_inputs`: one microbatch of the model's inputs, for models torch.fx cannot trace
+        (`runtime.stages.build_stages`).
+        """
         replicated = [index for index, stage in enumerate(plan.stages) if stage.replicas > 1]
         if replicated:
             first = replicated[0]
@@ -249,7 +254,7 @@ class Pipeline:
                 "runs one replica per stage; replicated stages need the distributed engine", stage=first)
         _check_schedule(plan.schedule)
         count = microbatches or plan.microbatches or 1
-        return cls(build_stages(model, plan), devices, plan.schedule, count,
+        return cls(build_stages(model, plan, example_inputs), devices, plan.schedule, count,
                    [stage.recompute for stage in plan.stages], loss_fn)
 
     def _check_shared_devices(self) -> None:

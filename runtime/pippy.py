@@ -1,7 +1,9 @@
 """A plan's stages under torch.distributed.pipelining: this rank's PipelineStage, its schedule, and gradient sync.
 
 `build(model, plan, example_microbatch)` splits the model with `runtime.stages.build_stages`
-(torch.fx, so also models torch.export cannot trace), wraps this rank's stage in a manual
+(nn.Sequential slices, torch.fx, or torch.export at the example microbatch for models torch.fx
+cannot trace: not torch.distributed.pipelining's own `pipeline()`, which fails on models whose
+export lifts buffers and constants, such as Llama's rotary tables), wraps this rank's stage in a manual
 `torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
 (`planner.export.PIPPY_SCHEDULE_CLASSES`). The plan must be exportable
 (`planner.export.data_parallel_degree`): gpipe or 1f1b, every stage on R ranks. Pipeline k is
@@ -165,7 +167,7 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
         raise PippyError(f"the plan has {settings.world_size} ranks ({settings.num_stages} stages x "
                          f"{settings.replicas} replicas) but the job has {world} processes: launch with "
                          f"torchrun --nproc-per-node {settings.world_size} (or make a plan for {world} GPUs)")
-    stages = build_stages(model, plan)
+    stages = build_stages(model, plan, example_microbatch)
     if example_microbatch is not None:
         _check_boundaries(stages, example_microbatch)
     replica, stage_index = next((k, s) for k, ranks in enumerate(settings.ranks) for s, r in enumerate(ranks)

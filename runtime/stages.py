@@ -1,4 +1,4 @@
-"""Splits a model into the pipeline stages of a plan: nn.Sequential slices, or torch.fx graphs otherwise."""
+"""Splits a model into the pipeline stages of a plan: nn.Sequential slices, torch.fx graphs, or torch.export graphs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from runtime.export_split import ExportFailure, ShapeGuard, capture, first_nodes
 
 __all__ = [
     "StageModule", "StageSplitError", "SharedParameter", "StageSignature", "ValueSpec", "Stages",
@@ -20,13 +21,18 @@ __all__ = [
 ]
 
 # A stage: an nn.Sequential slice of the model (plain nn.Sequential models), an fx.GraphModule
-# (any other model), or the model itself when there is a single stage.
+# (any other model: traced by torch.fx, or captured by torch.export), or the model itself when
+# there is a single stage.
 StageModule = nn.Module
 
 _FX_DIR = Path(fx.__file__).resolve().parent  # the tracer's own frames, skipped when naming the failing forward
 _SUGGESTION = (
     "write the model as an nn.Sequential of its layers, or split at other modules: only the forwards "
     "that enclose a split point are traced, every other module runs whole"
+)
+_EXPORT_SUGGESTION = (
+    "choose split points (planner profile --split-points) whose enclosing forwards torch.fx can trace, "
+    "so that code runs whole inside one module, or write the model as an nn.Sequential of its layers"
 )
 
 
@@ -85,7 +91,7 @@ class Stages(list[nn.Module]):
         self.signatures = signatures
 
 
-def build_stages(model: nn.Module, plan: Plan) -> Stages:
+def build_stages(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> Stages:
     """One module per stage of `plan`, such that `run_stages(stages, *inputs)` equals `model(*inputs)`.
 
     Stage k runs from the first call of `plan.stages[k].first_layer` up to the first call of
@@ -93,16 +99,20 @@ def build_stages(model: nn.Module, plan: Plan) -> Stages:
     holds the model's own submodules and Parameter objects (no copies). A parameter used by
     several stages (tied weights) is in each of them and listed in `stages.shared`. The last
     stage returns the model's output; the loss is computed outside, as the profiler does
-    (`loss_fn(output, target)`). Raises StageSplitError if the plan's layer names are not
-    modules of `model` or the model cannot be split.
+    (`loss_fn(output, target)`). `example_inputs`: one microbatch of the model's inputs, at the
+    shapes training will use (a tensor or a tuple); needed when torch.fx cannot trace the model
+    (see `split_model`).
+    Raises StageSplitError if the plan's layer names are not modules of `model` or the model
+    cannot be split.
     """
     if not plan.stages:
         raise StageSplitError("the plan has no stages")
     _check_plan_names(model, plan)
-    return split_model(model, [stage.first_layer for stage in plan.stages[1:]])
+    return split_model(model, [stage.first_layer for stage in plan.stages[1:]], example_inputs)
 
 
-def split_model(model: nn.Module, split_points: Sequence[str]) -> Stages:
+def split_model(model: nn.Module, split_points: Sequence[str],
+                example_inputs: Sequence[Any] | None = None) -> Stages:
     """Split `model` so that a new stage begins at the first call of each named module (in order).
 
     How: a plain nn.Sequential split at its children is sliced (`nn.Sequential` of the same
@@ -120,10 +130,20 @@ def split_model(model: nn.Module, split_points: Sequence[str]) -> Stages:
     at the mode the model is in now (code inside untraced modules is not affected); a split
     module must be called by a traced forward. Values crossing a boundary may be non-tensors
     (sizes, devices) when a traced forward passes them on: see `describe_boundaries`.
-    torch.export is not used: it also rejects data-dependent control flow, and its ATen-level
-    graph lifts parameters to inputs instead of calling the model's own submodules.
+
+    When torch.fx cannot trace the model (Hugging Face transformers models, for one) and
+    `example_inputs` are given, the model is captured with torch.export instead (non-strict, in
+    the model's current mode; `runtime.export_split`), and its ATen-level graph is cut at the
+    first node of each split module's first call (the nodes' `nn_module_stack`). Its stages read
+    the model's own Parameters and buffers under their names in the model; they run only at the
+    example's shapes and mode (another shape raises StageSplitError naming both), and dropout
+    draws from the device's generator at run time as in eager mode. Values crossing an exported
+    boundary are tensors. What export cannot capture either (branches on tensor values, e.g.
+    mixture-of-experts routing loops) raises StageSplitError naming the construct and the way out.
     """
     names = list(split_points)
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)  # a model of one tensor input
     _check_module_names(model, names, "split point")
     if len(set(names)) != len(names):
         raise StageSplitError(f"split points repeat a module: {names}")
@@ -135,7 +155,13 @@ def split_model(model: nn.Module, split_points: Sequence[str]) -> Stages:
         if indices is not None:
             modules, signatures = _slice_sequential(model, indices)
         else:
-            modules, signatures = _split_traced(model, names)
+            try:
+                modules, signatures = _split_traced(model, names)
+            except _UntraceableError as untraceable:
+                if example_inputs is None:
+                    raise StageSplitError(f"{untraceable}; or pass an example microbatch (example_inputs) so that "
+                                          "torch.export can capture the model instead") from None
+                modules, signatures = _split_exported(model, names, tuple(example_inputs), untraceable)
     return Stages(modules, _shared_parameters(model, modules), signatures)
 
 
@@ -239,6 +265,14 @@ def _slice_sequential(model: nn.Module, indices: list[int]) -> tuple[list[nn.Mod
 # --- torch.fx ---------------------------------------------------------------------------------
 
 
+class _UntraceableError(StageSplitError):
+    """torch.fx could not trace a forward that encloses a split point (torch.export may still capture it)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
 class _SplitTracer(fx.Tracer):
     """Traces only the forwards that enclose a split point; every other module is a leaf call.
 
@@ -268,13 +302,46 @@ class _SplitTracer(fx.Tracer):
 def _split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
     """Trace the model with torch.fx and cut its graph where each split module is first called."""
     graph, entered = _trace(model, names)
-    nodes = list(graph.nodes)
+    return _cut_graph(model, model, list(graph.nodes), names, entered)
+
+
+def _split_exported(model: nn.Module, names: list[str], example_inputs: tuple[Any, ...],
+                    untraceable: _UntraceableError) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """Capture the model with torch.export and cut its graph where each split module's first call begins."""
+    try:
+        captured = capture(model, example_inputs)
+    except ExportFailure as failure:
+        raise StageSplitError(
+            f"cannot split {type(model).__name__}: torch.fx could not trace it ({untraceable.where}) and "
+            f"torch.export could not capture it: {failure.construct}; {_EXPORT_SUGGESTION}"
+        ) from None
+    nodes = list(captured.graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    entered = {name: nodes[position[node] - 1] if position[node] else None
+               for name, node in first_nodes(captured.graph, names).items()}
+    stages, signatures = _cut_graph(model, captured.attributes, nodes, names, entered)
+    for index, stage in enumerate(stages):
+        inputs = [node for node in stage.graph.nodes if node.op == "placeholder"]
+        shapes = tuple(_example_shape(node) for node in inputs)
+        stage.register_forward_pre_hook(ShapeGuard(index, shapes, captured.training))
+    return stages, signatures
+
+
+def _example_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape export recorded for a value (None if not a tensor)."""
+    value = node.meta.get("val")
+    return tuple(int(size) for size in value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], names: list[str],
+               entered: dict[str, fx.Node | None]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """One GraphModule per stage of `nodes`, cut where each split module is entered; get_attr reads from `root`."""
     cuts = _cut_positions(model, names, nodes, entered)
     bounds = [0, *cuts, len(nodes)]
     stages: list[nn.Module] = []
     signatures = []
     for index in range(len(bounds) - 1):
-        stage, signature = _stage_module(model, nodes, bounds, index)
+        stage, signature = _stage_module(model, root, nodes, bounds, index)
         stages.append(stage)
         signatures.append(signature)
     return stages, tuple(signatures)
@@ -298,12 +365,11 @@ def _strict_prefixes(name: str) -> list[str]:
     return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
-def _trace_failure(model: nn.Module, exc: Exception) -> StageSplitError:
+def _trace_failure(model: nn.Module, exc: Exception) -> _UntraceableError:
     """A one-line error naming the forward that failed to trace, the construct and a way out."""
-    return StageSplitError(
-        f"cannot split {type(model).__name__}: torch.fx could not trace {_failing_forward(model, exc)}: "
-        f"{_gist(exc)}; {_SUGGESTION}"
-    )
+    where = f"{_failing_forward(model, exc)}: {_gist(exc)}"
+    return _UntraceableError(f"cannot split {type(model).__name__}: torch.fx could not trace {where}; {_SUGGESTION}",
+                             where)
 
 
 def _gist(exc: Exception) -> str:
@@ -373,9 +439,14 @@ def _crossing(nodes: list[fx.Node], cut: int) -> list[fx.Node]:
     ]
 
 
-def _stage_module(model: nn.Module, nodes: list[fx.Node], bounds: list[int],
+def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], bounds: list[int],
                   index: int) -> tuple[fx.GraphModule, StageSignature]:
-    """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph."""
+    """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph.
+
+    Its submodules and attributes are those of `root` (the model, or the objects an exported
+    graph reads) that its nodes use, under the same names; buffers stay out of `state_dict()`
+    unless they are persistent buffers of `model` under that name.
+    """
     start, stop = bounds[index], bounds[index + 1]
     last = stop == len(nodes)
     graph = fx.Graph()
@@ -389,6 +460,7 @@ def _stage_module(model: nn.Module, nodes: list[fx.Node], bounds: list[int],
     inputs = [node for node in nodes if node.op == "placeholder"] if start == 0 else _crossing(nodes, start)
     for node in inputs:
         env[node] = graph.node_copy(node) if start == 0 else graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)  # export's example value: the stage's input shapes
     for node in nodes[start:stop]:
         if node.op not in ("placeholder", "get_attr", "output"):
             env[node] = graph.node_copy(node, lookup)
@@ -401,10 +473,20 @@ def _stage_module(model: nn.Module, nodes: list[fx.Node], bounds: list[int],
         graph.output(tuple(env[node] for node in outputs))
         output_names = tuple(env[node].name for node in outputs)
     graph.lint()
-    stage = fx.GraphModule(model, graph, class_name=f"Stage{index}")
+    stage = fx.GraphModule(root, graph, class_name=f"Stage{index}")
     stage.training = model.training
+    _keep_buffer_persistence(model, stage)
     input_names = tuple(env[node].name for node in inputs)
     return stage, StageSignature(input_names, output_names)
+
+
+def _keep_buffer_persistence(model: nn.Module, stage: nn.Module) -> None:
+    """Mark the stage's buffers non-persistent unless the model saves them under the same name."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, _ in list(stage.named_buffers(remove_duplicate=False)):
+        owner_name, _, field = name.rpartition(".")
+        if name not in persistent:
+            stage.get_submodule(owner_name)._non_persistent_buffers_set.add(field)
 
 
 def _nodes_in(argument: Any) -> list[fx.Node]:

@@ -154,7 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        setup = check_and_build(options)
+        try:
+            setup = check_and_build(options)
+        except PlannerError as exc:
+            _say_error(rank, str(exc))
+            _wait_for_checks()
+            return 1
+        _wait_for_checks()
         _init_process_group(setup, options.timeout_s)
         try:
             train(options, setup)
@@ -167,6 +173,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_error(rank, "stopped by SIGTERM")
         return 1
     return 0
+
+
+def _wait_for_checks(limit_s: float = 10.0) -> None:
+    """Wait (at most `limit_s`) until every rank has run its checks, so that each prints its own line.
+
+    A rank that fails a check exits at once, and torchrun then stops the others with SIGTERM,
+    possibly before a slower rank got to say the same thing. Counted in torchrun's store (only
+    under torchrun's agent, which keeps it alive; a job started otherwise does not wait).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    try:
+        from datetime import timedelta
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=limit_s))
+        key = f"planner/checked/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        world = int(os.environ["WORLD_SIZE"])
+        store.add(key, 1)
+        deadline = time.monotonic() + limit_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (KeyError, ValueError, RuntimeError, dist.DistStoreError):  # no store: nothing to wait for
+        pass
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
@@ -297,6 +327,12 @@ def _init_process_group(setup: Setup, timeout_s: float) -> None:
 # --- training ------------------------------------------------------------------------------------
 
 
+def _example_microbatch(setup: Setup) -> Any:
+    """One microbatch of the model file's example inputs (for torch.export), leaving the random state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return setup.model_file.example_batch(setup.batch_size // setup.microbatches)[0]
+
+
 def train(options: TrainOptions, setup: Setup) -> None:
     """Restore (--resume), build the engine, run the steps with checkpoints, then write the report."""
     plan, rank = setup.plan, setup.rank
@@ -306,7 +342,8 @@ def train(options: TrainOptions, setup: Setup) -> None:
     lr = options.lr if options.lr is not None else DEFAULT_LR[setup.optimizer]
     engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
-                              device=setup.device, timeout_s=options.timeout_s)
+                              device=setup.device, timeout_s=options.timeout_s,
+                              example_inputs=_example_microbatch(setup))
     if resumed is not None and engine.optimizer is not None:  # this stage's optimizer state, by parameter name
         load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
                                    optimizer_state_of(resumed.path))

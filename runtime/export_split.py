@@ -1,0 +1,273 @@
+"""Captures a model with torch.export (non-strict, training mode) as an fx graph that reads the model's own tensors.
+
+`capture(model, example_inputs)` runs `torch.export.export(model, inputs, strict=False)` and
+rewrites the exported program's graph so that it can be cut into stages like a torch.fx trace:
+- lifted parameters and buffers become `get_attr` nodes under their fully qualified names in
+  the model (tied weights keep each name the model's forward reads them by), so a stage built
+  from the graph holds the model's own Parameter objects;
+- lifted tensor constants become `get_attr` nodes of a name of their own (`CapturedModel.constants`);
+- the user inputs stay placeholders, in the order of `example_inputs`;
+- the output returns the model's outputs, rebuilt into the model's own structure (a tensor, a
+  tuple, a `ModelOutput`) by `torch.utils._pytree.tree_unflatten` when it is not a single tensor.
+
+Each call node keeps the `nn_module_stack` export recorded; `first_nodes` uses it to find
+where each module's first call begins. The graph is specialised to the example's shapes and to
+the model's training mode at capture: `ShapeGuard` refuses other shapes with one line.
+What export cannot capture (branches or loops on tensor values, such as mixture-of-experts
+routing) raises `ExportFailure` naming the file, line and code of the construct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes"]
+
+_OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
+
+
+class ExportFailure(Exception):
+    """torch.export could not capture the model; `construct` says what and where, in one line."""
+
+    def __init__(self, construct: str) -> None:
+        super().__init__(construct)
+        self.construct = construct
+
+
+@dataclass
+class CapturedModel:
+    """The model's forward as one fx graph over its own tensors (see the module docstring).
+
+    `attributes`: every `get_attr` target of the graph -> the object it reads (the model's
+    Parameters and buffers by their names in the model; lifted constants, export's
+    sub-graphs of higher-order operators, the output spec). `training`: the mode at capture.
+    """
+
+    graph: fx.Graph
+    attributes: dict[str, Any]
+    training: bool
+    input_shapes: tuple[tuple[int, ...] | None, ...]
+    constants: tuple[str, ...] = field(default_factory=tuple)
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any]) -> CapturedModel:
+    """Export `model` at `example_inputs` and rewrite the graph to read the model's own tensors."""
+    inputs = tuple(example_inputs)
+    program = _export(model, inputs)
+    return _rewrite(model, program, inputs)
+
+
+def first_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[str, fx.Node]:
+    """For each module name, the first graph node its (first) call made, by `nn_module_stack`."""
+    wanted = set(names)
+    found: dict[str, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        for path, _kind in stack.values():
+            if path in wanted and path not in found:
+                found[path] = node
+        if len(found) == len(wanted):
+            break
+    return found
+
+
+class ShapeGuard:
+    """Forward pre-hook of an exported stage: one line when it is called at other shapes or in another mode.
+
+    An exported graph has the example's sizes written into its operations (views, masks); run
+    at other sizes it would fail deep inside, or compute something else silently.
+    """
+
+    def __init__(self, stage: int, shapes: tuple[tuple[int, ...] | None, ...], training: bool) -> None:
+        self.stage, self.shapes, self.training = stage, shapes, training
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Raise ExportedShapeError unless `args` have the captured shapes and the module the captured mode."""
+        from runtime.stages import StageSplitError
+
+        shapes = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else None for arg in args)
+        if shapes != self.shapes:
+            raise StageSplitError(
+                f"stage {self.stage} was split with torch.export at input shapes {_shapes(self.shapes)} and was "
+                f"called with {_shapes(shapes)}: an exported stage runs only at the shapes it was captured at; "
+                "build the stages again with an example microbatch of the shape you train with"
+            )
+        if module.training != self.training:
+            mode = "training" if self.training else "eval"
+            raise StageSplitError(
+                f"stage {self.stage} was split with torch.export in {mode} mode (dropout and batch norm are fixed "
+                "at capture); build the stages again after model.train() / model.eval()"
+            )
+
+
+def _shapes(shapes: tuple[tuple[int, ...] | None, ...]) -> str:
+    """'[2x8, 2x8x32]' (non-tensors as '-')."""
+    return "[" + ", ".join("x".join(map(str, shape)) if shape is not None else "-" for shape in shapes) + "]"
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_torch():
+    """Keep torch.export's own logging and its partial-graph dump (printed to stderr) off the user's screen."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
+    """torch.export.export(strict=False) in the model's current mode; ExportFailure naming what failed."""
+    try:
+        with _quiet_torch():
+            return torch.export.export(model, inputs, strict=False)
+    except Exception as exc:  # any capture failure: say which construct and where
+        raise ExportFailure(_construct(exc)) from exc
+
+
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')
+
+
+def _construct(exc: Exception) -> str:
+    """What the model did that export cannot capture, with the user's file:line and code when known."""
+    message = str(exc)
+    if "data-dependent" in message or "GuardOnDataDependent" in type(exc).__name__:
+        what = "control flow (if/while/loop bounds) or a size depends on tensor values"
+    else:
+        first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+        what = f"{type(exc).__name__}: {first[:200]}"
+    frames = [match for match in _USER_FRAME.finditer(message) if "/torch/" not in match.group(1)]
+    if frames:
+        path, line, function, code = frames[-1].groups()
+        return f"{what}, at {path.rsplit('/', 1)[-1]}:{line} in {function}: `{code.strip()}`"
+    return what
+
+
+# --- rewrite -----------------------------------------------------------------------------------
+
+
+def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]) -> CapturedModel:
+    """The exported graph with lifted state read through get_attr (see the module docstring)."""
+    signature = program.graph_signature
+    unsupported = [spec for spec in signature.output_specs if spec.kind != OutputKind.USER_OUTPUT]
+    if unsupported:
+        kinds = sorted({spec.kind.name.lower().replace("_", " ") for spec in unsupported})
+        raise ExportFailure(f"the forward mutates state export lifts as outputs ({', '.join(kinds)}), "
+                            "which a split graph cannot write back")
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for name, value in state.items():
+        aliases.setdefault(id(value), []).append(name)
+    by_input = {spec.arg.name: spec for spec in signature.input_specs}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attributes: dict[str, Any] = {}
+    constants: list[str] = []
+    user_inputs = [node for node in program.graph.nodes
+                   if node.op == "placeholder" and by_input[node.name].kind == InputKind.USER_INPUT]
+    for node in user_inputs:  # first, as in a torch.fx trace
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    lifted: dict[fx.Node, tuple[str, Any]] = {}
+    reads: dict[str, fx.Node] = {}
+
+    def read(arg: fx.Node, user: fx.Node) -> fx.Node:
+        """The value of `arg` for `user`; a lifted tensor is read by the name `user`'s module knows it by."""
+        if arg not in lifted:
+            return env[arg]
+        target, value = lifted[arg]
+        target = _name_for(user, aliases.get(id(value), []), target)
+        attributes[target] = value
+        if target not in reads:
+            reads[target] = graph.get_attr(target)
+            reads[target].meta = dict(arg.meta)
+        return reads[target]
+
+    for node in program.graph.nodes:
+        if node in env:
+            continue
+        if node.op == "placeholder":
+            spec = by_input[node.name]
+            lifted[node] = _lifted(spec, state, program)
+            if spec.kind == InputKind.CONSTANT_TENSOR or lifted[node][0] not in state:
+                constants.append(lifted[node][0])
+        elif node.op == "output":
+            outputs = [read(arg, node) for arg in node.args[0]]
+            graph.output(_structured(graph, outputs, program, attributes))
+        else:
+            env[node] = graph.node_copy(node, lambda arg, user=node: read(arg, user))
+            if node.op == "get_attr":  # export's sub-graphs of higher-order operators
+                attributes[node.target] = _get(program.graph_module, node.target)
+    tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
+    if len(user_inputs) != len(inputs) or len(tensors) != len(inputs):
+        raise ExportFailure(f"the example inputs must be tensors passed positionally, got "
+                            f"{[type(value).__name__ for value in inputs]}")
+    graph.lint()
+    return CapturedModel(graph, attributes, model.training,
+                         tuple(tuple(value.shape) for value in tensors), tuple(constants))
+
+
+def _name_for(user: fx.Node, names: list[str], default: str) -> str:
+    """Of a tensor's names in the model, the one under the innermost module running `user` (tied weights).
+
+    Export lifts a tied weight once, under one of its names; the embedding that reads
+    `transformer.wte.weight` should hold it under that name, the head under `lm_head.weight`.
+    """
+    stack = user.meta.get("nn_module_stack") or {}
+    for path, _kind in reversed(list(stack.values())):
+        prefix = f"{path}." if path else ""
+        inside = [name for name in names if name.startswith(prefix)]
+        if inside:
+            return min(inside, key=lambda name: (name.count("."), name))
+    return default
+
+
+def _lifted(spec: Any, state: dict[str, torch.Tensor], program: ExportedProgram) -> tuple[str, Any]:
+    """(get_attr target, value) of a lifted parameter, buffer or constant."""
+    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.target in state:
+        return spec.target, state[spec.target]
+    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        value = program.constants.get(spec.target, program.state_dict.get(spec.target))
+        if isinstance(value, torch.Tensor):
+            return "_pipeline_constants." + re.sub(r"\W", "_", spec.target), value
+    raise ExportFailure(f"the exported graph takes a {spec.kind.name.lower()} input ({spec.target}) "
+                        "that a split graph cannot hold")
+
+
+def _structured(graph: fx.Graph, outputs: list[fx.Node], program: ExportedProgram,
+                attributes: dict[str, Any]) -> Any:
+    """The output argument: the single tensor, or the flat outputs rebuilt into the model's structure."""
+    spec = program.call_spec.out_spec
+    if spec is None or spec.is_leaf():
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    attributes[_OUTPUT_SPEC] = spec
+    return graph.call_function(pytree.tree_unflatten, (list(outputs), graph.get_attr(_OUTPUT_SPEC)))
+
+
+def _get(module: nn.Module, target: str) -> Any:
+    """The attribute `target` ("a.b.c") of `module`."""
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
