@@ -162,6 +162,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
                     raise StageSplitError(f"{untraceable}; or pass an example microbatch (example_inputs) so that "
                                           "torch.export can capture the model instead") from None
                 modules, signatures = _split_exported(model, names, tuple(example_inputs), untraceable)
+            _hold_every_name(model, modules)
     return Stages(modules, _shared_parameters(model, modules), signatures)
 
 
@@ -497,6 +498,35 @@ def _nodes_in(argument: Any) -> list[fx.Node]:
 
 
 # --- parameters -------------------------------------------------------------------------------
+
+
+def _hold_every_name(model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    """Give every name in the model's state_dict to a graph stage, so the stages' state_dicts together are the model's.
+
+    A name no stage holds (a tied weight's alias whose module the forward never calls, such as
+    T5's `shared` beside `encoder.embed_tokens`; a parameter or buffer the forward never reads)
+    is added to the first stage holding the same tensor, else to stage 0.
+    """
+    held: dict[str, set[int]] = {}
+    holder_of: dict[int, nn.Module] = {}
+    for stage in stages:
+        state = stage.state_dict(keep_vars=True)
+        held.update({name: set() for name in state})
+        for value in state.values():
+            holder_of.setdefault(id(value), stage)
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name not in held:
+            stage = holder_of.get(id(value), stages[0])
+            owner_name, _, field = name.rpartition(".")
+            owner = stage
+            for part in owner_name.split(".") if owner_name else ():
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            if isinstance(value, nn.Parameter):
+                owner.register_parameter(field, value)
+            else:
+                owner.register_buffer(field, value)
 
 
 def _shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> tuple[SharedParameter, ...]:
