@@ -94,8 +94,27 @@ class ShapeGuard:
     def __init__(self, stage: int, shapes: tuple[tuple[int, ...] | None, ...], training: bool) -> None:
         self.stage, self.shapes, self.training = stage, shapes, training
 
+    @staticmethod
+    def check_shapes(module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The shape check of `module`'s guard, without calling it (nothing if it has none)."""
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, ShapeGuard):
+                hook._check_shapes(args)
+
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Raise ExportedShapeError unless `args` have the captured shapes and the module the captured mode."""
+        """Raise StageSplitError unless `args` have the captured shapes and the module the captured mode."""
+        from runtime.stages import StageSplitError
+
+        self._check_shapes(args)
+        if module.training != self.training:
+            mode = "training" if self.training else "eval"
+            raise StageSplitError(
+                f"stage {self.stage} was split with torch.export in {mode} mode (dropout and batch norm are fixed "
+                "at capture); build the stages again after model.train() / model.eval()"
+            )
+
+    def _check_shapes(self, args: tuple[Any, ...]) -> None:
+        """StageSplitError naming both shapes unless `args` have the captured ones."""
         from runtime.stages import StageSplitError
 
         shapes = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else None for arg in args)
@@ -104,12 +123,6 @@ class ShapeGuard:
                 f"stage {self.stage} was split with torch.export at input shapes {_shapes(self.shapes)} and was "
                 f"called with {_shapes(shapes)}: an exported stage runs only at the shapes it was captured at; "
                 "build the stages again with an example microbatch of the shape you train with"
-            )
-        if module.training != self.training:
-            mode = "training" if self.training else "eval"
-            raise StageSplitError(
-                f"stage {self.stage} was split with torch.export in {mode} mode (dropout and batch norm are fixed "
-                "at capture); build the stages again after model.train() / model.eval()"
             )
 
 

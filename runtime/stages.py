@@ -77,7 +77,9 @@ class ValueSpec:
 
 
 class Stages(list[nn.Module]):
-    """The stage modules in pipeline order (a list), with `shared` parameters and `signatures`.
+    """The stage modules in pipeline order (a list), with `shared` parameters, `signatures` and `method`.
+
+    `method`: how the model was split: "whole" (one stage), "sequential", "fx" or "export".
 
     A stage may modify its inputs in place (vgg's stages can begin with `ReLU(inplace=True)`):
     a runtime that turns received tensors into leaves requiring grad must pass them on as
@@ -85,10 +87,11 @@ class Stages(list[nn.Module]):
     """
 
     def __init__(self, modules: Iterable[nn.Module], shared: tuple[SharedParameter, ...],
-                 signatures: tuple[StageSignature, ...]) -> None:
+                 signatures: tuple[StageSignature, ...], method: str = "fx") -> None:
         super().__init__(modules)
         self.shared = shared
         self.signatures = signatures
+        self.method = method
 
 
 def build_stages(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> Stages:
@@ -150,20 +153,24 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     if not names:
         modules: list[nn.Module] = [model]
         signatures = (StageSignature(("input",), ("output",)),)
+        method = "whole"
     else:
         indices = _sequential_indices(model, names)
         if indices is not None:
             modules, signatures = _slice_sequential(model, indices)
+            method = "sequential"
         else:
             try:
                 modules, signatures = _split_traced(model, names)
+                method = "fx"
             except _UntraceableError as untraceable:
                 if example_inputs is None:
                     raise StageSplitError(f"{untraceable}; or pass an example microbatch (example_inputs) so that "
                                           "torch.export can capture the model instead") from None
                 modules, signatures = _split_exported(model, names, tuple(example_inputs), untraceable)
+                method = "export"
             _hold_every_name(model, modules)
-    return Stages(modules, _shared_parameters(model, modules), signatures)
+    return Stages(modules, _shared_parameters(model, modules), signatures, method)
 
 
 def stage_signatures(stages: Stages) -> tuple[StageSignature, ...]:
@@ -180,7 +187,16 @@ def run_stages(stages: Sequence[nn.Module], *inputs: Any) -> Any:
 
 
 def describe_boundaries(stages: Stages, *inputs: Any) -> list[tuple[ValueSpec, ...]]:
-    """The values crossing each boundary k -> k+1 at `inputs` (run once without grad), for sizing buffers."""
+    """The values crossing each boundary k -> k+1 at `inputs` (run once without grad), for sizing buffers.
+
+    Exported stages are not run (a run in another mode would be refused, and one in training
+    mode would move batch-norm statistics): their boundaries are the values export recorded,
+    at the shapes stage 0 was captured at, which `inputs` must have.
+    """
+    if stages.method == "export":
+        ShapeGuard.check_shapes(stages[0], inputs)
+        return [tuple(_spec(node.name, node.meta.get("val")) for node in stage.graph.nodes if node.op == "placeholder")
+                for stage in stages[1:]]
     boundaries: list[tuple[ValueSpec, ...]] = []
     with torch.no_grad():
         value: Any = stages[0](*inputs)
