@@ -5,10 +5,18 @@ layer begins; functional operations in between (residual adds, reshapes, the los
 How layers are chosen, from one forward pass recorded as a tree of module calls:
 
 - default: the modules the model's forward calls (containers that are never called, such as
-  `nn.ModuleList` and `nn.ModuleDict`, are see-through), then every `nn.Sequential` among them is
-  replaced by what it calls, and so is a module that holds a stack (two or more non-leaf children
-  of the same class, e.g. an encoder looping over its blocks). A GPT-2 style model comes out as
-  `transformer.wte, transformer.wpe, transformer.drop, transformer.h.0 ... transformer.ln_f, lm_head`.
+  `nn.ModuleList` and `nn.ModuleDict`, are see-through; a forward calling just one module is
+  looked through), and then, recursively, a module is replaced by the modules it calls if it is
+  an `nn.Sequential`, holds a stack (calls two or more non-leaf members of one class from one
+  indexed container, e.g. an encoder looping over its blocks), or has a stack holder anywhere
+  below it. The members of a stack are blocks: they are not opened further (a mixture-of-experts
+  block keeps its experts) unless they are `nn.Sequential`s. So the blocks are found wherever
+  they sit, with the modules around them at the granularity of their callers: a GPT-2 style
+  model comes out as `transformer.wte, transformer.wpe, transformer.drop, transformer.h.0 ...
+  transformer.ln_f, lm_head`; a BERT classifier wrapped in an attribute `bert` as
+  `bert.bert.embeddings, bert.bert.encoder.layer.0 ... bert.bert.pooler, bert.dropout,
+  bert.classifier`; an encoder-decoder as `...encoder.block.0 ... encoder.final_layer_norm, ...,
+  decoder.block.0 ... lm_head`.
 - `depth=N`: the modules N calls below the model's forward (leaves above that depth stay).
 - `split_points=[...]`: layers begin exactly at these modules (and at the start of the forward).
 """
@@ -115,11 +123,23 @@ def _default_calls(root: _Call) -> list[_Call]:
     return expanded
 
 
-def _expand(call: _Call) -> list[_Call]:
-    """The call itself, or its expansion if it is an nn.Sequential or holds a stack of blocks."""
-    if call.children and (isinstance(call.module, nn.Sequential) or _holds_stack(call)):
-        return [leaf for child in call.children for leaf in _expand(child)]
+def _expand(call: _Call, in_block: bool = False) -> list[_Call]:
+    """The call itself, or what it calls, expanded in turn (see the module docstring).
+
+    `in_block`: the call is, or is inside, a member of a stack; only Sequentials open there.
+    """
+    if not call.children:
+        return [call]
+    stack = not in_block and _holds_stack(call)
+    if isinstance(call.module, nn.Sequential) or stack or (not in_block and _has_stack_below(call)):
+        members = _stack_members(call) if stack else set()
+        return [leaf for child in call.children for leaf in _expand(child, in_block or id(child) in members)]
     return [call]
+
+
+def _has_stack_below(call: _Call) -> bool:
+    """True if a call anywhere below `call` holds a stack."""
+    return any(_holds_stack(child) or _has_stack_below(child) for child in call.children)
 
 
 def _holds_stack(call: _Call) -> bool:
@@ -128,15 +148,17 @@ def _holds_stack(call: _Call) -> bool:
     A container's members are named `<container>.<index>` (nn.ModuleList, nn.Sequential); two
     same-class blocks held as separate attributes (self_attn, cross_attn) do not make a stack.
     """
-    seen: set[tuple[type, str]] = set()
+    return bool(_stack_members(call))
+
+
+def _stack_members(call: _Call) -> set[int]:
+    """ids of the child calls that are members of a stack (see `_holds_stack`)."""
+    groups: dict[tuple[type, str], list[_Call]] = {}
     for child in call.children:
         container, _, index = child.name.rpartition(".")
         if child.children and index.isdigit():
-            key = (type(child.module), container)
-            if key in seen:
-                return True
-            seen.add(key)
-    return False
+            groups.setdefault((type(child.module), container), []).append(child)
+    return {id(member) for members in groups.values() if len(members) > 1 for member in members}
 
 
 def _calls_at_depth(root: _Call, depth: int) -> list[_Call]:

@@ -172,3 +172,120 @@ def test_a_model_that_differentiates_in_its_forward_can_be_split() -> None:
     model = _GradInForward()
     x = torch.randn(3, 2)
     assert [layer.name for layer in find_layers(model, lambda: model(x))] == ["first", "second"]
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _MoEBlock(nn.Module):
+    """A block holding a stack of its own (experts, all run here): it stays one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.experts = nn.ModuleList(_Expert() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + sum(expert(h) for expert in self.experts)
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, 4)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(_MoEBlock() for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class _Classifier(nn.Module):
+    """A backbone two levels down from the model, as in `BertForSequenceClassification` wrapped once more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Module()
+        self.body.backbone = _Backbone()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body.backbone(x))
+
+
+def test_blocks_deep_under_a_backbone_are_found_and_their_inner_stacks_kept_whole() -> None:
+    model = _Classifier()
+    x = torch.randn(2, 2)
+    assert [layer.name for layer in find_layers(model, lambda: model(x))] == [
+        "body.backbone.embed", "body.backbone.encoder.layers.0", "body.backbone.encoder.layers.1",
+        "body.backbone.norm", "head"]
+
+
+# --- transformers models, built from small configs (no weights downloaded) -----------------------
+
+
+def _hf_layer_names(model: nn.Module, *inputs: torch.Tensor) -> list[str]:
+    return [layer.name for layer in find_layers(model, lambda: model(*inputs))]
+
+
+def test_transformers_decoders_come_out_as_embeddings_blocks_norm_and_head() -> None:
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 64, (2, 8))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+    assert _hf_layer_names(gpt2, ids) == [
+        "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
+        "transformer.h.2", "transformer.ln_f", "lm_head"]
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=16))
+    assert _hf_layer_names(llama, ids) == [
+        "model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.layers.2",
+        "model.norm", "lm_head"]
+
+
+class _Wrapped(nn.Module):
+    """A transformers model one attribute down, returning its logits (as a model file would)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) == 2:
+            return self.inner(input_ids=inputs[0], decoder_input_ids=inputs[1]).logits
+        return self.inner(inputs[0]).logits
+
+
+def test_a_wrapped_bert_classifier_is_split_into_its_encoder_layers() -> None:
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3))
+    names = _hf_layer_names(_Wrapped(bert), torch.randint(0, 64, (2, 8)))
+    assert names == ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",
+                     "inner.bert.encoder.layer.2", "inner.bert.pooler", "inner.dropout", "inner.classifier"]
+
+
+def test_an_encoder_decoder_has_both_block_stacks() -> None:
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=2))
+    names = _hf_layer_names(_Wrapped(t5), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5)))
+    blocks = [name for name in names if ".block." in name]
+    assert blocks == ["inner.encoder.block.0", "inner.encoder.block.1", "inner.decoder.block.0",
+                      "inner.decoder.block.1"]
+    assert names[-1] == "inner.lm_head" and "inner.encoder.final_layer_norm" in names
+    assert names.index("inner.encoder.final_layer_norm") < names.index("inner.decoder.block.0")
