@@ -13,8 +13,8 @@ microbatches / R of them per step (which must be whole).
 - deepspeed: `parts` (PipelineModule's partition list: stage s runs layers[parts[s]:parts[s+1]]
   of the flat layer list, the profile's layers in order), `num_stages`, the layer names per
   stage, the batch settings of the DeepSpeed config, and instructions
-  (`DeepSpeedExport.instructions`): DeepSpeed's `partition_method` cannot express given
-  boundaries, so the user subclasses PipelineModule and sets `parts` in `_partition_layers`.
+  (`DeepSpeedExport.instructions`) that build the module with `runtime.deepspeed.pipeline_module`
+  (one PipelineModule layer per stage, so DeepSpeed's `uniform` partition is the plan's).
 
 Pure: no torch.distributed; `write_export` writes the JSON and the text file.
 """
@@ -267,44 +267,38 @@ class DeepSpeedExport:
                          f"({names[0]} .. {names[-1]}, {len(names)} layers)")
         lines += [
             "",
-            "1. The layer list. PipelineModule(layers=...) takes the model as a flat list and runs it as",
-            "   x = layer(x) for each entry in turn (x: a tensor or a tuple of tensors). Give it exactly one",
-            "   entry per profiled layer, in this order, or the indices in `parts` point at other layers:",
+            "1. The module. runtime.deepspeed.pipeline_module builds DeepSpeed's PipelineModule on these",
+            "   boundaries: it splits the model as this project's runtime does (nn.Sequential slices, torch.fx,",
+            "   or torch.export for models fx cannot trace, e.g. transformers models) and gives DeepSpeed one",
+            "   layer per stage with partition_method='uniform', so DeepSpeed's partition is the plan's. On every",
+            "   rank, after deepspeed.init_distributed():",
+            "",
+            "       import deepspeed",
+            "       from planner.plan import load_plan",
+            "       from runtime.deepspeed import deepspeed_config, pipeline_module",
+            "",
+            f"       plan = load_plan({self.plan_path!r})",
+            "       module = pipeline_module(model, plan, loss_fn=loss_fn, example_inputs=example_microbatch)",
+            "       engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),",
+            "                                         config={**deepspeed_config(plan), \"optimizer\": ...})",
+            "       loss = engine.train_batch(data_iter)   # yields (inputs, target) microbatches",
+            "",
+            "   example_microbatch: the inputs of one microbatch, at the shapes you train with.",
+            "",
+            "2. The layer list, for a hand-written PipelineModule instead (stage s runs layers[parts[s]:parts[s+1]];",
+            "   PipelineModule's partition_method cannot take given boundaries):",
         ]
         index = 0
         for names in self.stage_layers:
             for name in names:
                 lines.append(f"     {index:3d}  {name}")
                 index += 1
-        lines += [
-            "   Where the model's forward is not such a chain (several inputs to a layer, residual or",
-            "   position-embedding additions between layers, reshapes), wrap layers in small modules that",
-            "   take and return tuples carrying what later layers need; keep one entry per profiled layer.",
-            "",
-            "2. The partition. PipelineModule's partition_method takes 'parameters' (the default: balance",
-            "   parameter counts), 'uniform' (balance layer counts) or 'type:<regex>' (balance the number of",
-            "   layers whose class name matches); none takes given boundaries, so these would be lost.",
-            "   Subclass and override _partition_layers, which PipelineModule.__init__ calls before it builds",
-            "   this rank's layers (a private method: check it against the DeepSpeed version you run):",
-            "",
-            "       from deepspeed.pipe import PipelineModule",
-            "",
-            f"       PARTS = {parts}",
-            "",
-            "       class PlannedPipelineModule(PipelineModule):",
-            "           def _partition_layers(self, method='uniform'):",
-            "               self.parts = list(PARTS)",
-            "               stage_id = self._topo.get_coord(self.global_rank).pipe",
-            "               self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])",
-            "",
-            f"       model = PlannedPipelineModule(layers=layers, num_stages={self.num_stages}, loss_fn=loss_fn)",
-            "       assert model.partitions() == PARTS",
-            "",
-        ]
+        lines.append("")
         lines += self._tied_lines()
         config = ", ".join(f'"{key}": {"null" if value is None else value}' for key, value in self.config().items())
         lines += [
-            "4. The DeepSpeed config: {" + config + "}",
+            "4. The DeepSpeed config (deepspeed_config(plan) gives it, with gradient_clipping 0.0: DeepSpeed",
+            "   clips at norm 1.0 by default, which the plan's training does not): {" + config + "}",
             "   gradient_accumulation_steps is the number of microbatches each pipeline runs per train_batch();",
             f"   the data-parallel degree is world size / num_stages = {self.data_parallel}; train_batch_size =",
             "   micro batch x gradient_accumulation_steps x data-parallel degree.",
@@ -341,12 +335,11 @@ class DeepSpeedExport:
         """Step 3: tied weights."""
         if not self.tied:
             return ["3. Tied weights: the profile lists none.", ""]
-        lines = ["3. Tied weights. DeepSpeed sums a tied weight's gradients across stages only when every layer",
-                 "   using it is a TiedLayerSpec(key, ...) with one common key (deepspeed.pipe.TiedLayerSpec;",
-                 "   forward_fn= for a use other than the module's forward, tied_weight_attr= for the attribute):"]
+        lines = ["3. Tied weights. pipeline_module sums these across the stages using them (DeepSpeed itself does",
+                 "   only for TiedLayerSpec layers with one common key; a hand-written module needs those):"]
         for names, layers, stages in self.tied:
             lines.append(f"   {' = '.join(names)}: layers {list(layers)}, stages {list(stages)}")
-        lines += ["   Otherwise each stage trains its own copy and the copies drift apart.", ""]
+        lines.append("")
         return lines
 
 

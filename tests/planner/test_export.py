@@ -76,9 +76,10 @@ def test_gpt_deepspeed_export_lists_the_tied_embedding_and_its_stages() -> None:
     exported = deepspeed_export(plan, profile_of("gpt"), "p.json")
     assert exported.tied == ((("transformer.wte.weight", "lm_head.weight"), (0, 16), (0, 1)),)
     text = exported.instructions()
-    assert f"PARTS = {list(exported.parts)}" in text
-    assert "TiedLayerSpec" in text and "transformer.wte.weight = lm_head.weight: layers [0, 16], stages [0, 1]" in text
-    assert "_partition_layers" in text and "self._set_bounds(start=self.parts[stage_id]" in text
+    assert f"parts = {list(exported.parts)}" in text
+    assert "transformer.wte.weight = lm_head.weight: layers [0, 16], stages [0, 1]" in text
+    assert "pipeline_module(model, plan, loss_fn=loss_fn, example_inputs=example_microbatch)" in text
+    assert "_partition_layers" not in text  # no private DeepSpeed method is overridden any more
 
 
 def test_equal_replicas_give_a_mesh_of_pipelines_and_a_data_parallel_degree() -> None:
@@ -192,7 +193,7 @@ def test_cli_deepspeed_writes_json_and_instructions_where_asked(tmp_path: Path) 
     assert document["format"] == DEEPSPEED_FORMAT
     assert document["parts"] == [0, plan.stages[1].start, 17] and document["num_stages"] == 2
     text = (tmp_path / "exports" / "ds.txt").read_text()
-    assert "PlannedPipelineModule" in text and text in result.stdout
+    assert "runtime.deepspeed" in text and text in result.stdout
 
 
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:

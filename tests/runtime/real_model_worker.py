@@ -9,7 +9,9 @@ does (seed 1), splits it for the plan with an example microbatch (torch.export: 
 trace transformers models) and trains `steps` SGD steps on the same mini-batch:
 - engine: `runtime.engine.Engine.from_plan(..., example_inputs=...)`, `train_step`;
 - pippy: `runtime.pippy.build(...)`, then per step `schedule.step` as the stage's role asks,
-  `finish_gradients()`, `optimizer.step()`, as runtime.pippy's docstring says.
+  `finish_gradients()`, `optimizer.step()`, as runtime.pippy's docstring says;
+- deepspeed: `runtime.deepspeed.pipeline_module(...)` under `deepspeed.initialize` with the plan's
+  `deepspeed_config`, `engine.train_batch` over the mini-batch's microbatches.
 It writes OUT_DIR/NAME.rank{R}.pt: {"losses": [loss or None per step], "params": {model parameter
 name: tensor}} for the parameters of this rank's stage, or, if the case raised, OUT_DIR/NAME.rank{R}.error
 (the exception, then its traceback) and goes on with the next case (exit status 1 at the end).
@@ -130,7 +132,23 @@ def run_pippy(case: dict[str, Any], model: nn.Module, inputs: Any, target: Any) 
     return losses, stage.submod
 
 
-RUNTIMES = {"engine": run_engine, "pippy": run_pippy}
+def run_deepspeed(case: dict[str, Any], model: nn.Module, inputs: Any, target: Any) -> tuple[list[Any], nn.Module]:
+    import deepspeed  # only the deepspeed cases need it (it takes a few seconds to import)
+
+    from runtime.deepspeed import deepspeed_config, pipeline_module
+
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the process group init_distributed made
+    plan = load_plan(case["plan"])
+    microbatches = list(zip(split_batch(inputs, plan.microbatches or 1), split_batch(target, plan.microbatches or 1)))
+    module = pipeline_module(model, plan, loss_fn=loss_of(case["model"]), example_inputs=microbatches[0][0])
+    optimizer = torch.optim.SGD(module.parameters(), lr=case["lr"])
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                      config={**deepspeed_config(plan), "steps_per_print": 10 ** 9})
+    losses = [engine.train_batch(iter(microbatches)).item() for _ in range(case["steps"])]
+    return [loss if engine.is_last_stage() else None for loss in losses], module
+
+
+RUNTIMES = {"engine": run_engine, "pippy": run_pippy, "deepspeed": run_deepspeed}
 
 
 def run_case(case: dict[str, Any], rank: int, out: Path) -> None:

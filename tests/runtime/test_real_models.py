@@ -83,6 +83,9 @@ CASES: dict[str, tuple[int, str, str, Any, int]] = {
     "llama-3-gpipe": (3, LLAMA, "engine", lambda p: planned(p, 3, "gpipe"), 2),
     "llama-2-1-1f1b": (3, LLAMA, "engine", lambda p: replicated(planned(p, 2, "1f1b")), 2),
     "pippy-llama-3-gpipe": (3, LLAMA, "pippy", lambda p: planned(p, 3, "gpipe"), 2),
+    # DeepSpeed's PipelineModule on the plan's stages (runtime.deepspeed), its own 1F1B-style schedule
+    "deepspeed-gpt2-2-1f1b": (2, GPT2, "deepspeed", lambda p: planned(p, 2, "1f1b"), 2),
+    "deepspeed-llama-2-gpipe": (2, LLAMA, "deepspeed", lambda p: planned(p, 2, "gpipe"), 2),
 }
 TRAIN_PLAN = "llama-2-1f1b"  # `planner train` runs this case's plan (the planner's 2-stage Llama plan)
 
@@ -207,7 +210,7 @@ def test_every_parameter_equals_single_process_training(results: Path, plans: di
     assert seen == set(expected)  # every parameter lives on some rank
 
 
-@pytest.mark.parametrize("name", ["gpt2-2-gpipe", "pippy-gpt2-2-gpipe", "gpt2-3-1f1b-in-block"])
+@pytest.mark.parametrize("name", ["gpt2-2-gpipe", "pippy-gpt2-2-gpipe", "gpt2-3-1f1b-in-block", "deepspeed-gpt2-2-1f1b"])
 def test_the_tied_embedding_and_head_is_on_the_first_and_last_stage(results: Path, plans: dict[str, Plan],
                                                                     name: str) -> None:
     """GPT-2's wte.weight is lm_head.weight: the first and last stages each hold a copy, both trained alike."""
@@ -217,12 +220,12 @@ def test_the_tied_embedding_and_head_is_on_the_first_and_last_stage(results: Pat
 
 
 def test_the_cases_cover_both_schedules_both_runtimes_and_the_plan_shapes(plans: dict[str, Plan]) -> None:
-    """What the issue asks for: 2 and 3 stages, a cut inside a block, a 2-1 plan, gpipe and 1f1b on both runtimes."""
+    """What the issue asks for: 2 and 3 stages, a cut inside a block, a 2-1 plan, gpipe and 1f1b on every runtime."""
     shapes = {name: ([len(stage.ranks) for stage in plan.stages], plan.schedule) for name, plan in plans.items()}
     assert shapes["llama-2-1-1f1b"] == ([2, 1], "1f1b")
     assert shapes["gpt2-3-1f1b-in-block"][0] == [1, 1, 1]
     assert plans["gpt2-3-1f1b-in-block"].stages[1].first_layer.endswith(".mlp")
-    for runtime in ("engine", "pippy"):
+    for runtime in ("engine", "pippy", "deepspeed"):
         used = {shapes[name][1] for name, (_, _, r, _, _) in CASES.items() if r == runtime}
         assert used == {"gpipe", "1f1b"}, runtime
     for model in (GPT2, LLAMA):
