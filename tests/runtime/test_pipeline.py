@@ -302,3 +302,32 @@ def test_from_plan_uses_the_plan_and_refuses_replicas_and_pipedream() -> None:
         Pipeline.from_plan(model, mlp_plan(replicas=2, ranks=(1, 2)))
     with pytest.raises(PipelineError, match="pipedream schedule"):
         Pipeline.from_plan(model, mlp_plan(schedule="pipedream", microbatches=None))
+
+
+# --- real transformers models (split with torch.export) ----------------------------------------
+
+
+@pytest.mark.parametrize("model_name, plan_stages, schedule", [
+    ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "gpipe"),  # the tied weight on both stages
+    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "1f1b"),
+])
+def test_from_plan_trains_transformers_models_as_one_device_would(model_name: str, plan_stages: list[str],
+                                                                   schedule: str) -> None:
+    """Pipeline.from_plan on a transformers model: one train_step of 4 microbatches leaves the gradients of the
+    whole batch's mean loss (dropout off, so the stages' random streams do not matter)."""
+    pytest.importorskip("transformers")
+    from real_model_worker import loss_of as real_loss, seeded_batch, seeded_model
+
+    from test_stages import plan_with_splits, planned
+
+    model = seeded_model(model_name)
+    inputs, target = seeded_batch(model_name, 8)
+    reference = copy.deepcopy(model)
+    real_loss(model_name)(reference(inputs), target).backward()
+    plan = dataclasses.replace(plan_with_splits(planned("mlp", 2), plan_stages), schedule=schedule,
+                               microbatches=MICROBATCHES)
+    with Pipeline.from_plan(model, plan, example_inputs=inputs[: 8 // MICROBATCHES],
+                            loss_fn=real_loss(model_name)) as pipe:
+        assert pipe.stages.method == "export"
+        pipe.train_step(inputs, target)
+    assert_close(gradients(reference), gradients(model))

@@ -1,0 +1,233 @@
+"""The torch.export split (runtime.export_split via runtime.stages): real transformers models split into stages that
+reproduce the model's outputs and gradients in training mode, hold the model's own tensors under its names, and
+refuse what they cannot run with one line."""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any, Callable
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from real_model_worker import model_file  # noqa: E402
+from runtime.export_split import ExportFailure, capture, first_nodes  # noqa: E402
+from runtime.stages import StageSplitError, Stages, describe_boundaries, run_stages, split_model  # noqa: E402
+
+
+class _Logits(nn.Module):
+    """A transformers model returning `.logits` (as a model file would wrap it)."""
+
+    def __init__(self, inner: nn.Module, **call: Any) -> None:
+        super().__init__()
+        self.inner, self.call = inner, call
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) == 2:
+            return self.inner(input_ids=inputs[0], decoder_input_ids=inputs[1], **self.call).logits
+        return self.inner(inputs[0], **self.call).logits
+
+
+def _bert() -> nn.Module:
+    return _Logits(transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=3)))
+
+
+def _vit() -> nn.Module:
+    return _Logits(transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, num_labels=3)))
+
+
+def _t5() -> nn.Module:
+    return _Logits(transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=2)),
+        use_cache=False)
+
+
+def _tiny(name: str) -> Callable[[], nn.Module]:
+    return lambda: model_file(name).build_model()
+
+
+# name -> (model maker, inputs maker, split points); every model has dropout on by default (Llama has none)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, ...]], list[str]]] = {
+    "gpt2": (_tiny("gpt2_tiny"), lambda: (torch.randint(0, 96, (2, 12)),), ["gpt.transformer.h.1", "gpt.transformer.h.3"]),
+    "llama": (_tiny("llama_tiny"), lambda: (torch.randint(0, 96, (2, 12)),), ["llama.model.layers.2"]),
+    "bert": (_bert, lambda: (torch.randint(0, 64, (2, 8)),), ["inner.bert.encoder.layer.1", "inner.bert.pooler"]),
+    "vit": (_vit, lambda: (torch.randn(2, 3, 16, 16),), ["inner.vit.layers.1"]),
+    "t5": (_t5, lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5))),
+           ["inner.encoder.block.1", "inner.decoder.block.1"]),
+}
+
+
+@lru_cache(maxsize=None)
+def _made(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model (seed 0, training mode) and its inputs (seed 1), made once: tests deep-copy before using."""
+    make, inputs, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = make().train()
+    torch.manual_seed(1)
+    return model, inputs()
+
+
+def _split(name: str) -> tuple[nn.Module, Stages, tuple[torch.Tensor, ...]]:
+    model, inputs = _made(name)
+    model = copy.deepcopy(model)
+    return model, split_model(model, MODELS[name][2], inputs), inputs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_stages_give_the_models_outputs_and_gradients_in_training_mode(name: str) -> None:
+    model, stages, inputs = _split(name)
+    reference = copy.deepcopy(_made(name)[0])
+    assert stages.method == "export" and len(stages) == len(MODELS[name][2]) + 1
+    torch.manual_seed(7)  # dropout draws the same masks in the same order
+    expected = reference(*inputs)
+    torch.manual_seed(7)
+    found = run_stages(stages, *inputs)
+    torch.testing.assert_close(found, expected, rtol=0, atol=0)
+    (expected ** 2).mean().backward()
+    (found ** 2).mean().backward()
+    grads = dict(reference.named_parameters())
+    for parameter_name, parameter in model.named_parameters():
+        assert parameter.grad is not None, parameter_name
+        torch.testing.assert_close(parameter.grad, grads[parameter_name].grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=parameter_name: f"{name} {n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_stages_hold_the_models_own_tensors_under_its_names(name: str) -> None:
+    model, stages, _ = _split(name)
+    state = model.state_dict(keep_vars=True)
+    everything = dict(model.named_parameters(remove_duplicate=False))
+    everything.update(model.named_buffers(remove_duplicate=False))
+    union: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for tensor_name, tensor in [*stage.named_parameters(remove_duplicate=False),
+                                    *stage.named_buffers(remove_duplicate=False)]:
+            if tensor_name.startswith("_pipeline_constants."):
+                continue  # lifted constants (not the model's)
+            assert everything[tensor_name] is tensor, tensor_name  # the model's object, by its name
+        union.update(stage.state_dict(keep_vars=True))
+    assert set(union) == set(state)  # together the stages' state_dicts are the model's, nothing else
+
+
+def test_a_tied_weight_is_held_by_the_name_each_stage_reads_it_by() -> None:
+    model, stages, _ = _split("gpt2")
+    (shared,) = stages.shared
+    assert shared.stages == (0, 2) and shared.stage_names == ("gpt.transformer.wte.weight", "gpt.lm_head.weight")
+    assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight
+
+
+def test_rotary_tables_are_buffers_of_the_stage_but_not_saved() -> None:
+    model, stages, _ = _split("llama")
+    name = "llama.model.rotary_emb.inv_freq"
+    assert dict(stages[0].named_buffers())[name] is dict(model.named_buffers())[name]
+    assert all(name not in stage.state_dict() for stage in stages)
+
+
+def test_the_cut_is_at_the_first_node_of_the_split_modules_first_call() -> None:
+    model, inputs = _made("gpt2")
+    captured = capture(copy.deepcopy(model), inputs)
+    first = first_nodes(captured.graph, ["gpt.transformer.h.1", "gpt.transformer.ln_f"])
+    assert list(first) == ["gpt.transformer.h.1", "gpt.transformer.ln_f"]
+    for module_name, node in first.items():
+        paths = [path for path, _ in node.meta["nn_module_stack"].values()]
+        assert module_name in paths
+        earlier = [n for n in captured.graph.nodes][: list(captured.graph.nodes).index(node)]
+        assert all(module_name not in [p for p, _ in (n.meta.get("nn_module_stack") or {}).values()] for n in earlier)
+
+
+def test_other_shapes_and_another_mode_are_refused_in_one_line() -> None:
+    _, stages, inputs = _split("llama")
+    with pytest.raises(StageSplitError) as raised:
+        stages[0](torch.randint(0, 96, (3, 12)))
+    assert "\n" not in str(raised.value) and "[2x12]" in str(raised.value) and "[3x12]" in str(raised.value)
+    stages[1].eval()
+    hidden = stages[0](*inputs)
+    with pytest.raises(StageSplitError, match="training mode") as raised:
+        stages[1](*hidden)
+    assert "\n" not in str(raised.value)
+
+
+def test_boundaries_of_an_exported_split_are_described_without_running_it() -> None:
+    _, stages, inputs = _split("gpt2")
+    (first, second) = describe_boundaries(stages, *inputs)
+    assert [value.kind for value in first + second] == ["tensor"] * (len(first) + len(second))
+    assert {value.dtype for value in first} == {torch.bool, torch.float32}  # the causal mask and the hidden state
+    with pytest.raises(StageSplitError, match=r"\[4x12\]"):
+        describe_boundaries(stages, torch.randint(0, 96, (4, 12)))
+
+
+class _Routed(nn.Module):
+    """Mixture-of-experts routing with a branch on tensor values, in a forward torch.fx must trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 2)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            mask = choice == index
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return self.head(out)
+
+
+def test_data_dependent_control_flow_is_one_line_naming_the_code_and_the_way_out(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(StageSplitError) as raised:
+        split_model(_Routed(), ["head"], (torch.randn(3, 4),))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "test_export_split.py" in message and "if mask.any():" in message
+    assert "--split-points" in message and "nn.Sequential" in message
+    assert capfd.readouterr().err == ""  # torch.export's own dump of the partial graph is kept off the screen
+
+
+def test_without_example_inputs_the_error_asks_for_them() -> None:
+    model, _ = _made("llama")
+    with pytest.raises(StageSplitError, match="example microbatch"):
+        split_model(copy.deepcopy(model), ["llama.model.layers.2"])
+
+
+def test_export_failures_carry_the_construct() -> None:
+    with pytest.raises(ExportFailure) as raised:
+        capture(_Routed(), (torch.randn(3, 4),))
+    assert "tensor values" in raised.value.construct
+
+
+class _Normed(nn.Module):
+    """Batch norm behind a forward torch.fx cannot trace (it calls len() on a tensor) but torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.last = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.norm(self.first(x)).reshape(len(x), -1))
+
+
+def test_batch_norm_statistics_move_as_in_the_model() -> None:
+    torch.manual_seed(0)
+    model, x = _Normed().train(), torch.randn(5, 4)
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["norm", "last"], (x,))
+    assert stages.method == "export"
+    for _ in range(2):
+        run_stages(stages, x)
+        reference(x)
+    for name, buffer in reference.norm.named_buffers():
+        torch.testing.assert_close(getattr(model.norm, name), buffer, rtol=0, atol=0, msg=name)
