@@ -94,7 +94,7 @@ class Stages(list[nn.Module]):
         self.method = method
 
 
-def build_stages(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> Stages:
+def build_stages(model: nn.Module, plan: Plan, example_inputs: Any = None) -> Stages:
     """One module per stage of `plan`, such that `run_stages(stages, *inputs)` equals `model(*inputs)`.
 
     Stage k runs from the first call of `plan.stages[k].first_layer` up to the first call of
@@ -115,7 +115,7 @@ def build_stages(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | N
 
 
 def split_model(model: nn.Module, split_points: Sequence[str],
-                example_inputs: Sequence[Any] | None = None) -> Stages:
+                example_inputs: Any = None) -> Stages:
     """Split `model` so that a new stage begins at the first call of each named module (in order).
 
     How: a plain nn.Sequential split at its children is sliced (`nn.Sequential` of the same

@@ -73,11 +73,17 @@ def replicated(plan: Plan) -> Plan:
                                              dataclasses.replace(second, ranks=(2,))))
 
 
+def recomputed(plan: Plan) -> Plan:
+    """`plan` with activation recomputation on every stage (the backward runs each forward again)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, recompute=True) for stage in plan.stages))
+
+
 # name -> (world size, model, runtime, plan maker, steps); one torchrun job per world size runs its cases in turn
 CASES: dict[str, tuple[int, str, str, Any, int]] = {
     "gpt2-2-gpipe": (2, GPT2, "engine", lambda p: planned(p, 2, "gpipe"), 2),
     "llama-2-1f1b": (2, LLAMA, "engine", lambda p: planned(p, 2, "1f1b"), 3),
     "pippy-llama-2-1f1b": (2, LLAMA, "pippy", lambda p: planned(p, 2, "1f1b"), 3),
+    "gpt2-2-1f1b-recompute": (2, GPT2, "engine", lambda p: recomputed(planned(p, 2, "1f1b")), 2),
     "pippy-gpt2-2-gpipe": (2, GPT2, "pippy", lambda p: planned(p, 2, "gpipe"), 2),
     "gpt2-3-1f1b-in-block": (3, GPT2, "engine", lambda p: cut_inside_a_block(planned(p, 3, "1f1b")), 2),
     "llama-3-gpipe": (3, LLAMA, "engine", lambda p: planned(p, 3, "gpipe"), 2),
@@ -171,20 +177,26 @@ def result(out: Path, name: str, rank: int) -> dict[str, Any]:
     return torch.load(path)
 
 
+def plain_steps(model: str, network: torch.nn.Module, inputs: Any, target: Any, optimizer: torch.optim.Optimizer,
+                steps: int) -> list[float]:
+    """`steps` optimizer steps of plain single-process training on the whole mini-batch; the losses."""
+    found = []
+    for _ in range(steps):
+        loss = loss_of(model)(network(inputs), target)
+        found.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return found
+
+
 @lru_cache(maxsize=None)
 def single_process(model: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: the worker's model and batch, `steps` SGD steps on the whole mini-batch; (losses, parameters)."""
     network = seeded_model(model)
     inputs, target = seeded_batch(model, BATCH)
     initial = {name: parameter.detach().clone() for name, parameter in network.named_parameters()}
-    optimizer = torch.optim.SGD(network.parameters(), lr=LR)
-    found = []
-    for _ in range(steps):
-        loss = loss_of(model)(network(inputs), target)
-        found.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    found = plain_steps(model, network, inputs, target, torch.optim.SGD(network.parameters(), lr=LR), steps)
     params = {name: parameter.detach().clone() for name, parameter in network.named_parameters()}
     assert all(not torch.equal(params[name], initial[name]) for name in params)  # training moved every parameter
     return found, params
@@ -267,13 +279,7 @@ def test_planner_train_exports_the_weights_of_single_process_training(jobs: dict
     model = source.build_model()
     inputs, target = seeded_batch(LLAMA, BATCH)  # runtime.train: seed + 1, microbatch size x microbatches
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    expected_losses = []
-    for _ in range(TRAIN_STEPS):
-        loss = loss_of(LLAMA)(model(inputs), target)
-        expected_losses.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    expected_losses = plain_steps(LLAMA, model, inputs, target, optimizer, TRAIN_STEPS)
     fresh = source.build_model()
     fresh.load_state_dict(export_checkpoint(folder / "checkpoints"))  # strict: every name of the model, nothing else
     exported = fresh.state_dict()
