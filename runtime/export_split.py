@@ -11,7 +11,9 @@ rewrites the exported program's graph so that it can be cut into stages like a t
   tuple, a `ModelOutput`) by `torch.utils._pytree.tree_unflatten` when it is not a single tensor.
 
 Each call node keeps the `nn_module_stack` export recorded; `first_nodes` uses it to find
-where each module's first call begins. The graph is specialised to the example's shapes and to
+where each module's first call begins. Export writes the capture device into the graph;
+`follow_input_device` makes a stage use the device of its inputs instead, so stages captured
+on the CPU run on each rank's GPU. The graph is specialised to the example's shapes and to
 the model's training mode at capture: `ShapeGuard` refuses other shapes with one line.
 What export cannot capture (branches or loops on tensor values, such as mixture-of-experts
 routing) raises `ExportFailure` naming the file, line and code of the construct.
@@ -32,7 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes"]
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device"]
 
 _OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
 
@@ -51,7 +53,8 @@ class CapturedModel:
 
     `attributes`: every `get_attr` target of the graph -> the object it reads (the model's
     Parameters and buffers by their names in the model; lifted constants, export's
-    sub-graphs of higher-order operators, the output spec). `training`: the mode at capture.
+    sub-graphs of higher-order operators, the output spec). `training`: the mode at capture;
+    `device`: the example inputs' device, which export writes into factory calls.
     """
 
     graph: fx.Graph
@@ -59,6 +62,7 @@ class CapturedModel:
     training: bool
     input_shapes: tuple[tuple[int, ...] | None, ...]
     constants: tuple[str, ...] = field(default_factory=tuple)
+    device: torch.device | None = None
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any]) -> CapturedModel:
@@ -82,6 +86,51 @@ def first_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[str, fx.Node]:
         if len(found) == len(wanted):
             break
     return found
+
+
+def follow_input_device(module: fx.GraphModule, captured: torch.device) -> None:
+    """Make a graph create, move and check tensors on the device of its first tensor input, not on `captured`.
+
+    Export writes the capture device into the graph (`arange(..., device=cpu)`, `to(device=cpu)`,
+    metadata asserts, autocast's device type); a stage moved to another device (a rank's GPU)
+    must use its own. Sub-graphs of higher-order operators are rewritten the same way, once.
+    """
+    graph = module.graph
+    for node in graph.nodes:
+        child = _get(module, node.target) if node.op == "get_attr" else None
+        if isinstance(child, fx.GraphModule) and not getattr(child, "_follows_input_device", False):
+            follow_input_device(child, captured)
+    module._follows_input_device = True
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    first = next((node for node in placeholders if isinstance(node.meta.get("val"), torch.Tensor)), None)
+    pinned = [node for node in graph.nodes if node.op == "call_function" and _pins(node, captured)]
+    if first is None or not pinned:
+        return
+    with graph.inserting_after(placeholders[-1]):
+        device = graph.call_function(getattr, (first, "device"))
+    with graph.inserting_after(device):
+        device_type = graph.call_function(getattr, (device, "type"))  # autocast takes the type's name
+    for node in pinned:
+        node.kwargs = {key: device if _is(value, captured) else value for key, value in node.kwargs.items()}
+        node.args = tuple(device if _is(value, captured) else value for value in node.args)
+        if node.target is torch.ops.higher_order.wrap_with_autocast and node.args[0] == captured.type:
+            node.args = (device_type, *node.args[1:])
+    if not device_type.users:
+        graph.erase_node(device_type)
+    graph.lint()
+    module.recompile()
+
+
+def _is(value: Any, device: torch.device) -> bool:
+    """True if `value` is `device` (a torch.device)."""
+    return isinstance(value, torch.device) and value == device
+
+
+def _pins(node: fx.Node, captured: torch.device) -> bool:
+    """True if the call names the capture device (a device argument, or autocast's device type)."""
+    if any(_is(value, captured) for value in (*node.args, *node.kwargs.values())):
+        return True
+    return node.target is torch.ops.higher_order.wrap_with_autocast and node.args[:1] == (captured.type,)
 
 
 class ShapeGuard:
@@ -237,8 +286,8 @@ def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]
         raise ExportFailure(f"the example inputs must be tensors passed positionally, got "
                             f"{[type(value).__name__ for value in inputs]}")
     graph.lint()
-    return CapturedModel(graph, attributes, model.training,
-                         tuple(tuple(value.shape) for value in tensors), tuple(constants))
+    return CapturedModel(graph, attributes, model.training, tuple(tuple(value.shape) for value in tensors),
+                         tuple(constants), tensors[0].device if tensors else None)
 
 
 def _name_for(user: fx.Node, names: list[str], default: str) -> str:

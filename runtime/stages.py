@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from planner.errors import PlannerError
 from planner.plan import Plan
-from runtime.export_split import ExportFailure, ShapeGuard, capture, first_nodes
+from runtime.export_split import ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device
 
 __all__ = [
     "StageModule", "StageSplitError", "SharedParameter", "StageSignature", "ValueSpec", "Stages",
@@ -341,6 +341,8 @@ def _split_exported(model: nn.Module, names: list[str], example_inputs: tuple[An
         inputs = [node for node in stage.graph.nodes if node.op == "placeholder"]
         shapes = tuple(_example_shape(node) for node in inputs)
         stage.register_forward_pre_hook(ShapeGuard(index, shapes, captured.training))
+        if captured.device is not None:
+            follow_input_device(stage, captured.device)
     return stages, signatures
 
 

@@ -231,3 +231,15 @@ def test_batch_norm_statistics_move_as_in_the_model() -> None:
         reference(x)
     for name, buffer in reference.norm.named_buffers():
         torch.testing.assert_close(getattr(model.norm, name), buffer, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_stage_moved_to_another_device_creates_its_tensors_there(name: str) -> None:
+    """Export writes the capture device into arange/to/metadata checks; a stage on another device (a rank's GPU)
+    must use its own. The meta device stands in for a GPU here: nothing may come out on the CPU."""
+    _, stages, inputs = _split(name)
+    value: Any = tuple(tensor.to("meta") for tensor in inputs)
+    for stage in stages:
+        value = stage.to("meta")(*value)
+        value = value if isinstance(value, tuple) else (value,)
+        assert all(tensor.device.type == "meta" for tensor in value)
