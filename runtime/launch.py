@@ -6,7 +6,8 @@ import os
 from typing import Sequence
 
 from runtime.malloc import STEADY_MALLOC
-from runtime.train import TrainingError, check_setup, parse_args
+from runtime.stages import build_stages
+from runtime.train import TrainingError, check_setup, example_microbatch, parse_args
 
 __all__ = ["launch"]
 
@@ -14,7 +15,8 @@ __all__ = ["launch"]
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     """Run `python -m runtime.train *argv` on `nproc` processes of this machine (default: the plan's
     rank count) under torchrun's launcher (`--standalone`), after `runtime.train.check_setup` ran
-    here, so that a bad plan, model file, option or folder is one line and nothing is started.
+    here and the model was split for the plan, so that a bad plan, model file, option or folder,
+    or a model that cannot be split (StageSplitError), is one line and nothing is started.
 
     The workers get one torch thread per core share (`OMP_NUM_THREADS` = cores // nproc, unless
     set) and, on CPU, glibc settings that keep freed memory (`runtime.malloc`). Raises
@@ -28,6 +30,7 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     if count < 1:
         raise TrainingError(f"--nproc must be at least 1, got {count}")
     setup = check_setup(options, 0, count, 0)
+    build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
     if setup.device.type == "cpu":
         for name, value in STEADY_MALLOC.items():

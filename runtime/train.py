@@ -53,7 +53,7 @@ from runtime.engine import Engine, EngineError
 from runtime.malloc import steady_malloc
 from runtime.report import save_run_report
 
-__all__ = ["TrainOptions", "TrainingError", "parse_args", "main"]
+__all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
@@ -327,7 +327,7 @@ def _init_process_group(setup: Setup, timeout_s: float) -> None:
 # --- training ------------------------------------------------------------------------------------
 
 
-def _example_microbatch(setup: Setup) -> Any:
+def example_microbatch(setup: Setup) -> Any:
     """One microbatch of the model file's example inputs (for torch.export), leaving the random state as it was."""
     with torch.random.fork_rng(devices=[]):
         return setup.model_file.example_batch(setup.batch_size // setup.microbatches)[0]
@@ -343,7 +343,7 @@ def train(options: TrainOptions, setup: Setup) -> None:
     engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
                               device=setup.device, timeout_s=options.timeout_s,
-                              example_inputs=_example_microbatch(setup))
+                              example_inputs=example_microbatch(setup))
     if resumed is not None and engine.optimizer is not None:  # this stage's optimizer state, by parameter name
         load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
                                    optimizer_state_of(resumed.path))

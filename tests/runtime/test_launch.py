@@ -1,0 +1,34 @@
+"""planner train's launcher: what can be checked in this process (here: that the model can be split) is one line
+on stderr, exit 1, and no torchrun job starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from planner.cluster import make_cluster
+from planner.model_file import load_model_file
+from planner.partition import partition
+from planner.profiler import ProfileSettings, profile_model
+
+REPO = Path(__file__).resolve().parents[2]
+ROUTED = REPO / "tests" / "data" / "models" / "routed.py"
+
+
+def test_a_model_no_split_can_capture_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    profile = profile_model(load_model_file(ROUTED), ProfileSettings(batch_size=4, warmup=1, iters=1, threads=1))
+    profile_path = profile.save(tmp_path / "routed.json")
+    plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2)
+    assert len(plan.stages) == 2
+    plan_path = plan.save(tmp_path / "routed-2.json")
+    assert profile_path.exists()
+    finished = subprocess.run([sys.executable, "-m", "planner", "train", str(ROUTED), "--plan", str(plan_path),
+                               "--steps", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert finished.returncode == 1
+    lines = finished.stderr.strip().splitlines()
+    assert len(lines) == 1, finished.stderr
+    branch = 1 + next(number for number, line in enumerate(ROUTED.read_text().splitlines()) if "if x.abs()" in line)
+    assert lines[0].startswith("error: cannot split Routed:") and f"routed.py:{branch}" in lines[0]
+    assert "--split-points" in lines[0]
+    assert "torch.distributed" not in finished.stderr  # torchrun never ran
