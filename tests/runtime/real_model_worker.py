@@ -144,7 +144,9 @@ def run_deepspeed(case: dict[str, Any], model: nn.Module, inputs: Any, target: A
     optimizer = torch.optim.SGD(module.parameters(), lr=case["lr"])
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
                                       config={**deepspeed_config(plan), "steps_per_print": 10 ** 9})
-    losses = [engine.train_batch(iter(microbatches)).item() for _ in range(case["steps"])]
+    replicas = module.topology().get_dim("data")
+    mine = microbatches[module.topology().get_coord(dist.get_rank()).data::replicas]  # this pipeline's share
+    losses = [engine.train_batch(iter(mine)).item() for _ in range(case["steps"])]
     return [loss if engine.is_last_stage() else None for loss in losses], module
 
 
