@@ -213,6 +213,10 @@ _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')
 def _construct(exc: Exception) -> str:
     """What the model did that export cannot capture, with the user's file:line and code when known."""
     message = str(exc)
+    unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
+    if unknown:
+        return (f"the forward returns a {unknown.group(1).rsplit('.', 1)[-1]}, which is not tensors: make it return "
+                "tensors (a transformers model: wrap it to return `.logits`, and pass use_cache=False)")
     if "data-dependent" in message or "GuardOnDataDependent" in type(exc).__name__:
         what = "control flow (if/while/loop bounds) or a size depends on tensor values"
     else:

@@ -412,7 +412,8 @@ def _failing_forward(model: nn.Module, exc: BaseException) -> str:
     while traceback is not None:
         code = traceback.tb_frame.f_code
         owner = traceback.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if isinstance(owner, nn.Module) and id(owner) in names and _FX_DIR not in Path(code.co_filename).parents:
+        inside_model = _FX_DIR not in Path(code.co_filename).parents and code.co_filename != __file__
+        if isinstance(owner, nn.Module) and id(owner) in names and inside_model:
             label = names[id(owner)] or "the model"
             where = f"{Path(code.co_filename).name}:{traceback.tb_lineno}"
             found = f"{label} ({type(owner).__name__}).{code.co_name} at {where}"

@@ -243,3 +243,25 @@ def test_a_stage_moved_to_another_device_creates_its_tensors_there(name: str) ->
         value = stage.to("meta")(*value)
         value = value if isinstance(value, tuple) else (value,)
         assert all(tensor.device.type == "meta" for tensor in value)
+
+
+def test_a_model_returning_a_cache_is_told_to_return_tensors() -> None:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                                                 n_positions=16)).train()
+    with pytest.raises(StageSplitError) as raised:
+        split_model(model, ["transformer.h.1"], (torch.randint(0, 50, (2, 8)),))
+    message = str(raised.value)
+    assert "\n" not in message and "returns a DynamicCache" in message and "use_cache=False" in message
+    assert "stages.py" not in message  # the failing forward is the model's, not the splitter's
+
+
+def test_a_model_output_is_rebuilt_by_the_last_stage() -> None:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                                                 n_positions=16, use_cache=False)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    stages = split_model(model, ["transformer.h.1"], (ids,))
+    output = run_stages(stages, ids)
+    assert type(output) is type(model(ids))
+    torch.testing.assert_close(output.logits, model(ids).logits, rtol=0, atol=0)
