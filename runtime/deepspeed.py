@@ -114,10 +114,13 @@ def pipeline_module(model: nn.Module, plan: Plan, *, loss_fn: LossFn, example_in
     Every rank passes the whole model (same weights); `example_inputs`: one microbatch of the
     model's inputs, for models torch.fx cannot trace. Other keyword arguments go to
     PipelineModule (not `layers`, `num_stages`, `partition_method`, `loss_fn`, `topology`).
-    DeepSpeedPlanError if the plan cannot run on DeepSpeed or the job's world size is not the
-    plan's rank count.
+    DeepSpeedPlanError if the plan cannot run on DeepSpeed, torch.distributed is not initialized,
+    or the job's world size is not the plan's rank count.
     """
     replicas = _replicas(plan)
+    if not dist.is_initialized():
+        raise DeepSpeedPlanError("torch.distributed is not initialized: call deepspeed.init_distributed() first, in "
+                                 "a process started by torchrun or the deepspeed launcher")
     needed = replicas * len(plan.stages)
     if dist.get_world_size() != needed:
         raise DeepSpeedPlanError(f"the plan has {needed} ranks ({len(plan.stages)} stages x {replicas} replicas) but "

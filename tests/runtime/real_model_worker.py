@@ -137,6 +137,9 @@ def run_deepspeed(case: dict[str, Any], model: nn.Module, inputs: Any, target: A
 
     from runtime.deepspeed import deepspeed_config, pipeline_module
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory kernel (~30 s on 2 cores) that only its inference
+    # all-reduce uses: mark it unavailable, as on platforms without it
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")  # joins the process group init_distributed made
     plan = load_plan(case["plan"])
     microbatches = list(zip(split_batch(inputs, plan.microbatches or 1), split_batch(target, plan.microbatches or 1)))

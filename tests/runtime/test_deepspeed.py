@@ -1,28 +1,109 @@
-"""runtime.deepspeed: plans DeepSpeed cannot run as planned are refused in one line; the config matches the plan.
+"""runtime.deepspeed: DeepSpeed's pipeline engine trains a plan's stages to the weights of single-process training;
+plans DeepSpeed cannot run as planned are refused in one line; the config matches the plan.
 
-Training with DeepSpeed's pipeline engine under torchrun, against plain PyTorch, is in
-test_real_models.py (the deepspeed cases: GPT-2 with its tied head, and Llama).
+Here: examples/gpt.py (split by torch.fx, tied embedding and head) on 2 processes under torchrun.
+test_real_models.py trains transformers models (GPT-2, Llama: the torch.export split) the same way,
+on 2 and on 4 processes (two pipelines).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("deepspeed")
 
-from planner.plan import Plan  # noqa: E402
-from runtime.deepspeed import DeepSpeedPlanError, _StageLayer, deepspeed_config, pipeline_module  # noqa: E402
-from test_stages import planned  # noqa: E402
-
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from planner.plan import Plan  # noqa: E402
+from runtime.deepspeed import DeepSpeedPlanError, _StageLayer, deepspeed_config, pipeline_module  # noqa: E402
+from runtime.stages import build_stages  # noqa: E402
+from runtime_examples import model_file  # noqa: E402
+from test_stages import planned  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "deepspeed_worker.py"
+MICROBATCHES = 4
+STEPS = 3
+LR = 0.1
+TIED = "transformer.wte.weight"  # also lm_head.weight
 
 
 def gpt_plan(**changes: object) -> Plan:
     """The planner's straight 2-stage plan of examples/gpt.py, made 1f1b, with `changes`."""
     return dataclasses.replace(planned("gpt", 2), **{"schedule": "1f1b", **changes})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Plan, Path]:
+    """The 2-stage gpt plan (4 microbatches) trained STEPS steps by deepspeed_worker.py under torchrun, 2 processes."""
+    out = tmp_path_factory.mktemp("deepspeed")
+    plan = gpt_plan(microbatches=MICROBATCHES)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"plan": str(plan.save(out / "plan.json")), "steps": STEPS, "lr": LR,
+                                "batch": plan.microbatch_size * MICROBATCHES}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(WORKER), str(spec), str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    errors = "".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+    assert finished.returncode == 0, errors + finished.stdout[-3000:] + finished.stderr[-5000:]
+    return plan, out
+
+
+@lru_cache(maxsize=None)
+def single_process(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch SGD on the whole mini-batch (mean loss), seeded as the worker: losses and final parameters
+    (computed once). In eval mode: no dropout, as in the worker's training-mode model with every probability 0."""
+    example = model_file("gpt")
+    torch.manual_seed(0)
+    model = example.build_model().eval()
+    torch.manual_seed(1)
+    inputs, target = example.example_batch(batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = example.loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+
+def test_deepspeed_trains_the_plans_stages_to_the_weights_of_single_process_sgd(
+        trained: tuple[Plan, Path]) -> None:
+    plan, out = trained
+    expected_losses, expected = single_process(plan.microbatch_size * MICROBATCHES)
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    for rank, found in enumerate(ranks):
+        for name, parameter in found["params"].items():
+            torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, where=f"rank {rank} {name}": f"{where}: {m}")
+    assert set(ranks[0]["params"]) | set(ranks[1]["params"]) == set(expected)  # every parameter, somewhere
+    assert ranks[0]["losses"] == [None] * STEPS
+    assert ranks[1]["losses"] == pytest.approx(expected_losses, rel=1e-6)  # the mini-batch's mean loss
+
+
+def test_the_tied_weight_is_on_both_stages_and_trained_with_the_summed_gradient(trained: tuple[Plan, Path]) -> None:
+    """examples/gpt.py's embedding is its head: both stages hold it (stages.shared), DeepSpeed declares no tie,
+    and both copies equal single-process training (each stage's own gradient alone would not)."""
+    plan, out = trained
+    torch.manual_seed(0)
+    stages = build_stages(model_file("gpt").build_model(), plan)
+    assert [(shared.names, shared.stages) for shared in stages.shared] == [((TIED, "lm_head.weight"), (0, 1))]
+    _, expected = single_process(plan.microbatch_size * MICROBATCHES)
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(out / f"rank{rank}.pt")["params"][TIED], expected[TIED],
+                                   rtol=1e-5, atol=1e-7)
 
 
 def test_the_config_trains_the_plans_mini_batch_without_clipping() -> None:
@@ -57,6 +138,12 @@ def test_the_asynchronous_schedule_is_refused_in_one_line() -> None:
         deepspeed_config(gpt_plan(schedule="pipedream"))
     message = str(raised.value)
     assert "\n" not in message and "'pipedream'" in message and "--schedule 1f1b" in message
+
+
+def test_a_plan_deepspeed_can_run_needs_an_initialized_process_group() -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(DeepSpeedPlanError, match=r"^torch.distributed is not initialized: call deepspeed.init_distri"):
+        pipeline_module(nn.Linear(2, 2), gpt_plan(microbatches=4), loss_fn=nn.functional.mse_loss)
 
 
 def test_a_stage_layer_unpacks_tuples_and_sends_gradient_free_floats_as_leaves() -> None:
