@@ -1,24 +1,38 @@
 """Finds the execution-ordered layers of any nn.Module, named by fully qualified module names.
 
-A *layer* begins where its module is first called in the forward pass and lasts until the next
-layer begins; functional operations in between (residual adds, reshapes, the loss) belong to it.
-How layers are chosen, from one forward pass recorded as a tree of module calls:
+One forward pass is recorded as a tree of module calls: a module appears once, at its first call,
+as a child of the module that was running then, under the name `named_modules()` gives it first
+(a module shared by two parents, e.g. one embedding used by an encoder and a decoder, is one call
+and one name). Modules that are never called (`nn.ModuleList`, `nn.ModuleDict`, unused ones) are
+not in the tree, so every layer is a module the forward calls.
 
-- default: the modules the model's forward calls (containers that are never called, such as
-  `nn.ModuleList` and `nn.ModuleDict`, are see-through; a forward calling just one module is
-  looked through), and then, recursively, a module is replaced by the modules it calls if it is
-  an `nn.Sequential`, holds a stack (calls two or more non-leaf members of one class from one
-  indexed container, e.g. an encoder looping over its blocks), or has a stack holder anywhere
-  below it. The members of a stack are blocks: they are not opened further (a mixture-of-experts
-  block keeps its experts) unless they are `nn.Sequential`s. So the blocks are found wherever
-  they sit, with the modules around them at the granularity of their callers: a GPT-2 style
-  model comes out as `transformer.wte, transformer.wpe, transformer.drop, transformer.h.0 ...
-  transformer.ln_f, lm_head`; a BERT classifier wrapped in an attribute `bert` as
-  `bert.bert.embeddings, bert.bert.encoder.layer.0 ... bert.bert.pooler, bert.dropout,
-  bert.classifier`; an encoder-decoder as `...encoder.block.0 ... encoder.final_layer_norm, ...,
-  decoder.block.0 ... lm_head`.
-- `depth=N`: the modules N calls below the model's forward (leaves above that depth stay).
-- `split_points=[...]`: layers begin exactly at these modules (and at the start of the forward).
+A *layer* begins at its module's first call and lasts until the next layer begins; functional
+operations in between (residual adds, reshapes, the loss) and later calls of modules already seen
+belong to it. Layers are listed in first-call order, which is execution order. They are chosen:
+
+- by default: start from the calls the model's forward makes, looking through a forward that calls
+  just one module (repeatedly, while that module calls modules of its own). Then, recursively, a
+  call is replaced by the calls it makes if
+  (a) its module is an `nn.Sequential` (or subclass),
+  (b) it holds a *stack*: it calls two or more non-leaf modules of one class that are members of
+      one indexed container (named `<container>.<index>`, e.g. an `nn.ModuleList` or
+      `nn.Sequential`); two same-class blocks held as separate attributes (self_attn, cross_attn)
+      are not a stack, or
+  (c) a call anywhere below it holds a stack.
+  The members of a stack are *blocks*: they, and everything inside them, are opened only where
+  they are `nn.Sequential`s, never for (b) or (c), so a mixture-of-experts block keeps its experts
+  and a block looping over same-class sub-layers stays whole. So the blocks are found at any depth,
+  and the modules around them come out as the stack's callers call them: a GPT-2 as
+  `transformer.wte, transformer.wpe, transformer.drop, transformer.h.0 ... transformer.ln_f,
+  lm_head`; a BERT classifier held in an attribute `bert` as `bert.bert.embeddings,
+  bert.bert.encoder.layer.0 ... bert.bert.pooler, bert.dropout, bert.classifier`; a T5 as
+  `encoder.embed_tokens, encoder.dropout, encoder.block.0 ... encoder.final_layer_norm,
+  decoder.embed_tokens, decoder.dropout, decoder.block.0 ... decoder.final_layer_norm, lm_head`.
+  A model that is a plain `nn.Sequential` (its forward is `nn.Sequential.forward`, which calls
+  every child in order) is split into its children without recording a forward.
+- `depth=N`: the calls N levels below the model's forward (leaves above that depth stay).
+- `split_points=[...]`: layers begin exactly at these modules (and at the forward's first call).
+  `depth` and `split_points` cannot be combined.
 """
 
 from __future__ import annotations
@@ -124,10 +138,7 @@ def _default_calls(root: _Call) -> list[_Call]:
 
 
 def _expand(call: _Call, in_block: bool = False) -> list[_Call]:
-    """The call itself, or what it calls, expanded in turn (see the module docstring).
-
-    `in_block`: the call is, or is inside, a member of a stack; only Sequentials open there.
-    """
+    """The call, or its children expanded in turn; `in_block`: within a stack member (only Sequentials open)."""
     if not call.children:
         return [call]
     stack = not in_block and _holds_stack(call)
@@ -143,11 +154,7 @@ def _has_stack_below(call: _Call) -> bool:
 
 
 def _holds_stack(call: _Call) -> bool:
-    """True if the call runs two or more non-leaf modules of one class from one container.
-
-    A container's members are named `<container>.<index>` (nn.ModuleList, nn.Sequential); two
-    same-class blocks held as separate attributes (self_attn, cross_attn) do not make a stack.
-    """
+    """True if the call runs two or more non-leaf modules of one class from one indexed container."""
     return bool(_stack_members(call))
 
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
 import pytest
 import torch
 from torch import nn
 
 from planner.errors import ProfileError
-from planner.layers import find_layers
+from planner.layers import Layer, find_layers
 from planner.model_file import checked_example_batch, load_model_file
-from tests.conftest import EXAMPLES
+
+# as in tests/conftest.py; not imported from there, so that the file runs without the repository on sys.path
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _layer_names(example: str, **options: object) -> list[str]:
@@ -233,59 +239,169 @@ def test_blocks_deep_under_a_backbone_are_found_and_their_inner_stacks_kept_whol
         "body.backbone.norm", "head"]
 
 
+class _SubLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x))
+
+
+class _T5StyleBlock(nn.Module):
+    """A block whose `layer` ModuleList holds sub-layers of one class: a stack inside a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_SubLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for sub in self.layer:
+            x = sub(x)
+        return x
+
+
+class _Stack(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.embed = shared
+        self.block = nn.ModuleList(_T5StyleBlock() for _ in range(2))
+        self.final_norm = nn.LayerNorm(4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.block:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class _EncoderDecoder(nn.Module):
+    """Two stacks sharing one embedding module (registered three times, as in older T5s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(10, 4)
+        self.encoder = _Stack(self.shared)
+        self.decoder = _Stack(self.shared)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(ids) + self.encoder(ids).mean(dim=1, keepdim=True))
+
+
+def test_blocks_with_a_same_class_sub_layer_list_stay_whole_and_a_shared_module_is_one_layer() -> None:
+    model = _EncoderDecoder()
+    ids = torch.randint(0, 10, (2, 5))
+    layers = find_layers(model, lambda: model(ids))
+    # the decoder runs first; the shared embedding is named as named_modules() names it first, and
+    # its second call (in the encoder) starts no layer: it belongs to decoder.final_norm's layer
+    assert [layer.name for layer in layers] == [
+        "shared", "decoder.block.0", "decoder.block.1", "decoder.final_norm",
+        "encoder.block.0", "encoder.block.1", "encoder.final_norm", "head"]
+    _assert_called_in_first_call_order(model, lambda: model(ids), layers)
+
+
+def _assert_called_in_first_call_order(model: nn.Module, run_forward: Callable[[], Any], layers: list[Layer]) -> None:
+    """Every layer is a module the forward calls, named as named_modules() names it first, in first-call order."""
+    first_names = {module: name for name, module in model.named_modules()}
+    called: list[nn.Module] = []
+
+    def note(module: nn.Module, _args: Any) -> None:
+        if module not in called:
+            called.append(module)
+
+    handles = [module.register_forward_pre_hook(note) for module in first_names if module is not model]
+    try:
+        run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer in layers:
+        assert layer.module in called, f"{layer.name} is not called"
+        assert layer.name == first_names[layer.module]
+    order = [called.index(layer.module) for layer in layers]
+    assert order == sorted(order)
+
+
 # --- transformers models, built from small configs (no weights downloaded) -----------------------
 
 
-def _hf_layer_names(model: nn.Module, *inputs: torch.Tensor) -> list[str]:
-    return [layer.name for layer in find_layers(model, lambda: model(*inputs))]
+@pytest.fixture(scope="module")
+def transformers() -> ModuleType:
+    """The transformers package; its tests are skipped without it."""
+    return pytest.importorskip("transformers")
 
 
-def test_transformers_decoders_come_out_as_embeddings_blocks_norm_and_head() -> None:
-    transformers = pytest.importorskip("transformers")
-    ids = torch.randint(0, 64, (2, 8))
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64,
-                                                                n_positions=16))
-    assert _hf_layer_names(gpt2, ids) == [
+def _hf_layer_names(model: nn.Module, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> list[str]:
+    """The default layers of `model(*inputs, **kwargs)`, checked to be called modules in first-call order."""
+    model.eval()
+    layers = find_layers(model, lambda: model(*inputs, **kwargs))
+    _assert_called_in_first_call_order(model, lambda: model(*inputs, **kwargs), layers)
+    return [layer.name for layer in layers]
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.randint(0, 100, shape)
+
+
+def test_gpt2_is_embeddings_blocks_final_norm_and_head(transformers: ModuleType) -> None:
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0))
+    assert _hf_layer_names(model, _ids(2, 8)) == [
         "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
         "transformer.h.2", "transformer.ln_f", "lm_head"]
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16))
-    assert _hf_layer_names(llama, ids) == [
+
+
+def test_llama_is_embeddings_rotary_blocks_final_norm_and_head(transformers: ModuleType) -> None:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=64))
+    assert _hf_layer_names(model, _ids(2, 8)) == [
         "model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.layers.2",
         "model.norm", "lm_head"]
 
 
-class _Wrapped(nn.Module):
-    """A transformers model one attribute down, returning its logits (as a model file would)."""
+class _BertClassifier(nn.Module):
+    """A `BertForSequenceClassification` held in an attribute `bert`, as a model file would: blocks 3 levels down."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, transformers: ModuleType) -> None:
         super().__init__()
-        self.inner = inner
+        self.bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, num_labels=3))
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if len(inputs) == 2:
-            return self.inner(input_ids=inputs[0], decoder_input_ids=inputs[1]).logits
-        return self.inner(inputs[0]).logits
-
-
-def test_a_wrapped_bert_classifier_is_split_into_its_encoder_layers() -> None:
-    transformers = pytest.importorskip("transformers")
-    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16, num_labels=3))
-    names = _hf_layer_names(_Wrapped(bert), torch.randint(0, 64, (2, 8)))
-    assert names == ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",
-                     "inner.bert.encoder.layer.2", "inner.bert.pooler", "inner.dropout", "inner.classifier"]
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids).logits
 
 
-def test_an_encoder_decoder_has_both_block_stacks() -> None:
-    transformers = pytest.importorskip("transformers")
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=2))
-    names = _hf_layer_names(_Wrapped(t5), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5)))
-    blocks = [name for name in names if ".block." in name]
-    assert blocks == ["inner.encoder.block.0", "inner.encoder.block.1", "inner.decoder.block.0",
-                      "inner.decoder.block.1"]
-    assert names[-1] == "inner.lm_head" and "inner.encoder.final_layer_norm" in names
-    assert names.index("inner.encoder.final_layer_norm") < names.index("inner.decoder.block.0")
+def test_a_wrapped_bert_classifier_is_split_into_its_encoder_layers(transformers: ModuleType) -> None:
+    assert _hf_layer_names(_BertClassifier(transformers), _ids(2, 8)) == [
+        "bert.bert.embeddings", "bert.bert.encoder.layer.0", "bert.bert.encoder.layer.1",
+        "bert.bert.encoder.layer.2", "bert.bert.pooler", "bert.dropout", "bert.classifier"]
+
+
+def test_vit_is_embeddings_blocks_final_norm_and_classifier(transformers: ModuleType) -> None:
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64))
+    names = _hf_layer_names(model, torch.randn(2, 3, 16, 16))
+    # the blocks' container is `vit.encoder.layer` in transformers 4 and `vit.layers` in transformers 5
+    blocks = [name for name in names if name.rpartition(".")[2].isdigit()]
+    assert len(blocks) == 2 and blocks[0].endswith(".0") and blocks[1].endswith(".1")
+    assert names == ["vit.embeddings", *blocks, "vit.layernorm", "classifier"]
+
+
+def test_t5_has_both_block_stacks_in_execution_order(transformers: ModuleType) -> None:
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=100))
+    names = _hf_layer_names(model, input_ids=_ids(2, 8), decoder_input_ids=_ids(2, 5))
+    # transformers 5 gives each stack its own embed_tokens (weights tied to `shared`); in 4 they are
+    # `shared` itself, recorded once at its first call (in the encoder) under that name
+    if "shared" in names:
+        embeds = (["shared"], [])
+    else:
+        embeds = (["encoder.embed_tokens"], ["decoder.embed_tokens"])
+    assert names == [
+        *embeds[0], "encoder.dropout", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm",
+        *embeds[1], "decoder.dropout", "decoder.block.0", "decoder.block.1", "decoder.final_layer_norm", "lm_head"]
