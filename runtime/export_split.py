@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -34,7 +35,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device"]
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device",
+           "modules_inside_blocks"]
 
 _OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
 
@@ -77,7 +79,7 @@ def first_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[str, fx.Node]:
     wanted = set(names)
     found: dict[str, fx.Node] = {}
     for node in graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in ("call_function", "call_method", "call_module") or _unpacks_block(node):
             continue
         stack = node.meta.get("nn_module_stack") or {}
         for path, _kind in stack.values():
@@ -86,6 +88,38 @@ def first_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[str, fx.Node]:
         if len(found) == len(wanted):
             break
     return found
+
+
+def modules_inside_blocks(graph: fx.Graph, attributes: dict[str, Any]) -> dict[str, fx.Node]:
+    """Modules that begin inside a `torch.no_grad()` / `torch.autocast` block of an enclosing forward -> the block.
+
+    Export captures such a block as one higher-order operation whose sub-graph runs the
+    modules; no cut can fall between them. (A block inside a module's own forward is not
+    listed: the module begins at or before the block.)
+    """
+    inside: dict[str, fx.Node] = {}
+    for node in graph.nodes:
+        if not _is_block(node):
+            continue
+        own = {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()}
+        for argument in node.args:
+            body = attributes.get(argument.target) if isinstance(argument, fx.Node) and argument.op == "get_attr" else None
+            if isinstance(body, fx.GraphModule):
+                for inner in body.graph.nodes:
+                    for path, _ in (inner.meta.get("nn_module_stack") or {}).values():
+                        if path not in own:
+                            inside.setdefault(path, node)
+    return inside
+
+
+def _is_block(node: fx.Node) -> bool:
+    """True for a higher-order operation (export's capture of a no_grad/autocast block)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def _unpacks_block(node: fx.Node) -> bool:
+    """True for a `getitem` of a block's results (export gives it the stack of the block's last module)."""
+    return node.target is operator.getitem and isinstance(node.args[0], fx.Node) and _is_block(node.args[0])
 
 
 def follow_input_device(module: fx.GraphModule, captured: torch.device) -> None:

@@ -13,7 +13,9 @@ from torch import fx, nn
 
 from planner.errors import PlannerError
 from planner.plan import Plan
-from runtime.export_split import ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device
+from runtime.export_split import (
+    ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
+)
 
 __all__ = [
     "StageModule", "StageSplitError", "SharedParameter", "StageSignature", "ValueSpec", "Stages",
@@ -334,8 +336,19 @@ def _split_exported(model: nn.Module, names: list[str], example_inputs: tuple[An
         ) from None
     nodes = list(captured.graph.nodes)
     position = {node: index for index, node in enumerate(nodes)}
-    entered = {name: nodes[position[node] - 1] if position[node] else None
-               for name, node in first_nodes(captured.graph, names).items()}
+    found = first_nodes(captured.graph, names)
+    blocks = modules_inside_blocks(captured.graph, captured.attributes)
+    for name in names:
+        block = blocks.get(name)
+        if block is not None and (name not in found or position[found[name]] > position[block]):
+            raise StageSplitError(
+                f"split point {name!r} begins inside a torch.no_grad() or torch.autocast block of an enclosing "
+                "forward, which torch.export captures as one operation: split at a module outside the block")
+        if name not in found:
+            raise StageSplitError(
+                f"split point {name!r} records no operation in the exported graph (the forward does not call it, or "
+                "it computes nothing, like nn.Identity): split at another module, e.g. the next one")
+    entered = {name: nodes[position[node] - 1] if position[node] else None for name, node in found.items()}
     stages, signatures = _cut_graph(model, captured.attributes, nodes, names, entered)
     for index, stage in enumerate(stages):
         inputs = [node for node in stage.graph.nodes if node.op == "placeholder"]
@@ -371,11 +384,40 @@ def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.N
     split_modules = {id(model.get_submodule(name)): name for name in names}
     enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
     tracer = _SplitTracer(split_modules, enclosing)
+    saved = _model_state(model)
     try:
         graph = tracer.trace(model)
     except Exception as exc:  # any tracing failure: say which forward and why
         raise _trace_failure(model, exc) from exc
+    finally:
+        _restore_model_state(saved)
     return graph, tracer.entered
+
+
+_ModelState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[torch.Tensor, int, torch.Tensor]]]]
+
+
+def _model_state(model: nn.Module) -> _ModelState:
+    """What a traced forward may change: each module's attributes, buffer and parameter slots, buffer values."""
+    return [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters),
+             [(buffer, buffer._version, buffer.detach().clone()) for buffer in module._buffers.values()
+              if buffer is not None])
+            for module in model.modules()]
+
+
+def _restore_model_state(saved: _ModelState) -> None:
+    """Undo what the forward's Python did to the model while torch.fx ran it (counters, cached sizes)."""
+    for module, attributes, buffers, parameters, values in saved:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        with torch.no_grad():
+            for buffer, version, value in values:
+                if buffer._version != version:
+                    buffer.copy_(value)
 
 
 def _strict_prefixes(name: str) -> list[str]:

@@ -331,3 +331,59 @@ def test_from_plan_trains_transformers_models_as_one_device_would(model_name: st
         assert pipe.stages.method == "export"
         pipe.train_step(inputs, target)
     assert_close(gradients(reference), gradients(model))
+
+
+@pytest.mark.parametrize("model_name, plan_stages, schedule", [
+    ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "1f1b"),
+    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "gpipe"),
+])
+def test_from_plan_trains_transformers_models_as_one_device_would_under_the_other_schedule(
+        model_name: str, plan_stages: list[str], schedule: str) -> None:
+    """The test above with the schedules swapped: each model under gpipe and 1f1b."""
+    test_from_plan_trains_transformers_models_as_one_device_would(model_name, plan_stages, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recomputed_exported_stages_replay_their_dropout(schedule: str) -> None:
+    """GPT-2 split by torch.export, dropout on: recomputing stages 0 and 2 in the backward draws the same masks
+    as keeping their activations, so the loss is the same and the gradients too."""
+    pytest.importorskip("transformers")
+    from real_model_worker import model_file as real_model_file
+
+    source = real_model_file("gpt2_tiny")
+    torch.manual_seed(0)
+    base = source.build_model().train()
+    torch.manual_seed(1)
+    inputs, target = source.example_batch(8)
+    results = []
+    for flags in (False, (True, False, True)):
+        model = copy.deepcopy(base)
+        split = split_model(model, ["gpt.transformer.h.1", "gpt.transformer.h.3.mlp"], (inputs[: 8 // MICROBATCHES],))
+        assert split.method == "export"
+        torch.manual_seed(5)
+        with Pipeline(split, None, schedule, MICROBATCHES, flags, source.loss_fn) as pipe:
+            results.append((pipe.train_step((inputs,), target), gradients(model)))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert loss == plain_loss
+    assert_close(plain_grads, grads)  # not bitwise: two stages add to the tied weight's .grad in either order
+
+
+def test_an_example_microbatch_of_another_shape_fails_the_step_in_one_line() -> None:
+    """Exported stages run at the example's shapes only: the whole batch given as the example is refused at the
+    first microbatch, naming both shapes."""
+    pytest.importorskip("transformers")
+    from real_model_worker import loss_of as real_loss, seeded_batch, seeded_model
+
+    from test_stages import plan_with_splits, planned
+
+    model = seeded_model("gpt2_tiny")
+    inputs, target = seeded_batch("gpt2_tiny", 8)
+    plan = dataclasses.replace(plan_with_splits(planned("mlp", 2), ["gpt.transformer.wte", "gpt.transformer.h.2"]),
+                               schedule="1f1b", microbatches=MICROBATCHES)
+    with Pipeline.from_plan(model, plan, example_inputs=inputs, loss_fn=real_loss("gpt2_tiny")) as pipe:
+        with pytest.raises(PipelineError) as raised:
+            pipe.train_step(inputs, target)
+        assert pipe.closed
+    message = str(raised.value)
+    assert "\n" not in message and raised.value.stage == 0 and raised.value.microbatch == 0
+    assert "[8x12]" in message and "[2x12]" in message
