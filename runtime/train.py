@@ -158,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setup = check_and_build(options)
         except PlannerError as exc:
             _say_error(rank, str(exc))
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # said already: torchrun's stop adds no second line
             _wait_for_checks()
             return 1
         _wait_for_checks()
