@@ -5,7 +5,7 @@ rewrites the exported program's graph so that it can be cut into stages like a t
 - lifted parameters and buffers become `get_attr` nodes under their fully qualified names in
   the model (tied weights keep each name the model's forward reads them by), so a stage built
   from the graph holds the model's own Parameter objects;
-- lifted tensor constants become `get_attr` nodes of a name of their own (`CapturedModel.constants`);
+- lifted tensor constants become `get_attr` nodes of a name of their own (`_pipeline_constants.*`);
 - the user inputs stay placeholders, in the order of `example_inputs`;
 - the output returns the model's outputs, rebuilt into the model's own structure (a tensor, a
   tuple, a `ModelOutput`) by `torch.utils._pytree.tree_unflatten` when it is not a single tensor.
@@ -26,7 +26,7 @@ import io
 import logging
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -62,8 +62,6 @@ class CapturedModel:
     graph: fx.Graph
     attributes: dict[str, Any]
     training: bool
-    input_shapes: tuple[tuple[int, ...] | None, ...]
-    constants: tuple[str, ...] = field(default_factory=tuple)
     device: torch.device | None = None
 
 
@@ -283,7 +281,6 @@ def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attributes: dict[str, Any] = {}
-    constants: list[str] = []
     user_inputs = [node for node in program.graph.nodes
                    if node.op == "placeholder" and by_input[node.name].kind == InputKind.USER_INPUT]
     for node in user_inputs:  # first, as in a torch.fx trace
@@ -310,8 +307,6 @@ def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]
         if node.op == "placeholder":
             spec = by_input[node.name]
             lifted[node] = _lifted(spec, state, program)
-            if spec.kind == InputKind.CONSTANT_TENSOR or lifted[node][0] not in state:
-                constants.append(lifted[node][0])
         elif node.op == "output":
             outputs = [read(arg, node) for arg in node.args[0]]
             graph.output(_structured(graph, outputs, program, attributes))
@@ -324,8 +319,7 @@ def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]
         raise ExportFailure(f"the example inputs must be tensors passed positionally, got "
                             f"{[type(value).__name__ for value in inputs]}")
     graph.lint()
-    return CapturedModel(graph, attributes, model.training, tuple(tuple(value.shape) for value in tensors),
-                         tuple(constants), tensors[0].device if tensors else None)
+    return CapturedModel(graph, attributes, model.training, tensors[0].device if tensors else None)
 
 
 def _name_for(user: fx.Node, names: list[str], default: str) -> str:
