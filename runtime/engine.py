@@ -196,7 +196,11 @@ class Engine:
 
     @property
     def trace(self) -> list[OpTime]:
-        """This rank's op timings of the last `trace_steps` steps, sorted by start (`runtime.trace`)."""
+        """This rank's op timings of the last `trace_steps` steps, sorted by start (`runtime.trace`).
+
+        Waits for the sends still in flight (the last step's last sends finish after `train_step` returns).
+        """
+        self._links.wait_sent(self._patience(None, "its last sends to be received"))
         self._collect_transfers()
         return sorted((op for _, ops in self._ops for op in ops), key=lambda op: (op.start_s, op.end_s))
 
@@ -325,16 +329,21 @@ class Engine:
 
     def _take(self, key: Hashable, peer: int, what: str) -> Any:
         """The message `key` from `peer` out of the mailbox; RankMissing after `timeout_s` s of waiting."""
+        return self._mailbox.take(key, self._patience(peer, what))
+
+    def _patience(self, peer: int | None, what: str) -> Callable[[], None]:
+        """A check for a wait on `peer` (None: any peer): `_check`, then RankMissing after `timeout_s` s."""
         started = time.monotonic()
 
         def check() -> None:
             self._check()
             waited = time.monotonic() - started
             if waited > self.timeout_s:
-                raise RankMissing(f"rank {peer} stopped answering: rank {self.rank} waited {waited:.0f} s for {what} "
+                who = "a rank" if peer is None else f"rank {peer}"
+                raise RankMissing(f"{who} stopped answering: rank {self.rank} waited {waited:.0f} s for {what} "
                                   f"(timeout {self.timeout_s:g} s)", peer)
 
-        return self._mailbox.take(key, check)
+        return check
 
     def _send_activation(self, peer: int, key: Key, slot: Any, value: Any, tag: tuple) -> None:
         """Queue the activation; its structure goes first the first time this slot is sent to `peer`."""

@@ -118,6 +118,8 @@ class Links:
         self.rank, self.groups, self.mailbox, self.device, self.check = rank, groups, mailbox, device, check
         self.error: tuple[str, BaseException, int] | None = None  # the first thread failure: (what, exception, peer)
         self.transfers: deque[tuple[Hashable, float, float]] = deque()  # (tag, start, end) of tagged sends
+        self._unsent = 0  # values queued by `send` whose sender thread has not finished them
+        self._sent = threading.Condition()
         self._outboxes: dict[int, queue.Queue] = {}
         self._inboxes: dict[int, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
@@ -148,7 +150,17 @@ class Links:
         With a `tag`, the sender thread appends (tag, start, end) to `transfers` when the transfer is
         done (`time.perf_counter()` seconds, from its first send to the return of its last).
         """
+        with self._sent:
+            self._unsent += 1
         self._outboxes[peer].put((value, with_structure, tag))
+
+    def wait_sent(self, check: Callable[[], None]) -> None:
+        """Wait until every queued value has been sent, calling `check()` (which may raise) every POLL_S."""
+        while True:
+            with self._sent:
+                if self._sent.wait_for(lambda: self._unsent == 0, timeout=POLL_S):
+                    return
+            check()
 
     def expect(self, peer: int, messages: Iterable[Expected]) -> None:
         """Tell the receiver thread of `peer` which messages come next, in order."""
@@ -177,6 +189,9 @@ class Links:
                 dist.send(tensor.detach().contiguous(), peer, group=group)
             if tag is not None:
                 self.transfers.append((tag, start, time.perf_counter()))
+            with self._sent:
+                self._unsent -= 1
+                self._sent.notify_all()
 
     def _receive_loop(self, peer: int, jobs: queue.Queue) -> None:
         group = self.groups[(peer, self.rank)]
