@@ -5,9 +5,9 @@
 
 For each example model file (examples/<name>.py) and each schedule:
 
-1. the example is profiled in this process (`planner.profiler.profile_model`, one torch thread,
+1. the example is profiled in this process (`planner.profiling.profiler.profile_model`, one torch thread,
    batch = the microbatch size: mlp 64, gpt 8, resnet 32);
-2. `planner.partition.partition` makes a straight plan for 2 devices with 4 microbatches of that
+2. `planner.planning.partition.partition` makes a straight plan for 2 devices with 4 microbatches of that
    schedule on `make_cluster(2, bandwidths=(--bandwidth,))` (default 3.3 GB/s: the gloo loopback
    bandwidth measured on this machine, RESULTS.md, 2026-11-21) with the planner's default
    optimizer (Adam);
@@ -16,7 +16,7 @@ For each example model file (examples/<name>.py) and each schedule:
 4. the run report gives the measured iteration time (median train step after one warm-up step)
    against the plan's prediction, and per stage the compute ratio (measured / predicted forward +
    backward per microbatch) and the idle share (measured; the simulated one in parentheses);
-5. the profile is calibrated from that report (`planner.run_report.calibrate_profile`: each
+5. the profile is calibrated from that report (`planner.files.run_report.calibrate_profile`: each
    stage's layers scaled by its compute ratio), the same settings partition it again, the new plan
    is trained the same way, and its measured / predicted ratio is reported with whether the cut moved.
 
@@ -48,14 +48,14 @@ from pathlib import Path
 
 import torch
 
-from planner.cluster import make_cluster
-from planner.model_file import load_model_file
-from planner.partition import partition
-from planner.plan import Plan
-from planner.plan_simulation import simulate
-from planner.profile import Profile
-from planner.profiler import ProfileSettings, profile_model
-from planner.run_report import RunReport, calibrate_profile, comparison_table, load_run_report
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import load_model_file
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.simulation.plan_simulation import simulate
+from planner.files.profile import Profile
+from planner.profiling.profiler import ProfileSettings, profile_model
+from planner.files.run_report import RunReport, calibrate_profile, comparison_table, load_run_report
 from runtime.malloc import steady_malloc
 
 REPO = Path(__file__).resolve().parents[1]

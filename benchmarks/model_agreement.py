@@ -16,13 +16,14 @@ import argparse
 import datetime
 from pathlib import Path
 
-from planner.cluster import make_cluster
-from planner.costmodel import LayerArrays
-from planner.optimizer import optimize
-from planner.pipedream import import_pipedream
-from planner.profile import load_profile
-from planner.schedule_cost import SCHEDULES, CostInputs
-from planner.simulator import SimulationTooLongError, simulate_stages
+from planner.files.cluster import make_cluster
+from planner.costs.layer_arrays import LayerArrays
+from planner.planning.optimizer import optimize
+from planner.files.pipedream import import_pipedream
+from planner.files.profile import load_profile
+from planner.schedules.schedule import SCHEDULES
+from planner.costs.schedule_cost import CostInputs
+from planner.simulation.simulator import SimulationTooLongError, simulate_stages
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = ((4, None), (8, None), (16, 8))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from planner.model_file import checked_example_batch, default_loss, load_model_file
-from planner.profiler import ProfileSettings, profile_model
+from planner.profiling.model_file import checked_example_batch, default_loss, load_model_file
+from planner.profiling.profiler import ProfileSettings, profile_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ backward, gradient sums and the optimizer step. Three parts, each side by side i
    gradients of a parameter held by several stages (the tied `lm_head.weight` /
    `transformer.wte.weight`): the benchmark all-reduces that gradient itself after each
    pipelining step, so both sides do the same work (the cost of that all-reduce is printed).
-2. Measured against predicted: the example is profiled (`planner.profiler.profile_model`, one
+2. Measured against predicted: the example is profiled (`planner.profiling.profiler.profile_model`, one
    thread, batch = the microbatch size), the loopback gloo bandwidth is measured between the two
-   processes, `planner.partition.partition` makes a straight 2-stage plan per schedule on
+   processes, `planner.planning.partition.partition` makes a straight 2-stage plan per schedule on
    `make_cluster(2, bandwidths=(measured,))`, and the engine runs that plan's own split
    (`build_stages`) in the same interleaved rounds. Besides the ratio measured / predicted, the
    stages' forward + backward (both ranks at once, without messages, in the schedule's order:
@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.cluster import make_cluster
-from planner.model_file import ModelFile, load_model_file
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
-from planner.profiler import ProfileSettings, profile_model
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import ModelFile, load_model_file
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
+from planner.profiling.profiler import ProfileSettings, profile_model
 from runtime.engine import Engine, EngineError, init_distributed
 from runtime.malloc import steady_malloc
 from runtime.stages import Stages, build_stages, split_model, stage_args

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.cluster import make_cluster
-from planner.costmodel import LayerArrays
-from planner.optimizer import optimize
-from planner.pipedream import import_pipedream
-from planner.pipedream_optimizer import optimize_pipedream
-from planner.schedule_cost import CostInputs
+from planner.files.cluster import make_cluster
+from planner.costs.layer_arrays import LayerArrays
+from planner.planning.optimizer import optimize
+from planner.files.pipedream import import_pipedream
+from planner.planning.pipedream_optimizer import optimize_pipedream
+from planner.costs.schedule_cost import CostInputs
 
 REPO = Path(__file__).resolve().parents[1]
 BANDWIDTH_BPS = 10e9

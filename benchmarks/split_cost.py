@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from planner.layers import find_layers
-from planner.model_file import checked_example_batch, default_loss, load_model_file
+from planner.profiling.layers import find_layers
+from planner.profiling.model_file import checked_example_batch, default_loss, load_model_file
 from runtime.stages import split_model
 
 REPO = Path(__file__).resolve().parents[1]

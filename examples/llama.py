@@ -1,6 +1,6 @@
 """A Llama from the `transformers` library, built from a small config (no weights downloaded): copy it for your own model.
 
-The model-file contract (see `planner.model_file`): `build_model()`, `example_batch(batch_size)`
+The model-file contract (see `planner.profiling.model_file`): `build_model()`, `example_batch(batch_size)`
 and, here, `loss_fn` and `data_loader`. A Hugging Face model returns a `ModelOutput`; the small
 wrapper below returns the logits, so the pipeline's last stage hands a plain tensor to the loss.
 torch.fx cannot trace a transformers model, so the runtime splits it with torch.export at the

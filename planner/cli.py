@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from planner.cluster import load_cluster, make_cluster
 from planner.errors import PlannerError
-from planner.export import TARGETS as EXPORT_TARGETS, export_paths, export_plan, write_export
-from planner.model_file import load_model_file
-from planner.partition import COST_MODELS, compare_baselines, partition
-from planner.pipedream import import_pipedream
-from planner.plan import Plan, load_plan
-from planner.plan_simulation import resolve_profile, simulate
-from planner.plots import comparison_figure, plan_figure, save_figure, scaling_figure
-from planner.profile import Profile, load_profile
-from planner.profiler import ProfileSettings, profile_model
-from planner.run_report import (
-    calibrate_profile, calibration_table, check_report_plan, load_run_report, measured_timeline, run_report_table,
-)
-from planner.scaling import scaling_table
-from planner.tables import comparison_table, plan_table, profile_table, timeline_table
+from planner.files.export import TARGETS as EXPORT_TARGETS
+from planner.files.plan import COST_MODELS
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from planner.files.plan import Plan
+    from planner.files.profile import Profile
+
+# Each command imports what it needs inside its function: `planner --help` and the commands that
+# only read and write files start without torch, pandas or matplotlib (tests/planner/test_cli_without_torch.py).
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -58,11 +52,15 @@ def one_line(message: str) -> str:
 
 def _console() -> Console:
     """stdout console; files and pipes get a wide one so tables are not wrapped."""
+    from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=160)
 
 
 def _print_profile(profile: Profile, path: Path | None) -> None:
+    from planner.display.tables import profile_table
+
     console = _console()
     console.print(profile_table(profile, console.width))
     if path is not None:
@@ -88,6 +86,12 @@ def profile(
     """Measure every layer of MODEL_FILE: times, cut bytes, parameter and activation memory."""
 
     def action() -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from planner.profiling.model_file import load_model_file
+        from planner.profiling.profiler import ProfileSettings, profile_model
+
         settings = ProfileSettings(
             batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, threads=threads,
             depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
@@ -123,6 +127,8 @@ def import_pipedream_command(
     """Turn a PipeDream graph.txt profile into a planner profile."""
 
     def action() -> None:
+        from planner.files.pipedream import import_pipedream
+
         if batch_size is not None and batch_size < 1:
             raise PlannerError(f"--batch-size must be at least 1, got {batch_size}")
         result = import_pipedream(graph, batch_size=batch_size, model_name=name)
@@ -141,6 +147,8 @@ def inspect(
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Print the layer table of a profile file."""
+    from planner.files.profile import load_profile
+
     _run(debug, lambda: _print_profile(load_profile(profile_file), None))
 
 
@@ -172,6 +180,11 @@ def partition_command(
     """Choose stage boundaries and per-stage replication for PROFILE on a cluster; write the plan."""
 
     def action() -> None:
+        from planner.display.tables import comparison_table, plan_table
+        from planner.files.cluster import load_cluster, make_cluster
+        from planner.files.profile import load_profile
+        from planner.planning.partition import compare_baselines, partition
+
         if cluster_file is not None and (gpus is not None or gpus_per_node is not None or memory is not None):
             raise PlannerError("give either --cluster FILE or --gpus/--gpus-per-node/--memory, not both")
         if cluster_file is not None:
@@ -217,6 +230,10 @@ def show(
     """Draw a plan: layer times by stage, memory per GPU, the simulated schedule and memory over time."""
 
     def action() -> None:
+        from planner.display.plots import plan_figure, save_figure, scaling_figure
+        from planner.planning.scaling import scaling_table
+        from planner.simulation.plan_simulation import simulate
+
         plan, profile = _plan_and_profile(plan_file, profile_file)
         path = out or Path(plan_file).with_suffix(".png")
         console = _console()
@@ -244,6 +261,9 @@ def simulate_command(
     """Play the plan's schedule op by op: iteration time, and idle share per rank; optionally a trace."""
 
     def action() -> None:
+        from planner.display.tables import timeline_table
+        from planner.simulation.plan_simulation import simulate
+
         if iterations < 1:
             raise PlannerError(f"--iterations must be at least 1, got {iterations}")
         plan, profile = _plan_and_profile(plan_file, profile_file)
@@ -269,6 +289,11 @@ def compare(
     """Measured against predicted: iteration, throughput, and per stage compute, transfers, all-reduce, idle."""
 
     def action() -> None:
+        from planner.display.plots import comparison_figure, save_figure
+        from planner.files.plan import load_plan
+        from planner.files.run_report import check_report_plan, load_run_report, measured_timeline, run_report_table
+        from planner.simulation.plan_simulation import simulate
+
         plan, report = load_plan(plan_file), load_run_report(report_file)
         check_report_plan(report, plan, plan_file)
         simulated = None  # the simulation gives the predicted idle shares and the upper chart; needs the profile
@@ -298,6 +323,10 @@ def calibrate(
     """Scale PROFILE's layer times by each stage's measured / predicted compute in REPORT; write a new profile."""
 
     def action() -> None:
+        from planner.files.plan import load_plan
+        from planner.files.profile import load_profile
+        from planner.files.run_report import calibrate_profile, calibration_table, load_run_report
+
         plan, report, profile = load_plan(plan_file), load_run_report(report_file), load_profile(profile_file)
         calibrated = calibrate_profile(profile, plan, report, plan_file, profile_file)
         source = Path(profile_file)
@@ -323,6 +352,9 @@ def export_command(
     """Write the plan's stages as settings for torch.distributed.pipelining or DeepSpeed, and how to use them."""
 
     def action() -> None:
+        from planner.files.export import export_paths, export_plan, write_export
+        from planner.files.plan import load_plan
+
         if to not in EXPORT_TARGETS:
             raise PlannerError(f"--to must be one of {', '.join(EXPORT_TARGETS)}, got {to!r}")
         json_path, text_path = export_paths(plan_file, to, out)
@@ -358,6 +390,10 @@ def train(
 
 def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, Profile]:
     """The plan and the profile it was made from (given, or the path the plan records)."""
+    from planner.files.plan import load_plan
+    from planner.files.profile import load_profile
+    from planner.simulation.plan_simulation import resolve_profile
+
     plan = load_plan(plan_file)
     profile = None if profile_file is None else load_profile(profile_file)
     return plan, resolve_profile(plan, profile, plan_file, profile_file)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from planner.errors import FileFormatError, FileProblemError
-from planner.fileformat import read_versioned_json
+from planner.files.fileformat import read_versioned_json
 from planner.version import __version__
 from runtime.nested import map_tensors
 

@@ -36,8 +36,8 @@ from deepspeed.pipe import PipelineModule
 from torch import nn
 
 from planner.errors import PlannerError
-from planner.export import ExportError, data_parallel_degree
-from planner.plan import Plan
+from planner.files.export import ExportError, data_parallel_degree
+from planner.files.plan import Plan
 from runtime.stages import Stages, build_stages
 
 __all__ = ["DeepSpeedPlanError", "PlannedPipelineModule", "deepspeed_config", "pipeline_module"]

@@ -4,7 +4,7 @@ Launch one process per rank of the plan with torchrun; every process builds the 
 (same seed) and calls `Engine.from_plan(model, plan, optimizer=...)` (or `Engine(stages, ...)`),
 then `train_step(inputs, target)` with the same mini-batch on every rank. Rank r runs
 `build_schedule(schedule, replicas, microbatches, stage_ranks=...).programs[r]`: the program of
-its stage and replica (`planner.schedule`), the same data the simulator and the plots use.
+its stage and replica (`planner.schedules.schedule`), the same data the simulator and the plots use.
 
 - compute: `runtime.stage_runner.StageRunner` (checkpointing per stage; weight stashing for
   pipedream);
@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.model_file import default_loss
-from planner.schedule import (
+from planner.profiling.model_file import default_loss
+from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     Schedule, build_schedule,
 )

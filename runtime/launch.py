@@ -23,7 +23,7 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     TrainingError when the job fails; each failing rank has printed its own line by then.
     """
     options = parse_args(argv)
-    from planner.plan import load_plan
+    from planner.files.plan import load_plan
 
     plan = load_plan(options.plan)
     count = nproc if nproc is not None else sum(stage.replicas for stage in plan.stages)

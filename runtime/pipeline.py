@@ -10,7 +10,7 @@ the loss as a float.
 
 Design:
 - the order of work is the schedule's, as data: worker s walks `build_schedule(schedule, [1] * S,
-  microbatches).programs[s].actions` (`planner.schedule`): receive, forward, send activation,
+  microbatches).programs[s].actions` (`planner.schedules.schedule`): receive, forward, send activation,
   receive gradient, backward, send gradient; `allreduce` and `step` are no-ops here;
 - each worker has an inbox (`queue.Queue`) of steps and answers on the pipeline's reply queue;
   between workers, each step has one activation queue and one gradient queue per stage
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from planner.errors import PlannerError
-from planner.model_file import default_loss
-from planner.schedule import (
+from planner.profiling.model_file import default_loss
+from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     RankProgram, build_schedule,
 )
@@ -196,7 +196,7 @@ class Pipeline:
     all "cpu"; several stages may share a device); `schedule`: "gpipe" or "1f1b" (with a flush);
     `microbatches` per `train_step`; `checkpoint`: per stage (or one bool for all), recompute its
     forward during the backward instead of keeping its activations; `loss_fn(output, target)`:
-    a mean over the batch (default `planner.model_file.default_loss`).
+    a mean over the batch (default `planner.profiling.model_file.default_loss`).
 
     Not thread-safe: one `train_step` at a time. Use as a context manager or call `close()`.
     """

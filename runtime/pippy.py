@@ -5,8 +5,8 @@
 cannot trace: not torch.distributed.pipelining's own `pipeline()`, which fails on models whose
 export lifts buffers and constants, such as Llama's rotary tables), wraps this rank's stage in a manual
 `torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
-(`planner.export.PIPPY_SCHEDULE_CLASSES`). The plan must be exportable
-(`planner.export.data_parallel_degree`): gpipe or 1f1b, every stage on R ranks. Pipeline k is
+(`planner.files.export.PIPPY_SCHEDULE_CLASSES`). The plan must be exportable
+(`planner.files.export.data_parallel_degree`): gpipe or 1f1b, every stage on R ranks. Pipeline k is
 `[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
 share of each mini-batch (`PippyPipeline.shard`).
 
@@ -42,9 +42,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from planner.export import ExportError, pippy_export
-from planner.model_file import LossFn, default_loss
-from planner.plan import Plan
+from planner.files.export import ExportError, pippy_export
+from planner.profiling.model_file import LossFn, default_loss
+from planner.files.plan import Plan
 from runtime.engine import init_distributed
 from runtime.nested import map_tensors, split_batch
 from runtime.pipeline import PipelineError
@@ -150,7 +150,7 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     check. Shapes are not given to PipelineStage: it infers them from the first step's first
     microbatch (a metadata exchange between neighbouring stages), so every microbatch must have
     that shape (mini-batch = a multiple of R x n_microbatches). `loss_fn(output, target)`: a
-    mean over the microbatch (default `planner.model_file.default_loss`); the schedule keeps
+    mean over the microbatch (default `planner.profiling.model_file.default_loss`); the schedule keeps
     scale_grads=True (gradients divided by n_microbatches). `device`: default
     `runtime.engine.init_distributed`'s (this rank's GPU under NCCL, else CPU). Raises
     PippyError if the job does not match the plan, ExportError if the plan cannot run here.

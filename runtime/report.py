@@ -2,7 +2,7 @@
 
 Every rank keeps `engine.trace` (`runtime.trace.OpTime` per action) and `engine.step_spans`;
 `gather_traces` collects them on rank 0 as `RankTrace`s, `build_run_report` (pure) reduces them
-to the report body and `write_run_report` writes it. `planner.run_report` reads the file
+to the report body and `write_run_report` writes it. `planner.files.run_report` reads the file
 (`planner compare`, `planner calibrate`).
 
 Common clock: each rank's `perf_counter` times plus its `clock_offset_s` are wall-clock seconds;
@@ -25,7 +25,7 @@ Schema (format "pipeline-planner/run-report", version 1):
   what the loop does between steps is not counted),
   `train_step_ms` (their median), `iteration_ms` (the quantity the plan's `iteration_ms` states:
   flush schedules, the median step time; pipedream, the median over steps of the steady-state
-  time per microbatch, read off the first stage's backwards as `simulator.Timeline.iteration_s`
+  time per microbatch, read off the first stage's backwards as `files.timeline.Timeline.iteration_s`
   does), `samples_per_s` (flush: batch_size / iteration; pipedream: microbatch_size /
   iteration), `representative_step` (the step whose time is the median: the one in `events`),
   `ranks`: [{rank, stage, replica, hostname}], and `stages`, each averaged over the stage's
@@ -45,7 +45,7 @@ Schema (format "pipeline-planner/run-report", version 1):
 - `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms}]
   (None where the prediction is 0).
 - `losses`: [[step, loss], ...] as given.
-- `events`: the ops of the representative step, rows in `planner.simulator.COLUMNS` order (rank,
+- `events`: the ops of the representative step, rows in `planner.files.timeline.COLUMNS` order (rank,
   stage, replica, microbatch, iteration, op, peer, start_s, end_s; peer -1 for none), seconds
   from the step's start on the common clock; receive waits are left out (the simulator has none:
   they are in `recv_wait_ms`).
@@ -66,13 +66,13 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from planner.fileformat import write_versioned_json
-from planner.plan import Plan
-from planner.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
-from planner.schedule import (
+from planner.files.fileformat import write_versioned_json
+from planner.files.plan import Plan
+from planner.files.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
+from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
 )
-from planner.simulator import COLUMNS, Timeline
+from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
 
 __all__ = [

@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.files.plan import Plan
 from runtime.export_split import (
     ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
 )

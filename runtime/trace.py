@@ -24,7 +24,7 @@ __all__ = ["OpTime", "clock_offset_s"]
 
 @dataclass(frozen=True)
 class OpTime:
-    """One action of a rank's program: `op` (a `planner.schedule` op name) during [start_s, end_s].
+    """One action of a rank's program: `op` (a `planner.schedules.schedule` op name) during [start_s, end_s].
 
     `step`: the index of the `train_step` call on this engine (from 0); `iteration` and
     `microbatch` as in the schedule's `Action` (microbatch -1 for `allreduce` and `step`);

@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import PlannerError
-from planner.model_file import ModelFile, build_checked_model, load_model_file
-from planner.plan import Plan, load_plan, plan_digest
-from planner.profile import load_profile
+from planner.profiling.model_file import ModelFile, build_checked_model, load_model_file
+from planner.files.plan import Plan, load_plan, plan_digest
+from planner.files.profile import load_profile
 from runtime.checkpoint import (
     Checkpoint, CheckpointError, check_writable, latest_complete, load_stage, named_optimizer_state, optimizer_state_of,
     load_named_optimizer_state, export_checkpoint, prune, save_stage, write_manifest,

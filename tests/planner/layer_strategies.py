@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from planner.costmodel import LayerArrays
+from planner.costs.layer_arrays import LayerArrays
 
 
 @st.composite

@@ -16,7 +16,7 @@ from typer.testing import CliRunner, Result
 from planner import load_profile
 from planner.cli import app
 from planner.errors import ModelFileError
-from planner.profile import PROFILE_FORMAT, PROFILE_VERSION
+from planner.files.profile import PROFILE_FORMAT, PROFILE_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = REPO / "examples" / "mlp.py"
@@ -433,8 +433,8 @@ def assert_real_image(path: Path) -> None:
 
 @pytest.mark.parametrize("profile_path", EXAMPLE_PROFILES, ids=lambda path: path.stem)
 def test_show_and_simulate_every_example(profile_path: Path, tmp_path: Path) -> None:
-    from planner.plan import load_plan
-    from planner.plan_simulation import simulate
+    from planner.files.plan import load_plan
+    from planner.simulation.plan_simulation import simulate
 
     plan_path = make_plan(tmp_path, profile_path)
     shown = invoke("show", plan_path)

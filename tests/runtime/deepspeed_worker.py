@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner.plan import load_plan  # noqa: E402
+from planner.files.plan import load_plan  # noqa: E402
 from runtime.deepspeed import deepspeed_config, pipeline_module  # noqa: E402
 from runtime.nested import split_batch  # noqa: E402
 from runtime_examples import model_file  # noqa: E402

@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner.plan import load_plan  # noqa: E402
+from planner.files.plan import load_plan  # noqa: E402
 from runtime.engine import Engine, EngineError, init_distributed  # noqa: E402
 from runtime.stages import split_model  # noqa: E402
 from runtime_examples import model_file  # noqa: E402

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner.plan import load_plan  # noqa: E402
+from planner.files.plan import load_plan  # noqa: E402
 from runtime.engine import Engine, init_distributed  # noqa: E402
 from runtime.nested import split_batch  # noqa: E402
 from runtime.pippy import PippyError, build  # noqa: E402

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.model_file import ModelFile, default_loss, load_model_file
-from planner.plan import load_plan
+from planner.profiling.model_file import ModelFile, default_loss, load_model_file
+from planner.files.plan import load_plan
 from runtime.engine import Engine, init_distributed
 from runtime.nested import split_batch
 from runtime.pippy import build

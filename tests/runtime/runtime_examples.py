@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from planner.model_file import ModelFile, load_model_file
+from planner.profiling.model_file import ModelFile, load_model_file
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from planner.plan import Plan  # noqa: E402
+from planner.files.plan import Plan  # noqa: E402
 from runtime.deepspeed import DeepSpeedPlanError, _StageLayer, deepspeed_config, pipeline_module  # noqa: E402
 from runtime.stages import build_stages  # noqa: E402
 from runtime_examples import model_file  # noqa: E402

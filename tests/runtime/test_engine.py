@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.cluster import make_cluster
-from planner.model_file import default_loss
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
-from planner.schedule import (
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import default_loss
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
+from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     build_schedule,
 )

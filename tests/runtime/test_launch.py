@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from planner.cluster import make_cluster
-from planner.model_file import load_model_file
-from planner.partition import partition
-from planner.profiler import ProfileSettings, profile_model
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import load_model_file
+from planner.planning.partition import partition
+from planner.profiling.profiler import ProfileSettings, profile_model
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTED = REPO / "tests" / "data" / "models" / "routed.py"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from planner.cluster import make_cluster
+from planner.files.cluster import make_cluster
 from planner.errors import PlannerError
-from planner.model_file import default_loss
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
-from planner.schedule import BACKWARD, FORWARD, build_schedule
+from planner.profiling.model_file import default_loss
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
+from planner.schedules.schedule import BACKWARD, FORWARD, build_schedule
 from runtime.pipeline import Pipeline, PipelineError
 from runtime.stages import split_model
 from runtime_examples import model_file

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from planner.cluster import make_cluster
-from planner.model_file import default_loss
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import default_loss
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
 from runtime.pippy import PippyError, build
 from runtime_examples import model_file
 

@@ -19,11 +19,11 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from planner.cluster import make_cluster  # noqa: E402
-from planner.partition import partition  # noqa: E402
-from planner.plan import Plan  # noqa: E402
-from planner.profile import Profile  # noqa: E402
-from planner.profiler import ProfileSettings, profile_model  # noqa: E402
+from planner.files.cluster import make_cluster  # noqa: E402
+from planner.planning.partition import partition  # noqa: E402
+from planner.files.plan import Plan  # noqa: E402
+from planner.files.profile import Profile  # noqa: E402
+from planner.profiling.profiler import ProfileSettings, profile_model  # noqa: E402
 from real_model_worker import MODELS, loss_of, model_file, seeded_batch, seeded_model  # noqa: E402
 from runtime.checkpoint import export_checkpoint  # noqa: E402
 from runtime.malloc import STEADY_MALLOC  # noqa: E402

@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 
-from planner.cluster import make_cluster
-from planner.partition import partition, plan_cost_inputs
-from planner.plan import Plan, StagePlan
-from planner.plan_simulation import simulate
-from planner.profile import Profile, load_profile
-from planner.run_report import RunReportError, load_run_report
-from planner.schedule_cost import first_ranks, samples_per_s, stage_costs
-from planner.simulator import COLUMNS
+from planner.files.cluster import make_cluster
+from planner.planning.partition import partition
+from planner.simulation.plan_simulation import plan_cost_inputs
+from planner.files.plan import Plan, StagePlan
+from planner.simulation.plan_simulation import simulate
+from planner.files.profile import Profile, load_profile
+from planner.files.run_report import RunReportError, load_run_report
+from planner.costs.schedule_cost import first_ranks, samples_per_s, stage_costs
+from planner.files.timeline import COLUMNS
 from runtime.report import RankTrace, build_run_report, replay_timeline, save_run_report, write_run_report
 from runtime.trace import OpTime
 
@@ -330,7 +331,7 @@ def train_the_mlp(out: Path) -> None:
     """On every rank: 4 steps of the real engine on hand_made_plan's mlp, then its report as engine.json."""
     import torch
 
-    from planner.model_file import load_model_file
+    from planner.profiling.model_file import load_model_file
     from runtime.engine import Engine
 
     example = load_model_file(REPO / "examples" / "mlp.py")

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import fx, nn
 
-from planner.cluster import make_cluster
+from planner.files.cluster import make_cluster
 from planner.errors import PlannerError
-from planner.model_file import default_loss
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
+from planner.profiling.model_file import default_loss
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
 from runtime_examples import model_file
 from runtime.stages import (
     Stages,

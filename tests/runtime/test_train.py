@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from planner.cluster import make_cluster
-from planner.model_file import default_loss
-from planner.partition import partition
-from planner.plan import Plan
-from planner.profile import load_profile
+from planner.files.cluster import make_cluster
+from planner.profiling.model_file import default_loss
+from planner.planning.partition import partition
+from planner.files.plan import Plan
+from planner.files.profile import load_profile
 from runtime.checkpoint import export_checkpoint, latest_complete
 from runtime.train import parse_args
 from runtime_examples import model_file

@@ -1,0 +1,1 @@
+"""Pure cost models: a stage's time and memory from layer sums, the planner's and PipeDream's."""

@@ -1,0 +1,98 @@
+"""What both cost models read: prefix sums over a profile's layers, candidate stages, optimizer state copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.files.profile import Profile
+
+OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """Prefix sums over a profile's layers: stage [i, j) totals are `x[j] - x[i]`.
+
+    `compute_s`: forward + backward seconds; `fwd_s`: forward seconds alone (None: all zero);
+    `param_bytes`; `cut_bytes[k]`: bytes crossing the
+    boundary after layer k (not a prefix sum); `saved_bytes`: activation bytes kept per
+    in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
+    (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
+    stage holding one of the other layers holds a copy too.
+    """
+
+    compute_s: np.ndarray
+    param_bytes: np.ndarray
+    cut_bytes: np.ndarray
+    saved_bytes: np.ndarray | None = None
+    shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
+    fwd_s: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.fwd_s is None:
+            object.__setattr__(self, "fwd_s", np.zeros_like(self.compute_s))
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.cut_bytes)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> "LayerArrays":
+        """Prefix sums of a profile's layers (times converted from ms to seconds)."""
+        compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
+        forward = np.array([layer.fwd_ms / 1000.0 for layer in profile.layers])
+        params = np.array([float(layer.param_bytes) for layer in profile.layers])
+        saved = np.array([float(layer.saved_bytes) for layer in profile.layers])
+        return cls(
+            compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
+            param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
+            cut_bytes=np.array([float(layer.cut_bytes) for layer in profile.layers]),
+            saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
+            shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params),
+            fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
+        )
+
+    def stage_saved_bytes(self, start: int, stop: int) -> float:
+        """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""
+        return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])
+
+    def stage_weight_bytes(self, start: int, stop: int) -> float:
+        """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared
+        parameter it uses whose first user lies outside it."""
+        own = float(self.param_bytes[stop] - self.param_bytes[start])
+        copies = sum(
+            nbytes for first, others, nbytes in self.shared
+            if not start <= first < stop and any(start <= layer < stop for layer in others)
+        )
+        return own + copies
+
+    def pair_weight_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """`stage_weight_bytes` of many stages [starts[k], stops[k]) at once."""
+        weights = self.param_bytes[stops] - self.param_bytes[starts]
+        for first, others, nbytes in self.shared:
+            holds_other = np.zeros(len(starts), dtype=bool)
+            for layer in others:
+                holds_other |= (starts <= layer) & (layer < stops)
+            weights = weights + np.where(holds_other & ~((starts <= first) & (first < stops)), nbytes, 0.0)
+        return weights
+
+    def cut_before(self, start: int) -> float:
+        """Bytes entering a stage that begins at layer `start` (0 for the first stage)."""
+        return 0.0 if start == 0 else float(self.cut_bytes[start - 1])
+
+    def cut_after(self, stop: int) -> float:
+        """Bytes leaving a stage that ends before layer `stop` (0 for the last stage)."""
+        return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
+
+
+def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every candidate stage [i, j), i < j, ordered by i then j: (starts, stops, offsets), where the
+    stages starting at i occupy [offsets[i], offsets[i + 1])."""
+    counts = np.arange(num_layers, 0, -1)  # stages starting at i end at i+1 .. n
+    starts = np.repeat(np.arange(num_layers), counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
+    return starts, stops, offsets

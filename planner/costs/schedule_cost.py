@@ -1,0 +1,223 @@
+"""The planner's cost model: a plan's iteration time and memory per schedule (pure functions, no I/O).
+
+All times are seconds, all sizes bytes. A plan is a list of stages `(start, stop, replicas,
+recompute)` over the profile's layers; a stage with r replicas takes every r-th microbatch
+(round-robin). `CostInputs` carries everything else.
+
+Scaling. The profile was measured at batch size b; a microbatch of u samples scales every
+time, cut and activation by sigma = u / b (linear; weights do not scale). Linear scaling is
+optimistic for microbatches much smaller than b on a GPU (fixed per-kernel costs), which is why
+microbatches default to the profiled batch size.
+
+Ranks. Stages occupy contiguous rank blocks; the plan's last stage ends on the cluster's last
+rank and the blocks run backwards from there, then the whole plan is shifted down by the
+largest multiple of M (the size of the second-outermost group, 1 for a flat cluster) that keeps
+it on the cluster. Shifting by M changes no bandwidth, so a flat plan uses ranks 0..U-1.
+Placement rule: at every level but the outermost, a stage's ranks lie inside one group or are
+whole groups (a stage never straddles part of a node). With it, the slowest link between two
+adjacent stages' devices is the link between the last rank of one and the first of the next.
+
+For stage s = layers [i, j) with r replicas on ranks [p, p + r), recompute q in {0, 1}:
+
+    F = sigma sum fwd,  B = sigma sum bwd,  t = F + B + q F       (one microbatch, one device)
+    c_in  = sigma cut_bytes[i-1] / bw(p-1, p)          (0 for the first stage)
+    c_out = sigma cut_bytes[j-1] / bw(p+r-1, p+r)      (0 for the last stage)
+    ar = 2 (r - 1) / r * W / bw(span of p..p+r-1)      (ring all-reduce of the stage's weights W)
+
+Transfers run on their own channel (one per direction), overlapped with compute.
+
+- Flush schedules (`gpipe`, `1f1b`), m microbatches, one all-reduce per iteration:
+      Q(s) = (ceil(m / r) - 1) max(t, c_in, c_out) + ar(s)
+      iteration = sum_s t(s) + max_s Q(s)
+  The sum is one microbatch's trip through every stage and back (fill and drain with unequal
+  stages: sum_s t = sigma T_total + recomputed forwards); the busiest replica then handles its
+  ceil(m / r) - 1 other microbatches and the all-reduce. For equal stages and no communication
+  this is GPipe's and 1F1B's (m + S - 1)(f + b); for one stage on r replicas it is data
+  parallelism's ceil(m / r) t + ar. Transfer latency during fill and drain is not counted.
+- `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
+      Q(s) = max(t + ar, c_in, c_out) / r,    time per microbatch = max_s Q(s)
+
+Memory per device of a stage with weights W, k optimizer state copies (Adam 2, SGD 1),
+activations a = sigma saved_bytes per microbatch (q = 1: a = sigma bytes entering the stage,
+plus one microbatch's sigma saved_bytes rebuilt during its backward) and n microbatches in
+flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
+
+    gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
+    memory = W (2 + k) + n a + q sigma saved  (+ (n - 1) W stashed weight versions for pipedream)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.files.cluster import Cluster
+from planner.costs.layer_arrays import LayerArrays
+from planner.schedules.schedule import ArrayOrInt, in_flight
+
+
+Stage = tuple[int, int, int, bool]  # (start, stop, replicas, recompute)
+
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost model needs besides the plan: layers, cluster, schedule and limits.
+
+    `scale`: microbatch size / profiled batch size; `input_bytes`: the model input per profiled
+    batch (what a recomputing first stage keeps); `memory_bytes`: per device, or None.
+    """
+
+    arrays: LayerArrays
+    cluster: Cluster
+    schedule: str
+    microbatches: int
+    scale: float = 1.0
+    input_bytes: float = 0.0
+    optimizer_copies: int = 2
+    memory_bytes: float | None = None
+
+    @property
+    def class_size(self) -> int:
+        """M: size of the second-outermost group (1 for a flat cluster); plans shift by multiples of it."""
+        sizes = self.cluster.group_sizes()
+        return sizes[-2] if len(sizes) >= 2 else 1
+
+
+def link_bandwidth(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> np.ndarray:
+    """Bandwidth between ranks (the innermost level holding both; rank_a <= rank_b), bytes/s.
+
+    Works element-wise on arrays of ranks; a 0-d array for two ints.
+    """
+    sizes = cluster.group_sizes()
+    rates = [level.bandwidth_Bps for level in cluster.levels]
+    result = np.full(np.shape(rank_a), rates[-1])
+    for group, rate in zip(sizes[-2::-1], rates[-2::-1]):
+        result = np.where(np.floor_divide(rank_a, group) == np.floor_divide(rank_b, group), rate, result)
+    return result
+
+
+def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt) -> np.ndarray:
+    """The placement rule: below the outermost level, the ranks lie in one group or are whole groups.
+
+    Works element-wise on arrays; a 0-d bool array for two ints.
+    """
+    last = np.add(first_rank, replicas) - 1
+    ok = np.full(np.shape(first_rank), True)
+    for group in cluster.group_sizes()[:-1]:
+        inside = np.floor_divide(first_rank, group) == np.floor_divide(last, group)
+        whole = (np.remainder(first_rank, group) == 0) & (np.remainder(replicas, group) == 0)
+        ok = ok & (inside | whole)
+    return ok
+
+
+def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
+    """First rank of each stage under the placement of the module docstring (right-aligned, shifted)."""
+    devices = inputs.cluster.num_devices
+    used = sum(stage[2] for stage in stages)
+    shift = max(devices - used, 0) // inputs.class_size * inputs.class_size
+    ranks, end = [], devices - shift
+    for _, _, replicas, _ in reversed(stages):
+        end -= replicas
+        ranks.append(end)
+    return ranks[::-1]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's terms (seconds, bytes), as in the module docstring."""
+
+    fwd_s: float
+    compute_s: float  # t: forward + backward (+ recomputed forward) of one microbatch
+    comm_in_s: float
+    comm_out_s: float
+    allreduce_s: float
+    period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
+    bound_s: float  # Q(s): what the plan's max is taken over
+    memory_bytes: float  # base_bytes + in_flight * held_bytes + rebuilt_bytes
+    base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
+    held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
+    rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
+
+
+def stage_cost(
+    inputs: CostInputs, start: int, stop: int, replicas: int, recompute: bool, first_rank: int,
+    devices_from_here: int,
+) -> StageCost:
+    """The terms of stage [start, stop) with `replicas` on ranks [first_rank, first_rank + replicas)."""
+    arrays, cluster, sigma = inputs.arrays, inputs.cluster, inputs.scale
+    fwd = sigma * float(arrays.fwd_s[stop] - arrays.fwd_s[start])
+    both = sigma * float(arrays.compute_s[stop] - arrays.compute_s[start])
+    compute = both + (fwd if recompute else 0.0)
+    last_rank = first_rank + replicas - 1
+    comm_in = 0.0 if start == 0 else sigma * arrays.cut_before(start) / float(link_bandwidth(cluster, first_rank - 1, first_rank))
+    comm_out = (
+        0.0 if stop == arrays.num_layers
+        else sigma * arrays.cut_after(stop) / float(link_bandwidth(cluster, last_rank, last_rank + 1))
+    )
+    weights = arrays.stage_weight_bytes(start, stop)
+    allreduce = 0.0 if replicas == 1 else (
+        2.0 * (replicas - 1) / replicas * weights / float(link_bandwidth(cluster, first_rank, last_rank))
+    )
+    if inputs.schedule == "pipedream":
+        period = max(compute + allreduce, comm_in, comm_out) / replicas
+        bound = period
+    else:
+        period = max(compute, comm_in, comm_out) / replicas
+        bound = (-(-inputs.microbatches // replicas) - 1) * period * replicas + allreduce
+    saved = sigma * arrays.stage_saved_bytes(start, stop)
+    entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
+    flights = int(in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here))
+    base, held = weights * (2 + inputs.optimizer_copies), entering if recompute else saved
+    if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
+        base, held = base - weights, held + weights
+    rebuilt = saved if recompute else 0.0
+    memory = base + flights * held + rebuilt
+    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt)
+
+
+def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
+    """The terms of every stage of a plan, placed as in the module docstring."""
+    ranks = first_ranks(inputs, stages)
+    costs, from_here = [], 0
+    for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
+        from_here += replicas
+        costs.append(stage_cost(inputs, start, stop, replicas, recompute, rank, from_here))
+    return costs[::-1]
+
+
+def fill_drain_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """sum_s t(s): one microbatch through every stage and back, seconds (0 for pipedream)."""
+    if inputs.schedule == "pipedream":
+        return 0.0
+    total = inputs.scale * float(inputs.arrays.compute_s[-1])
+    recomputed = sum(
+        inputs.scale * float(inputs.arrays.fwd_s[stop] - inputs.arrays.fwd_s[start])
+        for start, stop, _, recompute in stages if recompute
+    )
+    return total + recomputed
+
+
+def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """The iteration time of a flush schedule, or the time per microbatch of pipedream (seconds)."""
+    return fill_drain_s(inputs, stages) + max(cost.bound_s for cost in stage_costs(inputs, stages))
+
+
+def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:
+    """True when the placement rule holds and every device fits the memory limit (if any)."""
+    ranks = first_ranks(inputs, stages)
+    if ranks[0] < 0 or not all(bool(placement_ok(inputs.cluster, rank, s[2])) for rank, s in zip(ranks, stages)):
+        return False
+    if inputs.memory_bytes is None:
+        return True
+    return all(cost.memory_bytes <= inputs.memory_bytes for cost in stage_costs(inputs, stages))
+
+
+def samples_per_s(inputs: CostInputs, objective: float, microbatch_size: float) -> float:
+    """Throughput: m u / iteration for flush schedules, u / time per microbatch for pipedream."""
+    if objective <= 0:
+        return math.inf
+    count = 1 if inputs.schedule == "pipedream" else inputs.microbatches
+    return count * microbatch_size / objective

@@ -1,0 +1,29 @@
+"""Every candidate stage [i, j) of a profile as flat arrays of its sums, scaled to the microbatch (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.costs.layer_arrays import stage_pairs
+from planner.costs.schedule_cost import CostInputs
+
+
+class Pairs:
+    """Every candidate stage [i, j), i < j, as flat arrays ordered by i then j (scaled to the microbatch)."""
+
+    def __init__(self, inputs: CostInputs) -> None:
+        arrays, sigma = inputs.arrays, inputs.scale
+        n = arrays.num_layers
+        starts, stops, self.offsets = stage_pairs(n)
+        self.num_layers = n
+        self.starts, self.stops = starts, stops
+        self.fwd = sigma * (arrays.fwd_s[stops] - arrays.fwd_s[starts])
+        self.both = sigma * (arrays.compute_s[stops] - arrays.compute_s[starts])
+        cut = np.concatenate([arrays.cut_bytes, [0.0]]) * sigma
+        self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
+        self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
+        self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
+        weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
+        self.weights = weights
+        saved = arrays.saved_bytes
+        self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])

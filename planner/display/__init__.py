@@ -1,0 +1,1 @@
+"""Tables, plots and HTML for profiles, plans, timelines and run reports."""

@@ -1,0 +1,180 @@
+"""Readable tables of profiles, plans and simulations for the terminal (rich)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich import box
+from rich.table import Table
+
+from planner.planning.partition import BaselineResult
+from planner.files.plan import Plan
+from planner.files.profile import Profile
+from planner.schedules.schedule import BACKWARD, FORWARD
+from planner.files.timeline import Timeline
+from planner.units import format_bytes, format_ms
+
+_COMPACT = {"box": box.SIMPLE_HEAD, "pad_edge": False}  # no vertical rules: fits 80 columns
+
+
+NARROW_COLUMNS = 110  # below this terminal width, tables leave out their least useful column
+
+
+def profile_table(profile: Profile, width: int | None = None) -> Table:
+    """One row per layer: times in ms per mini-batch, sizes in binary units (no `kind` when narrow)."""
+    with_kind = width is None or width >= NARROW_COLUMNS
+    batch = "?" if profile.batch_size is None else str(profile.batch_size)
+    table = Table(
+        title=f"{profile.model_name}: {profile.num_layers} layers on {profile.device_name} "
+        f"({profile.device}, {profile.dtype}, batch {batch})",
+        caption=profile_summary(profile), caption_justify="left", **_COMPACT,
+    )
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("layer", overflow="fold", min_width=8)  # long names wrap, never lose their end
+    if with_kind:
+        table.add_column("kind", no_wrap=True, overflow="ellipsis", max_width=14)
+    for header in ("fwd ms", "bwd ms", "output", "cut", "params", "saved"):
+        table.add_column(header, justify="right", no_wrap=True)
+    shared_layers = {index for shared in profile.shared_params for index in shared.layers}
+    for index, layer in enumerate(profile.layers):
+        params = format_bytes(layer.param_bytes) + (" *" if index in shared_layers else "")
+        kind = layer.kind
+        cells = [str(index), layer.name] + ([kind] if with_kind else []) + [
+            format_ms(layer.fwd_ms), format_ms(layer.bwd_ms), format_bytes(layer.output_bytes),
+            format_bytes(layer.cut_bytes), params, format_bytes(layer.saved_bytes),
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def profile_summary(profile: Profile) -> str:
+    """Totals: layer sums against the measured step, parameters, peak memory, shared parameters."""
+    layer_sum = profile.total_fwd_ms + profile.total_bwd_ms
+    step = (
+        f"measured step {format_ms(profile.step_ms)} ms" if profile.peak_memory_method != "unknown"
+        else "imported: no measured step"
+    )
+    peak = (
+        f"peak memory {format_bytes(profile.peak_memory_bytes)} ({profile.peak_memory_method})"
+        if profile.peak_memory_method != "unknown" else "peak memory unknown"
+    )
+    lines = [
+        f"layers: fwd {format_ms(profile.total_fwd_ms)} ms + bwd {format_ms(profile.total_bwd_ms)} ms "
+        f"= {format_ms(layer_sum)} ms; {step}",
+        f"parameters {format_bytes(profile.total_param_bytes)}; {peak}",
+    ]
+    for shared in profile.shared_params:
+        lines.append(
+            f"* shared: {', '.join(shared.names)} ({format_bytes(shared.nbytes)}) used by layers "
+            f"{', '.join(str(i) for i in shared.layers)}"
+        )
+    return "\n".join(lines)
+
+
+def plan_table(plan: Plan, width: int | None = None) -> Table:
+    """One row per stage, then the predictions as the caption (no layer count and ranks when narrow)."""
+    wide = width is None or width >= NARROW_COLUMNS
+    cluster = plan.cluster.describe()
+    table = Table(
+        title=f"{plan.profile.name}: {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''} on {cluster} "
+        f"({plan.cost_model} cost model)",
+        caption=plan_summary(plan), caption_justify="left", **_COMPACT,
+    )
+    table.add_column("stage", justify="right", no_wrap=True)
+    table.add_column("layers", overflow="fold", min_width=10)
+    headers = ("#", "replicas", "ranks", "compute ms", "comm ms", "all-reduce ms", "period ms", "memory/GPU",
+               "recompute")
+    for header in headers if wide else [h for h in headers if h not in ("#", "ranks", "all-reduce ms")]:
+        table.add_column(header, justify="right", no_wrap=True)
+    for index, stage in enumerate(plan.stages):
+        ranks = rank_range(stage.ranks)
+        count = [str(stage.stop - stage.start)] if wide else []
+        table.add_row(
+            str(index), f"{stage.first_layer} .. {stage.last_layer}", *count, str(stage.replicas),
+            *([ranks] if wide else []), format_ms(stage.compute_ms), format_ms(stage.comm_ms),
+            *([format_ms(stage.allreduce_ms)] if wide else []), format_ms(stage.period_ms),
+            memory_cell(stage.memory_bytes, plan.cluster.memory_bytes), "yes" if stage.recompute else "no",
+        )
+    return table
+
+
+def plan_summary(plan: Plan) -> str:
+    """Predicted bottleneck, throughput and speedups, then the plan's notes."""
+    p = plan.predicted
+    if plan.microbatches is None:
+        timing = f"{p.iteration_ms:.4g} ms per microbatch (steady state, {plan.schedule} schedule)"
+    else:
+        timing = f"iteration {p.iteration_ms:.4g} ms ({plan.schedule}, {plan.microbatches} microbatches)"
+    lines = [
+        f"{timing}; {p.samples_per_s:.4g} samples/s; GPUs idle {p.bubble_fraction:.1%} of the time",
+        f"speedup {p.speedup_vs_single_device:.3g}x over one GPU, {p.speedup_vs_data_parallel:.3g}x over "
+        f"data parallelism on {plan.cluster.num_devices} GPUs; {p.devices_used} GPUs used",
+    ]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes])
+
+
+def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
+    """The plan against baselines under the same cost model and schedule: time and the plan's speedup."""
+    table = Table(title=f"{plan.profile.name}: the plan against common splits ({plan.cost_model} cost model, "
+                        f"{plan.schedule} schedule)", **_COMPACT)
+    unit = "ms per microbatch" if plan.microbatches is None else "iteration ms"
+    for header, justify in (("plan", "left"), ("replicas per stage", "left"), ("GPUs", "right"),
+                            (unit, "right"), ("memory/GPU", "right"), ("its time / optimized", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    optimized_ms = plan.predicted.iteration_ms
+    limit = plan.cluster.memory_bytes
+    table.add_row("optimized", _replica_shape([s.replicas for s in plan.stages]), str(plan.predicted.devices_used),
+                  f"{optimized_ms:.4g}", memory_cell(plan.predicted.peak_memory_bytes, limit), "")
+    for baseline in baselines:
+        bottleneck_ms = baseline.iteration_s * 1000.0
+        fits = limit is None or baseline.peak_memory_bytes <= limit
+        memory = memory_cell(baseline.peak_memory_bytes, limit) + ("" if fits else " does not fit")
+        speedup = f"{bottleneck_ms / optimized_ms:.2f}x" if optimized_ms > 0 else ""
+        table.add_row(baseline.name, _replica_shape([r for _, _, r in baseline.stages]), str(baseline.devices),
+                      f"{bottleneck_ms:.4g}", memory, speedup)
+    return table
+
+
+def timeline_table(plan: Plan, timeline: Timeline) -> Table:
+    """Per rank of a simulated plan: its stage and replica, compute time, idle share and peak memory;
+    the caption compares the simulated iteration with the plan's prediction."""
+    table = Table(title=f"{plan.profile.name}: simulated {timeline.schedule} schedule", **_COMPACT)
+    for header in ("rank", "stage", "replica", "compute ms", "idle", "peak memory/GPU"):
+        table.add_column(header, justify="right", no_wrap=True)
+    events = timeline.events
+    compute = events[events["op"].isin((FORWARD, BACKWARD))]
+    busy_ms = (compute["end_s"] - compute["start_s"]).groupby(compute["rank"]).sum() * 1000.0
+    bubbles = timeline.bubble_fraction()
+    memory = timeline.memory().groupby("rank")["bytes"].max()
+    owners = events.drop_duplicates("rank").set_index("rank")
+    for rank in bubbles.index:
+        table.add_row(str(rank), str(owners.at[rank, "stage"]), str(owners.at[rank, "replica"]),
+                      format_ms(busy_ms.get(rank, 0.0)), f"{bubbles[rank]:.1%}",
+                      memory_cell(int(memory.get(rank, 0)), plan.cluster.memory_bytes))
+    simulated_ms = timeline.iteration_s() * 1000.0
+    if timeline.schedule == "pipedream":
+        what = f"{simulated_ms:.4g} ms per microbatch in steady state ({timeline.microbatches} microbatches simulated)"
+    else:
+        what = (f"{simulated_ms:.4g} ms per iteration of {timeline.microbatches} microbatches "
+                f"({timeline.iterations} simulated)")
+    table.caption = (f"{what}; the plan states {plan.predicted.iteration_ms:.4g} ms; "
+                     f"idle: mean {bubbles.mean():.1%}, worst {bubbles.max():.1%}")
+    table.caption_justify = "left"
+    return table
+
+
+def rank_range(ranks: Sequence[int]) -> str:
+    """'3' for one rank, '0-3' for a contiguous block."""
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _replica_shape(replicas: list[int]) -> str:
+    """'4-2-1', or 'N stages' when that would be long."""
+    shape = "-".join(str(r) for r in replicas)
+    return shape if len(shape) <= 24 else f"{len(replicas)} stages"
+
+
+def memory_cell(memory_bytes: int, limit_bytes: int | None) -> str:
+    """'12.3 GB' or, with a limit, '12.3 GB (15%)' of the limit (decimal GB, as --memory takes)."""
+    text = f"{memory_bytes / 1e9:.3g} GB"
+    return text if limit_bytes is None else f"{text} ({memory_bytes / limit_bytes:.0%})"

@@ -1,0 +1,1 @@
+"""The data types and their files: profile, cluster, plan, timeline, run report, imports and exports."""

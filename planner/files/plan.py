@@ -1,0 +1,257 @@
+"""Plan: stage boundaries, replication and predictions for a profile on a cluster; its JSON file.
+
+Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
+
+- `profile`: {name, path, digest}: the profile the plan came from (`path` as given to
+  `partition`, "" when it was not given); `digest` is the SHA-256 of
+  the profile's canonical JSON body (`profile_digest`), so a plan is never applied to another.
+- `cluster`: `Cluster.to_dict()`; `cost_model`: "planner" (`schedule_cost`) or "pipedream"
+  (`pipedream_cost`); `schedule`: gpipe, 1f1b or pipedream; `microbatches` per iteration (None for
+  the asynchronous schedule, which has no flush); `microbatch_size` (samples; None when the
+  profile does not know its batch size); `straight`.
+- `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),
+  `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions: `compute_ms`
+  (forward + backward, plus the recomputed forward, of one microbatch on one device),
+  `comm_ms` (its larger transfer per microbatch, in or out), `allreduce_ms` (the gradient
+  all-reduce among its replicas), `period_ms` (steady-state time per microbatch the stage
+  allows; the planner model: max(compute, transfers) / replicas), `memory_bytes` (per device).
+- `predicted`: `bottleneck_s` (the largest per-stage term the cost model minimises),
+  `iteration_ms` (flush schedules: one iteration of `microbatches`; pipedream: time per
+  microbatch; under the planner cost model simulated by `simulator`, which plays the schedule op
+  by op), `objective_ms` (the closed form the optimizer minimised, same unit; in version 2 files
+  equal to `iteration_ms`), `samples_per_s`, `bubble_fraction` (share of device time not computing),
+  `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
+  schedule), `devices_used`, `peak_memory_bytes`.
+- `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
+- `optimizer`: adam or sgd, whose state the memory figures count (absent in older files: adam).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planner.files.cluster import Cluster, cluster_from_dict
+from planner.errors import FileFormatError, PlannerError
+from planner.files.fileformat import read_versioned_json, write_versioned_json
+from planner.files.profile import Profile
+from planner.schedules.schedule import SCHEDULES
+
+COST_MODELS = ("planner", "pipedream")  # `costs.schedule_cost`, `costs.pipedream_cost`
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from planner.files.timeline import Timeline
+
+PLAN_FORMAT = "pipeline-planner/plan"
+PLAN_VERSION = 3  # 2: planner cost model, allreduce_ms, period_ms; 3: simulated iteration_ms, objective_ms
+
+
+class PlanProfileMismatchError(PlannerError):
+    """A plan given with a profile it was not made from."""
+
+    def __init__(self, plan_path: str, profile_path: str, expected: str, found: str) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
+            f"{found[:12]}; re-run `planner partition {profile_path}` to plan for this profile"
+        )
+
+
+def profile_digest(profile: Profile) -> str:
+    """SHA-256 of what a plan depends on in a profile, as canonical JSON: model name, batch size,
+    input bytes, layers and shared parameters (not the date, path or settings, so re-importing
+    or copying the same measurements keeps the digest)."""
+    body = profile.to_dict()
+    content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def plan_digest(plan: "Plan") -> str:
+    """SHA-256 of the plan's canonical JSON body: names the plan a checkpoint or run was made with."""
+    text = json.dumps(plan.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class ProfileRef:
+    """Which profile a plan belongs to."""
+
+    name: str
+    path: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: layers [start, stop), its replicas and ranks, and predicted times (ms per micro-batch)."""
+
+    start: int
+    stop: int
+    first_layer: str
+    last_layer: str
+    replicas: int
+    ranks: tuple[int, ...]
+    recompute: bool
+    compute_ms: float
+    comm_ms: float
+    allreduce_ms: float
+    period_ms: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for the whole plan."""
+
+    bottleneck_s: float
+    iteration_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    speedup_vs_single_device: float
+    speedup_vs_data_parallel: float
+    devices_used: int
+    peak_memory_bytes: int
+    objective_ms: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pipeline plan; see the module docstring for the file schema."""
+
+    profile: ProfileRef
+    cluster: Cluster
+    cost_model: str
+    schedule: str
+    microbatches: int | None
+    microbatch_size: int | None
+    straight: bool
+    stages: tuple[StagePlan, ...]
+    predicted: Prediction
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    optimizer: str = "adam"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file body (without the format header); inverse of `plan_from_dict`."""
+        body = dataclasses.asdict(self)
+        body["cluster"] = self.cluster.to_dict()
+        body["stages"] = [
+            {**{k: v for k, v in dataclasses.asdict(stage).items() if k not in ("start", "stop")},
+             "layers": [stage.start, stage.stop]}
+            for stage in self.stages
+        ]
+        return body
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as versioned JSON (atomically); returns the path."""
+        return write_versioned_json(path, PLAN_FORMAT, PLAN_VERSION, self.to_dict())
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the stage table and predictions (`html.plan_html`)."""
+        from planner.display.html import plan_html  # html imports this module
+
+        return plan_html(self)
+
+    def simulate(self, profile: Profile | None = None, iterations: int = 1) -> "Timeline":
+        """The simulated schedule (`plan_simulation.simulate`); `profile` defaults to the file at
+        `self.profile.path` (PlannerError if it is not there or is another profile)."""
+        from planner.simulation.plan_simulation import resolve_profile, simulate
+
+        return simulate(self, resolve_profile(self, profile), iterations)
+
+    def plot(self, profile: Profile | None = None) -> "Figure":
+        """Partition, schedule and memory panels in one Figure (`plots.plan_figure`); `profile` as in `simulate`."""
+        from planner.simulation.plan_simulation import resolve_profile, simulate
+        from planner.display.plots import plan_figure
+
+        found = resolve_profile(self, profile)
+        return plan_figure(self, found, simulate(self, found))
+
+    def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>") -> None:
+        """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from."""
+        found = profile_digest(profile)
+        if found != self.profile.digest:
+            raise PlanProfileMismatchError(plan_path, profile_path, self.profile.digest, found)
+
+
+def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
+    """A Plan from `Plan.to_dict()` output; FileFormatError naming `source` if a field is bad."""
+    try:
+        stages = tuple(
+            StagePlan(
+                start=int(s["layers"][0]), stop=int(s["layers"][1]), first_layer=str(s["first_layer"]),
+                last_layer=str(s["last_layer"]), replicas=int(s["replicas"]),
+                ranks=tuple(int(r) for r in s["ranks"]), recompute=_strict_bool(s["recompute"], "recompute"),
+                compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
+                allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
+                memory_bytes=int(s["memory_bytes"]),
+            )
+            for s in body["stages"]
+        )
+        ref = body["profile"]
+        predicted = body["predicted"]
+        plan = Plan(
+            profile=ProfileRef(str(ref["name"]), str(ref["path"]), str(ref["digest"])),
+            cluster=cluster_from_dict(body["cluster"], source),
+            cost_model=str(body["cost_model"]), schedule=str(body["schedule"]),
+            microbatches=None if body["microbatches"] is None else int(body["microbatches"]),
+            microbatch_size=None if body["microbatch_size"] is None else int(body["microbatch_size"]),
+            straight=_strict_bool(body["straight"], "straight"), stages=stages,
+            predicted=Prediction(**{f.name: _field_type(f)(predicted[f.name]) for f in dataclasses.fields(Prediction)
+                                    if f.name != "objective_ms"},
+                                 objective_ms=float(predicted.get("objective_ms", predicted["iteration_ms"]))),
+            notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
+            optimizer=str(body.get("optimizer", "adam")),
+        )
+        _check_stages(plan.stages, source)
+        if plan.schedule not in SCHEDULES:
+            raise FileFormatError(source, f"plan has an unknown schedule {plan.schedule!r}",
+                                  f"use one of {', '.join(SCHEDULES)}, or re-run `planner partition`")
+        return plan
+    except KeyError as exc:
+        raise FileFormatError(source, f"plan is missing the field {exc.args[0]!r}") from None
+    except (TypeError, ValueError, IndexError, ArithmeticError) as exc:
+        raise FileFormatError(source, f"plan has a malformed field: {exc}") from None
+
+
+def _strict_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _strict_list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return value
+
+
+def _check_stages(stages: tuple[StagePlan, ...], source: str) -> None:
+    """Stages must cover [0, n) contiguously, each with replicas >= 1 and as many ranks."""
+    if not stages:
+        raise FileFormatError(source, "plan has no stages")
+    expected_start = 0
+    for index, stage in enumerate(stages):
+        if stage.start != expected_start or stage.stop <= stage.start:
+            raise FileFormatError(source, f"stage {index} covers layers [{stage.start}, {stage.stop}), "
+                                          f"expected to start at {expected_start} and be non-empty")
+        if stage.replicas < 1 or len(stage.ranks) != stage.replicas:
+            raise FileFormatError(source, f"stage {index} has {stage.replicas} replicas and {len(stage.ranks)} ranks")
+        expected_start = stage.stop
+
+
+def _field_type(prediction_field: dataclasses.Field) -> type:
+    """int or float, from a Prediction field's annotation."""
+    return int if prediction_field.type in ("int", int) else float
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file; refuses other formats and newer versions with a FileFormatError."""
+    return plan_from_dict(read_versioned_json(path, PLAN_FORMAT, PLAN_VERSION), str(path))

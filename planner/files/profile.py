@@ -1,0 +1,181 @@
+"""Profile: per-layer measurements of one model on one device, its JSON file format and table.
+
+Times are milliseconds per mini-batch of `batch_size` samples; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planner.errors import FileFormatError
+from planner.files.fileformat import read_versioned_json, write_versioned_json
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+PROFILE_FORMAT = "pipeline-planner/profile"
+PROFILE_VERSION = 1
+
+LAYER_COLUMNS = (
+    "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes",
+)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer, in execution order.
+
+    - `name`: fully qualified module name (usable as a torch.distributed.pipelining split point).
+    - `kind`: the module's class name (or PipeDream's module description).
+    - `fwd_ms`, `bwd_ms`: median forward / backward time of the layer, including the functional
+      operations that run after it and before the next layer (residual adds, reshapes; the loss
+      for the last layer), in ms per mini-batch.
+    - `output_bytes`: bytes of the tensors the layer's module returns.
+    - `cut_bytes`: bytes of every tensor produced at or before this layer and consumed after it:
+      what crosses a stage boundary placed right after this layer (0 for the last layer).
+    - `param_bytes`: bytes of the parameters the layer uses; a parameter shared by several layers
+      is counted once, at the first layer that uses it (see `Profile.shared_params`).
+    - `saved_bytes`: bytes autograd saves for backward inside the layer (activation memory held
+      per in-flight micro-batch); parameters are not counted.
+    """
+
+    name: str
+    kind: str
+    fwd_ms: float
+    bwd_ms: float
+    output_bytes: int
+    cut_bytes: int
+    param_bytes: int
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter used by several layers (tied weights): its names, size and the layers using it."""
+
+    names: tuple[str, ...]
+    nbytes: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measurements of a model's layers on one device at one mini-batch size.
+
+    `step_ms` is the median end-to-end training step (forward, loss and backward; no optimizer)
+    measured without instrumentation; the layers' `fwd_ms + bwd_ms` add up to about it.
+    `peak_memory_bytes` is the peak of memory during one such step, measured as
+    `peak_memory_method` says ("cuda-allocator": torch.cuda.max_memory_allocated;
+    "live-tensors": peak bytes of live tensor storage tracked per operation on CPU;
+    "pipedream-estimate" and "unknown" for imported profiles).
+    `batch_size` is None when unknown (imported profiles without one).
+    """
+
+    model_name: str
+    source: str
+    device: str
+    device_name: str
+    torch_version: str
+    dtype: str
+    batch_size: int | None
+    threads: int
+    created: str
+    layers: tuple[LayerProfile, ...]
+    step_ms: float
+    peak_memory_bytes: int
+    peak_memory_method: str
+    input_bytes: int
+    shared_params: tuple[SharedParam, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    @property
+    def total_fwd_ms(self) -> float:
+        """Sum of the layers' forward times, ms per mini-batch."""
+        return sum(layer.fwd_ms for layer in self.layers)
+
+    @property
+    def total_bwd_ms(self) -> float:
+        """Sum of the layers' backward times, ms per mini-batch."""
+        return sum(layer.bwd_ms for layer in self.layers)
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Bytes of all parameters, shared ones counted once."""
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def layer_index(self, name: str) -> int:
+        """Index of the layer called `name`; KeyError if there is none."""
+        for index, layer in enumerate(self.layers):
+            if layer.name == name:
+                return index
+        raise KeyError(name)
+
+    def to_dataframe(self) -> "pd.DataFrame":
+        """One row per layer in execution order, columns `LAYER_COLUMNS`."""
+        rows = [dataclasses.asdict(layer) for layer in self.layers]
+        import pandas as pd  # only here: reading and writing profiles needs no pandas
+
+        return pd.DataFrame(rows, columns=list(LAYER_COLUMNS))
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the layer table and summary (`html.profile_html`)."""
+        from planner.display.html import profile_html  # html imports this module
+
+        return profile_html(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file body (without the format header); inverse of `from_dict`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any], source_path: str = "<dict>") -> "Profile":
+        """Build a Profile from `to_dict` output; FileFormatError names `source_path` if a field is bad."""
+        try:
+            layers = tuple(
+                LayerProfile(
+                    name=str(row["name"]), kind=str(row["kind"]),
+                    fwd_ms=float(row["fwd_ms"]), bwd_ms=float(row["bwd_ms"]),
+                    output_bytes=int(row["output_bytes"]), cut_bytes=int(row["cut_bytes"]),
+                    param_bytes=int(row["param_bytes"]), saved_bytes=int(row["saved_bytes"]),
+                )
+                for row in body["layers"]
+            )
+            shared = tuple(
+                SharedParam(
+                    names=tuple(str(n) for n in p["names"]), nbytes=int(p["nbytes"]),
+                    layers=tuple(int(i) for i in p["layers"]),
+                )
+                for p in body.get("shared_params", [])
+            )
+            batch_size = body["batch_size"]
+            return cls(
+                model_name=str(body["model_name"]), source=str(body["source"]), device=str(body["device"]),
+                device_name=str(body["device_name"]), torch_version=str(body["torch_version"]),
+                dtype=str(body["dtype"]), batch_size=None if batch_size is None else int(batch_size),
+                threads=int(body["threads"]), created=str(body["created"]), layers=layers,
+                step_ms=float(body["step_ms"]), peak_memory_bytes=int(body["peak_memory_bytes"]),
+                peak_memory_method=str(body["peak_memory_method"]), input_bytes=int(body["input_bytes"]),
+                shared_params=shared, settings=dict(body.get("settings", {})),
+            )
+        except KeyError as exc:
+            raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise FileFormatError(source_path, f"profile has a malformed field: {exc}") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as versioned JSON (atomically); returns the path."""
+        return write_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION, self.to_dict())
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file; refuses other formats and newer versions with a FileFormatError."""
+    document = read_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION)
+    return Profile.from_dict(document, source_path=str(path))

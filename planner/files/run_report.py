@@ -1,0 +1,371 @@
+"""Run reports read back: measured against predicted, the measured timeline, and calibrated profiles.
+
+A run report (format "pipeline-planner/run-report") is written by `runtime.report` at the end of
+a training run; its module docstring has the schema. This module reads it (no torch.distributed):
+`load_run_report`, `comparison_table` (and `run_report_table` for the terminal),
+`measured_timeline` (the representative step as a `files.timeline.Timeline`, for the plots) and
+`calibrate_profile` (the profile's layer times scaled by each stage's measured / predicted compute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+from rich import box
+from rich.table import Table
+
+from planner.errors import FileFormatError, PlannerError
+from planner.files.fileformat import read_versioned_json
+from planner.files.plan import Plan
+from planner.files.profile import Profile
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
+from planner.files.timeline import COLUMNS, StageTimes, Timeline
+from planner.units import format_ms
+
+__all__ = [
+    "EVENT_OPS", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "ReportPlanMismatchError", "RunReport", "RunReportError",
+    "StageMeasurement", "StagePrediction", "calibrate_profile", "calibration_ratios", "calibration_table",
+    "check_report_plan", "comparison_table", "load_run_report", "measured_timeline", "run_report_from_dict",
+    "run_report_table",
+]
+
+RUN_REPORT_FORMAT = "pipeline-planner/run-report"
+RUN_REPORT_VERSION = 1
+EVENT_OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, SEND_GRADIENT, ALLREDUCE, STEP)
+
+
+class RunReportError(PlannerError):
+    """A run report cannot be built from these traces, or used as asked."""
+
+
+class ReportPlanMismatchError(RunReportError):
+    """A run report given with a plan other than the one the run used."""
+
+    def __init__(self, report_path: str, plan_path: str, problem: str) -> None:
+        self.report_path, self.plan_path, self.problem = report_path, plan_path, problem
+        super().__init__(f"{report_path}: measured a run of another plan than {plan_path} ({problem}); "
+                         "give the plan the run used")
+
+
+@dataclass(frozen=True)
+class StageMeasurement:
+    """What one stage measured (ms; per microbatch or per step as `runtime.report` documents)."""
+
+    forward_ms: float
+    backward_ms: float
+    compute_ms: float
+    comm_ms: float
+    send_ms: float
+    recv_wait_ms: float
+    allreduce_ms: float
+    allreduce_each_ms: float
+    step_ms: float
+    busy_ms: float
+    idle_ms: float
+    idle_fraction: float
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """What the plan predicted for one stage (ms): per microbatch compute and transfer, all-reduce."""
+
+    compute_ms: float
+    comm_ms: float
+    allreduce_ms: float
+
+
+@dataclass(frozen=True, eq=False)
+class RunReport:
+    """A run report file, parsed (`source`: where it was read from). `plan_*` describe the plan
+    the run used; `measured` and `predicted` have one entry per stage; `events` has the columns
+    of `files.timeline.COLUMNS` (the representative step, seconds from its start)."""
+
+    source: str
+    plan_path: str
+    profile_name: str
+    profile_digest: str
+    cost_model: str
+    schedule: str
+    plan_microbatches: int | None
+    plan_microbatch_size: int | None
+    stage_layers: tuple[tuple[int, int], ...]
+    stage_ranks: tuple[tuple[int, ...], ...]
+    steps: int
+    batch_size: int
+    microbatches: int
+    microbatch_size: float
+    step_times_ms: tuple[float, ...]
+    train_step_ms: float
+    iteration_ms: float
+    samples_per_s: float | None
+    measured: tuple[StageMeasurement, ...]
+    predicted_iteration_ms: float
+    predicted_samples_per_s: float
+    predicted: tuple[StagePrediction, ...]
+    losses: tuple[tuple[int, float], ...]
+    events: pd.DataFrame
+    notes: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunReport:
+    """A RunReport from a report body (`runtime.report.build_run_report`); FileFormatError naming
+    `source` when a field is missing or malformed."""
+    try:
+        plan, measured, predicted = body["plan"], body["measured"], body["predicted"]
+        stage_fields = [f.name for f in dataclasses.fields(StageMeasurement)]
+        report = RunReport(
+            source=source, plan_path=str(plan["path"]), profile_name=str(plan["profile"]["name"]),
+            profile_digest=str(plan["profile"]["digest"]), cost_model=str(plan["cost_model"]),
+            schedule=str(plan["schedule"]), plan_microbatches=_optional_int(plan["microbatches"]),
+            plan_microbatch_size=_optional_int(plan["microbatch_size"]),
+            stage_layers=tuple((int(s["layers"][0]), int(s["layers"][1])) for s in plan["stages"]),
+            stage_ranks=tuple(tuple(int(r) for r in s["ranks"]) for s in plan["stages"]),
+            steps=int(measured["steps"]), batch_size=int(measured["batch_size"]),
+            microbatches=int(measured["microbatches"]), microbatch_size=float(measured["microbatch_size"]),
+            step_times_ms=tuple(float(t) for t in measured["step_times_ms"]),
+            train_step_ms=float(measured["train_step_ms"]), iteration_ms=float(measured["iteration_ms"]),
+            samples_per_s=_optional_float(measured["samples_per_s"]),
+            measured=tuple(StageMeasurement(**{name: float(s[name]) for name in stage_fields})
+                           for s in measured["stages"]),
+            predicted_iteration_ms=float(predicted["iteration_ms"]),
+            predicted_samples_per_s=float(predicted["samples_per_s"]),
+            predicted=tuple(StagePrediction(float(s["compute_ms"]), float(s["comm_ms"]), float(s["allreduce_ms"]))
+                            for s in predicted["stages"]),
+            losses=tuple((int(step), float(loss)) for step, loss in body["losses"]),
+            events=_events_frame(body["events"]),
+            notes=tuple(str(note) for note in body.get("notes", [])), meta=dict(body.get("meta") or {}),
+        )
+    except KeyError as exc:
+        raise FileFormatError(source, f"run report is missing the field {exc.args[0]!r}",
+                              "write it with runtime.report.write_run_report") from None
+    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise FileFormatError(source, f"run report has a malformed field: {exc}") from None
+    stages = len(report.stage_layers)
+    if stages == 0 or len(report.measured) != stages or len(report.predicted) != stages:
+        raise FileFormatError(source, f"run report has {stages} plan stages, {len(report.measured)} measured and "
+                                      f"{len(report.predicted)} predicted; they must be equal and at least 1")
+    if report.steps < 1 or report.microbatches < 1 or report.batch_size < 1:
+        raise FileFormatError(source, f"run report has steps {report.steps}, microbatches {report.microbatches}, "
+                                      f"batch_size {report.batch_size}; each must be at least 1")
+    return report
+
+
+def load_run_report(path: str | Path) -> RunReport:
+    """Read a run report file; FileFormatError for other formats, newer versions and bad fields."""
+    return run_report_from_dict(read_versioned_json(path, RUN_REPORT_FORMAT, RUN_REPORT_VERSION), str(path))
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _events_frame(rows: Any) -> pd.DataFrame:
+    """The `events` rows as a DataFrame of COLUMNS; ValueError for rows of another length or op."""
+    if not isinstance(rows, list):
+        raise ValueError(f"events must be a list of rows, got {type(rows).__name__}")
+    parsed = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(COLUMNS):
+            raise ValueError(f"an event row must have the {len(COLUMNS)} values {', '.join(COLUMNS)}, got {row!r}")
+        rank, stage, replica, microbatch, iteration, op, peer, start_s, end_s = row
+        if op not in EVENT_OPS:
+            raise ValueError(f"unknown op {op!r} in events")
+        parsed.append((int(rank), int(stage), int(replica), int(microbatch), int(iteration), str(op), int(peer),
+                       float(start_s), float(end_s)))
+    return pd.DataFrame(parsed, columns=list(COLUMNS))
+
+
+# ---------------------------------------------------------------- the report against the plan
+
+
+def check_report_plan(report: RunReport, plan: Plan, plan_path: str = "<plan>") -> None:
+    """ReportPlanMismatchError unless `report` measured a run of `plan`: the same profile, schedule,
+    stage layers and ranks."""
+    layers = tuple((stage.start, stage.stop) for stage in plan.stages)
+    ranks = tuple(tuple(stage.ranks) for stage in plan.stages)
+    if report.profile_digest != plan.profile.digest:
+        problem = f"profile digest {report.profile_digest[:12]}, the plan's {plan.profile.digest[:12]}"
+    elif report.schedule != plan.schedule:
+        problem = f"schedule {report.schedule}, the plan's {plan.schedule}"
+    elif report.stage_layers != layers:
+        problem = f"stage layers {_spans(report.stage_layers)}, the plan's {_spans(layers)}"
+    elif report.stage_ranks != ranks:
+        problem = f"stage ranks {[list(r) for r in report.stage_ranks]}, the plan's {[list(r) for r in ranks]}"
+    else:
+        return
+    raise ReportPlanMismatchError(report.source, plan_path, problem)
+
+
+def _spans(layers: Sequence[tuple[int, int]]) -> str:
+    return " ".join(f"[{start}, {stop})" for start, stop in layers)
+
+
+def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes]) -> Timeline:
+    """The representative measured step as a Timeline (iterations=1), for the plots; `stage_times`
+    (e.g. the plan's simulation's) give the memory terms that `Timeline.memory` plays out."""
+    if len(stage_times) != len(report.stage_layers):
+        raise RunReportError(f"{report.source}: {len(report.stage_layers)} stages, but {len(stage_times)} stage "
+                             "times were given; pass the simulation of the plan the run used")
+    return Timeline(report.events.copy(), report.schedule, report.microbatches, 1, tuple(stage_times))
+
+
+def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:
+    """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
+    `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
+    `stage i all-reduce (ms)` (per all-reduce) and `stage i idle (share)`; columns `predicted`,
+    `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
+    predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when
+    `simulated` is given, else NaN."""
+    timing = "time per microbatch (ms)" if report.schedule == "pipedream" else "iteration (ms)"
+    rows: list[tuple[str, float, float]] = [
+        (timing, report.predicted_iteration_ms, report.iteration_ms),
+        ("samples/s", report.predicted_samples_per_s, _nan(report.samples_per_s)),
+    ]
+    idle = _simulated_idle(simulated)
+    for index, (found, expected) in enumerate(zip(report.measured, report.predicted)):
+        rows += [
+            (f"stage {index} compute (ms/microbatch)", expected.compute_ms, found.compute_ms),
+            (f"stage {index} comm (ms/microbatch)", expected.comm_ms, found.comm_ms),
+            (f"stage {index} all-reduce (ms)", expected.allreduce_ms, found.allreduce_each_ms),
+            (f"stage {index} idle (share)", idle.get(index, math.nan), found.idle_fraction),
+        ]
+    table = pd.DataFrame([(p, m) for _, p, m in rows], index=[name for name, _, _ in rows],
+                         columns=["predicted", "measured"], dtype=float)
+    table["ratio"] = [m / p if p and not math.isnan(p) and not math.isnan(m) else math.nan
+                      for p, m in zip(table["predicted"], table["measured"])]
+    return table
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _simulated_idle(simulated: Timeline | None) -> dict[int, float]:
+    """Per stage: the mean idle share of its ranks in the simulation."""
+    if simulated is None or not len(simulated.events):
+        return {}
+    bubbles = simulated.bubble_fraction()
+    stage_of = simulated.events.groupby("rank")["stage"].first()
+    return {int(stage): float(share) for stage, share in bubbles.groupby(stage_of.reindex(bubbles.index)).mean().items()}
+
+
+def run_report_table(report: RunReport, simulated: Timeline | None = None) -> Table:
+    """`comparison_table` for the terminal: values formatted per unit, ratio as 'x1.23', and a
+    caption with the run (steps, batch, microbatches, where it ran) and the report's notes."""
+    frame = comparison_table(report, simulated)
+    microbatches = f"{report.microbatches} microbatch{'es' if report.microbatches != 1 else ''}"
+    table = Table(title=f"{report.profile_name}: measured against predicted ({report.schedule}, {microbatches} of "
+                        f"{report.microbatch_size:g} samples, {report.steps} measured step"
+                        f"{'s' if report.steps != 1 else ''})",
+                  caption=_caption(report), caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("", no_wrap=True)
+    for header in ("predicted", "measured", "measured/predicted"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for name, row in frame.iterrows():
+        cell = _share if name.endswith("(share)") else (_rate if name == "samples/s" else _ms)
+        ratio = "" if math.isnan(row["ratio"]) else f"x{row['ratio']:.3g}"
+        table.add_row(str(name), cell(row["predicted"]), cell(row["measured"]), ratio)
+    return table
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else format_ms(value)
+
+
+def _rate(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4g}"
+
+
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
+def _caption(report: RunReport) -> str:
+    lines = [(f"median train step {format_ms(report.train_step_ms)} ms (batch of {report.batch_size}); steps "
+              f"{format_ms(min(report.step_times_ms))}-{format_ms(max(report.step_times_ms))} ms; "
+              "ratio > 1: slower than predicted (times), faster (samples/s)")]
+    meta = report.meta
+    labels = {"backend": "backend", "device": "device", "torch_version": "torch", "threads": "threads"}
+    where = [f"{label} {meta[key]}" for key, label in labels.items() if meta.get(key)]
+    if meta.get("hosts"):
+        where.append("hosts " + ", ".join(str(host) for host in meta["hosts"]))
+    if where:
+        lines.append("ran with " + "; ".join(where))
+    return "\n".join(lines + [f"note: {note}" for note in report.notes])
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def calibration_ratios(plan: Plan, report: RunReport, plan_path: str = "<plan>") -> tuple[float, ...]:
+    """Per stage: measured compute_ms / the plan's compute_ms (1.0 where the plan predicts 0), after
+    checking that the report measured this plan (`check_report_plan`) at its microbatch size."""
+    check_report_plan(report, plan, plan_path)
+    if plan.microbatch_size is not None and abs(report.microbatch_size - plan.microbatch_size) > 1e-9:
+        raise RunReportError(f"{report.source}: the run's microbatches have {report.microbatch_size:g} samples, "
+                             f"the plan's {plan.microbatch_size} ({plan_path}): their compute times do not compare; "
+                             "run the plan's microbatch size to calibrate")
+    ratios = []
+    for index, (found, stage) in enumerate(zip(report.measured, plan.stages)):
+        if stage.compute_ms <= 0:
+            ratios.append(1.0)
+            continue
+        if not found.compute_ms > 0 or not math.isfinite(found.compute_ms):
+            raise RunReportError(f"{report.source}: stage {index} measured {found.compute_ms} ms of compute per "
+                                 "microbatch; cannot calibrate from a stage that was not timed")
+        ratios.append(found.compute_ms / stage.compute_ms)
+    return tuple(ratios)
+
+
+def calibrate_profile(profile: Profile, plan: Plan, report: RunReport, plan_path: str = "<plan>",
+                      profile_path: str = "<profile>") -> Profile:
+    """`profile` with each stage's layers' fwd_ms and bwd_ms multiplied by that stage's ratio
+    measured / predicted compute_ms (`calibration_ratios`); everything else kept, and
+    `settings["calibrations"]` extended with the report, plan and ratios. Afterwards the cost
+    model's compute time of each of the plan's stages equals the measured one (it is linear in the
+    layer times, the recomputed forward included). The plan must have been made from `profile`
+    (PlanProfileMismatchError) and the report must be of a run of the plan (ReportPlanMismatchError).
+
+    Calibration helps when the profile was measured under other conditions than training: other
+    thread counts, ranks contending for one machine's cores or memory bandwidth, other kernels or
+    fusion inside a stage than layer by layer, another microbatch size than profiled (times do
+    not scale linearly). It does not help when the plan is communication-bound (only compute is
+    calibrated; fix the cluster's bandwidths instead), and it is misleading from a one-off noisy
+    run (check the report's step times spread and use several warm steps). Every layer of a stage
+    gets one factor, so re-planning with other cuts inside a stage inherits that average.
+    """
+    plan.check_profile(profile, plan_path, profile_path)
+    ratios = calibration_ratios(plan, report, plan_path)
+    factors = [1.0] * profile.num_layers
+    for stage, ratio in zip(plan.stages, ratios):
+        factors[stage.start:stage.stop] = [ratio] * (stage.stop - stage.start)
+    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * factor, bwd_ms=layer.bwd_ms * factor)
+                   for layer, factor in zip(profile.layers, factors))
+    record = {"report": report.source, "plan": plan_path, "stages": [[s.start, s.stop] for s in plan.stages],
+              "ratios": list(ratios)}
+    settings = {**profile.settings, "calibrations": [*profile.settings.get("calibrations", []), record]}
+    return dataclasses.replace(profile, layers=layers, settings=settings)
+
+
+def calibration_table(plan: Plan, report: RunReport, ratios: Sequence[float]) -> Table:
+    """Per stage: its layers, the plan's and the measured compute per microbatch, the factor applied."""
+    table = Table(title=f"{report.profile_name}: layer times scaled per stage by measured / predicted compute",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for header, justify in (("stage", "right"), ("layers", "left"), ("predicted ms", "right"),
+                            ("measured ms", "right"), ("factor", "right")):
+        table.add_column(header, justify=justify, no_wrap=header != "layers", overflow="fold")
+    for index, (stage, found, ratio) in enumerate(zip(plan.stages, report.measured, ratios)):
+        table.add_row(str(index), f"{stage.first_layer} .. {stage.last_layer}", format_ms(stage.compute_ms),
+                      format_ms(found.compute_ms), f"x{ratio:.3g}")
+    return table
+

@@ -1,0 +1,134 @@
+"""Timeline: the ops of a pipeline over time, simulated or measured (one row per op), and its summaries.
+
+`events` columns `COLUMNS`: rank, stage, replica, microbatch, iteration, op (a `schedules.schedule`
+op name), peer (the other rank of a transfer, else -1), start_s and end_s (seconds). The simulator
+(`simulation.simulator`) and run reports (`files.run_report`) make them; tables and plots read them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from planner.files.fileformat import write_atomically
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+COLUMNS = ("rank", "stage", "replica", "microbatch", "iteration", "op", "peer", "start_s", "end_s")
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Durations (seconds, per microbatch) and memory (bytes per device) of one stage."""
+
+    forward_s: float
+    backward_s: float  # with the recomputed forward when the stage recomputes
+    allreduce_s: float
+    activation_bytes: float  # sent to the next stage per microbatch (the same size of gradient comes back)
+    base_bytes: float = 0.0
+    held_bytes: float = 0.0
+    rebuilt_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated ops: `events` has one row per op (columns COLUMNS; sends are the transfers,
+    on the sender's rank, `peer` the receiver), plus what the summaries need."""
+
+    events: pd.DataFrame
+    schedule: str
+    microbatches: int
+    iterations: int
+    stage_times: tuple[StageTimes, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        """End of the last op, seconds."""
+        return float(self.events["end_s"].max()) if len(self.events) else 0.0
+
+    def iteration_s(self) -> float:
+        """Flush schedules: seconds per iteration (makespan / iterations). pipedream: the
+        steady-state seconds per microbatch, measured on the first stage's backwards between the
+        rounds that end a quarter and three quarters of the way through (a round: as many
+        microbatches as the least common multiple of the stages' replicas, after which every
+        replica has had its share)."""
+        if self.schedule != "pipedream":
+            return self.makespan_s / self.iterations
+        first = self.events[(self.events["op"] == BACKWARD) & (self.events["stage"] == 0)]
+        done = np.maximum.accumulate(first.sort_values("microbatch")["end_s"].to_numpy())
+        unit = math.lcm(*(int(part["replica"].max()) + 1 for _, part in self.events.groupby("stage")))
+        rounds = len(done) // unit
+        low, high = rounds // 4 * unit, (3 * rounds) // 4 * unit
+        if low <= 0 or high <= low:
+            return self.makespan_s / max(len(done), 1)
+        return float((done[high - 1] - done[low - 1]) / (high - low))
+
+    def bubble_fraction(self) -> pd.Series:
+        """Per rank: the share of the makespan it spends not computing (nor, in flush schedules,
+        all-reducing; pipedream's all-reduces overlap compute)."""
+        working = (FORWARD, BACKWARD) if self.schedule == "pipedream" else (FORWARD, BACKWARD, ALLREDUCE)
+        busy = self.events[self.events["op"].isin(working)]
+        per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
+        ranks = sorted(self.events["rank"].unique())
+        span = self.makespan_s
+        if span <= 0:
+            return pd.Series(0.0, index=ranks, name="bubble_fraction")
+        return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).clip(lower=0.0).rename("bubble_fraction")
+
+    def memory(self) -> pd.DataFrame:
+        """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
+        value holds from time_s until the rank's next row)."""
+        rows = []
+        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD))]
+        for (rank, stage), ops in compute.groupby(["rank", "stage"]):
+            times = self.stage_times[int(stage)]
+            changes = [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
+            for start, end in ops.loc[ops["op"] == BACKWARD, ["start_s", "end_s"]].itertuples(index=False):
+                changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - times.held_bytes)]
+            changes.sort(key=lambda change: (change[0], change[1]))  # frees before allocations at one instant
+            level = times.base_bytes
+            rows.append((int(rank), int(stage), 0.0, level))
+            for time_s, delta in changes:
+                level += delta
+                rows.append((int(rank), int(stage), time_s, level))
+        return pd.DataFrame(rows, columns=["rank", "stage", "time_s", "bytes"])
+
+    def peak_memory(self) -> pd.Series:
+        """Per stage: the most bytes any of its devices holds at once."""
+        return self.memory().groupby("stage")["bytes"].max().rename("peak_bytes")
+
+    def plot(self, communication: bool = False, limit_bytes: float | None = None) -> "Figure":
+        """Jupyter: the Gantt chart over the memory per device (`plots.timeline_figure`)."""
+        from planner.display.plots import timeline_figure  # plots imports this module
+
+        return timeline_figure(self, communication, limit_bytes)
+
+    def to_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (Perfetto, chrome://tracing): one complete event per op;
+        process = rank, thread 0 = compute, 1 = activation sends, 2 = gradient sends, 3 = all-reduces."""
+        thread = {SEND_ACTIVATION: 1, SEND_GRADIENT: 2, ALLREDUCE: 3}
+        events: list[dict[str, Any]] = []
+        for row in self.events.itertuples(index=False):
+            label = row.op if row.microbatch < 0 else f"{row.op} {row.microbatch}"
+            events.append({
+                "name": label, "cat": row.op, "ph": "X", "pid": int(row.rank), "tid": thread.get(row.op, 0),
+                "ts": row.start_s * 1e6, "dur": (row.end_s - row.start_s) * 1e6,
+                "args": {"stage": int(row.stage), "replica": int(row.replica), "microbatch": int(row.microbatch),
+                         "iteration": int(row.iteration), "peer": int(row.peer)},
+            })
+        names = [{"name": "process_name", "ph": "M", "pid": int(rank), "args": {"name": f"rank {int(rank)}"}}
+                 for rank in sorted(self.events["rank"].unique())]
+        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write `to_trace()` as a JSON file (atomically); returns the path."""
+        text = json.dumps(self.to_trace())
+        return write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), "e.g. trace.json")

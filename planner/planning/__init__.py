@@ -1,0 +1,1 @@
+"""Optimizers and baselines: profile and cluster to Plan."""

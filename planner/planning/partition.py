@@ -1,0 +1,345 @@
+"""partition(): from a profile and a cluster to a Plan, with its predictions (pure, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.planning.baselines import baseline_plans
+from planner.files.cluster import Cluster, ClusterError
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays
+from planner.costs.pipedream_cost import pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_stage_time_s
+from planner.errors import InfeasiblePlanError, PlannerError
+from planner.planning.optimizer import Solution, optimize
+from planner.planning.pipedream_optimizer import optimize_pipedream
+from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
+from planner.files.profile import Profile
+from planner.simulation.plan_simulation import plan_cost_inputs
+from planner.simulation.simulator import SimulationTooLongError, simulate_stages
+from planner.costs.schedule_cost import (
+    CostInputs,
+    Stage,
+    first_ranks,
+    objective_s,
+    plan_fits,
+    samples_per_s,
+    stage_costs,
+)
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+
+AUTO = "auto"
+MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
+AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
+SCHEDULE_PREFERENCE = ("1f1b", "gpipe", "pipedream")  # on equal throughput: synchronous, least memory
+
+
+def partition(
+    profile: Profile, cluster: Cluster, cost_model: str = "planner", straight: bool = False,
+    optimizer: str = "adam", profile_path: str = "", schedule: str = AUTO, microbatches: int | str = AUTO,
+    microbatch_size: int | None = None, recompute: bool = True,
+) -> Plan:
+    """The best plan for `profile` on `cluster` under `cost_model` (see `schedule_cost`, `pipedream_optimizer`).
+
+    `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
+    With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
+    state copies weights have). `schedule` and `microbatches` may be "auto": the schedule with the
+    highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
+    throughput. The plan may use fewer devices than the cluster has; its notes then say so.
+    """
+    if cost_model not in COST_MODELS:
+        raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
+    if optimizer not in OPTIMIZER_STATE_COPIES:
+        raise PlannerError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_COPIES)}")
+    if cost_model == "pipedream":
+        return _partition_pipedream(profile, cluster, straight, optimizer, profile_path)
+    if schedule != AUTO and schedule not in SCHEDULES:
+        raise PlannerError(f"unknown schedule {schedule!r}; use auto or one of {', '.join(SCHEDULES)}")
+    if microbatches != AUTO and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                 or microbatches < 1):
+        raise PlannerError(f"--microbatches must be auto or a whole number of at least 1, got {microbatches!r}")
+    if microbatch_size is not None and microbatch_size < 1:
+        raise PlannerError(f"--microbatch-size must be at least 1, got {microbatch_size}")
+    profiled = profile.batch_size or 1
+    size = microbatch_size or profiled
+    base = CostInputs(
+        LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
+        OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
+    )
+    chosen = _choose(base, SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
+    return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    inputs: CostInputs
+    solution: Solution
+    iteration_s: float  # simulated (`predicted_iteration_s`)
+    samples_per_s: float
+    data_parallel_s: float  # one stage on every device, simulated the same way
+    data_parallel_fits: bool
+
+
+def _choose(
+    base: CostInputs, schedules: tuple[str, ...], microbatches: int | str, straight: bool, recompute: bool,
+    size: int,
+) -> _Candidate:
+    """The fastest (schedule, microbatch count) and its optimal plan; InfeasiblePlanError if none fits."""
+    results: list[_Candidate] = []
+    failures: list[InfeasiblePlanError] = []
+    solved: dict[tuple[str, int], _Candidate | None] = {}
+
+    def run(schedule: str, count: int) -> _Candidate | None:
+        key = (schedule, count)
+        if key not in solved:
+            twin = "1f1b" if schedule == "gpipe" and base.memory_bytes is None else None
+            if twin is not None and (twin, count) in solved and solved[(twin, count)] is not None:
+                # without a memory limit gpipe and 1f1b have the same objective and the same best plan
+                found = solved[(twin, count)]
+                inputs = replace(found.inputs, schedule=schedule)
+                solved[key] = _simulated_candidate(inputs, found.solution, straight, size)
+                return solved[key]
+            inputs = replace(base, schedule=schedule, microbatches=count)
+            try:
+                solution = optimize(inputs, straight, recompute)
+            except InfeasiblePlanError as exc:
+                failures.append(exc)
+                solved[key] = None
+            else:
+                solved[key] = _simulated_candidate(inputs, solution, straight, size)
+        return solved[key]
+
+    for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
+        if schedule == "pipedream":
+            found = run(schedule, 1)
+        elif microbatches != AUTO:
+            found = run(schedule, int(microbatches))
+        else:
+            found = _auto_microbatches(lambda count: run(schedule, count))
+        if found is not None:
+            results.append(found)
+    if not results:
+        raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
+    best = max(result.samples_per_s for result in results)
+    return next(result for result in results if result.samples_per_s >= best * (1.0 - 1e-9))
+
+
+def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool, size: int) -> _Candidate:
+    """The optimizer's plan judged by simulation; data parallelism (one stage on every device)
+    instead when it fits and simulates faster (the closed form can rank the two the other way)."""
+    iteration = predicted_iteration_s(inputs, list(solution.stages))
+    everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    fits = plan_fits(inputs, everywhere)
+    data_parallel = iteration if list(solution.stages) == everywhere else predicted_iteration_s(inputs, everywhere)
+    if not straight and fits and data_parallel < iteration:
+        solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
+    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
+
+
+def _auto_microbatches(run) -> _Candidate | None:
+    """The fewest of MICROBATCH_CHOICES within AUTO_MICROBATCH_SHARE of the best throughput among them."""
+    found = [candidate for candidate in (run(count) for count in MICROBATCH_CHOICES) if candidate is not None]
+    if not found:
+        return None
+    best = max(candidate.samples_per_s for candidate in found)
+    return next(c for c in found if c.samples_per_s >= AUTO_MICROBATCH_SHARE * best)
+
+
+def _planner_plan(
+    profile: Profile, chosen: _Candidate, size: int, straight: bool, recompute: bool, optimizer: str,
+    profile_path: str,
+) -> Plan:
+    """A Plan with the planner cost model's per-stage terms and predictions."""
+    inputs, solution = chosen.inputs, chosen.solution
+    stages_list = list(solution.stages)
+    costs = stage_costs(inputs, stages_list)
+    ranks = first_ranks(inputs, stages_list)
+    stages = tuple(
+        StagePlan(
+            start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
+            replicas=replicas, ranks=tuple(range(rank, rank + replicas)), recompute=flag,
+            compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
+            allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
+            memory_bytes=int(cost.memory_bytes),
+        )
+        for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
+    )
+    objective, closed_form = chosen.iteration_s, solution.objective_s
+    flush = inputs.schedule in FLUSH_SCHEDULES
+    per_iteration = inputs.microbatches if flush else 1
+    busy_s = per_iteration * sum(cost.compute_s for cost in costs)
+    single_s = per_iteration * inputs.scale * float(inputs.arrays.compute_s[-1])
+    devices = inputs.cluster.num_devices
+    data_parallel = chosen.data_parallel_s
+    predicted = Prediction(
+        bottleneck_s=max(cost.bound_s for cost in costs),
+        iteration_ms=objective * 1000.0,
+        samples_per_s=samples_per_s(inputs, objective, size),
+        bubble_fraction=max(0.0, 1.0 - busy_s / (solution.devices * objective)) if objective > 0 else 0.0,
+        speedup_vs_single_device=single_s / objective if objective > 0 else 1.0,
+        speedup_vs_data_parallel=data_parallel / objective if objective > 0 else 1.0,
+        devices_used=solution.devices,
+        peak_memory_bytes=max(stage.memory_bytes for stage in stages),
+        objective_ms=closed_form * 1000.0,
+    )
+    notes = _common_notes(profile, inputs.cluster, solution.devices, optimizer)
+    if not chosen.data_parallel_fits:
+        notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
+                     "with a plan you could not run")
+    unit = "samples" if profile.batch_size else "profiled mini-batches"
+    if flush:
+        notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
+                     "iteration_ms is one flushed iteration")
+    notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
+                 f"closed form the optimizer minimised says {closed_form * 1000:.4g} ms")
+    if not flush:
+        notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
+                     "iteration_ms is the steady-state time per microbatch")
+    if size != (profile.batch_size or 1):
+        notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
+    if any(stage.recompute for stage in stages):
+        notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
+    return Plan(
+        profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
+        cluster=inputs.cluster, cost_model="planner", schedule=inputs.schedule,
+        microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
+        stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer,
+    )
+
+
+def _common_notes(profile: Profile, cluster: Cluster, used: int, optimizer: str) -> list[str]:
+    notes = []
+    if used < cluster.num_devices:
+        notes.append(f"uses {used} of {cluster.num_devices} GPUs: more would not make it faster")
+    if profile.batch_size is None:
+        notes.append("the profile does not say its batch size: samples/s counts profiled mini-batches")
+    notes.append(
+        f"each device's memory fits {cluster.memory_bytes / 1e9:.4g} GB ({optimizer} optimizer state)"
+        if cluster.memory_bytes is not None else
+        f"memory is reported ({optimizer} optimizer state) but not constrained (give --memory)"
+    )
+    return notes
+
+
+def _partition_pipedream(
+    profile: Profile, cluster: Cluster, straight: bool, optimizer: str, profile_path: str
+) -> Plan:
+    """The plan minimising PipeDream's published objective (flat cluster; see `pipedream_cost`)."""
+    bandwidth = _flat_bandwidth(cluster)
+    arrays = LayerArrays.from_profile(profile)
+    solution = optimize_pipedream(
+        arrays, cluster.num_devices, bandwidth, straight, cluster.memory_bytes, optimizer
+    )
+    stages = []
+    next_rank = 0
+    busy_s = 0.0
+    for index, (start, stop, replicas) in enumerate(solution.stages):
+        compute_s = float(arrays.compute_s[stop] - arrays.compute_s[start])
+        params = float(arrays.param_bytes[stop] - arrays.param_bytes[start])
+        cut_in, cut_out = arrays.cut_before(start), arrays.cut_after(stop)
+        comm_s = 2.0 * max(cut_in, cut_out) / (bandwidth * replicas)
+        stage_time_s = pipedream_stage_time_s(compute_s, params, replicas, bandwidth)
+        busy_s += replicas * stage_time_s
+        stages.append(StagePlan(
+            start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
+            replicas=replicas, ranks=tuple(range(next_rank, next_rank + replicas)), recompute=False,
+            compute_ms=compute_s * 1000.0, comm_ms=comm_s * 1000.0,
+            allreduce_ms=4.0 * (replicas - 1) * params / (bandwidth * replicas) * 1000.0,
+            period_ms=max(stage_time_s, comm_s) * 1000.0,
+            memory_bytes=_stage_memory_bytes(arrays, list(solution.stages), index, optimizer),
+        ))
+        next_rank += replicas
+    bottleneck_s = solution.objective_s
+    total_s = float(arrays.compute_s[-1])
+    devices = cluster.num_devices
+    data_parallel_s = pipedream_bottleneck_s(arrays, [(0, arrays.num_layers, devices)], bandwidth)
+    per_batch = profile.batch_size or 1
+    predicted = Prediction(
+        bottleneck_s=bottleneck_s,
+        iteration_ms=bottleneck_s * 1000.0,
+        samples_per_s=per_batch / bottleneck_s if bottleneck_s > 0 else 0.0,
+        bubble_fraction=1.0 - busy_s / (solution.devices * bottleneck_s) if bottleneck_s > 0 else 0.0,
+        speedup_vs_single_device=total_s / bottleneck_s if bottleneck_s > 0 else 1.0,
+        speedup_vs_data_parallel=data_parallel_s / bottleneck_s if bottleneck_s > 0 else 1.0,
+        devices_used=solution.devices,
+        peak_memory_bytes=max(stage.memory_bytes for stage in stages),
+        objective_ms=bottleneck_s * 1000.0,
+    )
+    notes = _common_notes(profile, cluster, solution.devices, optimizer)
+    notes.append(
+        "pipedream cost model: asynchronous 1F1B with weight stashing in steady state, one profiled mini-batch "
+        "per replica; iteration_ms is the time per mini-batch"
+    )
+    return Plan(
+        profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
+        cluster=cluster, cost_model="pipedream", schedule="pipedream", microbatches=None,
+        microbatch_size=profile.batch_size, straight=straight, stages=tuple(stages), predicted=predicted,
+        notes=tuple(notes), optimizer=optimizer,
+    )
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A baseline plan's stages and its time under the plan's cost model (`iteration_s`: what the
+    plan's `iteration_ms` measures, so the two compare directly)."""
+
+    name: str
+    stages: tuple[tuple[int, int, int], ...]
+    iteration_s: float
+    peak_memory_bytes: int
+
+    @property
+    def devices(self) -> int:
+        """Devices the baseline uses: the sum of its replicas."""
+        return sum(replicas for _, _, replicas in self.stages)
+
+
+def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None) -> list[BaselineResult]:
+    """The baselines of `baselines.baseline_plans`, evaluated under the plan's cost model, schedule,
+    microbatches, cluster and optimizer (`optimizer` overrides the plan's)."""
+    optimizer = optimizer or plan.optimizer
+    arrays = LayerArrays.from_profile(profile)
+    cluster = plan.cluster
+    found = baseline_plans(arrays, cluster.num_devices)
+    if plan.cost_model == "pipedream":
+        bandwidth = _flat_bandwidth(cluster)
+        return [
+            BaselineResult(name, tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth),
+                           max(_stage_memory_bytes(arrays, stages, index, optimizer) for index in range(len(stages))))
+            for name, stages in found.items()
+        ]
+    inputs = plan_cost_inputs(profile, plan, optimizer)
+    results = []
+    for name, stages in found.items():
+        flagged = [(start, stop, replicas, False) for start, stop, replicas in stages]
+        peak = max(cost.memory_bytes for cost in stage_costs(inputs, flagged))
+        results.append(BaselineResult(name, tuple(stages), predicted_iteration_s(inputs, flagged), int(peak)))
+    return results
+
+
+def predicted_iteration_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """What a plan's `iteration_ms` states (seconds): the simulated iteration (flush schedules) or
+    steady-state time per microbatch (pipedream) of `stages`; the closed form `objective_s` when
+    the replica counts make a pipedream simulation too long (`simulator.SimulationTooLongError`)."""
+    try:
+        return simulate_stages(inputs, stages).iteration_s()
+    except SimulationTooLongError:
+        return objective_s(inputs, stages)
+
+
+def _stage_memory_bytes(arrays: LayerArrays, stages: list[tuple[int, int, int]], index: int, optimizer: str) -> int:
+    """Memory per device of stage `index` of a plan (`pipedream_cost.pipedream_stage_memory_bytes`)."""
+    start, stop, replicas = stages[index]
+    downstream = sum(r for _, _, r in stages[index + 1:])
+    return int(pipedream_stage_memory_bytes(
+        arrays.stage_weight_bytes(start, stop), arrays.stage_saved_bytes(start, stop), replicas, downstream,
+        OPTIMIZER_STATE_COPIES[optimizer],
+    ))
+
+
+def _flat_bandwidth(cluster: Cluster) -> float:
+    """The single bandwidth of a flat cluster (PipeDream's objective knows no hierarchy)."""
+    if len(cluster.levels) != 1:
+        raise ClusterError(
+            f"the pipedream cost model assumes a flat cluster of one level and one bandwidth, got "
+            f"{len(cluster.levels)} levels; omit --gpus-per-node, or give one level in the cluster file"
+        )
+    return cluster.levels[0].bandwidth_Bps

@@ -1,0 +1,97 @@
+"""Measures the peak memory of one training step (forward, loss, backward).
+
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (method "cuda-allocator").
+- CPU: there are no allocator statistics, so every aten operation is watched through a
+  `TorchDispatchMode`; each distinct storage an operation returns counts from its creation until
+  the last tensor viewing it is freed. The peak of that sum, plus the parameters, buffers, inputs
+  and gradients present at the start, is reported (method "live-tensors"). It excludes allocator
+  caching and fragmentation, so it is the memory a step needs, not what the process's RSS shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.profiling.tensors import DeathWatch, tensors_in
+
+
+class _LiveStorageMode(TorchDispatchMode):
+    """Sums the bytes of live storages created by operations; remembers the peak."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing is compiled inside this mode; without this, the first dispatch imports
+        # torch._dynamo (about a second) to wrap __torch_dispatch__.
+        return False
+
+    def __init__(self, resident: set[int], start_bytes: int) -> None:
+        super().__init__()
+        self.resident = resident
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [nbytes, live tensor objects]
+        self.deaths = DeathWatch()
+        self.live_bytes = start_bytes
+        self.peak_bytes = start_bytes
+
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        for tensor in tensors_in(result):
+            self._track(tensor)
+        return result
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.resident:
+            return
+        entry = self.refs.get(key)
+        if entry is None:
+            entry = self.refs[key] = [storage.nbytes(), 0]
+            self.live_bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[1] += 1
+        self.deaths.watch(tensor, lambda: self._release(key))
+
+    def _release(self, key: int) -> None:
+        entry = self.refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.refs[key]
+            self.live_bytes -= entry[0]
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Distinct storages of `tensors`: pointer -> bytes."""
+    storages = [t.untyped_storage() for t in tensors]
+    return {storage.data_ptr(): storage.nbytes() for storage in storages}
+
+
+def measure_peak_memory(
+    model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], run_step: Callable[[], torch.Tensor],
+    device: torch.device,
+) -> tuple[int, str]:
+    """Peak bytes of one step `run_step()` + backward, and the method used (see module docstring).
+
+    `inputs` are the tensors present before the step (the batch and its target).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = run_step()
+        loss.backward()
+        del loss
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
+    present = [*model.parameters(), *model.buffers(), *inputs]
+    present += [p.grad for p in model.parameters() if p.grad is not None]
+    resident = _storages(present)
+    mode = _LiveStorageMode(set(resident), sum(resident.values()))
+    with mode:
+        loss = run_step()
+        loss.backward()
+        del loss
+    return mode.peak_bytes, "live-tensors"

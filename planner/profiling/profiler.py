@@ -1,0 +1,233 @@
+"""Profiles a model file on one device: layers, per-layer times, bytes and memory -> Profile."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+from planner.profiling.dataflow import Dataflow, measure_dataflow
+from planner.profiling.devices import device_name, resolve_device, resolve_dtype
+from planner.errors import ModelFileError, PlannerError, ProfileError
+from planner.profiling.layers import Layer, find_layers
+from planner.profiling.memory import measure_peak_memory
+from planner.profiling.model_file import (
+    ModelFile,
+    build_checked_model,
+    checked_example_batch,
+    default_loss,
+)
+from planner.files.profile import LayerProfile, Profile, SharedParam
+from planner.profiling.tensors import tensor_nbytes
+from planner.profiling.timing import clock_for, time_layers
+
+Progress = Callable[[str, int, int], None]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to measure and how: batch size, device, dtype, repetitions, threads and layer choice."""
+
+    batch_size: int = 8
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: int = 3
+    iters: int = 10
+    threads: int | None = None
+    depth: int | None = None
+    split_points: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """Raise ProfileError for values that cannot work."""
+        if self.batch_size < 1:
+            raise ProfileError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.iters < 1:
+            raise ProfileError(f"--iters must be at least 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ProfileError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise ProfileError(f"--threads must be at least 1, got {self.threads}")
+        if self.depth is not None and self.depth < 1:
+            raise ProfileError(f"--depth must be at least 1, got {self.depth}")
+
+
+class _Step:
+    """One training step of the user's model on its example batch: forward and loss."""
+
+    def __init__(self, model_file: ModelFile, model: nn.Module, inputs: tuple[torch.Tensor, ...],
+                 target: torch.Tensor) -> None:
+        self.model_file = model_file
+        self.model = model
+        self.inputs = inputs
+        self.target = target
+        self.loss_fn = model_file.loss_fn or default_loss
+
+    def forward(self) -> Any:
+        """The model on the example inputs."""
+        return self.model(*self.inputs)
+
+    def loss(self) -> torch.Tensor:
+        """Forward and loss: what one instrumented step runs before backward."""
+        return self.loss_fn(self.forward(), self.target)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None), as between training steps."""
+        self.model.zero_grad(set_to_none=True)
+
+    def check(self) -> None:
+        """Run forward, loss and backward once; a failure becomes a ModelFileError with the model's message."""
+        path = self.model_file.path
+        try:
+            output = self.forward()
+        except (Exception, SystemExit) as exc:
+            raise ModelFileError(path, f"the model raised {type(exc).__name__} in forward: {exc}",
+                                 "fix the model or example_batch()") from exc
+        try:
+            loss = self.loss_fn(output, self.target)
+        except (Exception, SystemExit) as exc:
+            source = "loss_fn" if self.model_file.loss_fn else "the default loss"
+            raise ModelFileError(path, f"{source} raised {type(exc).__name__}: {exc}",
+                                 "define loss_fn(output, target) that returns a scalar tensor") from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ModelFileError(path, f"the loss is not a scalar tensor (got {_shape_of(loss)})",
+                                 "make loss_fn return a scalar tensor")
+        if not loss.requires_grad:
+            raise ModelFileError(path, "the loss does not depend on any trainable parameter",
+                                 "check that the model's output comes from its parameters")
+        try:
+            loss.backward()
+        except (Exception, SystemExit) as exc:
+            raise ModelFileError(path, f"the model raised {type(exc).__name__} in backward: {exc}",
+                                 "fix the model's backward") from exc
+        self.zero_grad()
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Move to `device`; floating-point tensors also take `dtype`."""
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
+
+
+def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Progress | None = None) -> Profile:
+    """Measure every layer of the model in `model_file` as `settings` say; see `Profile` for fields.
+
+    `progress(phase, done, total)` is called as work advances (phases: "check", "layers",
+    "dataflow", "memory", "timing").
+    """
+    settings.check()
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype)
+    report = progress or (lambda phase, done, total: None)
+    previous_threads = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _measure(model_file, settings, device, dtype, report)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _phase(model_file: ModelFile, phase: str, action: Callable[[], T]) -> T:
+    """Run one measuring phase; an error from the model's code becomes a one-line ModelFileError."""
+    try:
+        return action()
+    except PlannerError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise ModelFileError(
+            model_file.path, f"the model raised {type(exc).__name__} while the profiler was {phase}: {exc}",
+            "the model ran once without instrumentation; rerun with --debug to see where it failed",
+        ) from exc
+
+
+def _measure(
+    model_file: ModelFile, settings: ProfileSettings, device: torch.device, dtype: torch.dtype, report: Progress
+) -> Profile:
+    """The measuring phases of `profile_model`, with the device and threads already set."""
+    report("check", 0, 1)
+    model = build_checked_model(model_file).to(device=device, dtype=dtype)
+    model.train()
+    raw_inputs, raw_target = checked_example_batch(model_file, settings.batch_size)
+    inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
+    step = _Step(model_file, model, inputs, _to_device(raw_target, device, dtype))
+    step.check()
+    report("check", 1, 1)
+    split_points = list(settings.split_points) or None
+    layers = _phase(model_file, "finding layers", lambda: find_layers(model, step.forward, settings.depth, split_points))
+    report("layers", 1, 1)
+    dataflow = _phase(model_file, "tracing tensors", lambda: measure_dataflow(model, layers, inputs, step.loss))
+    report("dataflow", 1, 1)
+    peak_bytes, peak_method = _phase(
+        model_file, "measuring memory",
+        lambda: measure_peak_memory(model, (*inputs, step.target), step.loss, device),
+    )
+    step.zero_grad()
+    report("memory", 1, 1)
+    times = _phase(model_file, "timing layers", lambda: time_layers(
+        layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
+        progress=lambda done, total: report("timing", done, total),
+    ))
+    threads = torch.get_num_threads()
+    param_bytes, shared = _attribute_params(model, layers, dataflow)
+    layer_profiles = tuple(
+        LayerProfile(
+            name=layer.name, kind=layer.kind, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
+            output_bytes=dataflow.output_bytes[i], cut_bytes=dataflow.cut_bytes[i],
+            param_bytes=param_bytes[i], saved_bytes=dataflow.saved_bytes[i],
+        )
+        for i, layer in enumerate(layers)
+    )
+    return Profile(
+        model_name=model_file.name, source=model_file.path, device=str(device),
+        device_name=device_name(device), torch_version=torch.__version__, dtype=settings.dtype,
+        batch_size=settings.batch_size, threads=threads,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        layers=layer_profiles, step_ms=times.step_ms, peak_memory_bytes=peak_bytes,
+        peak_memory_method=peak_method, input_bytes=sum(tensor_nbytes(t) for t in inputs),
+        shared_params=shared,
+        settings={
+            "warmup": settings.warmup, "iters": settings.iters, "depth": settings.depth,
+            "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
+            "instrumented_ratio": times.instrumented_ratio,
+        },
+    )
+
+
+def _attribute_params(
+    model: nn.Module, layers: list[Layer], dataflow: Dataflow
+) -> tuple[list[int], tuple[SharedParam, ...]]:
+    """Parameter bytes per layer (each parameter at the first layer using it) and the shared ones.
+
+    A parameter the forward never used goes to the layer whose module holds it (or layer 0).
+    """
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+        tensors[id(parameter)] = parameter
+    param_bytes = [0] * len(layers)
+    shared: list[SharedParam] = []
+    for key, names in names_of.items():
+        used_by: set[int] = set()
+        for name in names:
+            used_by.update(dataflow.param_layers.get(name, []))
+        owners = {i for i, layer in enumerate(layers) for name in names if name.startswith(layer.name + ".")}
+        holders = sorted(used_by or owners or {0})
+        nbytes = tensor_nbytes(tensors[key])
+        param_bytes[holders[0]] += nbytes
+        if len(names) > 1 or len(holders) > 1:
+            shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders)))
+    return param_bytes, tuple(shared)

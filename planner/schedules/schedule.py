@@ -1,0 +1,308 @@
+"""Schedules as data: per rank, the ordered actions of gpipe, 1f1b and pipedream, and their validator (pure).
+
+One representation serves the simulator, the plots and the runtime. A `Schedule` holds one
+`RankProgram` per rank: the rank's stage, replica and its `Action`s in the order the rank
+performs them. Stage s with r replicas gives microbatch i to replica i mod r (round-robin).
+
+Actions: `forward` / `backward` of a microbatch on the rank's stage; `send_activation` /
+`recv_activation` (after / before a forward, between stage s and s + 1); `send_gradient` /
+`recv_gradient` (after / before a backward, between stage s + 1 and s); `allreduce` of the
+stage's gradients among its replicas (a collective: every replica takes part); `step` (the
+optimizer update). Sends never block; receives wait for their send; an all-reduce waits for
+every replica of its stage.
+
+- `gpipe`, per iteration: every forward, then every backward (same order), all-reduce, step.
+- `1f1b`, per iteration: n - 1 forwards, then one forward and one backward in turn, then the
+  remaining backwards, all-reduce, step; n = min(own microbatches, ceil(D / r)) in flight, D the
+  devices of this stage and every later one (`in_flight`).
+- `pipedream`: the 1f1b order over every iteration's microbatches without a flush, with an
+  all-reduce (replicated stages) and a step after every backward (weight stashing keeps each
+  backward on its forward's weights); the microbatches must divide evenly among each stage's
+  replicas, whose k-th backwards all-reduce together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Union
+
+from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "pipedream")
+FLUSH_SCHEDULES = ("gpipe", "1f1b")  # an all-reduce and step once per iteration
+ArrayOrInt = Union[int, "np.ndarray"]
+
+FORWARD, BACKWARD = "forward", "backward"
+SEND_ACTIVATION, RECV_ACTIVATION = "send_activation", "recv_activation"
+SEND_GRADIENT, RECV_GRADIENT = "send_gradient", "recv_gradient"
+ALLREDUCE, STEP = "allreduce", "step"
+COMPUTE_OPS = (FORWARD, BACKWARD)
+_SHORT = {FORWARD: "F", BACKWARD: "B", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRADIENT: "sg",
+          RECV_GRADIENT: "rg", ALLREDUCE: "AR", STEP: "S"}
+
+
+class ScheduleError(PlannerError):
+    """A schedule breaks a rule; `step` is the first bad action's index on `rank` and `grid` shows it."""
+
+    def __init__(self, problem: str, rank: int, step: int, grid: str) -> None:
+        self.problem, self.rank, self.step, self.grid = problem, rank, step, grid
+        super().__init__(f"rank {rank}, action {step}: {problem}\n{grid}")
+
+
+
+def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
+    """Microbatches in flight per replica of a stage with `replicas` replicas and `devices_from_here` devices in it
+    and every later stage: gpipe ceil(m / r), 1f1b min(ceil(m / r), ceil(D / r)), pipedream ceil(D / r);
+    element-wise on arrays."""
+    per_replica = -(-microbatches // replicas)
+    through = -(-devices_from_here // replicas)
+    if schedule == "gpipe":
+        return per_replica
+    if schedule == "1f1b":
+        import numpy as np  # only for the optimizer's arrays: schedules of plans need no numpy
+
+        return np.minimum(per_replica, through)
+    return through
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a rank does: `op` on `microbatch` of `stage` (-1 for all-reduce and step); `peer`
+    is the rank sent to or received from (-1 otherwise); `iteration` counts flushes."""
+
+    op: str
+    stage: int
+    microbatch: int = -1
+    peer: int = -1
+    iteration: int = 0
+
+    def short(self) -> str:
+        """A few characters for grids: F3, B3, sa3 (send activation), rg3 (receive gradient), AR, S."""
+        return _SHORT[self.op] + (str(self.microbatch) if self.microbatch >= 0 else "")
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one rank does, in order."""
+
+    rank: int
+    stage: int
+    replica: int
+    actions: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank's program; `microbatches` per iteration, `iterations` run back to back."""
+
+    name: str
+    microbatches: int
+    iterations: int
+    stage_ranks: tuple[tuple[int, ...], ...]  # ranks of each stage, replica k at index k
+    programs: tuple[RankProgram, ...]
+
+    @property
+    def num_stages(self) -> int:
+        """Stages of the pipeline."""
+        return len(self.stage_ranks)
+
+    def owner(self, stage: int, microbatch: int) -> int:
+        """The rank of `stage` that handles `microbatch` (round-robin over the replicas)."""
+        ranks = self.stage_ranks[stage]
+        return ranks[microbatch % len(ranks)]
+
+    def grid(self, marks: dict[int, int] | None = None, width: int = 16) -> str:
+        """The programs as text, one row per rank; `marks` {rank: action index} brackets actions."""
+        marks = marks or {}
+        lines = []
+        for program in self.programs:
+            at = marks.get(program.rank)
+            first = 0 if at is None else max(0, at - width // 2)
+            cells = [f"[{a.short()}]" if at == first + k else a.short()
+                     for k, a in enumerate(program.actions[first:first + width])]
+            more = " ..." if first + width < len(program.actions) else ""
+            lead = "... " if first > 0 else ""
+            lines.append(f"rank {program.rank:3d} (stage {program.stage}): {lead}{' '.join(cells)}{more}")
+        return "\n".join(lines)
+
+
+def build_schedule(
+    name: str, stage_replicas: Sequence[int], microbatches: int, iterations: int = 1,
+    stage_ranks: Sequence[Sequence[int]] | None = None,
+) -> Schedule:
+    """The schedule `name` for stages with these replica counts (ranks contiguous from 0 by default)."""
+    if name not in SCHEDULES:
+        raise PlannerError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    if microbatches < 1 or iterations < 1 or not stage_replicas or min(stage_replicas) < 1:
+        raise PlannerError(f"a schedule needs microbatches >= 1, iterations >= 1 and stages with replicas >= 1; "
+                           f"got {microbatches}, {iterations}, {list(stage_replicas)}")
+    uneven = [r for r in stage_replicas if (microbatches * iterations) % r]
+    if name == "pipedream" and uneven:
+        raise PlannerError(f"pipedream all-reduces after every backward, so every replica needs as many "
+                           f"microbatches: {microbatches * iterations} microbatches do not divide among "
+                           f"{uneven[0]} replicas; use a multiple of {uneven[0]}")
+    if stage_ranks is None:
+        firsts = [sum(stage_replicas[:s]) for s in range(len(stage_replicas))]
+        stage_ranks = [tuple(range(first, first + r)) for first, r in zip(firsts, stage_replicas)]
+    ranks = tuple(tuple(int(rank) for rank in group) for group in stage_ranks)
+    if [len(group) for group in ranks] != list(stage_replicas):
+        raise PlannerError(f"stage ranks {ranks} do not match replicas {list(stage_replicas)}")
+    every = [rank for group in ranks for rank in group]
+    if len(set(every)) != len(every) or min(every) < 0:
+        raise PlannerError(f"stage ranks {ranks} must be distinct and not negative: one program per rank")
+    skeleton = Schedule(name, microbatches, iterations, ranks, ())
+    programs = []
+    for stage, group in enumerate(ranks):
+        downstream = sum(len(later) for later in ranks[stage:])
+        for replica, rank in enumerate(group):
+            actions = _program(skeleton, stage, replica, downstream)
+            programs.append(RankProgram(rank, stage, replica, tuple(actions)))
+    programs.sort(key=lambda program: program.rank)
+    return Schedule(name, microbatches, iterations, ranks, tuple(programs))
+
+
+def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: int) -> list[Action]:
+    """The ordered actions of one replica of one stage."""
+    replicas, m = len(schedule.stage_ranks[stage]), schedule.microbatches
+    last = stage == schedule.num_stages - 1
+
+    def forward(i: int, iteration: int) -> list[Action]:
+        steps = [] if stage == 0 else [Action(RECV_ACTIVATION, stage, i, schedule.owner(stage - 1, i), iteration)]
+        steps.append(Action(FORWARD, stage, i, -1, iteration))
+        if not last:
+            steps.append(Action(SEND_ACTIVATION, stage, i, schedule.owner(stage + 1, i), iteration))
+        return steps
+
+    def backward(i: int, iteration: int) -> list[Action]:
+        steps = [] if last else [Action(RECV_GRADIENT, stage, i, schedule.owner(stage + 1, i), iteration)]
+        steps.append(Action(BACKWARD, stage, i, -1, iteration))
+        if stage > 0:
+            steps.append(Action(SEND_GRADIENT, stage, i, schedule.owner(stage - 1, i), iteration))
+        if schedule.name == "pipedream":
+            steps += _update(stage, replicas, iteration)
+        return steps
+
+    if schedule.name == "pipedream":
+        mine = [(i, i // m) for i in range(replica, m * schedule.iterations, replicas)]
+        return _one_f_one_b(mine, int(in_flight("pipedream", m, replicas, devices_from_here)), forward, backward)
+    actions: list[Action] = []
+    for iteration in range(schedule.iterations):
+        mine = [(i, iteration) for i in range(replica, m, replicas)]
+        if schedule.name == "gpipe":
+            actions += [a for i, it in mine for a in forward(i, it)] + [a for i, it in mine for a in backward(i, it)]
+        else:
+            actions += _one_f_one_b(mine, int(in_flight("1f1b", m, replicas, devices_from_here)), forward, backward)
+        actions += _update(stage, replicas, iteration)
+    return actions
+
+
+def _one_f_one_b(mine: list[tuple[int, int]], flights: int, forward, backward) -> list[Action]:
+    """n - 1 forwards, then forward and backward in turn, then the remaining backwards."""
+    warmup = max(min(flights, len(mine)) - 1, 0)
+    actions = [a for i, it in mine[:warmup] for a in forward(i, it)]
+    for k in range(warmup, len(mine)):
+        actions += forward(*mine[k]) + backward(*mine[k - warmup])
+    for i, it in mine[len(mine) - warmup:]:
+        actions += backward(i, it)
+    return actions
+
+
+def _update(stage: int, replicas: int, iteration: int) -> list[Action]:
+    """All-reduce among the stage's replicas (if several), then the optimizer step."""
+    steps = [Action(ALLREDUCE, stage, -1, -1, iteration)] if replicas > 1 else []
+    return steps + [Action(STEP, stage, -1, -1, iteration)]
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError at the first broken rule: every microbatch of every stage forward then
+    backward exactly once per iteration on its owner, every receive matched by a send, and the
+    programs run to the end (sends buffered, receives and all-reduces wait) without deadlock."""
+    for program in schedule.programs:
+        _check_program(schedule, program)
+    _check_runs(schedule)
+
+
+def _check_program(schedule: Schedule, program: RankProgram) -> None:
+    seen_forward: set[tuple[int, int]] = set()
+    seen_backward: set[tuple[int, int]] = set()
+
+    def fail(problem: str, index: int) -> None:
+        raise ScheduleError(problem, program.rank, index, schedule.grid({program.rank: index}))
+
+    for index, action in enumerate(program.actions):
+        key = (action.iteration, action.microbatch)
+        if action.op in (FORWARD, BACKWARD, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT):
+            if action.stage != program.stage or schedule.owner(action.stage, action.microbatch) != program.rank:
+                fail(f"{action.short()} of stage {action.stage} does not belong to this rank", index)
+        if action.op == FORWARD:
+            if key in seen_forward:
+                fail(f"forward of microbatch {action.microbatch} runs twice", index)
+            seen_forward.add(key)
+        elif action.op == BACKWARD:
+            if key not in seen_forward:
+                fail(f"backward of microbatch {action.microbatch} before its forward", index)
+            if key in seen_backward:
+                fail(f"backward of microbatch {action.microbatch} runs twice", index)
+            seen_backward.add(key)
+    expected = {(i // schedule.microbatches if schedule.name == "pipedream" else it,
+                 i) for it in range(schedule.iterations) for i in _owned(schedule, program, it)}
+    extra = sorted(seen_forward - expected)
+    if extra:
+        index = next(k for k, a in enumerate(program.actions)
+                     if a.op == FORWARD and (a.iteration, a.microbatch) == extra[0])
+        fail(f"microbatch {extra[0][1]} (iteration {extra[0][0]}) is not this rank's to run", index)
+    missing = sorted(expected - seen_backward)
+    if missing:
+        fail(f"microbatch {missing[0][1]} (iteration {missing[0][0]}) never runs its backward",
+             len(program.actions) - 1)
+
+
+def _owned(schedule: Schedule, program: RankProgram, iteration: int) -> list[int]:
+    """Microbatches this rank must run in `iteration` (pipedream numbers them across iterations)."""
+    replicas = len(schedule.stage_ranks[program.stage])
+    m = schedule.microbatches
+    offset = iteration * m if schedule.name == "pipedream" else 0
+    return [i for i in range(offset, offset + m) if i % replicas == program.replica]
+
+
+def _check_runs(schedule: Schedule) -> None:
+    """Run every program with buffered sends; a receive needs its send, an all-reduce every replica."""
+    position = {program.rank: 0 for program in schedule.programs}
+    sent: set[tuple[str, int, int, int, int]] = set()  # (kind, from stage, microbatch, iteration, to rank)
+    arrived: dict[tuple[int, int], set[int]] = {}  # (stage, n-th all-reduce) -> ranks that reached it
+    reductions = dict.fromkeys(position, 0)
+    progress = True
+    while progress:
+        progress = False
+        for program in schedule.programs:
+            rank = program.rank
+            while position[rank] < len(program.actions):
+                action = program.actions[position[rank]]
+                if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                    sent.add((action.op, action.stage, action.microbatch, action.iteration, action.peer))
+                elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                    kind, source = ((SEND_ACTIVATION, action.stage - 1) if action.op == RECV_ACTIVATION
+                                    else (SEND_GRADIENT, action.stage + 1))
+                    if schedule.owner(source, action.microbatch) != action.peer:
+                        raise ScheduleError(
+                            f"{action.short()} expects rank {action.peer}, but stage {source} runs microbatch "
+                            f"{action.microbatch} on rank {schedule.owner(source, action.microbatch)}",
+                            rank, position[rank], schedule.grid({rank: position[rank]}))
+                    if (kind, source, action.microbatch, action.iteration, rank) not in sent:
+                        break
+                elif action.op == ALLREDUCE:
+                    group = arrived.setdefault((action.stage, reductions[rank]), set())
+                    group.add(rank)
+                    if len(group) < len(schedule.stage_ranks[action.stage]):
+                        break
+                    reductions[rank] += 1
+                position[rank] += 1
+                progress = True
+    stuck = {p.rank: position[p.rank] for p in schedule.programs if position[p.rank] < len(p.actions)}
+    if stuck:
+        rank = min(stuck)
+        raise ScheduleError(f"deadlock: {len(stuck)} ranks wait forever (bracketed: where each waits)",
+                            rank, stuck[rank], schedule.grid(stuck))

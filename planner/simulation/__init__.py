@@ -1,0 +1,1 @@
+"""Schedules played out over time: Timeline from a plan's stages (pure)."""

@@ -1,0 +1,170 @@
+"""Event-driven simulation of a schedule: when each op runs, per rank, and what memory it holds (pure).
+
+`simulate_schedule(schedule, stage_times, cluster)` plays the `schedule.Schedule` with op
+durations in seconds: each rank runs its compute ops (forward, backward, all-reduce, step) one
+at a time in program order; a send starts a transfer on the sender's channel for that direction
+(activations, gradients: one transfer at a time each, overlapped with compute) as soon as the
+sent data exists and the channel is free; a receive waits for its transfer to arrive; an
+all-reduce starts when every replica of the stage has reached it. In flush schedules it occupies
+each replica (nothing else is left to do); in `pipedream` it runs on its own channel per rank,
+one at a time, overlapped with the next forwards and backwards (the step applies when it ends;
+weight stashing keeps every backward on its forward's weights), so replicas that take turns on
+the microbatches never wait for each other; a forward waits only while two of its rank's
+all-reduces are unfinished (at most one update pending, so weights are never more than one
+update behind).
+Transfer time = bytes / bandwidth of the link between the two ranks (`schedule_cost.link_bandwidth`).
+
+Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
+forward to the end of its backward, plus `rebuilt_bytes` during a recomputing backward: the
+terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import pandas as pd
+
+from planner.files.cluster import Cluster
+from planner.errors import PlannerError
+from planner.files.timeline import COLUMNS, StageTimes, Timeline
+from planner.schedules.schedule import (
+    ALLREDUCE,
+    BACKWARD,
+    FORWARD,
+    RECV_ACTIVATION,
+    RECV_GRADIENT,
+    SEND_ACTIVATION,
+    SEND_GRADIENT,
+    STEP,
+    Schedule,
+    build_schedule,
+)
+from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, stage_cost
+
+def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
+    """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
+    if len(stage_times) != schedule.num_stages:
+        raise ValueError(f"{len(stage_times)} stage times for a schedule of {schedule.num_stages} stages")
+    programs = {program.rank: program for program in schedule.programs}
+    position = dict.fromkeys(programs, 0)
+    free_at = dict.fromkeys(programs, 0.0)  # when the rank's compute is next free
+    channel_free: dict[tuple[int, str], float] = {}
+    arrival: dict[tuple[str, int, int, int], float] = {}  # (send op, microbatch, iteration, receiver) -> time
+    waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, n-th all-reduce) -> rank -> ready time
+    reductions = dict.fromkeys(programs, 0)
+    reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
+    rows: list[tuple] = []
+
+    def transfer_s(action_bytes: float, source: int, target: int) -> float:
+        if cluster is None or action_bytes <= 0:
+            return 0.0
+        return action_bytes / float(link_bandwidth(cluster, min(source, target), max(source, target)))
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in programs.items():
+            while position[rank] < len(program.actions):
+                action = program.actions[position[rank]]
+                times = stage_times[action.stage]
+                base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
+                if action.op in (FORWARD, BACKWARD):
+                    duration = times.forward_s if action.op == FORWARD else times.backward_s
+                    if action.op == FORWARD and len(reduce_ends[rank]) >= 2:  # at most one update pending
+                        free_at[rank] = max(free_at[rank], reduce_ends[rank][-2])
+                    rows.append(base + (free_at[rank], free_at[rank] + duration))
+                    free_at[rank] += duration
+                elif action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                    start = max(free_at[rank], channel_free.get((rank, action.op), 0.0))
+                    end = start + transfer_s(times.activation_bytes if action.op == SEND_ACTIVATION
+                                             else stage_times[action.stage - 1].activation_bytes, rank, action.peer)
+                    channel_free[(rank, action.op)] = end
+                    arrival[(action.op, action.microbatch, action.iteration, action.peer)] = end
+                    rows.append(base + (start, end))
+                elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                    kind = SEND_ACTIVATION if action.op == RECV_ACTIVATION else SEND_GRADIENT
+                    ready = arrival.get((kind, action.microbatch, action.iteration, rank))
+                    if ready is None:
+                        break
+                    free_at[rank] = max(free_at[rank], ready)
+                elif action.op == ALLREDUCE:
+                    arrived = waiting.setdefault((action.stage, reductions[rank]), {})
+                    arrived[rank] = free_at[rank]
+                    if len(arrived) < len(schedule.stage_ranks[action.stage]):
+                        break
+                    start = max(arrived.values())
+                    if schedule.name == "pipedream":
+                        start = max(start, reduce_ends[rank][-1] if reduce_ends[rank] else 0.0)
+                    else:
+                        free_at[rank] = start + times.allreduce_s
+                    rows.append(base + (start, start + times.allreduce_s))
+                    reduce_ends[rank].append(start + times.allreduce_s)
+                    reductions[rank] += 1
+                elif action.op == STEP:  # applies the last all-reduce's result
+                    at = max(free_at[rank], reduce_ends[rank][-1]) if reduce_ends[rank] else free_at[rank]
+                    rows.append(base + (at, at))
+                position[rank] += 1
+                progress = True
+    stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]
+    if stuck:
+        raise ValueError(f"the schedule deadlocks on ranks {stuck}; run schedule.validate for where")
+    events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
+    return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
+                    tuple(stage_times))
+
+
+def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
+    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`)."""
+    arrays, sigma = inputs.arrays, inputs.scale
+    ranks = first_ranks(inputs, list(stages))
+    result, devices_after = [], 0
+    for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
+        devices_after += replicas
+        cost = stage_cost(inputs, start, stop, replicas, recompute, rank, devices_after)
+        result.append(StageTimes(
+            forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
+            activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
+            base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
+        ))
+    return tuple(result[::-1])
+
+
+def stage_ranks(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each stage under the cost model's placement (`schedule_cost.first_ranks`)."""
+    return tuple(tuple(range(first, first + stage[2])) for first, stage in zip(first_ranks(inputs, list(stages)), stages))
+
+
+class SimulationTooLongError(PlannerError):
+    """A pipedream plan whose replica counts have a least common multiple too large to simulate."""
+
+    def __init__(self, replicas: list[int], unit: int) -> None:
+        self.replicas, self.unit = replicas, unit
+        super().__init__(f"cannot simulate pipedream with replicas {replicas}: every replica's turn takes "
+                         f"{unit} microbatches (the most simulated is {MAX_PIPEDREAM_ROUND}); the plan states the "
+                         f"closed form for it")
+
+
+MAX_PIPEDREAM_ROUND = 1024  # microbatches in one round of every replica, beyond which pipedream is not simulated
+
+
+def pipedream_microbatches(stages: Sequence[Stage], at_least: int = 32) -> int:
+    """Microbatches for a pipedream simulation: a multiple of every stage's replicas, enough to reach
+    steady state; SimulationTooLongError when that multiple exceeds MAX_PIPEDREAM_ROUND."""
+    unit = math.lcm(*(stage[2] for stage in stages))
+    if unit > MAX_PIPEDREAM_ROUND:
+        raise SimulationTooLongError([stage[2] for stage in stages], unit)
+    wanted = max(at_least, 4 * len(stages) * max(stage[2] for stage in stages))
+    return unit * -(-wanted // unit)
+
+
+def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1) -> Timeline:
+    """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches."""
+    if inputs.schedule == "pipedream":
+        count, iterations = pipedream_microbatches(stages), 1
+    else:
+        count = inputs.microbatches
+    schedule = build_schedule(inputs.schedule, [stage[2] for stage in stages], count, iterations,
+                              stage_ranks(inputs, stages))
+    return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster)

@@ -1,0 +1,350 @@
+"""The schedule cost model on hand-checked cases: objectives, all-reduce, memory in flight, placement."""
+
+from __future__ import annotations
+
+import math
+
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from planner.files.cluster import Cluster, make_cluster
+from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import (
+    CostInputs,
+    Stage,
+    first_ranks,
+    objective_s,
+    placement_ok,
+    plan_fits,
+    stage_costs,
+)
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+
+REL = 1e-12
+
+
+def prefix(values: Sequence[float]) -> np.ndarray:
+    """Prefix sums starting at 0 (length len(values) + 1)."""
+    return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+
+
+def layers(
+    compute: Sequence[float], fwd: Sequence[float] | None = None, params: Sequence[float] | None = None,
+    cuts: Sequence[float] | None = None, saved: Sequence[float] | None = None,
+    shared: tuple[tuple[int, tuple[int, ...], float], ...] = (),
+) -> LayerArrays:
+    """LayerArrays from per-layer values (missing ones are zero)."""
+    n = len(compute)
+    zeros = [0.0] * n
+    return LayerArrays(
+        compute_s=prefix(compute),
+        param_bytes=prefix(params if params is not None else zeros),
+        cut_bytes=np.asarray(cuts if cuts is not None else zeros, dtype=float),
+        saved_bytes=prefix(saved if saved is not None else zeros),
+        shared=shared,
+        fwd_s=prefix(fwd if fwd is not None else zeros),
+    )
+
+
+def flat(gpus: int, bandwidth: str = "10GB/s") -> Cluster:
+    """A one-level cluster of `gpus` devices."""
+    return make_cluster(gpus, None, [bandwidth])
+
+
+def two_nodes_of_four() -> Cluster:
+    """2 nodes x 4 GPUs, 100 GB/s inside a node, 10 GB/s between nodes."""
+    return make_cluster(8, 4, ["100GB/s", "10GB/s"])
+
+
+def one_layer_per_stage(num_layers: int, replicas: int = 1) -> list[Stage]:
+    """A straight plan: stage k holds layer k."""
+    return [(k, k + 1, replicas, False) for k in range(num_layers)]
+
+
+# ---- objectives ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_flush_equal_stages_is_m_plus_s_minus_one_times_f_plus_b(schedule: str, m: int) -> None:
+    f, b = 0.25, 0.5
+    arrays = layers([f + b] * 4, fwd=[f] * 4)
+    inputs = CostInputs(arrays, flat(4), schedule, m)
+    assert objective_s(inputs, one_layer_per_stage(4)) == pytest.approx((m + 3) * (f + b), rel=REL)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_pipedream_equal_stages_is_one_stage_time(m: int) -> None:
+    f, b = 0.25, 0.5
+    arrays = layers([f + b] * 4, fwd=[f] * 4)
+    inputs = CostInputs(arrays, flat(4), "pipedream", m)
+    assert objective_s(inputs, one_layer_per_stage(4)) == pytest.approx(f + b, rel=REL)
+
+
+@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+def test_flush_unequal_stages_sum_plus_busiest(schedule: str) -> None:
+    # stages of 0.1, 0.4, 0.2 s: fill/drain 0.7 s, then the 0.4 s stage takes m - 1 more periods
+    arrays = layers([0.1, 0.4, 0.2], fwd=[0.05, 0.1, 0.1])
+    inputs = CostInputs(arrays, flat(3), schedule, 6)
+    assert objective_s(inputs, one_layer_per_stage(3)) == pytest.approx(0.7 + 5 * 0.4, rel=REL)
+
+
+def test_scale_multiplies_times_not_weights() -> None:
+    # sigma = 0.5 halves compute; the all-reduce of the 1 GB weights over 1 GB/s does not scale
+    arrays = layers([0.8], fwd=[0.2], params=[1e9])
+    inputs = CostInputs(arrays, flat(2, "1GB/s"), "gpipe", 3, scale=0.5)
+    t = 0.4
+    allreduce = 2 * (2 - 1) / 2 * 1e9 / 1e9  # 1 s
+    assert objective_s(inputs, [(0, 1, 2, False)]) == pytest.approx(t + 2 * t / 2 + allreduce, rel=REL)
+
+
+@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+def test_flush_recompute_adds_forward_to_stage_and_fill_drain(schedule: str) -> None:
+    f, b, m = 0.25, 0.5, 4
+    arrays = layers([f + b] * 4, fwd=[f] * 4)
+    inputs = CostInputs(arrays, flat(4), schedule, m)
+    stages = one_layer_per_stage(4)
+    stages[1] = (1, 2, 1, True)
+    # fill/drain 4 (f + b) + f; the recomputing stage (2f + b) is the busiest
+    expected = 4 * (f + b) + f + (m - 1) * (2 * f + b)
+    assert objective_s(inputs, stages) == pytest.approx(expected, rel=REL)
+    assert stage_costs(inputs, stages)[1].compute_s == pytest.approx(2 * f + b, rel=REL)
+    assert stage_costs(inputs, stages)[0].compute_s == pytest.approx(f + b, rel=REL)
+
+
+def test_pipedream_recompute_adds_forward_to_stage() -> None:
+    f, b = 0.25, 0.5
+    arrays = layers([f + b] * 4, fwd=[f] * 4)
+    inputs = CostInputs(arrays, flat(4), "pipedream", 4)
+    stages = one_layer_per_stage(4)
+    stages[2] = (2, 3, 1, True)
+    assert objective_s(inputs, stages) == pytest.approx(2 * f + b, rel=REL)
+
+
+def test_recompute_of_a_multi_layer_stage_adds_its_whole_forward() -> None:
+    arrays = layers([0.5, 0.25, 1.0], fwd=[0.125, 0.0625, 0.25])
+    inputs = CostInputs(arrays, flat(1), "1f1b", 3)
+    # one stage, recompute: t = 1.75 + 0.4375; sum t = t; Q = 2 t
+    t = 1.75 + 0.4375
+    assert objective_s(inputs, [(0, 3, 1, True)]) == pytest.approx(3 * t, rel=REL)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_flush_allreduce_is_ring_over_stage_bandwidth(replicas: int) -> None:
+    weights, bandwidth, m, t = 1e9, 1e10, 5, 0.3
+    arrays = layers([t], fwd=[0.1], params=[weights])
+    inputs = CostInputs(arrays, flat(4, "10GB/s"), "gpipe", m)
+    allreduce = 2 * (replicas - 1) / replicas * weights / bandwidth
+    cost = stage_costs(inputs, [(0, 1, replicas, False)])[0]
+    assert cost.allreduce_s == pytest.approx(allreduce, rel=REL)
+    assert objective_s(inputs, [(0, 1, replicas, False)]) == pytest.approx(
+        t + (math.ceil(m / replicas) - 1) * t + allreduce, rel=REL  # the busiest replica's other microbatches
+    )
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_pipedream_allreduce_every_microbatch(replicas: int) -> None:
+    weights, bandwidth, t = 1e9, 1e10, 0.3
+    arrays = layers([t], fwd=[0.1], params=[weights])
+    inputs = CostInputs(arrays, flat(4, "10GB/s"), "pipedream", 7)
+    allreduce = 2 * (replicas - 1) / replicas * weights / bandwidth
+    assert objective_s(inputs, [(0, 1, replicas, False)]) == pytest.approx((t + allreduce) / replicas, rel=REL)
+
+
+def test_allreduce_includes_a_copy_of_a_shared_parameter() -> None:
+    # layer 0 owns a 2 GB tied weight that layer 2 also uses: a stage holding layer 2 (not 0) holds a copy
+    arrays = layers([0.1, 0.1, 0.1], params=[3e9, 1e9, 1e9], shared=((0, (2,), 2e9),))
+    inputs = CostInputs(arrays, flat(4, "10GB/s"), "gpipe", 1)
+    costs = stage_costs(inputs, [(0, 1, 2, False), (1, 3, 2, False)])
+    assert costs[0].allreduce_s == pytest.approx(2 * 0.5 * 3e9 / 1e10, rel=REL)
+    assert costs[1].allreduce_s == pytest.approx(2 * 0.5 * (2e9 + 2e9) / 1e10, rel=REL)
+    # one stage holding both users: no extra copy
+    whole = stage_costs(inputs, [(0, 3, 2, False)])[0]
+    assert whole.allreduce_s == pytest.approx(2 * 0.5 * 5e9 / 1e10, rel=REL)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_transfers_bound_a_stage_when_slower_than_compute(schedule: str) -> None:
+    # 2 GB cut over 1 GB/s at sigma 1: 2 s each way, compute 0.5 s per stage
+    arrays = layers([0.5, 0.5], fwd=[0.125, 0.125], cuts=[2e9, 0.0])
+    inputs = CostInputs(arrays, flat(2, "1GB/s"), schedule, 3)
+    costs = stage_costs(inputs, one_layer_per_stage(2))
+    assert costs[0].comm_in_s == 0.0 and costs[0].comm_out_s == pytest.approx(2.0, rel=REL)
+    assert costs[1].comm_in_s == pytest.approx(2.0, rel=REL) and costs[1].comm_out_s == 0.0
+    expected = 2.0 if schedule == "pipedream" else 1.0 + 2 * 2.0
+    assert objective_s(inputs, one_layer_per_stage(2)) == pytest.approx(expected, rel=REL)
+
+
+def test_transfers_are_divided_among_replicas() -> None:
+    arrays = layers([0.5, 0.5], fwd=[0.125, 0.125], cuts=[2e9, 0.0])
+    inputs = CostInputs(arrays, flat(4, "1GB/s"), "pipedream", 3)
+    # stage 1 has 2 replicas: max(0.5, 2 s in) / 2 = 1 s; stage 0 is bound by its 2 s transfer out
+    assert objective_s(inputs, [(0, 1, 1, False), (1, 2, 2, False)]) == pytest.approx(2.0, rel=REL)
+    assert objective_s(inputs, [(0, 1, 2, False), (1, 2, 2, False)]) == pytest.approx(1.0, rel=REL)
+
+
+# ---- memory -------------------------------------------------------------------------------
+
+
+def two_stage_memory(schedule: str, recompute: bool = False, scale: float = 1.0) -> list[float]:
+    """Memory per device of [(0,1) x2, (1,2) x3] on 6 devices, m = 8, Adam (k = 2)."""
+    arrays = layers([0.1, 0.1], fwd=[0.05, 0.05], params=[1e9, 2e9], cuts=[3e8, 0.0], saved=[5e8, 7e8])
+    inputs = CostInputs(arrays, flat(6), schedule, 8, scale=scale, input_bytes=1e8, optimizer_copies=2)
+    stages = [(0, 1, 2, recompute), (1, 2, 3, recompute)]
+    return [cost.memory_bytes for cost in stage_costs(inputs, stages)]
+
+
+def test_gpipe_memory_keeps_every_microbatch_of_a_replica() -> None:
+    # n = ceil(8 / 2) = 4 and ceil(8 / 3) = 3
+    first, second = two_stage_memory("gpipe")
+    assert first == pytest.approx(4 * 1e9 + 4 * 5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * 7e8, rel=REL)
+
+
+def test_1f1b_memory_is_capped_by_devices_from_here() -> None:
+    # n = min(ceil(8 / 2), ceil(5 / 2)) = 3 and min(ceil(8 / 3), ceil(3 / 3)) = 1
+    first, second = two_stage_memory("1f1b")
+    assert first == pytest.approx(4 * 1e9 + 3 * 5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * 7e8, rel=REL)
+
+
+def test_1f1b_memory_is_capped_by_microbatches() -> None:
+    arrays = layers([0.1, 0.1], params=[1e9, 1e9], saved=[5e8, 5e8])
+    inputs = CostInputs(arrays, flat(4), "1f1b", 2)
+    # first stage: D = 4, n = min(ceil(2/1), ceil(4/1)) = 2
+    costs = stage_costs(inputs, [(0, 1, 1, False), (1, 2, 3, False)])
+    assert costs[0].memory_bytes == pytest.approx(4e9 + 2 * 5e8, rel=REL)
+    assert costs[1].memory_bytes == pytest.approx(4e9 + 1 * 5e8, rel=REL)
+
+
+def test_pipedream_memory_stashes_weight_versions() -> None:
+    # n = ceil(5 / 2) = 3 (two stashed versions) and ceil(3 / 3) = 1 (none)
+    first, second = two_stage_memory("pipedream")
+    assert first == pytest.approx(4 * 1e9 + 3 * 5e8 + 2 * 1e9, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * 7e8, rel=REL)
+
+
+def test_activations_scale_weights_do_not() -> None:
+    first, second = two_stage_memory("gpipe", scale=0.5)
+    assert first == pytest.approx(4 * 1e9 + 4 * 2.5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * 3.5e8, rel=REL)
+
+
+def test_recompute_keeps_stage_inputs_plus_one_rebuilt_microbatch() -> None:
+    # gpipe n = 4, 3; the first stage keeps the model input (1e8), the second its 3e8 cut
+    first, second = two_stage_memory("gpipe", recompute=True)
+    assert first == pytest.approx(4 * 1e9 + 4 * 1e8 + 5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * 3e8 + 7e8, rel=REL)
+    first, second = two_stage_memory("gpipe", recompute=True, scale=0.5)
+    assert first == pytest.approx(4 * 1e9 + 4 * 0.5e8 + 2.5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * 1.5e8 + 3.5e8, rel=REL)
+
+
+def test_sgd_keeps_one_optimizer_copy() -> None:
+    arrays = layers([0.1], params=[1e9], saved=[1e8])
+    inputs = CostInputs(arrays, flat(1), "gpipe", 2, optimizer_copies=1)
+    assert stage_costs(inputs, [(0, 1, 1, False)])[0].memory_bytes == pytest.approx(3e9 + 2e8, rel=REL)
+
+
+def test_plan_fits_at_exactly_the_peak_memory() -> None:
+    arrays = layers([0.1, 0.1], params=[1e9, 2e9], saved=[5e8, 7e8])
+    stages = one_layer_per_stage(2)
+    peak = 4 * 2e9 + 1 * 7e8  # 1f1b m = 4: first n = min(4, 2) = 2 -> 5e9; second n = 1 -> 8.7e9
+    assert plan_fits(CostInputs(arrays, flat(2), "1f1b", 4, memory_bytes=peak), stages)
+    assert not plan_fits(CostInputs(arrays, flat(2), "1f1b", 4, memory_bytes=peak * (1 - 1e-9)), stages)
+    assert plan_fits(CostInputs(arrays, flat(2), "1f1b", 4, memory_bytes=None), stages)
+
+
+# ---- placement ----------------------------------------------------------------------------
+
+
+def test_placement_rule_on_two_nodes() -> None:
+    cluster = two_nodes_of_four()
+    assert not placement_ok(cluster, 2, 4)  # ranks 2-5: part of node 0 and part of node 1
+    assert not placement_ok(cluster, 3, 2)  # ranks 3-4
+    assert not placement_ok(cluster, 2, 6)
+    assert placement_ok(cluster, 0, 8)  # both whole nodes
+    assert placement_ok(cluster, 4, 4)  # node 1 whole
+    assert placement_ok(cluster, 1, 3)  # inside node 0
+    assert placement_ok(cluster, 5, 2)  # inside node 1
+    assert placement_ok(cluster, 7, 1)
+
+
+def test_placement_on_a_flat_cluster_is_always_ok() -> None:
+    cluster = flat(6)
+    assert all(placement_ok(cluster, first, r) for first in range(6) for r in range(1, 7 - first))
+
+
+def test_flat_plan_using_fewer_devices_starts_at_rank_zero() -> None:
+    arrays = layers([0.1, 0.1, 0.1])
+    inputs = CostInputs(arrays, flat(8), "gpipe", 2)
+    assert first_ranks(inputs, [(0, 1, 1, False), (1, 2, 2, False), (2, 3, 1, False)]) == [0, 1, 3]
+    assert first_ranks(inputs, [(0, 3, 1, False)]) == [0]
+
+
+def test_two_level_plan_is_right_aligned_then_shifted_by_whole_nodes() -> None:
+    arrays = layers([0.1] * 5)
+    inputs = CostInputs(arrays, two_nodes_of_four(), "gpipe", 2)
+    # two devices: ranks 6, 7 shifted by one node to 2, 3
+    assert first_ranks(inputs, one_layer_per_stage(2)) == [2, 3]
+    # five devices: no whole node to shift by, ranks 3..7
+    assert first_ranks(inputs, one_layer_per_stage(5)) == [3, 4, 5, 6, 7]
+    # 2 + 4 devices: node 1 whole, the first stage at the end of node 0
+    assert first_ranks(inputs, [(0, 1, 2, False), (1, 5, 4, False)]) == [2, 4]
+
+
+def test_plan_straddling_nodes_does_not_fit() -> None:
+    arrays = layers([0.1, 0.1])
+    inputs = CostInputs(arrays, two_nodes_of_four(), "gpipe", 2)
+    assert not plan_fits(inputs, [(0, 1, 4, False), (1, 2, 2, False)])  # 4 replicas on ranks 2-5
+    assert plan_fits(inputs, [(0, 1, 2, False), (1, 2, 4, False)])
+    assert plan_fits(inputs, [(0, 1, 4, False), (1, 2, 4, False)])
+
+
+def test_plan_needing_more_devices_than_the_cluster_does_not_fit() -> None:
+    arrays = layers([0.1, 0.1])
+    inputs = CostInputs(arrays, flat(3), "1f1b", 2)
+    assert first_ranks(inputs, [(0, 1, 2, False), (1, 2, 2, False)])[0] < 0
+    assert not plan_fits(inputs, [(0, 1, 2, False), (1, 2, 2, False)])
+    assert plan_fits(inputs, [(0, 1, 1, False), (1, 2, 2, False)])
+    nodes = CostInputs(arrays, two_nodes_of_four(), "1f1b", 2)
+    assert first_ranks(nodes, [(0, 1, 1, False), (1, 2, 8, False)])[0] < 0
+    assert not plan_fits(nodes, [(0, 1, 1, False), (1, 2, 8, False)])
+
+
+def test_boundary_across_nodes_uses_the_slower_bandwidth() -> None:
+    # five single-device stages on ranks 3..7: the boundary after stage 0 (rank 3 -> 4) crosses nodes
+    cut = 1e9
+    arrays = layers([0.01] * 5, cuts=[cut] * 4 + [0.0])
+    inputs = CostInputs(arrays, two_nodes_of_four(), "pipedream", 2)
+    costs = stage_costs(inputs, one_layer_per_stage(5))
+    slow, fast = cut / 10e9, cut / 100e9
+    assert costs[0].comm_out_s == pytest.approx(slow, rel=REL)
+    assert costs[1].comm_in_s == pytest.approx(slow, rel=REL)
+    assert costs[1].comm_out_s == pytest.approx(fast, rel=REL)
+    assert costs[4].comm_in_s == pytest.approx(fast, rel=REL)
+    assert objective_s(inputs, one_layer_per_stage(5)) == pytest.approx(slow, rel=REL)
+    # two stages on ranks 2, 3 (one node): fast both ways
+    two = CostInputs(layers([0.01] * 2, cuts=[cut, 0.0]), two_nodes_of_four(), "pipedream", 2)
+    assert stage_costs(two, one_layer_per_stage(2))[0].comm_out_s == pytest.approx(fast, rel=REL)
+
+
+def test_allreduce_across_nodes_uses_the_slower_bandwidth() -> None:
+    arrays = layers([0.1], params=[1e9])
+    inputs = CostInputs(arrays, two_nodes_of_four(), "gpipe", 1)
+    eight = stage_costs(inputs, [(0, 1, 8, False)])[0]
+    four = stage_costs(inputs, [(0, 1, 4, False)])[0]
+    assert eight.allreduce_s == pytest.approx(2 * 7 / 8 * 1e9 / 10e9, rel=REL)
+    assert four.allreduce_s == pytest.approx(2 * 3 / 4 * 1e9 / 100e9, rel=REL)
+
+
+def test_stage_after_a_whole_node_stage_talks_across_nodes() -> None:
+    # [(0,1) x4, (1,2) x4]: ranks 0-3 then 4-7, the boundary 3 -> 4 is between nodes
+    cut = 2e9
+    arrays = layers([0.01, 0.01], cuts=[cut, 0.0])
+    inputs = CostInputs(arrays, two_nodes_of_four(), "gpipe", 1)
+    costs = stage_costs(inputs, [(0, 1, 4, False), (1, 2, 4, False)])
+    assert costs[0].comm_out_s == pytest.approx(cut / 10e9, rel=REL)
+    assert costs[1].comm_in_s == pytest.approx(cut / 10e9, rel=REL)

@@ -1,0 +1,108 @@
+"""Cluster descriptions: flags, files (JSON and YAML), spans of ranks, and bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.files.cluster import (
+    Cluster,
+    ClusterError,
+    Level,
+    cluster_from_dict,
+    load_cluster,
+    make_cluster,
+)
+from planner.errors import FileFormatError
+from planner.units import parse_bandwidth, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("300GB/s", 300e9), ("25Gbit/s", 25e9 / 8), ("100Gb/s", 100e9 / 8), ("100Gbps", 100e9 / 8),
+     ("40GiB/s", 40 * 2**30), ("1e9", 1e9), ("12.5 GB/s", 12.5e9)],
+)
+def test_bandwidth_units(text: str, expected: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["fast", "-5GB/s", "0", "5 furlongs/s", ""])
+def test_bad_bandwidths_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_bandwidth(text)
+
+
+def test_sizes() -> None:
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("40GiB") == 40 * 2**30
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes("lots")
+
+
+def test_two_level_cluster_spans() -> None:
+    cluster = make_cluster(16, 8, ["300GB/s", "25GB/s"], memory="80GB")
+    assert cluster.num_devices == 16 and cluster.memory_bytes == 80 * 10**9
+    assert cluster.span_bandwidth_Bps(0, 7) == 300e9  # one node
+    assert cluster.span_bandwidth_Bps(7, 8) == 25e9  # neighbours on two nodes
+    assert cluster.span_bandwidth_Bps(3, 3) == float("inf")
+
+
+def test_flat_cluster_when_all_gpus_share_a_node() -> None:
+    assert make_cluster(4, None, ["10GB/s"]) == Cluster((Level("node", 4, 10e9),))
+
+
+@pytest.mark.parametrize(
+    ("gpus", "per_node", "bandwidths", "fragment"),
+    [(0, None, ["1GB/s"], "--gpus must be at least 1"), (8, 3, ["1GB/s", "1GB/s"], "does not divide"),
+     (8, 4, ["1GB/s"], "two bandwidths"), (4, None, ["-1GB/s"], "must be positive")],
+)
+def test_bad_flags(gpus: int, per_node: int | None, bandwidths: list[str], fragment: str) -> None:
+    with pytest.raises(ClusterError, match=fragment):
+        make_cluster(gpus, per_node, bandwidths)
+
+
+def test_cluster_files_json_and_yaml(tmp_path: Path) -> None:
+    expected = make_cluster(16, 8, ["300GB/s", "25GB/s"], memory="80GB")
+    (tmp_path / "c.json").write_text(
+        '{"levels": [{"name": "node", "size": 8, "bandwidth": "300GB/s"},'
+        ' {"name": "cluster", "size": 2, "bandwidth": "25GB/s"}], "memory": "80GB"}'
+    )
+    (tmp_path / "c.yaml").write_text(
+        "levels:\n  - {name: node, size: 8, bandwidth: 300GB/s}\n  - {name: cluster, size: 2, bandwidth: 25GB/s}\n"
+        "memory: 80GB\n"
+    )
+    assert load_cluster(tmp_path / "c.json") == expected
+    assert load_cluster(tmp_path / "c.yaml") == expected
+    assert cluster_from_dict(expected.to_dict()) == expected
+
+
+def test_bad_cluster_files_name_the_file(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"levels": [{"size": 0, "bandwidth": "1GB/s"}]}')
+    with pytest.raises(FileFormatError, match=r"bad\.json.*has 0 members; it needs a whole number"):
+        load_cluster(tmp_path / "bad.json")
+    (tmp_path / "broken.yaml").write_text("levels: [")
+    with pytest.raises(FileFormatError, match=r"broken\.yaml: cannot be parsed"):
+        load_cluster(tmp_path / "broken.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"levels": [{"size": 1e999, "bandwidth": "1GB/s"}]}', "malformed"),
+        ('{"levels": [{"size": 2.5, "bandwidth": "1GB/s"}]}', "not a whole number"),
+        ('{"levels": [{"size": true, "bandwidth": "1GB/s"}]}', "not a whole number"),
+        ('{"levels": [{"size": 4, "bandwidth_Bps": 300}]}', "give units"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s"}], "memory": "80"}', "give units"),
+    ],
+)
+def test_cluster_values_that_would_mean_something_else_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
+    (tmp_path / "c.json").write_text(text)
+    with pytest.raises(FileFormatError, match=fragment):
+        load_cluster(tmp_path / "c.json")
+
+
+def test_a_bandwidth_without_units_is_refused_on_the_command_line() -> None:
+    with pytest.raises(ClusterError, match="give units"):
+        make_cluster(4, None, ["300"])
+    assert parse_bandwidth("10GBps") == 10e9 and parse_bandwidth("10 MB/S") == 10e6

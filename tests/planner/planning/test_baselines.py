@@ -1,0 +1,61 @@
+"""Baseline splits, and the optimized plan against them on the GPT-like example."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from planner.planning.baselines import balanced_stages, uniform_stages
+from planner.cli import app
+from planner.files.cluster import make_cluster
+from planner.planning.partition import compare_baselines, partition
+from planner.files.profile import load_profile
+
+GPT_PROFILE = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
+
+
+def test_uniform_stages_differ_by_at_most_one_layer() -> None:
+    assert uniform_stages(10, 3) == [(0, 4, 1), (4, 7, 1), (7, 10, 1)]
+    assert uniform_stages(2, 5) == [(0, 1, 1), (1, 2, 1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(weights=st.lists(st.integers(0, 20), min_size=1, max_size=8), parts=st.integers(1, 5))
+def test_balanced_stages_minimise_the_heaviest_stage(weights: list[int], parts: int) -> None:
+    stages = balanced_stages([float(w) for w in weights], parts)
+    parts = min(parts, len(weights))
+    assert len(stages) == parts and stages[0][0] == 0 and stages[-1][1] == len(weights)
+    assert all(stop > start for start, stop, _ in stages)
+    heaviest = max(sum(weights[a:b]) for a, b, _ in stages)
+    best = min(
+        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, len(weights))))
+        for cuts in itertools.combinations(range(1, len(weights)), parts - 1)
+    )
+    assert heaviest == pytest.approx(best)
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+@pytest.mark.parametrize(("cost_model", "schedule"), [("planner", "auto"), ("planner", "1f1b"), ("planner", "pipedream"),
+                                                      ("pipedream", "auto")])
+def test_optimized_gpt_plan_beats_equal_layer_and_equal_parameter_splits(gpus: int, cost_model: str, schedule: str) -> None:
+    profile = load_profile(GPT_PROFILE)
+    cluster = make_cluster(gpus, bandwidths=["25GB/s"])
+    plan = partition(profile, cluster, cost_model=cost_model, schedule=schedule)
+    results = {result.name: result.iteration_s * 1000.0 for result in compare_baselines(profile, plan)}
+    assert all(plan.predicted.iteration_ms <= value * (1 + 1e-9) for value in results.values())
+    assert plan.predicted.iteration_ms < results["uniform"]
+    assert plan.predicted.iteration_ms < results["parameters"]
+
+
+def test_cli_compare_prints_every_baseline(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["partition", str(GPT_PROFILE), "--gpus", "4", "--compare", "--out", str(tmp_path / "p.json")]
+    )
+    assert result.exit_code == 0, result.output
+    for name in ("optimized", "uniform", "parameters", "time", "data-parallel"):
+        assert name in result.stdout

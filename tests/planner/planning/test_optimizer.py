@@ -1,0 +1,209 @@
+"""The schedule optimizer against brute force over every plan on small random inputs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.files.cluster import Cluster, make_cluster
+from tests.planner.layer_strategies import layer_arrays
+from planner.costs.layer_arrays import LayerArrays
+from planner.errors import InfeasiblePlanError
+from planner.planning.optimizer import Solution, optimize
+from planner.schedules.schedule import SCHEDULES
+from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
+
+TIE = 1e-9  # objectives within this relative distance of the optimum count as optimal
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One plan that obeys the placement rule, with its objective and peak memory per device."""
+
+    stages: tuple[Stage, ...]
+    objective_s: float
+    peak_bytes: float
+
+    @property
+    def devices(self) -> int:
+        """Devices the plan uses."""
+        return sum(stage[2] for stage in self.stages)
+
+
+def every_plan(num_layers: int, devices: int, straight: bool, allow_recompute: bool) -> list[tuple[Stage, ...]]:
+    """Every contiguous partition, replica assignment (total <= devices) and recompute choice."""
+    plans: list[tuple[Stage, ...]] = []
+    flags = (False, True) if allow_recompute else (False,)
+
+    def extend(start: int, left: int, stages: tuple[Stage, ...]) -> None:
+        if start == num_layers:
+            plans.append(stages)
+            return
+        for stop in range(start + 1, num_layers + 1):
+            for replicas in range(1, (1 if straight else left) + 1):
+                if replicas <= left:
+                    for recompute in flags:
+                        extend(stop, left - replicas, stages + ((start, stop, replicas, recompute),))
+
+    extend(0, devices, ())
+    return plans
+
+
+def score_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> list[Scored]:
+    """Every plan that obeys the placement rule (memory ignored), scored by the cost model."""
+    unlimited = replace(inputs, memory_bytes=None)
+    scored = []
+    for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, allow_recompute):
+        if plan_fits(unlimited, list(stages)):
+            peak = max(cost.memory_bytes for cost in stage_costs(unlimited, list(stages)))
+            scored.append(Scored(stages, objective_s(unlimited, list(stages)), peak))
+    return scored
+
+
+def feasible(scored: list[Scored], memory_bytes: float | None) -> list[Scored]:
+    """The plans whose every device fits the memory limit (all of them without a limit)."""
+    return [plan for plan in scored if memory_bytes is None or plan.peak_bytes <= memory_bytes]
+
+
+def optimal(plans: list[Scored]) -> tuple[float, int]:
+    """(least objective, fewest devices among plans within TIE of it)."""
+    best = min(plan.objective_s for plan in plans)
+    return best, min(plan.devices for plan in plans if plan.objective_s <= best * (1 + TIE))
+
+
+def check_solution(inputs: CostInputs, solution: Solution, straight: bool, allow_recompute: bool) -> None:
+    """The solution is a well-formed plan within the limits whose claimed objective is its own."""
+    stages = list(solution.stages)
+    assert stages[0][0] == 0 and stages[-1][1] == inputs.arrays.num_layers
+    assert all(stop == next_start for (_, stop, _, _), (next_start, _, _, _) in zip(stages, stages[1:]))
+    assert all(start < stop and replicas >= 1 for start, stop, replicas, _ in stages)
+    assert solution.devices == sum(stage[2] for stage in stages) <= inputs.cluster.num_devices
+    assert not straight or all(stage[2] == 1 for stage in stages)
+    assert allow_recompute or not any(stage[3] for stage in stages)
+    assert plan_fits(inputs, stages)
+    assert solution.objective_s == objective_s(inputs, stages)
+
+
+BANDWIDTHS = [1e9, 1e10, 1e11]
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> Cluster:
+    """Flat clusters of 1-4 devices, or 2 nodes of 2 or 3 devices with any two bandwidths."""
+    if draw(st.booleans()):
+        return make_cluster(draw(st.integers(1, 4)), None, [draw(st.sampled_from(BANDWIDTHS))])
+    per_node = draw(st.sampled_from([2, 3]))
+    inner, outer = draw(st.sampled_from(BANDWIDTHS)), draw(st.sampled_from(BANDWIDTHS))
+    return make_cluster(2 * per_node, per_node, [inner, outer])
+
+
+def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
+    """None, exactly some plan's peak, between two peaks, below every peak or above all of them."""
+    peaks = sorted({plan.peak_bytes for plan in scored})
+    kind = data.draw(st.sampled_from(["none", "at", "between", "below", "above"]))
+    if kind == "none":
+        return None
+    if kind == "below":
+        return data.draw(st.sampled_from([0.0, peaks[0] * 0.5, peaks[0] * (1 - 1e-6)]))
+    if kind == "above":
+        return peaks[-1] * 1.5 + 1e6
+    index = data.draw(st.integers(0, len(peaks) - 1))
+    if kind == "at" or index == len(peaks) - 1:
+        return peaks[index]
+    return (peaks[index] + peaks[index + 1]) / 2
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(SCHEDULES),
+    microbatches=st.integers(1, 6), scale=st.sampled_from([0.5, 1.0, 2.0]) | st.floats(0.5, 2.0),
+    input_bytes=st.sampled_from([0.0, 1e6, 1e8]), optimizer_copies=st.sampled_from([1, 2]),
+    straight=st.booleans(), allow_recompute=st.booleans(), data=st.data(),
+)
+def test_optimum_matches_brute_force(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, scale: float, input_bytes: float,
+    optimizer_copies: int, straight: bool, allow_recompute: bool, data: st.DataObject,
+) -> None:
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, scale, input_bytes, optimizer_copies)
+    scored = score_plans(inputs, straight, allow_recompute)
+    inputs = replace(inputs, memory_bytes=memory_limit(data, scored))
+    plans = feasible(scored, inputs.memory_bytes)
+    if not plans:
+        with pytest.raises(InfeasiblePlanError) as caught:
+            optimize(inputs, straight, allow_recompute)
+        enough = caught.value.smallest_memory_bytes
+        assert enough > inputs.memory_bytes
+        # the named memory admits a plan; it is the least that does, up to rounding to whole MB
+        assert min(plan.peak_bytes for plan in scored) <= enough < min(plan.peak_bytes for plan in scored) + 2e6
+        inputs = replace(inputs, memory_bytes=enough)
+        plans = feasible(scored, enough)
+    best, fewest = optimal(plans)
+    solution = optimize(inputs, straight, allow_recompute)
+    check_solution(inputs, solution, straight, allow_recompute)
+    assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0)
+    assert solution.devices == fewest  # no plan within TIE of the optimum uses fewer devices
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(SCHEDULES),
+       microbatches=st.integers(1, 6), memory=st.sampled_from([None, 2e9, 4e9]),
+       straight=st.booleans(), allow_recompute=st.booleans())
+def test_optimize_is_deterministic(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None,
+    straight: bool, allow_recompute: bool,
+) -> None:
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory)
+    twin = CostInputs(copy.deepcopy(arrays), cluster, schedule, microbatches, memory_bytes=memory)
+    try:
+        first = optimize(inputs, straight, allow_recompute)
+    except InfeasiblePlanError as error:
+        with pytest.raises(InfeasiblePlanError) as again:
+            optimize(twin, straight, allow_recompute)
+        assert again.value.smallest_memory_bytes == error.smallest_memory_bytes
+        return
+    second = optimize(twin, straight, allow_recompute)
+    assert second.stages == first.stages and second.objective_s == first.objective_s
+
+
+def test_unhelpful_devices_are_left_unused() -> None:
+    # one layer with 4 GB of weights: replicating it costs more in all-reduce than it saves
+    arrays = LayerArrays(np.array([0.0, 0.001]), np.array([0.0, 4e9]), np.array([0.0]), fwd_s=np.array([0.0, 0.0005]))
+    for schedule in SCHEDULES:
+        solution = optimize(CostInputs(arrays, make_cluster(8, None, [1e9]), schedule, 4))
+        assert solution.stages == ((0, 1, 1, False),) and solution.devices == 1
+
+
+def test_recompute_only_when_memory_requires_it() -> None:
+    # two layers with large activations: without a limit nothing recomputes; a tight limit forces it
+    arrays = LayerArrays(
+        compute_s=np.array([0.0, 0.01, 0.02]), param_bytes=np.array([0.0, 1e6, 2e6]),
+        cut_bytes=np.array([1e6, 0.0]), saved_bytes=np.array([0.0, 1e9, 2e9]), fwd_s=np.array([0.0, 0.004, 0.008]),
+    )
+    free = optimize(CostInputs(arrays, make_cluster(1, None, [1e10]), "gpipe", 4, input_bytes=1e6))
+    assert not any(stage[3] for stage in free.stages)
+    tight = CostInputs(arrays, make_cluster(1, None, [1e10]), "gpipe", 4, input_bytes=1e6, memory_bytes=3e9)
+    solution = optimize(tight)
+    assert any(stage[3] for stage in solution.stages)
+    assert plan_fits(tight, list(solution.stages))
+    with pytest.raises(InfeasiblePlanError):
+        optimize(tight, allow_recompute=False)
+
+
+def test_tie_with_less_recompute_goes_to_fewer_devices() -> None:
+    # found by the brute-force test: one stage on one device, 1f1b, m = 2, sigma = 0.5, costs
+    # 0.0625 + 0.0625 = 0.125 s; two stages with the first recomputing cost 0.078125 + 0.046875 =
+    # 0.125 s too, on two devices. The tie goes to the single device.
+    arrays = LayerArrays(
+        compute_s=np.array([0.0, 0.0625, 0.125]), param_bytes=np.zeros(3), cut_bytes=np.zeros(2),
+        saved_bytes=np.array([0.0, 1e8, 1.01e8]), fwd_s=np.array([0.0, 0.03125, 0.03125]),
+    )
+    inputs = CostInputs(arrays, make_cluster(4, 2, [1e9, 1e9]), "1f1b", 2, scale=0.5, memory_bytes=5.05e7)
+    assert objective_s(inputs, [(0, 2, 1, False)]) == objective_s(inputs, [(0, 1, 1, True), (1, 2, 1, False)])
+    solution = optimize(inputs, straight=True)
+    assert solution.objective_s == 0.125
+    assert solution.stages == ((0, 2, 1, False),)

@@ -1,0 +1,286 @@
+"""Tests of the model-file contract (planner.profiling.model_file): loading, checked model and batch, default loss."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.errors import ModelFileError
+from planner.profiling.model_file import (
+    ModelFile,
+    build_checked_model,
+    checked_example_batch,
+    default_loss,
+    load_model_file,
+)
+
+VALID = """
+import torch
+from torch import nn
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4))
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))
+"""
+
+HEADER = """
+import torch
+from torch import nn
+"""
+
+GOOD_MODEL = """
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4))
+"""
+
+GOOD_BATCH = """
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))
+"""
+
+
+def write(tmp_path: Path, source: str, name: str = "model.py") -> Path:
+    """Write `source` (dedented) as the file `name` in tmp_path and return its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source), encoding="utf-8")
+    return path
+
+
+def load_error(path: Path) -> ModelFileError:
+    """The ModelFileError raised by loading `path`; checks that it names the file."""
+    with pytest.raises(ModelFileError) as info:
+        load_model_file(path)
+    assert str(path) in str(info.value)
+    assert info.value.path == str(path)
+    return info.value
+
+
+def model_error(path: Path) -> ModelFileError:
+    """The ModelFileError raised by build_checked_model for the file at `path`; checks it names the file."""
+    model_file = load_model_file(path)
+    with pytest.raises(ModelFileError) as info:
+        build_checked_model(model_file)
+    assert str(path) in str(info.value)
+    return info.value
+
+
+def batch_error(path: Path, batch_size: int = 2) -> ModelFileError:
+    """The ModelFileError raised by checked_example_batch for the file at `path`; checks it names the file."""
+    model_file = load_model_file(path)
+    with pytest.raises(ModelFileError) as info:
+        checked_example_batch(model_file, batch_size)
+    assert str(path) in str(info.value)
+    return info.value
+
+
+def test_valid_file_loads_and_checks(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID, "tiny_mlp.py")
+    model_file = load_model_file(path)
+    assert isinstance(model_file, ModelFile)
+    assert model_file.path == str(path)
+    assert model_file.name == "tiny_mlp"
+    assert model_file.loss_fn is None
+    model = build_checked_model(model_file)
+    assert isinstance(model, torch.nn.Sequential)
+    inputs, target = checked_example_batch(model_file, 3)
+    assert isinstance(inputs, tuple) and len(inputs) == 1
+    assert inputs[0].shape == (3, 4)
+    assert target.shape == (3,)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    error = load_error(tmp_path / "absent.py")
+    assert "no such file" in str(error)
+
+
+def test_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "package.py"
+    directory.mkdir()
+    error = load_error(directory)
+    assert "is not a file" in str(error)
+
+
+def test_not_a_python_file(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID, "model.txt")
+    error = load_error(path)
+    assert "not a Python file" in str(error)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.py"
+    path.write_bytes(b"# caf\xe9\nx = 1\n")
+    error = load_error(path)
+    assert "not UTF-8" in str(error)
+
+
+def test_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "import torch\n\n\ndef build_model(:\n    pass\n")
+    error = load_error(path)
+    assert "syntax error" in str(error)
+    assert "line 4" in str(error)
+
+
+def test_module_raising_at_import(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + "raise KeyError('no dataset configured')\n")
+    error = load_error(path)
+    assert "KeyError" in str(error)
+    assert "no dataset configured" in str(error)
+    assert isinstance(error.__cause__, KeyError)
+
+
+def test_build_model_missing(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + GOOD_BATCH)
+    error = load_error(path)
+    assert "build_model() is missing" in str(error)
+
+
+def test_example_batch_missing(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + GOOD_MODEL)
+    error = load_error(path)
+    assert "example_batch() is missing" in str(error)
+
+
+def test_build_model_not_callable(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + "build_model = 3\n" + GOOD_BATCH)
+    error = load_error(path)
+    assert "build_model is not a function" in str(error)
+
+
+def test_loss_fn_not_callable(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID + "\nloss_fn = 'mse'\n")
+    error = load_error(path)
+    assert "loss_fn is not a function" in str(error)
+
+
+def test_build_model_returning_a_non_module(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + "def build_model():\n    return 42\n" + GOOD_BATCH)
+    error = model_error(path)
+    assert "returned int" in str(error)
+    assert "torch.nn.Module" in str(error)
+
+
+def test_build_model_raising(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + "def build_model():\n    raise RuntimeError('weights not found')\n" + GOOD_BATCH)
+    error = model_error(path)
+    assert "RuntimeError" in str(error)
+    assert "weights not found" in str(error)
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["return nn.ReLU()", "model = nn.Linear(4, 4)\n    model.requires_grad_(False)\n    return model"],
+    ids=["no-parameters", "frozen-parameters"],
+)
+def test_model_without_trainable_parameters(tmp_path: Path, body: str) -> None:
+    path = write(tmp_path, HEADER + f"def build_model():\n    {body}\n" + GOOD_BATCH)
+    error = model_error(path)
+    assert "without trainable parameters" in str(error)
+
+
+def batch_file(tmp_path: Path, returned: str) -> Path:
+    """A model file whose example_batch(batch_size) returns the expression `returned`."""
+    return write(tmp_path, HEADER + GOOD_MODEL + f"def example_batch(batch_size):\n    return {returned}\n")
+
+
+@pytest.mark.parametrize(
+    "returned",
+    ["torch.randn(batch_size, 4)", "(torch.randn(batch_size, 4),)", "[torch.randn(batch_size, 4)] * 3", "None"],
+    ids=["a-tensor", "a-1-tuple", "a-3-list", "none"],
+)
+def test_example_batch_not_a_pair(tmp_path: Path, returned: str) -> None:
+    error = batch_error(batch_file(tmp_path, returned))
+    assert "example_batch(2) returned" in str(error)
+    assert "expected a pair (inputs, target)" in str(error)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    ["[[1.0, 2.0, 3.0, 4.0]] * batch_size", "'features'", "()", "(torch.randn(batch_size, 4), 3)"],
+    ids=["nested-list", "string", "empty-tuple", "tuple-with-int"],
+)
+def test_example_batch_inputs_not_tensors(tmp_path: Path, inputs: str) -> None:
+    error = batch_error(batch_file(tmp_path, f"{inputs}, torch.zeros(batch_size)"))
+    assert "returned inputs of" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("target", "described"),
+    [("[0] * batch_size", "a list of 2 (int, int)"), ("3", "type int"), ("None", "type NoneType")],
+    ids=["list", "int", "none"],
+)
+def test_example_batch_target_not_a_tensor(tmp_path: Path, target: str, described: str) -> None:
+    error = batch_error(batch_file(tmp_path, f"torch.randn(batch_size, 4), {target}"))
+    assert f"returned a target of {described}" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("returned", "what"),
+    [
+        ("torch.randn(batch_size + 1, 4), torch.zeros(batch_size)", "input 0"),
+        ("(torch.randn(batch_size, 4), torch.randn(4, batch_size)), torch.zeros(batch_size)", "input 1"),
+        ("torch.randn(batch_size, 4), torch.zeros(batch_size * 2)", "target"),
+        ("torch.randn(batch_size, 4), torch.tensor(0.0)", "target"),
+    ],
+    ids=["input-too-long", "second-input-transposed", "target-too-long", "scalar-target"],
+)
+def test_example_batch_first_dimension_not_the_batch(tmp_path: Path, returned: str, what: str) -> None:
+    error = batch_error(batch_file(tmp_path, returned), batch_size=2)
+    assert f"returned {what} of shape" in str(error)
+    assert "not the batch size 2" in str(error)
+
+
+def test_example_batch_raising(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + GOOD_MODEL + "def example_batch(batch_size):\n    return 1 / 0\n")
+    error = batch_error(path, batch_size=5)
+    assert "example_batch(5) raised ZeroDivisionError" in str(error)
+
+
+def test_inputs_as_a_tuple_of_two_tensors(tmp_path: Path) -> None:
+    path = batch_file(
+        tmp_path, "(torch.randn(batch_size, 4), torch.randn(batch_size, 3, 2)), torch.randn(batch_size, 4)"
+    )
+    model_file = load_model_file(path)
+    inputs, target = checked_example_batch(model_file, 2)
+    assert isinstance(inputs, tuple)
+    assert [tuple(t.shape) for t in inputs] == [(2, 4), (2, 3, 2)]
+    assert tuple(target.shape) == (2, 4)
+
+
+def test_inputs_as_a_list_become_a_tuple(tmp_path: Path) -> None:
+    path = batch_file(tmp_path, "[torch.randn(batch_size, 4), torch.randn(batch_size, 4)], torch.zeros(batch_size)")
+    inputs, _target = checked_example_batch(load_model_file(path), 2)
+    assert isinstance(inputs, tuple) and len(inputs) == 2
+
+
+def test_default_loss_integer_targets_is_cross_entropy_over_flattened_logits() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    target = torch.randint(0, 5, (2, 3))
+    expected = F.cross_entropy(logits.reshape(-1, 5), target.reshape(-1))
+    assert torch.allclose(default_loss(logits, target), expected)
+    flat_logits = torch.randn(4, 5)
+    flat_target = torch.randint(0, 5, (4,))
+    assert torch.allclose(default_loss(flat_logits, flat_target), F.cross_entropy(flat_logits, flat_target))
+
+
+def test_default_loss_float_targets_is_mse() -> None:
+    torch.manual_seed(0)
+    output = torch.randn(3, 4)
+    target = torch.randn(3, 4)
+    loss = default_loss(output, target)
+    assert loss.dim() == 0
+    assert torch.allclose(loss, F.mse_loss(output, target))
+    assert torch.allclose(loss, ((output - target) ** 2).mean())
+
+
+def test_default_loss_needs_a_tensor_output() -> None:
+    with pytest.raises(TypeError, match="tuple"):
+        default_loss((torch.randn(2, 2),), torch.randn(2, 2))

@@ -1,0 +1,121 @@
+"""The simulator against hand-checked timings, and its summaries (iteration, bubbles, memory, trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.files.cluster import make_cluster
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, build_schedule
+from planner.files.timeline import StageTimes
+from planner.simulation.simulator import simulate_schedule
+
+F, B = 1.0, 2.0
+
+
+def equal_stages(count: int, **extra: float) -> list[StageTimes]:
+    """`count` stages with forward F and backward B seconds and no transfer."""
+    return [StageTimes(F, B, 0.0, 0.0, **extra) for _ in range(count)]
+
+
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_flush_with_equal_stages_takes_m_plus_p_minus_1_times_f_plus_b(name: str, stages: int, microbatches: int) -> None:
+    """GPipe and 1F1B with p equal stages and m microbatches take (m + p - 1)(f + b)."""
+    timeline = simulate_schedule(build_schedule(name, [1] * stages, microbatches), equal_stages(stages))
+    assert timeline.iteration_s() == pytest.approx((microbatches + stages - 1) * (F + B))
+
+
+def test_iterations_repeat_the_flushed_iteration() -> None:
+    """Three flushed iterations take three times one, and iteration_s reports one."""
+    one = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5), equal_stages(3))
+    three = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5, iterations=3), equal_stages(3))
+    assert three.makespan_s == pytest.approx(3 * one.makespan_s)
+    assert three.iteration_s() == pytest.approx(one.iteration_s())
+
+
+def test_one_f_one_b_keeps_at_most_p_minus_s_microbatches_in_flight() -> None:
+    """Stage s of a p-stage 1F1B pipeline holds at most p - s microbatches (and exactly that many at its peak)."""
+    stages, microbatches, held = 4, 8, 10.0
+    timeline = simulate_schedule(build_schedule("1f1b", [1] * stages, microbatches),
+                                 equal_stages(stages, held_bytes=held))
+    peaks = timeline.peak_memory()
+    for stage in range(stages):
+        assert peaks[stage] == pytest.approx((stages - stage) * held)
+
+
+def test_gpipe_holds_every_microbatch() -> None:
+    """GPipe keeps all m microbatches' activations at its peak, on every stage."""
+    timeline = simulate_schedule(build_schedule("gpipe", [1, 1], 6), equal_stages(2, held_bytes=1.0, base_bytes=5.0))
+    assert list(timeline.peak_memory()) == [pytest.approx(11.0), pytest.approx(11.0)]
+
+
+def test_a_stage_replicated_twice_takes_alternate_microbatches() -> None:
+    """Stage 1 on two replicas: replica 0 runs the even microbatches, replica 1 the odd, side by side."""
+    times = [StageTimes(F, B, 0.0, 0.0), StageTimes(2 * F, 2 * B, 0.5, 0.0)]
+    timeline = simulate_schedule(build_schedule("1f1b", [1, 2], 4), times)
+    forwards = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["stage"] == 1)]
+    assert sorted(forwards.loc[forwards["replica"] == 0, "microbatch"]) == [0, 2]
+    assert sorted(forwards.loc[forwards["replica"] == 1, "microbatch"]) == [1, 3]
+    first_even = forwards[forwards["microbatch"] == 0]["start_s"].iloc[0]
+    first_odd = forwards[forwards["microbatch"] == 1]["start_s"].iloc[0]
+    assert first_odd - first_even == pytest.approx(F)  # the odd one starts as soon as stage 0 made it
+    reduce = timeline.events[timeline.events["op"] == "allreduce"]
+    assert len(reduce) == 2 and reduce["start_s"].nunique() == 1  # both replicas reduce together
+
+
+def test_transfers_take_bytes_over_the_link_and_overlap_compute() -> None:
+    """A 1e9-byte activation over 1e9 B/s takes 1 s; the sender computes on meanwhile."""
+    cluster = make_cluster(2, None, [1e9])
+    times = [StageTimes(F, B, 0.0, 1e9), StageTimes(F, B, 0.0, 0.0)]
+    timeline = simulate_schedule(build_schedule("gpipe", [1, 1], 2), times, cluster)
+    sends = timeline.events[timeline.events["op"] == SEND_ACTIVATION]
+    assert list(sends["end_s"] - sends["start_s"]) == [pytest.approx(1.0)] * 2
+    second_forward = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["rank"] == 0)
+                                     & (timeline.events["microbatch"] == 1)]
+    assert second_forward["start_s"].iloc[0] == pytest.approx(F)  # not delayed by the first send
+    receiving = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["rank"] == 1)]
+    assert receiving["start_s"].min() == pytest.approx(F + 1.0)
+
+
+def test_pipedream_steady_state_is_the_slowest_stage() -> None:
+    """Asynchronous 1F1B settles at the slowest stage's f + b per microbatch; two replicas of that
+    stage take turns and halve it: stage 1 needs 2 (F + B) = 6 s per microbatch per replica, so 3 s."""
+    times = [StageTimes(F / 2, B / 2, 0.0, 0.0), StageTimes(2 * F, 2 * B, 0.0, 0.0)]
+    timeline = simulate_schedule(build_schedule("pipedream", [1, 1], 40), times)
+    assert timeline.iteration_s() == pytest.approx(2 * (F + B))
+    replicated = simulate_schedule(build_schedule("pipedream", [1, 2], 40), times)
+    assert replicated.iteration_s() == pytest.approx(F + B)
+
+
+@pytest.mark.parametrize("allreduce_s", [1.0, 5.0])
+def test_pipedream_allreduce_overlaps_compute(allreduce_s: float) -> None:
+    """pipedream all-reduces run on their own channel: two data-parallel replicas (t = F + B = 3 s
+    each) finish a microbatch every max(t, a) / 2 s, and every all-reduce starts when the later
+    replica's backward of the round ends, never before."""
+    timeline = simulate_schedule(build_schedule("pipedream", [2], 40), [StageTimes(F, B, allreduce_s, 0.0)])
+    assert timeline.iteration_s() == pytest.approx(max(F + B, allreduce_s) / 2)
+    events = timeline.events
+    backward_ends = events[events["op"] == BACKWARD].groupby(["rank"])["end_s"].apply(sorted)
+    for rank, starts in events[events["op"] == ALLREDUCE].groupby("rank")["start_s"]:
+        rounds = zip(backward_ends[0], backward_ends[1])
+        assert all(start >= max(pair) - 1e-12 for start, pair in zip(sorted(starts), rounds))
+
+
+def test_bubble_fraction_of_gpipe() -> None:
+    """With p equal stages and m microbatches each rank idles (p - 1) / (m + p - 1) of the time."""
+    timeline = simulate_schedule(build_schedule("gpipe", [1] * 4, 8), equal_stages(4))
+    assert list(timeline.bubble_fraction()) == [pytest.approx(3 / 11)] * 4
+
+
+def test_trace_has_one_event_per_op(tmp_path) -> None:
+    """The Chrome trace is valid JSON with one complete event per simulated op, times in microseconds."""
+    timeline = simulate_schedule(build_schedule("1f1b", [1, 2, 1], 4), equal_stages(3), make_cluster(4, None, [1e9]))
+    path = tmp_path / "trace.json"
+    timeline.write_trace(str(path))
+    trace = json.loads(path.read_text())
+    complete = [event for event in trace["traceEvents"] if event["ph"] == "X"]
+    assert len(complete) == len(timeline.events)
+    backward = next(e for e in complete if e["cat"] == BACKWARD)
+    assert backward["dur"] == pytest.approx(B * 1e6)
