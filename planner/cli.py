@@ -1,4 +1,8 @@
-"""The `planner` command: a thin typer layer over the Python API; user errors become one line."""
+"""The `planner` command: a thin typer layer over the Python API; user errors become one line.
+
+Why one module of ~400 lines: one short function per command, each a thin layer over the Python API;
+heavy imports stay inside the commands so that `planner --help` starts at once.
+"""
 
 from __future__ import annotations
 

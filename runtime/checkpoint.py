@@ -10,15 +10,16 @@ most a temporary file, never a final name with partial content, and the manifest
 into place after every stage file it lists is durable. Nothing in a complete checkpoint is ever
 rewritten; only `prune` deletes, and never the newest complete checkpoint.
 
-Optimizer state is stored keyed by parameter NAME (`named_optimizer_state`), not by torch's integer
+Optimizer state is stored keyed by parameter NAME (`runtime.optimizer_state`), not by torch's integer
 index, so a checkpoint can be loaded into a differently split model (a re-partitioned plan).
+
+Why one module of ~510 lines: writing, finding, reading and pruning follow one layout and one rule of
+completeness (the manifest last); apart they could disagree about which checkpoint is complete.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -26,21 +27,19 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO, Callable
 
 import torch
-from torch import nn
 
 from planner.errors import FileFormatError, FileProblemError
-from planner.files.fileformat import read_versioned_json
-from planner.version import __version__
+from planner.files.fileformat import fsync_folder, read_versioned_json, versioned_json_text, write_atomically
 from runtime.nested import map_tensors
 
 __all__ = [
     "MANIFEST_FORMAT", "MANIFEST_VERSION", "STAGE_FORMAT", "STAGE_VERSION", "Checkpoint", "CheckpointError",
-    "check_writable", "export_checkpoint", "latest_complete", "list_complete", "load_named_optimizer_state",
-    "load_stage", "named_optimizer_state", "optimizer_state_of", "prune", "save_stage", "stage_file",
-    "step_dir", "write_manifest",
+    "check_writable", "export_checkpoint", "latest_complete", "list_complete", "load_stage", "load_stages",
+    "merged_model_state", "merged_optimizer_state", "optimizer_state_of", "prune", "same_value", "save_stage",
+    "stage_file", "step_dir", "write_manifest",
 ]
 
 MANIFEST_FORMAT = "pipeline-planner/checkpoint"
@@ -145,13 +144,12 @@ def write_manifest(root: str | Path, step: int, *, num_stages: int, plan_digest:
         )
     files = {str(stage): {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
              for stage, path in enumerate(paths)}
-    document = {
-        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "planner_version": __version__,
+    body = {
         "step": step, "num_stages": num_stages, "plan_digest": plan_digest, "files": files, "meta": meta,
         "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     try:
-        text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+        text = versioned_json_text(MANIFEST_FORMAT, MANIFEST_VERSION, body)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(str(folder / MANIFEST_NAME), f"meta is not JSON-serializable ({exc})",
                               "pass numbers, strings, lists and dicts in meta") from None
@@ -178,30 +176,12 @@ def check_writable(root: str | Path) -> None:
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], Any], root: str | Path) -> Path:
-    """Write `path` via a temporary file in its folder: write, flush, fsync, os.replace, fsync the folder.
-
-    An OSError (disk full, permission) removes the temporary file and becomes a CheckpointError
-    naming `path` and the previous complete checkpoint under `root`, which is untouched.
-    """
-    tmp_name: str | None = None
+    """`fileformat.write_atomically`, its error a CheckpointError naming `path` and the previous complete
+    checkpoint under `root`, which is untouched."""
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; checkpoints are read by other tools and users
-        os.replace(tmp_name, path)
-        tmp_name = None
-        _fsync_dir(path.parent)
-    except OSError as exc:
-        _remove_quietly(tmp_name)
-        raise CheckpointError(str(path), f"cannot be written: {exc.strerror or exc}; {_previous(root)}",
-                              _WRITABLE_FIX) from None
-    except BaseException:
-        _remove_quietly(tmp_name)
-        raise
-    return path
+        return write_atomically(path, write)
+    except FileFormatError as exc:
+        raise CheckpointError(exc.path, f"{exc.problem}; {_previous(root)}", _WRITABLE_FIX) from None
 
 
 def _make_step_dir(root: str | Path, folder: Path) -> None:
@@ -210,34 +190,10 @@ def _make_step_dir(root: str | Path, folder: Path) -> None:
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
         if created:
-            _fsync_dir(folder.parent)
+            fsync_folder(folder.parent)
     except OSError as exc:
         raise CheckpointError(str(folder), f"cannot be created: {exc.strerror or exc}; {_previous(root)}",
                               _WRITABLE_FIX) from None
-
-
-def _fsync_dir(folder: Path) -> None:
-    """fsync a folder so that renames and new entries in it survive a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return  # e.g. Windows cannot open folders; the rename itself is still atomic
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # the filesystem does not sync folders
-            raise
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(name: str | None) -> None:
-    """Delete a temporary file if there is one; errors are ignored (the caller reports the first one)."""
-    if name is not None:
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
 
 
 def _previous(root: str | Path) -> str:
@@ -413,10 +369,30 @@ def export_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     Load it with `model.load_state_dict(state_dict)` into a model built by the model file.
     """
     checkpoint = _resolve(path)
+    return merged_model_state(checkpoint, load_stages(checkpoint))
+
+
+def optimizer_state_of(path: str | Path) -> dict[str, Any]:
+    """The union of the stages' named optimizer states (`runtime.optimizer_state`), for resuming on a new plan.
+
+    `path` as for `export_checkpoint`; see `merged_optimizer_state`.
+    """
+    checkpoint = _resolve(path)
+    return merged_optimizer_state(checkpoint, load_stages(checkpoint))
+
+
+def load_stages(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+    """Every stage file of `checkpoint`, each read and checked once (`load_stage`), stage by stage."""
+    return [load_stage(checkpoint, stage) for stage in range(checkpoint.num_stages)]
+
+
+def merged_model_state(checkpoint: Checkpoint, stages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The union of the `model_state` of `stages` (`load_stages(checkpoint)`); a name several stages hold
+    (tied weights) is taken once, and differing values are a CheckpointError."""
     merged: dict[str, torch.Tensor] = {}
     holder: dict[str, int] = {}
-    for stage in range(checkpoint.num_stages):
-        for name, tensor in load_stage(checkpoint, stage)["model_state"].items():
+    for stage, payload in enumerate(stages):
+        for name, tensor in payload["model_state"].items():
             if name in merged:
                 _check_same(checkpoint, name, holder[name], stage, merged[name], tensor)
                 continue
@@ -425,22 +401,20 @@ def export_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return merged
 
 
-def optimizer_state_of(path: str | Path) -> dict[str, Any]:
-    """The union of the stages' named optimizer states (see `named_optimizer_state`), for resuming on a new plan.
+def merged_optimizer_state(checkpoint: Checkpoint, stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of the named optimizer states of `stages` (`load_stages(checkpoint)`).
 
-    `path` as for `export_checkpoint`. Each new stage's optimizer takes the names it has with
-    `load_named_optimizer_state`. Stages saved without optimizer state contribute nothing; if none
-    has any, CheckpointError. A name in several stages (tied weights) is taken once; differing
-    values are a CheckpointError.
+    Each new stage's optimizer takes the names it has with `load_named_optimizer_state`. Stages
+    saved without optimizer state contribute nothing; if none has any, CheckpointError. A name in
+    several stages (tied weights) is taken once; differing values are a CheckpointError.
     """
-    checkpoint = _resolve(path)
     state: dict[str, dict[str, Any]] = {}
     shapes: dict[str, list[int]] = {}
     groups: list[dict[str, Any]] = []
     holder: dict[str, int] = {}
     found_any = False
-    for stage in range(checkpoint.num_stages):
-        named = load_stage(checkpoint, stage)["optimizer_state"]
+    for stage, payload in enumerate(stages):
+        named = payload["optimizer_state"]
         if named is None:
             continue
         found_any = True
@@ -503,139 +477,25 @@ def _check_same(checkpoint: Checkpoint, name: str, first: int, second: int,
 def _check_same_state(checkpoint: Checkpoint, name: str, first: int, second: int,
                       kept: dict[str, Any], other: dict[str, Any]) -> None:
     """CheckpointError unless two stages' optimizer states of one parameter name are identical."""
-    if kept.keys() != other.keys() or not all(_same(kept[key], other[key]) for key in kept):
+    if kept.keys() != other.keys() or not all(same_value(kept[key], other[key]) for key in kept):
         raise CheckpointError(
             str(checkpoint.path), f"stages {first} and {second} both hold optimizer state of {name!r} with "
             "different values", "tied weights must be kept identical by the training job; use an older checkpoint",
         )
 
 
-def _same(first: Any, second: Any) -> bool:
+def same_value(first: Any, second: Any) -> bool:
     """Exact equality of two state values (tensors: dtype, shape and values; containers: elementwise)."""
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         return (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
                 and first.dtype == second.dtype and first.shape == second.shape
                 and torch.equal(first.cpu(), second.cpu()))
     if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(_same(first[key], second[key]) for key in first)
+        return first.keys() == second.keys() and all(same_value(first[key], second[key]) for key in first)
     if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
         return (type(first) is type(second) and len(first) == len(second)
-                and all(_same(a, b) for a, b in zip(first, second)))
+                and all(same_value(a, b) for a, b in zip(first, second)))
     return type(first) is type(second) and first == second
-
-
-# --- optimizer state by parameter name -----------------------------------------------------------
-
-
-def named_optimizer_state(optimizer: torch.optim.Optimizer,
-                          named_parameters: Iterable[tuple[str, nn.Parameter]]) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name instead of torch's integer index.
-
-    Returns {"state": {name: {key: value}}, "param_groups": [{hyper-parameters..., "params":
-    [names]}], "shapes": {name: [dims]}}: torch's `optimizer.state_dict()` with every index
-    replaced by the names `named_parameters` gives that parameter. Pass
-    `module.named_parameters(remove_duplicate=False)`: a tied parameter is then recorded under
-    every name (the same tensors, stored once by torch.save), so a stage that knows it by another
-    name finds it. Tensors are the optimizer's own (not copied): save or copy before the next
-    step. CheckpointError if an optimized parameter has no name.
-    """
-    names = _names_by_id(named_parameters)
-    torch_state = optimizer.state_dict()
-    index_names: dict[int, list[str]] = {}
-    shapes: dict[str, list[int]] = {}
-    groups = []
-    for group_index, (group, saved) in enumerate(zip(optimizer.param_groups, torch_state["param_groups"])):
-        group_names = []
-        for position, (parameter, index) in enumerate(zip(group["params"], saved["params"])):
-            aliases = _names_of(names, parameter, group_index, position)
-            index_names[index] = aliases
-            shapes.update((name, list(parameter.shape)) for name in aliases)
-            group_names.extend(aliases)
-        hyper = {key: value for key, value in saved.items() if key not in ("params", "param_names")}
-        groups.append({**hyper, "params": group_names})
-    state = {name: values for index, values in torch_state["state"].items() for name in index_names[index]}
-    return {"state": state, "param_groups": groups, "shapes": shapes}
-
-
-def load_named_optimizer_state(optimizer: torch.optim.Optimizer,
-                               named_parameters: Iterable[tuple[str, nn.Parameter]],
-                               state: dict[str, Any], source: str | Path = "optimizer state") -> None:
-    """Load a `named_optimizer_state` (or `optimizer_state_of`) dict into `optimizer`, matching parameters by name.
-
-    Each parameter takes the state saved under the first of its names that has some (copied,
-    cast to its device and dtype as torch does; pass `named_parameters(remove_duplicate=False)` so
-    that a tied parameter is looked up under every name); parameters the state lacks start fresh (no state). Each param group
-    takes the hyper-parameters (lr, momentum, betas, ...) of the saved groups holding its
-    parameters, and keeps its own if none does. CheckpointError (naming `source`) if a parameter
-    has another shape than saved, the saved groups of one new group disagree on hyper-parameters,
-    or an optimized parameter has no name.
-    """
-    names = _names_by_id(named_parameters)
-    saved_state: dict[str, dict[str, Any]] = state["state"]
-    saved_shapes: dict[str, list[int]] = state.get("shapes", {})
-    saved_group_of = {name: group for group in state["param_groups"] for name in group["params"]}
-    current = optimizer.state_dict()
-    torch_state: dict[int, dict[str, Any]] = {}
-    groups = []
-    for group_index, (group, own) in enumerate(zip(optimizer.param_groups, current["param_groups"])):
-        sources: list[tuple[str, dict[str, Any]]] = []
-        for position, (parameter, index) in enumerate(zip(group["params"], own["params"])):
-            all_names = _names_of(names, parameter, group_index, position, source)
-            for name in all_names:
-                if name in saved_shapes and list(parameter.shape) != list(saved_shapes[name]):
-                    raise CheckpointError(
-                        str(source), f"parameter {name!r} has shape {list(parameter.shape)} here but "
-                        f"{list(saved_shapes[name])} in the checkpoint",
-                        "resume with the model the checkpoint was made from",
-                    )
-            known = next((name for name in all_names if name in saved_state), None)
-            if known is not None:
-                # fresh tensors: the optimizer updates them in place, and tied names must not share them
-                torch_state[index] = map_tensors(lambda t: t.detach().clone(), saved_state[known])
-            grouped = next((name for name in all_names if name in saved_group_of), None)
-            if grouped is not None:
-                sources.append((grouped, saved_group_of[grouped]))
-        groups.append({**own, **_hyper_parameters(sources, source)})
-    optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
-
-
-def _hyper_parameters(sources: list[tuple[str, dict[str, Any]]], source: str | Path) -> dict[str, Any]:
-    """The hyper-parameters the saved groups of one new group agree on; CheckpointError if they differ."""
-    if not sources:
-        return {}
-    first_name, first = sources[0]
-    chosen = {key: value for key, value in first.items() if key not in ("params", "param_names")}
-    for name, group in sources[1:]:
-        other = {key: value for key, value in group.items() if key not in ("params", "param_names")}
-        if other.keys() != chosen.keys() or not all(_same(chosen[key], other[key]) for key in chosen):
-            raise CheckpointError(
-                str(source), f"parameters {first_name!r} and {name!r} share a param group here but were saved "
-                "with different hyper-parameters", "put them in separate param groups, as when saved",
-            )
-    return chosen
-
-
-def _names_by_id(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> dict[int, list[str]]:
-    """Parameter id -> its names, in the order given, without repeats."""
-    names: dict[int, list[str]] = {}
-    for name, parameter in named_parameters:
-        held = names.setdefault(id(parameter), [])
-        if name not in held:
-            held.append(name)
-    return names
-
-
-def _names_of(names: dict[int, list[str]], parameter: torch.Tensor, group_index: int, position: int,
-              source: str | Path = "optimizer state") -> list[str]:
-    """The names of an optimized parameter; CheckpointError (naming `source`) if `named_parameters` lacks it."""
-    held = names.get(id(parameter))
-    if not held:
-        raise CheckpointError(
-            str(source), f"the optimizer's parameter {position} of param group {group_index} (shape "
-            f"{list(parameter.shape)}) is not among named_parameters",
-            "pass the named_parameters() of the module the optimizer trains",
-        )
-    return held
 
 
 # --- pruning -------------------------------------------------------------------------------------
@@ -663,7 +523,7 @@ def prune(root: str | Path, keep: int) -> list[Path]:
             continue
         try:
             (folder / MANIFEST_NAME).unlink(missing_ok=True)
-            _fsync_dir(folder)
+            fsync_folder(folder)
             shutil.rmtree(folder)
         except OSError as exc:
             raise CheckpointError(str(folder), f"cannot be removed: {exc.strerror or exc}",

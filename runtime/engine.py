@@ -36,6 +36,9 @@ its stage and replica (`planner.schedules.schedule`), the same data the simulato
   ends the step on every rank with an `EngineError` naming the rank, as above;
 - timings: `trace` holds an `OpTime` per action of the last `trace_steps` steps
   (`runtime.trace`), `step_spans` the start and end of every `train_step` (perf_counter s).
+
+Why one module of ~530 lines: set-up checks, process groups, the schedule interpreter and fail-fast
+share the Engine's state; the stage's own computation is `runtime.stage_runner`, messages `runtime.p2p`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     Schedule, build_schedule,
 )
+from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
 from runtime.liveness import Heartbeat, RankMissing
 from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
@@ -83,11 +87,14 @@ class _PeerFailed(Exception):
     """Another rank published a failure; the message is theirs."""
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     device: torch.device | None = None) -> tuple[int, int, torch.device]:
     """Join the torchrun job (idempotent): (rank, world size, this rank's device).
 
     The backend defaults to NCCL with one GPU per local rank when CUDA is available, gloo on CPU
-    otherwise. Raises EngineError outside torchrun (no RANK / WORLD_SIZE in the environment).
+    otherwise; `device` (e.g. a GPU under gloo) overrides the device the backend implies and
+    becomes the current CUDA device. Raises EngineError outside torchrun (no RANK / WORLD_SIZE
+    in the environment).
     """
     if not dist.is_initialized():
         missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
@@ -95,11 +102,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
             raise EngineError(f"not started by torchrun ({', '.join(missing)} unset): launch with "
                               "`torchrun --nproc-per-node N your_script.py`")
         chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if chosen == "nccl":
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        elif chosen == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-              else torch.device("cpu"))
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                  else torch.device("cpu"))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -157,17 +167,13 @@ class Engine:
                                   stash_weights=schedule == "pipedream")
         self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
         self.failure_timeout_s, self.timeout_s = failure_timeout_s, timeout_s
-        links, self._groups = _make_groups(self.schedule, shared)
-        parameters = dict(self.module.named_parameters())
-        self._tied = [(parameters[held.stage_names[held.stages.index(self.stage)]], self._groups[("tied", k)])
-                      for k, held in enumerate(shared) if self.stage in held.stages]
-        tied_ids = {id(parameter) for parameter, _ in self._tied}
-        self._replicated = [p for p in self.module.parameters() if id(p) not in tied_ids]
+        links = _make_links(self.schedule)
+        self._gradients = make_gradient_groups(self.schedule.stage_ranks, shared, self.stage, self.module)
         self._store, self._prefix = _engine_store()
         self._heartbeat = Heartbeat(self._store, self._prefix, self.rank, self.world, timeout_s,
                                     interval_s=min(1.0, timeout_s / 4))
         self._mailbox = Mailbox()
-        self._links = Links(self.rank, links, self._mailbox, _comm_device(self.device), self._check)
+        self._links = Links(self.rank, links, self._mailbox, comm_device(self.device), self._check)
         self._sent_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure sent
         self._received_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure received
         self._where: Key | None = None
@@ -318,8 +324,8 @@ class Engine:
                 self._links.send(action.peer, outgoing.pop(key), with_structure=False,
                                  tag=(step, action.op, *key, action.peer))
             elif action.op == ALLREDUCE:
-                self._all_reduce(self._replicated, self._groups[("stage", self.stage)],
-                                 mean=pipedream, replicas=len(self.schedule.stage_ranks[self.stage]))
+                self._all_reduce(self._gradients.replicated, self._gradients.replica_group,
+                                 divide_by=len(self.schedule.stage_ranks[self.stage]) if pipedream else 1)
             elif action.op == STEP:
                 self._step()
             if action.op not in (SEND_ACTIVATION, SEND_GRADIENT):  # sends are timed by the sender thread
@@ -360,26 +366,17 @@ class Engine:
 
     def _step(self) -> None:
         """Sum tied parameters' gradients across their stages, then step the optimizer (if any)."""
-        for parameter, group in self._tied:
-            self._all_reduce([parameter], group, mean=False, replicas=1)
+        for parameter, group in self._gradients.tied:
+            self._all_reduce([parameter], group)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _all_reduce(self, parameters: list[nn.Parameter], group: Any, mean: bool, replicas: int) -> None:
-        """All-reduce the gradients of `parameters` in `group` as one flat buffer (sum, or mean over `replicas`)."""
-        if not parameters:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([grad.reshape(-1) for grad in grads]).to(_comm_device(self.device))
-        self._wait(dist.all_reduce(flat, group=group, async_op=True), "a gradient all-reduce")
-        if mean:
-            flat /= replicas
-        offset = 0
-        for parameter in parameters:
-            size = parameter.numel()
-            parameter.grad = flat[offset:offset + size].view_as(parameter).to(parameter.device)
-            offset += size
+    def _all_reduce(self, parameters: list[nn.Parameter], group: Any, divide_by: int = 1) -> None:
+        """Sum the gradients of `parameters` over `group`, divided by `divide_by` (`all_reduce_gradients`),
+        waiting as every wait of the engine does: watching the other ranks."""
+        all_reduce_gradients(parameters, group, self.device, divide_by,
+                             wait=lambda work: self._wait(work, "a gradient all-reduce"))
 
     def _loss(self, shares: list[float]) -> float:
         """The mini-batch's mean loss, summed over the last stage's replicas."""
@@ -391,8 +388,8 @@ class Engine:
         replicas = self.schedule.stage_ranks[self.stage]
         if len(replicas) == 1:
             return float(total)
-        summed = torch.tensor([total], dtype=torch.float64, device=_comm_device(self.device))
-        self._wait(dist.all_reduce(summed, group=self._groups[("stage", self.stage)], async_op=True),
+        summed = torch.tensor([total], dtype=torch.float64, device=comm_device(self.device))
+        self._wait(dist.all_reduce(summed, group=self._gradients.replica_group, async_op=True),
                    "the loss all-reduce")
         return float(summed.item())
 
@@ -494,22 +491,12 @@ def _check_message_order(schedule: Schedule) -> None:
                               "order than it is sent; the engine's channels are first in, first out")
 
 
-def _make_groups(schedule: Schedule, shared: Sequence[Any]) -> tuple[dict[tuple[int, int], Any], dict[Any, Any]]:
-    """Every process group the engine uses, created in the same order on every rank: (links, collectives).
-
-    links[(a, b)]: messages from rank a to rank b; collectives[("stage", s)]: the replicas of
-    stage s (if several); collectives[("tied", k)]: every rank of the stages holding tied parameter k.
-    """
+def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:
+    """links[(a, b)]: the process group of the messages from rank a to rank b, created in the same order on
+    every rank (the gradient groups come next: `make_gradient_groups`)."""
     pairs = sorted({(program.rank, action.peer) for program in schedule.programs for action in program.actions
                     if action.op in (SEND_ACTIVATION, SEND_GRADIENT)})
-    links = {pair: dist.new_group(sorted(pair)) for pair in pairs}
-    groups: dict[Any, Any] = {}
-    for stage, ranks in enumerate(schedule.stage_ranks):
-        if len(ranks) > 1:
-            groups[("stage", stage)] = dist.new_group(sorted(ranks))
-    for index, held in enumerate(shared):
-        groups[("tied", index)] = dist.new_group(sorted(r for s in held.stages for r in schedule.stage_ranks[s]))
-    return links, groups
+    return {pair: dist.new_group(sorted(pair)) for pair in pairs}
 
 
 def _engine_store() -> tuple[Any, str]:
@@ -518,8 +505,3 @@ def _engine_store() -> tuple[Any, str]:
     number = [store.add("runtime/engines", 1) if dist.get_rank() == 0 else 0]
     dist.broadcast_object_list(number, src=0)
     return store, f"runtime/engine{number[0]}/"
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    """Where messages and all-reduce buffers live: the GPU under NCCL, the CPU under gloo."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")

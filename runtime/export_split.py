@@ -35,6 +35,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from runtime.stage_types import StageSplitError
+
 __all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device",
            "modules_inside_blocks"]
 
@@ -184,8 +186,6 @@ class ShapeGuard:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Raise StageSplitError unless `args` have the captured shapes and the module the captured mode."""
-        from runtime.stages import StageSplitError
-
         self._check_shapes(args)
         if module.training != self.training:
             mode = "training" if self.training else "eval"
@@ -196,8 +196,6 @@ class ShapeGuard:
 
     def _check_shapes(self, args: tuple[Any, ...]) -> None:
         """StageSplitError naming both shapes unless `args` have the captured ones."""
-        from runtime.stages import StageSplitError
-
         shapes = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else None for arg in args)
         if shapes != self.shapes:
             raise StageSplitError(

@@ -46,6 +46,7 @@ from planner.files.export import ExportError, pippy_export
 from planner.profiling.model_file import LossFn, default_loss
 from planner.files.plan import Plan
 from runtime.engine import init_distributed
+from runtime.gradients import GradientGroups, all_reduce_gradients, comm_device, make_gradient_groups
 from runtime.nested import map_tensors, split_batch
 from runtime.pipeline import PipelineError
 from runtime.stages import Stages, build_stages, describe_boundaries
@@ -67,16 +68,13 @@ class PippyPipeline:
     """
 
     def __init__(self, stage: PipelineStage, schedule: PipelineScheduleSingle, replica: int, replicas: int,
-                 tied: Sequence[tuple[nn.Parameter, Any]], replicated: Sequence[nn.Parameter],
-                 replica_group: Any, device: torch.device) -> None:
+                 gradients: GradientGroups, device: torch.device) -> None:
         self.stage = stage
         self.schedule = schedule
         self.stage_index: int = stage.stage_index
         self.replica = replica
         self.replicas = replicas
-        self._tied = list(tied)
-        self._replicated = list(replicated)
-        self._replica_group = replica_group
+        self._gradients = gradients
         self._device = device
 
     def __iter__(self) -> Iterator[Any]:
@@ -98,10 +96,11 @@ class PippyPipeline:
         and equal microbatches, mean of R pipeline means = the mini-batch mean. Every rank must
         call it (collectives); a parameter without a gradient takes part with zeros.
         """
-        for parameter, group in self._tied:
-            self._all_reduce_mean([parameter], group)
+        for parameter, group in self._gradients.tied:
+            all_reduce_gradients([parameter], group, self._device, divide_by=self.replicas)
         if self.replicas > 1:
-            self._all_reduce_mean(self._replicated, self._replica_group)
+            all_reduce_gradients(self._gradients.replicated, self._gradients.replica_group, self._device,
+                                 divide_by=self.replicas)
 
     def forward_backward(self, inputs: Any, target: Any) -> float | None:
         """One whole mini-batch (the same on every rank): this pipeline's share through `schedule.step`
@@ -118,24 +117,11 @@ class PippyPipeline:
             return None
         mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
         if self.replicas > 1:
-            mean = mean.to(_comm_device(self._device))
-            dist.all_reduce(mean, group=self._replica_group)
+            mean = mean.to(comm_device(self._device))
+            dist.all_reduce(mean, group=self._gradients.replica_group)
             mean /= self.replicas
         return float(mean.item())
 
-    def _all_reduce_mean(self, parameters: Sequence[nn.Parameter], group: Any) -> None:
-        """Sum the gradients of `parameters` over `group`, then divide by R (one collective per parameter)."""
-        comm = _comm_device(self._device)
-        pending = []
-        for parameter in parameters:
-            grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-            buffer = grad.to(comm)
-            pending.append((parameter, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
-        for parameter, buffer, work in pending:
-            work.wait()
-            if self.replicas > 1:
-                buffer /= self.replicas
-            parameter.grad = buffer.to(parameter.device)
 
 
 def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: LossFn | None = None,
@@ -172,7 +158,7 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
         _check_boundaries(stages, example_microbatch)
     replica, stage_index = next((k, s) for k, ranks in enumerate(settings.ranks) for s, r in enumerate(ranks)
                                 if r == rank)
-    pipeline_groups, replica_groups, tied_groups = _make_groups(settings.ranks, settings.stage_ranks, stages)
+    pipeline_groups = _pipeline_groups(settings.ranks)
     chosen = torch.device(device) if device is not None else init_distributed()[2]
     module = stages[stage_index].to(chosen)
     group = pipeline_groups[replica]
@@ -182,26 +168,16 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
         s: (r if group is None else dist.get_group_rank(group, r)) for s, r in enumerate(settings.ranks[replica])}
     schedule = _SCHEDULES[settings.schedule_class](stage, n_microbatches=settings.n_microbatches,
                                                    loss_fn=loss_fn or default_loss, scale_grads=True)
-    parameters = dict(module.named_parameters())
-    tied = [(parameters[held.stage_names[held.stages.index(stage_index)]], tied_groups[k])
-            for k, held in enumerate(stages.shared) if stage_index in held.stages]
-    tied_ids = {id(parameter) for parameter, _ in tied}
-    replicated = [parameter for parameter in module.parameters() if id(parameter) not in tied_ids]
-    return PippyPipeline(stage, schedule, replica, settings.replicas, tied, replicated,
-                         replica_groups[stage_index], chosen)
+    gradients = make_gradient_groups(settings.stage_ranks, stages.shared, stage_index, module)
+    return PippyPipeline(stage, schedule, replica, settings.replicas, gradients, chosen)
 
 
-def _make_groups(pipelines: Sequence[Sequence[int]], stage_ranks: Sequence[Sequence[int]],
-                 stages: Stages) -> tuple[list[Any], list[Any], list[Any]]:
-    """Process groups, created in the same order on every rank: (per pipeline, per stage's replicas, per tied
-    parameter). A single pipeline uses the default group; a stage without replicas has None."""
+def _pipeline_groups(pipelines: Sequence[Sequence[int]]) -> list[Any]:
+    """One process group per pipeline, created in the same order on every rank (the gradient groups come
+    next: `make_gradient_groups`); a single pipeline uses the default group (None)."""
     if len(pipelines) == 1:
-        pipeline_groups: list[Any] = [None]
-    else:
-        pipeline_groups = [dist.new_group(sorted(ranks)) for ranks in pipelines]
-    replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
-    tied_groups = [dist.new_group(sorted(r for s in held.stages for r in stage_ranks[s])) for held in stages.shared]
-    return pipeline_groups, replica_groups, tied_groups
+        return [None]
+    return [dist.new_group(sorted(ranks)) for ranks in pipelines]
 
 
 def _check_boundaries(stages: Stages, example_microbatch: Any) -> None:
@@ -232,8 +208,3 @@ def _evaluating(modules: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for module, training in flags:
             module.training = training
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    """Where all-reduce buffers live: the GPU under NCCL, the CPU under gloo."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -76,7 +76,7 @@ from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
 
 __all__ = [
-    "RankTrace", "build_run_report", "gather_traces", "rank_trace", "replay_timeline", "run_meta",
+    "RankTrace", "build_run_report", "gather_traces", "rank_trace", "run_meta",
     "save_run_report", "write_run_report",
 ]
 
@@ -385,32 +385,3 @@ def _ratio(measured: float | None, predicted: float | None) -> float | None:
     if measured is None or predicted is None or predicted == 0:
         return None
     return measured / predicted
-
-
-# ---------------------------------------------------------------- replaying a simulation
-
-
-def replay_timeline(timeline: Timeline, steps: int = 3, *, step_gap_s: float = 0.001,
-                    clock_offsets_s: dict[int, float] | None = None, hostname: str = "simulated") -> list[RankTrace]:
-    """The RankTraces of a run that went exactly as `timeline`, once per train_step: a dry run of
-    the report, and a fixture whose answers the simulation knows.
-
-    Step k runs over [k (makespan + step_gap_s), + makespan] on the common clock, every rank's
-    span the whole of it; rank r's clock reads common time - clock_offsets_s[r] (default 0).
-    """
-    offsets = clock_offsets_s or {}
-    period = timeline.makespan_s + step_gap_s
-    traces = []
-    for rank, rows in timeline.events.groupby("rank", sort=True):
-        offset = offsets.get(int(rank), 0.0)
-        ops = tuple(
-            OpTime(step=k, op=str(row.op), iteration=int(row.iteration), microbatch=int(row.microbatch),
-                   peer=None if int(row.peer) < 0 else int(row.peer),
-                   start_s=k * period + float(row.start_s) - offset, end_s=k * period + float(row.end_s) - offset)
-            for k in range(steps) for row in rows.itertuples(index=False)
-        )
-        spans = tuple((k * period - offset, k * period + timeline.makespan_s - offset) for k in range(steps))
-        traces.append(RankTrace(rank=int(rank), stage=int(rows["stage"].iloc[0]), replica=int(rows["replica"].iloc[0]),
-                                hostname=hostname, clock_offset_s=offset, ops=ops, step_spans=spans,
-                                microbatches=timeline.microbatches, schedule=timeline.schedule))
-    return traces

@@ -22,6 +22,9 @@ Faults: a rank that fails, exits or stops answering for `--timeout` seconds ends
 with one line naming it and the last complete checkpoint (`runtime.engine`; the heartbeat in
 `runtime.liveness`). At the end rank 0 writes the run report (`runtime.report`): measured times
 next to the plan's predictions, for `planner compare`.
+
+Why one module of ~540 lines: it is one job read top to bottom: options, the checks every rank makes
+before any collective, the training loop with its checkpoints and log, and the run report.
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ from planner.errors import PlannerError
 from planner.profiling.model_file import ModelFile, build_checked_model, load_model_file
 from planner.files.plan import Plan, load_plan, plan_digest
 from planner.files.profile import load_profile
+from planner.schedules.schedule import pipedream_microbatches
 from runtime.checkpoint import (
-    Checkpoint, CheckpointError, check_writable, latest_complete, load_stage, named_optimizer_state, optimizer_state_of,
-    load_named_optimizer_state, export_checkpoint, prune, save_stage, write_manifest,
+    Checkpoint, CheckpointError, check_writable, latest_complete, load_stages, merged_model_state,
+    merged_optimizer_state, prune, save_stage, write_manifest,
 )
-from runtime.engine import Engine, EngineError
+from runtime.engine import Engine, EngineError, init_distributed
 from runtime.malloc import steady_malloc
+from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
 
 __all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch"]
@@ -162,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _wait_for_checks()
             return 1
         _wait_for_checks()
-        _init_process_group(setup, options.timeout_s)
+        init_distributed(setup.backend, options.timeout_s, setup.device)
         try:
             train(options, setup)
         finally:
@@ -247,7 +252,9 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
                                 "continue from it with --resume, or give another --checkpoint-dir")
     if options.data == "loader" and model_file.data_loader is None:
         raise TrainingError(f"{options.model_file} has no data_loader(batch_size): define one, or use --data example")
-    microbatches = options.microbatches or plan.microbatches or _pipedream_microbatches(plan)
+    # pipedream plans have no microbatch count: at least twice the ranks per train_step, so the pipeline is mostly full
+    microbatches = options.microbatches or plan.microbatches or pipedream_microbatches(
+        [stage.replicas for stage in plan.stages], 2 * needed)
     microbatch_size = options.microbatch_size or plan.microbatch_size
     if microbatch_size is None:
         raise TrainingError(f"{options.plan} does not know its microbatch size (its profile has no batch size): "
@@ -309,22 +316,6 @@ def _check_layer_names(model: nn.Module, plan: Plan, options: TrainOptions) -> N
                             "partition again")
 
 
-def _pipedream_microbatches(plan: Plan) -> int:
-    """Microbatches per `train_step` for pipedream (its plans have none): a multiple of every stage's
-    replica count, at least twice the number of ranks, so the pipeline is mostly full."""
-    unit = math.lcm(*(stage.replicas for stage in plan.stages))
-    ranks = sum(stage.replicas for stage in plan.stages)
-    return unit * max(1, math.ceil(2 * ranks / unit))
-
-
-def _init_process_group(setup: Setup, timeout_s: float) -> None:
-    from datetime import timedelta
-
-    if setup.device.type == "cuda":
-        torch.cuda.set_device(setup.device)
-    dist.init_process_group(setup.backend, timeout=timedelta(seconds=timeout_s))
-
-
 # --- training ------------------------------------------------------------------------------------
 
 
@@ -339,7 +330,7 @@ def train(options: TrainOptions, setup: Setup) -> None:
     plan, rank = setup.plan, setup.rank
     digest = plan_digest(plan)
     resumed = _restore_weights(options, setup, digest)
-    start_step = resumed.step if resumed is not None else 0
+    start_step = resumed[0].step if resumed is not None else 0
     lr = options.lr if options.lr is not None else DEFAULT_LR[setup.optimizer]
     engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
@@ -347,7 +338,7 @@ def train(options: TrainOptions, setup: Setup) -> None:
                               example_inputs=example_microbatch(setup))
     if resumed is not None and engine.optimizer is not None:  # this stage's optimizer state, by parameter name
         load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
-                                   optimizer_state_of(resumed.path))
+                                   merged_optimizer_state(*resumed))
     last_rank = plan.stages[-1].ranks[0]
     losses: list[tuple[int, float]] = []
     log = _Progress(rank == 0, options.steps, setup.batch_size, options.log_every, start_step)
@@ -467,9 +458,10 @@ def _latest_loss(engine: Engine, losses: list[tuple[int, float]], last_rank: int
 # --- checkpoints ---------------------------------------------------------------------------------
 
 
-def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> Checkpoint | None:
+def _restore_weights(options: TrainOptions, setup: Setup,
+                     digest: str) -> tuple[Checkpoint, list[dict[str, Any]]] | None:
     """With --resume: load the newest complete checkpoint's weights into the whole model and its RNG
-    state; returns that checkpoint (None when there is none)."""
+    state; returns that checkpoint and its stage files, each read once (None when there is none)."""
     if not options.resume:
         return None
     found = latest_complete(options.checkpoint_dir)
@@ -477,18 +469,19 @@ def _restore_weights(options: TrainOptions, setup: Setup, digest: str) -> Checkp
         if setup.rank == 0:
             print(f"no complete checkpoint in {options.checkpoint_dir}: starting from step 0", flush=True)
         return None
-    state = export_checkpoint(found.path)
+    stages = load_stages(found)
+    state = merged_model_state(found, stages)
     missing, unexpected = setup.model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise TrainingError(f"{found.path} does not fit {options.model_file}: missing {list(missing)[:3]}, "
                             f"unexpected {list(unexpected)[:3]}; resume with the model it was trained with")
-    torch.set_rng_state(load_stage(found, 0)["rng_state"]["torch"])
+    torch.set_rng_state(stages[0]["rng_state"]["torch"])
     if setup.rank == 0:
         same = found.manifest.get("plan_digest") == digest
         print(f"resuming from {found.path} (step {found.step})"
               + ("" if same else ", made with another plan: weights and optimizer state re-split for this one"),
               flush=True)
-    return found
+    return found, stages
 
 
 def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest: str) -> None:

@@ -83,12 +83,6 @@ class Cluster:
                 return index
         return len(self.levels) - 1
 
-    def span_bandwidth_Bps(self, first_rank: int, last_rank: int) -> float:
-        """Bandwidth of the slowest link among the ranks [first_rank, last_rank], bytes/s."""
-        if first_rank == last_rank:
-            return math.inf
-        return self.levels[self.span_level(first_rank, last_rank)].bandwidth_Bps
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description; inverse of `cluster_from_dict`."""
         return {

@@ -17,6 +17,10 @@ microbatches / R of them per step (which must be whole).
   (one PipelineModule layer per stage, so DeepSpeed's `uniform` partition is the plan's).
 
 Pure: no torch.distributed; `write_export` writes the JSON and the text file.
+
+Why one module of ~460 lines: both exports check the plan the same way (synchronous schedule, equal
+replicas) and write the same pair of files (a JSON spec and a Python file or instructions); the
+generated Python and instructions are a third of the length.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -14,27 +15,34 @@ from planner.version import __version__
 
 def write_versioned_json(path: str | Path, file_format: str, version: int, body: dict[str, Any]) -> Path:
     """Write `body` under a header {format, version, planner_version} atomically (`write_atomically`)."""
-    document = {"format": file_format, "version": version, "planner_version": __version__, **body}
-    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    text = versioned_json_text(file_format, version, body)
     return write_atomically(path, lambda handle: handle.write(text.encode("utf-8")), "e.g. ending in .json")
+
+
+def versioned_json_text(file_format: str, version: int, body: dict[str, Any]) -> str:
+    """The JSON text of `body` under the header {format, version, planner_version}; TypeError or
+    ValueError if `body` is not JSON-serializable (NaN and infinities included)."""
+    document = {"format": file_format, "version": version, "planner_version": __version__, **body}
+    return json.dumps(document, indent=1, allow_nan=False) + "\n"
 
 
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], Any], example: str = "") -> Path:
     """Create or replace the file `path` with what `write` puts into a binary handle; returns the path.
 
-    The content goes to a temporary file in the same folder, is flushed to disk, then renamed over
-    `path`: a crash or an error mid-write leaves the previous file intact. Unwritable places and
-    directories are a FileFormatError naming the path.
+    The content goes to a temporary file in the same folder, is flushed and fsynced, renamed over
+    `path`, and the folder is fsynced (`fsync_folder`): a crash or an error mid-write leaves the
+    previous file intact and no temporary file behind. Unwritable places and directories are a
+    FileFormatError naming the path (`example`: a file name to suggest instead of a directory).
     """
     path = Path(path)
     if path.is_dir():
         raise FileFormatError(str(path), "is a directory", f"give a file name{', ' + example if example else ''}")
+    tmp_name: str | None = None
+    fix = "choose a writable location"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise FileFormatError(str(path), f"cannot be written: {exc.strerror}", "choose a writable location") from None
-    try:
+        fix = "the previous file is unchanged"
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
@@ -42,13 +50,29 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], Any], example
         # mkstemp makes the file private (0600); keep the mode of the file replaced, else rw-r--r--
         os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp_name, path)
+        tmp_name = None
+        fsync_folder(path.parent)
     except OSError as exc:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise FileFormatError(str(path), f"cannot be written: {exc.strerror}", "the previous file is unchanged") from None
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+        raise FileFormatError(str(path), f"cannot be written: {exc.strerror or exc}", fix) from None
+    finally:
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
     return path
+
+
+def fsync_folder(folder: Path) -> None:
+    """fsync a folder so that renames and new entries in it survive a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # e.g. Windows cannot open folders; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # the filesystem does not sync folders
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_versioned_json(path: str | Path, file_format: str, max_version: int) -> dict[str, Any]:

@@ -111,13 +111,6 @@ class Profile:
         """Bytes of all parameters, shared ones counted once."""
         return sum(layer.param_bytes for layer in self.layers)
 
-    def layer_index(self, name: str) -> int:
-        """Index of the layer called `name`; KeyError if there is none."""
-        for index, layer in enumerate(self.layers):
-            if layer.name == name:
-                return index
-        raise KeyError(name)
-
     def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer in execution order, columns `LAYER_COLUMNS`."""
         rows = [dataclasses.asdict(layer) for layer in self.layers]

@@ -24,6 +24,9 @@ search over a bound beta on max_s Q(s):
 Without a memory limit (the default) solve(beta) is `unlimited_dp.solve_unlimited`: one state
 per (layer, residue), the fewest devices. Here: the memory-limited DP over Pareto fronts, the
 bound search and the tie and recompute rules. Stage sums come from `stage_sums.Pairs`.
+
+Why one module of ~400 lines: the evaluator of the objective and the search over bounds share one cost
+model state (`_Evaluator`); the memory-free fast path is `unlimited_dp`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 `solve_unlimited(combos, beta, straight)` returns the plan with every Q(s) <= beta on the fewest
 devices (see `GroupCombos` for which stages are evaluated and why that is exact); `optimize` in
 `planner.planning.optimizer` searches beta.
+
+Why one module of ~500 lines: the recurrence and the bounds that prune it are one proof of exactness;
+apart they could drift (a bound looser or tighter than the recurrence it prunes).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ every replica of its stage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
@@ -39,7 +40,6 @@ FORWARD, BACKWARD = "forward", "backward"
 SEND_ACTIVATION, RECV_ACTIVATION = "send_activation", "recv_activation"
 SEND_GRADIENT, RECV_GRADIENT = "send_gradient", "recv_gradient"
 ALLREDUCE, STEP = "allreduce", "step"
-COMPUTE_OPS = (FORWARD, BACKWARD)
 _SHORT = {FORWARD: "F", BACKWARD: "B", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRADIENT: "sg",
           RECV_GRADIENT: "rg", ALLREDUCE: "AR", STEP: "S"}
 
@@ -66,6 +66,13 @@ def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_fr
 
         return np.minimum(per_replica, through)
     return through
+
+
+def pipedream_microbatches(replicas: Sequence[int], at_least: int) -> int:
+    """The fewest microbatches, at least `at_least` (and 1), that every stage's replica count divides:
+    pipedream deals microbatches to a stage's replicas in turn, so a run of it ends on whole rounds."""
+    unit = math.lcm(*replicas)
+    return unit * max(1, -(-at_least // unit))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from planner.schedules.schedule import (
     STEP,
     Schedule,
     build_schedule,
+    pipedream_microbatches,
 )
 from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, stage_cost
 
@@ -149,20 +150,21 @@ class SimulationTooLongError(PlannerError):
 MAX_PIPEDREAM_ROUND = 1024  # microbatches in one round of every replica, beyond which pipedream is not simulated
 
 
-def pipedream_microbatches(stages: Sequence[Stage], at_least: int = 32) -> int:
-    """Microbatches for a pipedream simulation: a multiple of every stage's replicas, enough to reach
-    steady state; SimulationTooLongError when that multiple exceeds MAX_PIPEDREAM_ROUND."""
-    unit = math.lcm(*(stage[2] for stage in stages))
+def simulated_pipedream_microbatches(stages: Sequence[Stage]) -> int:
+    """Microbatches for a pipedream simulation: whole rounds of every replica (`pipedream_microbatches`),
+    at least 32 and 4 x stages x the most replicas, to reach steady state; SimulationTooLongError
+    when one round exceeds MAX_PIPEDREAM_ROUND."""
+    replicas = [stage[2] for stage in stages]
+    unit = math.lcm(*replicas)
     if unit > MAX_PIPEDREAM_ROUND:
-        raise SimulationTooLongError([stage[2] for stage in stages], unit)
-    wanted = max(at_least, 4 * len(stages) * max(stage[2] for stage in stages))
-    return unit * -(-wanted // unit)
+        raise SimulationTooLongError(replicas, unit)
+    return pipedream_microbatches(replicas, max(32, 4 * len(stages) * max(replicas)))
 
 
 def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1) -> Timeline:
     """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches."""
     if inputs.schedule == "pipedream":
-        count, iterations = pipedream_microbatches(stages), 1
+        count, iterations = simulated_pipedream_microbatches(stages), 1
     else:
         count = inputs.microbatches
     schedule = build_schedule(inputs.schedule, [stage[2] for stage in stages], count, iterations,

@@ -46,7 +46,8 @@ def test_help_imports_no_heavy_library(tmp_path: Path) -> None:
 
 def test_file_commands_run_without_torch(tmp_path: Path) -> None:
     """partition, inspect, simulate, show, export, compare, calibrate and import-pipedream, torch blocked."""
-    from runtime.report import build_run_report, replay_timeline, write_run_report  # the parent may use torch
+    from runtime.report import build_run_report, write_run_report  # the parent may use torch
+    from tests.replay import replay_timeline
 
     profile = load_profile(REPO / "profiles" / "mlp.json")
     profile_path = profile.save(tmp_path / "mlp.json")

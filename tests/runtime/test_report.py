@@ -29,7 +29,8 @@ from planner.files.profile import Profile, load_profile
 from planner.files.run_report import RunReportError, load_run_report
 from planner.costs.schedule_cost import first_ranks, samples_per_s, stage_costs
 from planner.files.timeline import COLUMNS
-from runtime.report import RankTrace, build_run_report, replay_timeline, save_run_report, write_run_report
+from runtime.report import RankTrace, build_run_report, save_run_report, write_run_report
+from tests.replay import replay_timeline
 from runtime.trace import OpTime
 
 REPO = Path(__file__).resolve().parents[2]

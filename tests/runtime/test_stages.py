@@ -26,7 +26,6 @@ from runtime.stages import (
     describe_boundaries,
     run_stages,
     split_model,
-    stage_signatures,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +199,7 @@ def test_resnet_skip_connections_cross_a_split_inside_a_block() -> None:
     model, inputs, target = fresh("resnet")
     plan = plan_with_splits(planned("resnet", 2), ["conv1", "layer1.1.conv2", "layer2.0.downsample", "fc"])
     stages = build_stages(model, plan)
-    signatures = stage_signatures(stages)
+    signatures = stages.signatures
     assert len(signatures[0].outputs) == 2  # the block's input (identity skip) and its main path
     assert len(signatures[1].outputs) == 2  # the block's input (for the 1x1 projection) and conv2's path
     assert all(later.inputs == earlier.outputs for earlier, later in zip(signatures, signatures[1:]))

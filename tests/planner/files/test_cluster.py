@@ -43,9 +43,9 @@ def test_sizes() -> None:
 def test_two_level_cluster_spans() -> None:
     cluster = make_cluster(16, 8, ["300GB/s", "25GB/s"], memory="80GB")
     assert cluster.num_devices == 16 and cluster.memory_bytes == 80 * 10**9
-    assert cluster.span_bandwidth_Bps(0, 7) == 300e9  # one node
-    assert cluster.span_bandwidth_Bps(7, 8) == 25e9  # neighbours on two nodes
-    assert cluster.span_bandwidth_Bps(3, 3) == float("inf")
+    assert cluster.levels[cluster.span_level(0, 7)].bandwidth_Bps == 300e9  # one node
+    assert cluster.levels[cluster.span_level(7, 8)].bandwidth_Bps == 25e9  # neighbours on two nodes
+    assert cluster.span_level(3, 3) == 0
 
 
 def test_flat_cluster_when_all_gpus_share_a_node() -> None:

@@ -1,7 +1,7 @@
 """Run reports read back: loading, the comparison table, the measured timeline and figure, calibration,
 and the `planner compare` / `planner calibrate` commands.
 
-The fixture run is the simulator played back (`runtime.report.replay_timeline`) with a "true"
+The fixture run is the simulator played back (`tests/replay.py`) with a "true"
 profile whose stages run TRUE_FACTORS times their profiled times: the report must find those
 factors, and calibration must give back the true profile."""
 
@@ -33,7 +33,8 @@ from planner.files.run_report import (
 from planner.costs.schedule_cost import stage_costs
 from planner.files.timeline import Timeline
 from planner.simulation.simulator import simulate_stages
-from runtime.report import build_run_report, replay_timeline, write_run_report
+from runtime.report import build_run_report, write_run_report
+from tests.replay import replay_timeline
 
 REPO = Path(__file__).resolve().parents[3]
 TRUE_FACTORS = (2.0, 0.5, 1.0, 1.25)  # how much slower than profiled each stage of PLAN really runs

@@ -48,7 +48,7 @@ def test_subcluster_of_three_levels_keeps_whole_groups() -> None:
     # every link of the smaller cluster is one the original has between the same ranks
     small = subcluster(cluster, 32)
     for first, last in ((0, 7), (0, 8), (5, 31)):
-        assert small.span_bandwidth_Bps(first, last) == cluster.span_bandwidth_Bps(first, last)
+        assert small.levels[small.span_level(first, last)] == cluster.levels[cluster.span_level(first, last)]
 
 
 def test_table_without_memory_limit(gpt: Profile) -> None:

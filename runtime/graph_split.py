@@ -1,0 +1,303 @@
+"""Splits a model's graph into stage GraphModules at split points: torch.fx traces the forwards that enclose a split
+point, torch.export (`runtime.export_split`) captures what torch.fx cannot, and both graphs are cut the same way:
+before the first node of each split module's first call, a stage taking every value made before it that later
+nodes use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from runtime.export_split import (
+    ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
+)
+from runtime.stage_types import StageSignature, StageSplitError
+
+__all__ = ["UntraceableError", "split_exported", "split_traced"]
+
+_FX_DIR = Path(fx.__file__).resolve().parent  # the tracer's own frames, skipped when naming the failing forward
+_SUGGESTION = (
+    "write the model as an nn.Sequential of its layers, or split at other modules: only the forwards "
+    "that enclose a split point are traced, every other module runs whole"
+)
+_EXPORT_SUGGESTION = (
+    "choose split points (planner profile --split-points) whose enclosing forwards torch.fx can trace, "
+    "so that code runs whole inside one module, or write the model as an nn.Sequential of its layers"
+)
+
+
+class UntraceableError(StageSplitError):
+    """torch.fx could not trace a forward that encloses a split point (torch.export may still capture it)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+class _SplitTracer(fx.Tracer):
+    """Traces only the forwards that enclose a split point; every other module is a leaf call.
+
+    Records, for each split module, the last graph node that existed when it was first called:
+    the stage it begins starts right after that node.
+    """
+
+    def __init__(self, split_modules: dict[int, str], enclosing: set[int]) -> None:
+        super().__init__()
+        self.split_modules = split_modules
+        self.enclosing = enclosing
+        self.entered: dict[str, fx.Node | None] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """Leaf unless the module encloses a split point."""
+        return id(m) not in self.enclosing
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Note where a split module is first called, then trace the call as usual."""
+        name = self.split_modules.get(id(m))
+        if name is not None and name not in self.entered:
+            nodes = self.graph.nodes
+            self.entered[name] = None if len(nodes) == 0 else next(iter(reversed(nodes)))
+        return super().call_module(m, forward, args, kwargs)
+
+
+def split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """Trace the model with torch.fx and cut its graph where each split module is first called."""
+    graph, entered = _trace(model, names)
+    return _cut_graph(model, model, list(graph.nodes), names, entered)
+
+
+def split_exported(model: nn.Module, names: list[str], example_inputs: tuple[Any, ...],
+                    untraceable: UntraceableError) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """Capture the model with torch.export and cut its graph where each split module's first call begins."""
+    try:
+        captured = capture(model, example_inputs)
+    except ExportFailure as failure:
+        raise StageSplitError(
+            f"cannot split {type(model).__name__}: torch.fx could not trace it ({untraceable.where}) and "
+            f"torch.export could not capture it: {failure.construct}; {_EXPORT_SUGGESTION}"
+        ) from None
+    nodes = list(captured.graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    found = first_nodes(captured.graph, names)
+    blocks = modules_inside_blocks(captured.graph, captured.attributes)
+    for name in names:
+        block = blocks.get(name)
+        if block is not None and (name not in found or position[found[name]] > position[block]):
+            raise StageSplitError(
+                f"split point {name!r} begins inside a torch.no_grad() or torch.autocast block of an enclosing "
+                "forward, which torch.export captures as one operation: split at a module outside the block")
+        if name not in found:
+            raise StageSplitError(
+                f"split point {name!r} records no operation in the exported graph (the forward does not call it, or "
+                "it computes nothing, like nn.Identity): split at another module, e.g. the next one")
+    entered = {name: nodes[position[node] - 1] if position[node] else None for name, node in found.items()}
+    stages, signatures = _cut_graph(model, captured.attributes, nodes, names, entered)
+    for index, stage in enumerate(stages):
+        inputs = [node for node in stage.graph.nodes if node.op == "placeholder"]
+        shapes = tuple(_example_shape(node) for node in inputs)
+        stage.register_forward_pre_hook(ShapeGuard(index, shapes, captured.training))
+        if captured.device is not None:
+            follow_input_device(stage, captured.device)
+    return stages, signatures
+
+
+def _example_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape export recorded for a value (None if not a tensor)."""
+    value = node.meta.get("val")
+    return tuple(int(size) for size in value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], names: list[str],
+               entered: dict[str, fx.Node | None]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """One GraphModule per stage of `nodes`, cut where each split module is entered; get_attr reads from `root`."""
+    cuts = _cut_positions(model, names, nodes, entered)
+    bounds = [0, *cuts, len(nodes)]
+    stages: list[nn.Module] = []
+    signatures = []
+    for index in range(len(bounds) - 1):
+        stage, signature = _stage_module(model, root, nodes, bounds, index)
+        stages.append(stage)
+        signatures.append(signature)
+    return stages, tuple(signatures)
+
+
+def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
+    """The model's fx graph with split modules and non-enclosing modules as leaves; StageSplitError if it fails."""
+    split_modules = {id(model.get_submodule(name)): name for name in names}
+    enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
+    tracer = _SplitTracer(split_modules, enclosing)
+    saved = _model_state(model)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # any tracing failure: say which forward and why
+        raise _trace_failure(model, exc) from exc
+    finally:
+        _restore_model_state(saved)
+    return graph, tracer.entered
+
+
+_ModelState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[torch.Tensor, int, torch.Tensor]]]]
+
+
+def _model_state(model: nn.Module) -> _ModelState:
+    """What a traced forward may change: each module's attributes, buffer and parameter slots, buffer values."""
+    return [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters),
+             [(buffer, buffer._version, buffer.detach().clone()) for buffer in module._buffers.values()
+              if buffer is not None])
+            for module in model.modules()]
+
+
+def _restore_model_state(saved: _ModelState) -> None:
+    """Undo what the forward's Python did to the model while torch.fx ran it (counters, cached sizes)."""
+    for module, attributes, buffers, parameters, values in saved:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        with torch.no_grad():
+            for buffer, version, value in values:
+                if buffer._version != version:
+                    buffer.copy_(value)
+
+
+def _strict_prefixes(name: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]: the modules enclosing `name`."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def _trace_failure(model: nn.Module, exc: Exception) -> UntraceableError:
+    """A one-line error naming the forward that failed to trace, the construct and a way out."""
+    where = f"{_failing_forward(model, exc)}: {_gist(exc)}"
+    return UntraceableError(f"cannot split {type(model).__name__}: torch.fx could not trace {where}; {_SUGGESTION}",
+                             where)
+
+
+def _gist(exc: Exception) -> str:
+    """What the model did that symbolic tracing cannot follow."""
+    message = str(exc)
+    if "control flow" in message:
+        return "control flow (if/while/assert) depends on tensor values"
+    if "cannot be iterated" in message:
+        return "it iterates over a traced value (a tensor or its size)"
+    if "'len' is not supported" in message:
+        return "it calls len() on a traced value"
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return f"{type(exc).__name__}: {first_line}"
+
+
+def _failing_forward(model: nn.Module, exc: BaseException) -> str:
+    """'<name> (<Class>).forward at file:line' for the innermost model frame of the traceback."""
+    names = {id(module): name for name, module in model.named_modules()}
+    found = f"{type(model).__name__}.forward"
+    traceback = exc.__traceback__
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        owner = traceback.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        inside_model = _FX_DIR not in Path(code.co_filename).parents and code.co_filename != __file__
+        if isinstance(owner, nn.Module) and id(owner) in names and inside_model:
+            label = names[id(owner)] or "the model"
+            where = f"{Path(code.co_filename).name}:{traceback.tb_lineno}"
+            found = f"{label} ({type(owner).__name__}).{code.co_name} at {where}"
+        traceback = traceback.tb_next
+    return found
+
+
+def _cut_positions(model: nn.Module, names: list[str], nodes: list[fx.Node],
+                   entered: dict[str, fx.Node | None]) -> list[int]:
+    """Graph positions where the stages after the first begin; StageSplitError unless increasing."""
+    position = {node: index for index, node in enumerate(nodes)}
+    cuts = []
+    for name in names:
+        if name not in entered:
+            raise StageSplitError(
+                f"split point {name!r} is not called by {type(model).__name__}.forward (nor by a forward "
+                "that encloses it), so no stage can begin there; split at modules the forward calls"
+            )
+        marker = entered[name]
+        cuts.append(0 if marker is None else position[marker] + 1)
+    for (earlier, first), (later, second) in zip(zip(names, cuts), zip(names[1:], cuts[1:])):
+        if second <= first:
+            raise StageSplitError(
+                f"split point {later!r} does not begin after {earlier!r} in the forward pass; "
+                "give split points in execution order, one per stage"
+            )
+    if cuts[0] <= _count_placeholders(nodes):
+        raise StageSplitError(f"split point {names[0]!r} begins the forward pass, so the first stage would be empty")
+    return cuts
+
+
+def _count_placeholders(nodes: list[fx.Node]) -> int:
+    """Number of input nodes (they come first in an fx graph)."""
+    return sum(1 for node in nodes if node.op == "placeholder")
+
+
+def _crossing(nodes: list[fx.Node], cut: int) -> list[fx.Node]:
+    """Values made before position `cut` and used at or after it (parameters are not values)."""
+    position = {node: index for index, node in enumerate(nodes)}
+    return [
+        node for node in nodes[:cut]
+        if node.op != "get_attr" and any(position[user] >= cut for user in node.users)
+    ]
+
+
+def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], bounds: list[int],
+                  index: int) -> tuple[fx.GraphModule, StageSignature]:
+    """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph.
+
+    Its submodules and attributes are those of `root` (the model, or the objects an exported
+    graph reads) that its nodes use, under the same names; buffers stay out of `state_dict()`
+    unless they are persistent buffers of `model` under that name.
+    """
+    start, stop = bounds[index], bounds[index + 1]
+    last = stop == len(nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # parameters and buffers read directly: each stage reads its own reference
+            env[node] = graph.node_copy(node)
+        return env[node]
+
+    inputs = [node for node in nodes if node.op == "placeholder"] if start == 0 else _crossing(nodes, start)
+    for node in inputs:
+        env[node] = graph.node_copy(node) if start == 0 else graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)  # export's example value: the stage's input shapes
+    for node in nodes[start:stop]:
+        if node.op not in ("placeholder", "get_attr", "output"):
+            env[node] = graph.node_copy(node, lookup)
+    if last:
+        output_node = nodes[-1]
+        result = graph.output(fx.node.map_arg(output_node.args[0], lookup))
+        output_names = tuple(node.name for node in _nodes_in(result.args[0]))
+    else:
+        outputs = _crossing(nodes, stop)
+        graph.output(tuple(env[node] for node in outputs))
+        output_names = tuple(env[node].name for node in outputs)
+    graph.lint()
+    stage = fx.GraphModule(root, graph, class_name=f"Stage{index}")
+    stage.training = model.training
+    _keep_buffer_persistence(model, stage)
+    input_names = tuple(env[node].name for node in inputs)
+    return stage, StageSignature(input_names, output_names)
+
+
+def _keep_buffer_persistence(model: nn.Module, stage: nn.Module) -> None:
+    """Mark the stage's buffers non-persistent unless the model saves them under the same name."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, _ in list(stage.named_buffers(remove_duplicate=False)):
+        owner_name, _, field = name.rpartition(".")
+        if name not in persistent:
+            stage.get_submodule(owner_name)._non_persistent_buffers_set.add(field)
+
+
+def _nodes_in(argument: Any) -> list[fx.Node]:
+    """The fx nodes in a (nested) output structure, in order."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(argument, lambda node: found.append(node) or node)
+    return found
