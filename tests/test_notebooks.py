@@ -87,18 +87,21 @@ def test_committed_notebook_has_no_outputs() -> None:
     )
 
 
+@pytest.mark.slow
 def test_kernel_is_this_interpreter(executed: Any) -> None:
     prefix, executable = _stdout(_tagged(executed, "test-interpreter")).splitlines()
     assert prefix == sys.prefix, f"the python3 kernel ran in {prefix}, not in this environment ({sys.prefix})"
     assert executable == sys.executable
 
 
+@pytest.mark.slow
 def test_no_cell_failed(executed: Any) -> None:
     code = [cell for cell in executed.cells if cell.cell_type == "code"]
     assert all(cell.execution_count is not None for cell in code), "some cells did not run"
     assert not [output for cell in code for output in cell.outputs if output.output_type == "error"]
 
 
+@pytest.mark.slow
 def test_profiles_and_plans_show_html_tables(executed: Any) -> None:
     for tag in ("profile-fresh", "profile-shipped"):
         html = _result_html(_tagged(executed, tag))
@@ -112,6 +115,7 @@ def test_profiles_and_plans_show_html_tables(executed: Any) -> None:
     assert "measured just now" in shipped and "shipped profile" in shipped
 
 
+@pytest.mark.slow
 def test_figures_render_as_png(executed: Any) -> None:
     images = [output for cell in executed.cells if cell.cell_type == "code" for output in cell.outputs
               if "image/png" in output.get("data", {})]
@@ -122,6 +126,7 @@ def test_figures_render_as_png(executed: Any) -> None:
     assert not shown_as_text, f"figures shown as text instead of images: {shown_as_text}"
 
 
+@pytest.mark.slow
 def test_schedule_comparison_has_one_row_per_schedule(executed: Any) -> None:
     html = _result_html(_tagged(executed, "schedule-comparison"))
     body = html.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
@@ -131,6 +136,7 @@ def test_schedule_comparison_has_one_row_per_schedule(executed: Any) -> None:
         assert f"<th>{column}</th>" in html
 
 
+@pytest.mark.slow
 def test_scaling_table_lists_gpu_counts(executed: Any) -> None:
     html = _result_html(_tagged(executed, "scaling-table"))
     body = html.split("<tbody>", 1)[1]
@@ -138,6 +144,7 @@ def test_scaling_table_lists_gpu_counts(executed: Any) -> None:
     assert gpus == [1, 2, 4, 8]
 
 
+@pytest.mark.slow
 def test_setup_cell_finds_the_repository_from_notebooks_dir() -> None:
     """Started in notebooks/ (as `jupyter lab` there would), the setup cell still finds the repository root."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)

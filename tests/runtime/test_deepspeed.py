@@ -79,6 +79,7 @@ def single_process(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_deepspeed_trains_the_plans_stages_to_the_weights_of_single_process_sgd(
         trained: tuple[Plan, Path]) -> None:
     plan, out = trained
@@ -93,6 +94,7 @@ def test_deepspeed_trains_the_plans_stages_to_the_weights_of_single_process_sgd(
     assert ranks[1]["losses"] == pytest.approx(expected_losses, rel=1e-6)  # the mini-batch's mean loss
 
 
+@pytest.mark.slow
 def test_the_tied_weight_is_on_both_stages_and_trained_with_the_summed_gradient(trained: tuple[Plan, Path]) -> None:
     """examples/gpt.py's embedding is its head: both stages hold it (stages.shared), DeepSpeed declares no tie,
     and both copies equal single-process training (each stage's own gradient alone would not)."""

@@ -108,6 +108,7 @@ def loss_of(name: str) -> Any:
     return model_file(name).loss_fn or default_loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, spec", FLUSH, ids=[c["name"] for _, c in FLUSH])
 def test_flush_schedules_give_the_parameters_and_losses_of_single_device_training(
         results: Path, world: int, spec: dict[str, Any]) -> None:
@@ -212,6 +213,7 @@ def pipedream_reference(spec: dict[str, Any], stash: bool) -> dict[int, dict[str
     return {rank: {name: p.detach() for name, p in module.named_parameters()} for rank, module in live.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, spec", PIPEDREAM, ids=[c["name"] for _, c in PIPEDREAM])
 def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world: int, spec: dict[str, Any]) -> None:
     stashed, unstashed = pipedream_reference(spec, stash=True), pipedream_reference(spec, stash=False)
@@ -226,6 +228,7 @@ def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world
     assert differs, "the case cannot tell stashed weights from the latest ones; make it update between F and B"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, fail, splits", [
     (3, {"rank": 1, "microbatch": 2, "in": "forward"}, ["transformer.h.4", "transformer.h.8"]),
     (2, {"rank": 0, "microbatch": 1, "in": "backward"}, ["transformer.h.6"]),

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from planner.files.cluster import make_cluster
 from planner.profiling.model_file import load_model_file
 from planner.planning.partition import partition
@@ -16,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROUTED = REPO / "tests" / "data" / "models" / "routed.py"
 
 
+@pytest.mark.slow
 def test_a_model_no_split_can_capture_is_one_line_before_anything_starts(tmp_path: Path) -> None:
     profile = profile_model(load_model_file(ROUTED), ProfileSettings(batch_size=4, warmup=1, iters=1, threads=1))
     profile_path = profile.save(tmp_path / "routed.json")

@@ -75,6 +75,7 @@ def single_device(model_name: str) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_pippy_gradients_equal_the_engines_and_single_device_training(results: Path, name: str) -> None:
     model_name = PLANS[name][0]
@@ -100,6 +101,7 @@ def test_pippy_gradients_equal_the_engines_and_single_device_training(results: P
     assert seen == set(expected)  # every parameter's gradient was checked on some rank
 
 
+@pytest.mark.slow
 def test_the_tied_weight_is_on_both_gpt_stages_with_the_summed_gradient(results: Path) -> None:
     """gpt's transformer.wte.weight is lm_head.weight: both ranks hold it, both with the whole gradient."""
     _, expected = single_device("gpt")
@@ -117,6 +119,7 @@ def test_build_needs_an_initialized_process_group() -> None:
         build(model_file("mlp").build_model(), two_stage_plan("mlp", "1f1b"), None)
 
 
+@pytest.mark.slow
 def test_a_plan_for_another_world_size_is_refused_with_the_launch_command(results: Path) -> None:
     for rank in range(2):
         message = (results / f"mismatch.rank{rank}.txt").read_text()

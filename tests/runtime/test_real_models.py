@@ -211,6 +211,7 @@ def single_process(model: str, steps: int) -> tuple[list[float], dict[str, torch
     return found, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_parameter_equals_single_process_training(results: Path, plans: dict[str, Plan], name: str) -> None:
     world, model, runtime, _, steps = CASES[name]
@@ -231,6 +232,7 @@ def test_every_parameter_equals_single_process_training(results: Path, plans: di
     assert seen == set(expected)  # every parameter lives on some rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-2-gpipe", "pippy-gpt2-2-gpipe", "gpt2-3-1f1b-in-block", "deepspeed-gpt2-2-1f1b"])
 def test_the_tied_embedding_and_head_is_on_the_first_and_last_stage(results: Path, plans: dict[str, Plan],
                                                                     name: str) -> None:
@@ -275,6 +277,7 @@ def test_the_models_are_trained_without_dropout() -> None:
 # --- planner train ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_planner_train_exports_the_weights_of_single_process_training(jobs: dict[Any, Job]) -> None:
     """`planner train` of the tiny Llama on the planner's 2-stage plan (2 processes), 3 steps of SGD (lr 0.01,
     momentum 0.9: runtime.train's defaults) on the example batch (--data example: seed 1, reused every step);

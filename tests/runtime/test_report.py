@@ -351,6 +351,7 @@ def train_the_mlp(out: Path) -> None:
         save_run_report(engine, plan, out / "engine.json", batch_size=BATCH, losses=losses, plan_path="mlp.plan")
 
 
+@pytest.mark.slow
 def test_save_run_report_gathers_every_rank_under_torchrun(tmp_path: Path, body: dict[str, Any]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,

@@ -131,6 +131,7 @@ def uninterrupted(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     return out
 
 
+@pytest.mark.slow
 def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> None:
     """The checkpoint of step 10, exported to one state_dict, equals 10 SGD steps on one device on the
     model file's data_loader batches (8 a epoch: the second epoch is reshuffled)."""
@@ -157,6 +158,7 @@ def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> N
     torch.testing.assert_close(list(measured.values()), expected_losses, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_with_the_same_losses(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
     """SIGKILL the whole job after its first checkpoint; --resume continues from the newest complete one,
     and every later step's loss equals the uninterrupted run's (same seed, deterministic CPU ops)."""
@@ -180,6 +182,7 @@ def test_killed_job_resumes_with_the_same_losses(plans: dict[str, Path], uninter
     assert after == {step: reference[step] for step in after}  # bit for bit
 
 
+@pytest.mark.slow
 def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
     """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 plan cut elsewhere:
     the weights and SGD momentum are re-split by name, so the losses follow the uninterrupted run."""
@@ -197,6 +200,7 @@ def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, t
     assert latest_complete(folder).step == 8
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_naming_it_and_the_checkpoint(plans: dict[str, Path], tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     job = start(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "1000", "--microbatch-size",
@@ -219,6 +223,7 @@ def test_a_killed_rank_ends_the_job_naming_it_and_the_checkpoint(plans: dict[str
     assert elapsed < 30, elapsed  # well within --timeout: a dead process is seen at once
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_after_the_timeout(plans: dict[str, Path], tmp_path: Path) -> None:
     """A rank that stops (SIGSTOP) neither exits nor answers: the heartbeat names it after --timeout."""
     job = start(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "1000", "--microbatch-size",
@@ -251,6 +256,7 @@ def _running(launcher: int, rank: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_is_one_line_on_every_rank(plans: dict[str, Path]) -> None:
     finished = run(2, "examples/mlp.py", "--plan", str(plans["mlp-2-1"]), "--steps", "1", timeout_s=120)
     assert finished.returncode != 0
@@ -261,6 +267,7 @@ def test_world_size_mismatch_is_one_line_on_every_rank(plans: dict[str, Path]) -
     assert f'File "{REPO / "runtime"}' not in finished.stderr  # torchrun's own report aside, no traceback of ours
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_stops_every_rank_and_keeps_the_previous(plans: dict[str, Path], tmp_path: Path) -> None:
     """The folder of step 4 cannot be made (a file is in its way): both ranks stop with one line, and
     the step-2 checkpoint stays complete."""

@@ -118,6 +118,7 @@ def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
     return (peaks[index] + peaks[index + 1]) / 2
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(
     arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(SCHEDULES),
