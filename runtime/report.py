@@ -70,7 +70,7 @@ from planner.files.fileformat import write_versioned_json
 from planner.files.plan import Plan
 from planner.files.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+    ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, STEP,
 )
 from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
@@ -80,9 +80,7 @@ __all__ = [
     "save_run_report", "write_run_report",
 ]
 
-KNOWN_OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, SEND_GRADIENT, RECV_ACTIVATION, RECV_GRADIENT, ALLREDUCE, STEP)
 SENDS = (SEND_ACTIVATION, SEND_GRADIENT)
-RECEIVES = (RECV_ACTIVATION, RECV_GRADIENT)
 
 
 @dataclass(frozen=True)
@@ -269,9 +267,9 @@ def _check_traces(plan: Plan, traces: Sequence[RankTrace], batch_size: int, warm
                              "measure; run more steps or pass a smaller warmup_steps")
     for trace in traces:
         for op in trace.ops:
-            if op.op not in KNOWN_OPS:
+            if op.op not in OPS:
                 raise RunReportError(f"rank {trace.rank}: unknown op {op.op!r} in its trace; expected one of "
-                                     f"{', '.join(KNOWN_OPS)}")
+                                     f"{', '.join(OPS)}")
             if op.step < 0:
                 raise RunReportError(f"rank {trace.rank}: an op of step {op.step}; steps count from 0")
     return microbatches[traces[0].rank]

@@ -23,7 +23,7 @@ from planner.errors import FileFormatError, PlannerError
 from planner.files.fileformat import read_versioned_json
 from planner.files.plan import Plan
 from planner.files.profile import Profile
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
+from planner.schedules.schedule import OPS, RECEIVES
 from planner.files.timeline import COLUMNS, StageTimes, Timeline
 from planner.units import format_ms
 
@@ -36,7 +36,7 @@ __all__ = [
 
 RUN_REPORT_FORMAT = "pipeline-planner/run-report"
 RUN_REPORT_VERSION = 1
-EVENT_OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, SEND_GRADIENT, ALLREDUCE, STEP)
+EVENT_OPS = tuple(op for op in OPS if op not in RECEIVES)  # a report's events leave out the waits to receive
 
 
 class RunReportError(PlannerError):
