@@ -1,0 +1,250 @@
+"""Transformers families the tests do not cover, through the whole path: profile, a planner-made 2-stage plan, training.
+
+    python benchmarks/model_families.py [--families bart,opt] [--steps 3] [--schedule 1f1b]
+
+Each family is built from a small config (no weights downloaded; dropout probabilities 0, so the
+pipeline and plain PyTorch draw no masks) inside a model file written to a temporary folder, the
+way a user writes one: a wrapper that takes tensors and returns the logits (`use_cache=False`).
+The profiler finds its layers; `partition` plans it on 2 devices (straight, 4 microbatches); the
+in-process runtime (`runtime.Pipeline.from_plan`: torch.fx where it traces, else torch.export) trains `--steps` SGD
+steps on a batch of 8, and plain single-process PyTorch trains a copy on the same batches. Printed
+per family: the layers found, the plan's stages, the split's method and seconds, and the largest
+parameter difference after training next to how far training moved the parameters (fp32; "matches"
+means torch.allclose at rtol 1e-5, atol 1e-6).
+A family that fails says where, in one line, and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from planner.files.cluster import make_cluster  # noqa: E402
+from planner.files.plan import Plan  # noqa: E402
+from planner.planning.partition import partition  # noqa: E402
+from planner.profiling.model_file import ModelFile, default_loss, load_model_file  # noqa: E402
+from planner.profiling.profiler import ProfileSettings, profile_model  # noqa: E402
+from runtime.pipeline import Pipeline  # noqa: E402
+
+BATCH = 8
+MICROBATCHES = 4
+LR = 0.1
+
+# token models: (batch, 12) ids of a 128-word vocabulary; image models: (batch, 3, 32, 32)
+TOKENS = '''
+VOCAB, CONTEXT = 128, 12
+
+
+def example_batch(batch_size):
+    tokens = torch.randint(0, VOCAB, (batch_size, CONTEXT + 1))
+    return tokens[:, :-1], {target}
+'''
+IMAGES = '''
+def example_batch(batch_size):
+    return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 4, (batch_size,))
+'''
+CAUSAL_LOSS = '''
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+'''
+MODEL = '''"""{family} from a small config, returning logits (a model file written by benchmarks/model_families.py)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+import transformers
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = transformers.{config}(**{settings!r})
+        self.model = transformers.{model}(config)
+
+    def forward(self, inputs):
+        return self.model({call}).logits
+
+
+def build_model():
+    return Wrapped()
+'''
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers family: its config and model classes, small settings, and what it reads."""
+
+    name: str
+    config: str
+    model: str
+    settings: dict
+    kind: str  # "causal" (next-token logits), "classify" (token classification of a sequence) or "image"
+
+    def model_file_text(self) -> str:
+        """The model file a user would write for it."""
+        call = {"causal": "input_ids=inputs, use_cache=False", "classify": "input_ids=inputs",
+                "image": "pixel_values=inputs"}[self.kind]
+        text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings, call=call)
+        if self.kind == "image":
+            return text + IMAGES
+        target = "tokens[:, 1:]" if self.kind == "causal" else "torch.randint(0, 4, (batch_size,))"
+        text += TOKENS.format(target=target)
+        return text + CAUSAL_LOSS if self.kind == "causal" else text
+
+
+NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+FAMILIES = (
+    Family("BART", "BartConfig", "BartForCausalLM", dict(
+        vocab_size=128, d_model=32, decoder_layers=4, encoder_layers=1, decoder_attention_heads=2,
+        encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=32,
+        is_decoder=True, is_encoder_decoder=False, **NO_DROPOUT), "causal"),
+    Family("DistilBERT", "DistilBertConfig", "DistilBertForSequenceClassification", dict(
+        vocab_size=128, dim=32, n_layers=4, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=4,
+        dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0), "classify"),
+    Family("Mistral", "MistralConfig", "MistralForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("OPT", "OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+        layerdrop=0.0), "causal"),
+    Family("GPT-NeoX", "GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, attention_dropout=0.0, hidden_dropout=0.0), "causal"),
+    Family("Phi", "PhiConfig", "PhiForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0), "causal"),
+    Family("RoBERTa", "RobertaConfig", "RobertaForSequenceClassification", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=40, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        "classify"),
+    Family("DeiT", "DeiTConfig", "DeiTForImageClassification", dict(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "image"),
+    Family("Swin", "SwinConfig", "SwinForImageClassification", dict(
+        image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), "image"),
+    Family("ConvNeXt", "ConvNextConfig", "ConvNextForImageClassification", dict(
+        image_size=32, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2], num_labels=4,
+        drop_path_rate=0.0),
+        "image"),
+)
+
+
+@dataclass
+class Row:
+    """What one family did."""
+
+    family: str
+    model: str
+    layers: str = ""
+    stages: str = ""
+    method: str = ""
+    split_s: float = float("nan")
+    moved: float = float("nan")
+    max_diff: float = float("nan")
+    matches: str = "no"
+    note: str = ""
+
+
+def two_stage_plan(model_file: ModelFile, schedule: str) -> tuple[Plan, list[str], str]:
+    """The profile's layer names and the planner's straight plan on 2 devices (4 microbatches)."""
+    profile = profile_model(model_file, ProfileSettings(batch_size=BATCH // MICROBATCHES, warmup=1, iters=3, threads=1))
+    plan = partition(profile, make_cluster(2), straight=True, schedule=schedule, microbatches=MICROBATCHES)
+    note = "" if len(plan.stages) == 2 else f"the planner chose {len(plan.stages)} stage(s)"
+    return plan, [layer.name for layer in profile.layers], note
+
+
+def train_both(model_file: ModelFile, plan: Plan, steps: int) -> tuple[str, float, float, float, bool]:
+    """(split method, split seconds, how far training moved the plain model's parameters (max |change|),
+    `compare` of the two trained models) after `steps` SGD steps pipelined and plain."""
+    torch.manual_seed(0)
+    pipelined = model_file.build_model().train()
+    plain = copy.deepcopy(pipelined)
+    initial = copy.deepcopy(pipelined)
+    torch.manual_seed(1)
+    inputs, target = model_file.example_batch(BATCH)
+    loss_fn = model_file.loss_fn or default_loss
+    started = time.perf_counter()
+    with Pipeline.from_plan(pipelined, plan, example_inputs=inputs[: BATCH // MICROBATCHES], loss_fn=loss_fn) as pipe:
+        split_s = time.perf_counter() - started
+        method = pipe.stages.method
+        for model in (pipelined, plain):
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            for _ in range(steps):
+                if model is pipelined:
+                    pipe.train_step(inputs, target)
+                else:
+                    loss_fn(model(inputs), target).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return method, split_s, compare(initial, plain)[0], *compare(plain, pipelined)
+
+
+def compare(expected: nn.Module, found: nn.Module) -> tuple[float, bool]:
+    """(max |a - b| over every parameter, whether every one is within rtol 1e-5, atol 1e-6 (torch.allclose))."""
+    found_params = dict(found.named_parameters())
+    pairs = [(parameter, found_params[name]) for name, parameter in expected.named_parameters()]
+    worst = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    return worst, all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+
+
+def run_family(family: Family, folder: Path, steps: int, schedule: str) -> Row:
+    """The whole path for one family; a failure ends up in the row's note."""
+    row = Row(family.name, family.model)
+    path = folder / f"{family.name.lower().replace('-', '_')}.py"
+    path.write_text(textwrap.dedent(family.model_file_text()))
+    try:
+        model_file = load_model_file(path)
+        plan, names, row.note = two_stage_plan(model_file, schedule)
+        shown = ", ".join(names[:3])
+        row.layers = f"{len(names)}: {shown}, ..., {names[-1]}"
+        row.stages = " ; ".join(f"{stage.first_layer} .. {stage.last_layer}" for stage in plan.stages)
+        row.method, row.split_s, row.moved, row.max_diff, close = train_both(model_file, plan, steps)
+        row.matches = "yes" if close else "no"
+    except Exception as exc:  # report and go on: one line per failing family
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        row.note = f"{type(exc).__name__}: {first_line[:200]}"
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    wanted = {name.strip().lower() for name in args.families.split(",") if name.strip()}
+    chosen = [family for family in FAMILIES if not wanted or family.name.lower() in wanted]
+    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}; "
+          f"{args.steps} SGD steps of a batch of {BATCH} in {MICROBATCHES} microbatches, {args.schedule}\n")
+    print("| family | model | layers found | plan's stages | split | split s | training moved | pipelined - plain "
+          "| matches plain PyTorch | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="model-families-") as folder:
+        for family in chosen:
+            print(f"{family.name} ...", file=sys.stderr, flush=True)
+            row = run_family(family, Path(folder), args.steps, args.schedule)
+            print(f"| {row.family} | {row.model} | {row.layers} | {row.stages} | {row.method} | {row.split_s:.2f} | "
+                  f"{row.moved:.1e} | {row.max_diff:.1e} | {row.matches} | {row.note} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
