@@ -91,18 +91,20 @@ class Family:
     config: str
     model: str
     settings: dict
-    kind: str  # "causal" (next-token logits), "classify" (token classification of a sequence) or "image"
+    kind: str  # "causal" (next-token logits), "seq2seq" (the same, the tokens also fed to the decoder),
+    #            "classify" (one label per sequence) or "image" (one label per image)
 
     def model_file_text(self) -> str:
         """The model file a user would write for it."""
         call = {"causal": "input_ids=inputs, use_cache=False", "classify": "input_ids=inputs",
-                "image": "pixel_values=inputs"}[self.kind]
+                "image": "pixel_values=inputs",
+                "seq2seq": "input_ids=inputs, decoder_input_ids=inputs, use_cache=False"}[self.kind]
         text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings, call=call)
         if self.kind == "image":
             return text + IMAGES
-        target = "tokens[:, 1:]" if self.kind == "causal" else "torch.randint(0, 4, (batch_size,))"
+        target = "torch.randint(0, 4, (batch_size,))" if self.kind == "classify" else "tokens[:, 1:]"
         text += TOKENS.format(target=target)
-        return text + CAUSAL_LOSS if self.kind == "causal" else text
+        return text if self.kind == "classify" else text + CAUSAL_LOSS
 
 
 NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -111,6 +113,14 @@ FAMILIES = (
         vocab_size=128, d_model=32, decoder_layers=4, encoder_layers=1, decoder_attention_heads=2,
         encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=32,
         is_decoder=True, is_encoder_decoder=False, **NO_DROPOUT), "causal"),
+    Family("BART encoder-decoder", "BartConfig", "BartForConditionalGeneration", dict(
+        vocab_size=128, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=2,
+        encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=32,
+        **NO_DROPOUT), "causal"),
+    Family("Marian", "MarianConfig", "MarianMTModel", dict(
+        vocab_size=128, decoder_vocab_size=128, d_model=32, decoder_layers=2, encoder_layers=2,
+        decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64,
+        max_position_embeddings=32, pad_token_id=0, decoder_start_token_id=0, **NO_DROPOUT), "seq2seq"),
     Family("DistilBERT", "DistilBertConfig", "DistilBertForSequenceClassification", dict(
         vocab_size=128, dim=32, n_layers=4, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=4,
         dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0), "classify"),
