@@ -156,13 +156,17 @@ def inspect(
     _run(debug, lambda: _print_profile(load_profile(profile_file), None))
 
 
+DEFAULT_BANDWIDTH = "300GB/s,25GB/s"  # within a node, between nodes
+
+
 @app.command("partition")
 def partition_command(
     profile_file: str = typer.Argument(..., help="A profile written by `planner profile` or `import-pipedream`."),
     gpus: Optional[int] = typer.Option(None, "--gpus", "-g", help="Number of GPUs."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default: all in one)."),
-    bandwidth: str = typer.Option(
-        "300GB/s,25GB/s", help="Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s."
+    bandwidth: Optional[str] = typer.Option(
+        None, help=f"Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s "
+                   f"(default: {DEFAULT_BANDWIDTH})."
     ),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
@@ -189,14 +193,19 @@ def partition_command(
         from planner.files.profile import load_profile
         from planner.planning.partition import compare_baselines, partition
 
-        if cluster_file is not None and (gpus is not None or gpus_per_node is not None or memory is not None):
-            raise PlannerError("give either --cluster FILE or --gpus/--gpus-per-node/--memory, not both")
+        flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--memory": memory}
+        given = [flag for flag, value in flags.items() if value is not None]
+        if cluster_file is not None and given:
+            raise PlannerError(f"--cluster {cluster_file} describes the whole cluster, so {', '.join(given)} would be "
+                               "ignored: give either the cluster file or the flags (--gpus, --gpus-per-node, "
+                               "--bandwidth, --memory)")
         if cluster_file is not None:
             cluster = load_cluster(cluster_file)
         elif gpus is None:
             raise PlannerError("give --gpus N (or --cluster FILE)")
         else:
-            cluster = make_cluster(gpus, gpus_per_node, [b.strip() for b in bandwidth.split(",") if b.strip()], memory)
+            rates = (bandwidth or DEFAULT_BANDWIDTH).split(",")
+            cluster = make_cluster(gpus, gpus_per_node, [rate.strip() for rate in rates if rate.strip()], memory)
         count = microbatches.strip()
         if count != "auto" and not count.isdigit():
             raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")

@@ -534,3 +534,16 @@ def test_partition_unknown_schedule(tmp_path: Path) -> None:
     assert_one_line_error(invoke("partition", REPO / "profiles" / "mlp.json", "--gpus", "2", "--schedule", "zigzag",
                                  "--out", tmp_path / "p.json"), "zigzag", "gpipe")
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("flags", [["--gpus", "4"], ["--bandwidth", "10GB/s"], ["--gpus-per-node", "2", "--memory", "8GB"]])
+def test_partition_refuses_flags_a_cluster_file_would_override(tmp_path: Path, flags: list[str]) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("levels:\n  - {name: node, size: 2, bandwidth: 300GB/s}\n")
+    named = [flag for flag in flags if flag.startswith("--")]
+    assert_one_line_error(invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster, *flags,
+                                 "--out", tmp_path / "p.json"), str(cluster), ", ".join(named), "would be ignored")
+    assert not (tmp_path / "p.json").exists()
+    assert invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster,
+                  "--out", tmp_path / "p.json").exit_code == 0
+
