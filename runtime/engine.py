@@ -56,7 +56,7 @@ from torch import nn
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
-    Schedule, build_schedule,
+    Schedule, ScheduleError, build_schedule, check_channel_order,
 )
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
 from runtime.liveness import Heartbeat, RankMissing
@@ -475,20 +475,12 @@ def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:
 
 
 def _check_message_order(schedule: Schedule) -> None:
-    """EngineError unless, for every pair of ranks, messages are received in the order they are sent."""
-    sent: dict[tuple[int, int], list[Key]] = {}
-    received: dict[tuple[int, int], list[Key]] = {}
-    for program in schedule.programs:
-        for action in program.actions:
-            key = (action.iteration, action.microbatch)
-            if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
-                sent.setdefault((program.rank, action.peer), []).append(key)
-            elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
-                received.setdefault((action.peer, program.rank), []).append(key)
-    for pair, keys in sent.items():
-        if received.get(pair) != keys:
-            raise EngineError(f"schedule {schedule.name}: rank {pair[1]} receives from rank {pair[0]} in another "
-                              "order than it is sent; the engine's channels are first in, first out")
+    """EngineError unless every channel receives in the order it sends (`schedule.check_channel_order`)."""
+    try:
+        check_channel_order(schedule)
+    except ScheduleError as exc:
+        raise EngineError(f"schedule {schedule.name}: {exc.problem}; the engine's channels are first in, first out"
+                          ) from None
 
 
 def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:

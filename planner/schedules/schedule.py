@@ -54,7 +54,6 @@ class ScheduleError(PlannerError):
         super().__init__(f"rank {rank}, action {step}: {problem}\n{grid}")
 
 
-
 def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
     """Microbatches in flight per replica of a stage with `replicas` replicas and `devices_from_here` devices in it
     and every later stage: gpipe ceil(m / r), 1f1b min(ceil(m / r), ceil(D / r)), pipedream ceil(D / r);
@@ -232,6 +231,29 @@ def validate(schedule: Schedule) -> None:
     for program in schedule.programs:
         _check_program(schedule, program)
     _check_runs(schedule)
+
+
+def check_channel_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every rank receives from each peer in the order that peer sends to it:
+    what one first-in, first-out channel per pair of ranks needs (the distributed engine's transport)."""
+    sent: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (sender, receiver) -> (iteration, microbatch)s
+    received: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # ... -> (key, receiver's step)
+    for program in schedule.programs:
+        for step, action in enumerate(program.actions):
+            key = (action.iteration, action.microbatch)
+            if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                sent.setdefault((program.rank, action.peer), []).append(key)
+            elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                received.setdefault((action.peer, program.rank), []).append((key, step))
+    for (sender, receiver), keys in sorted(sent.items()):
+        got = received.get((sender, receiver), [])
+        if [key for key, _ in got] == keys:
+            continue
+        first = next((index for index, (key, _) in enumerate(got) if index >= len(keys) or key != keys[index]),
+                     len(got) - 1)
+        step = got[first][1] if got else 0
+        raise ScheduleError(f"rank {receiver} receives from rank {sender} in another order than it is sent",
+                            receiver, step, schedule.grid({receiver: step}))
 
 
 def _check_program(schedule: Schedule, program: RankProgram) -> None:

@@ -27,6 +27,8 @@ from planner.schedules.schedule import (
     Schedule,
     ScheduleError,
     build_schedule,
+    check_channel_order,
+    pipedream_microbatches,
     validate,
 )
 
@@ -431,3 +433,38 @@ def test_custom_stage_ranks_are_respected(name: str) -> None:
                 assert action.peer in downstream
     peers = {p.rank: {a.peer for a in p.actions if a.peer >= 0} for p in schedule.programs}
     assert peers == {4: {2}, 5: {2}, 2: {4, 5, 7}, 7: {2}}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("replicas", [[1, 1], [2, 1], [1, 2], [1, 3, 2], [2, 2, 1, 1]])
+def test_every_channel_receives_in_the_order_it_sends(name: str, replicas: list[int]) -> None:
+    check_channel_order(build_schedule(name, replicas, 12, iterations=2))
+
+
+def swapped_receives() -> tuple[Schedule, int]:
+    """gpipe on 2 ranks, 2 microbatches, rank 1 receiving microbatch 1 before 0; and where it first waits."""
+    schedule = build_schedule("gpipe", [1, 1], 2)
+    first, second = schedule.programs
+    receives = [k for k, a in enumerate(second.actions) if a.op == RECV_ACTIVATION]
+    actions = list(second.actions)
+    actions[receives[0]], actions[receives[1]] = actions[receives[1]], actions[receives[0]]
+    swapped = Schedule(schedule.name, schedule.microbatches, schedule.iterations, schedule.stage_ranks,
+                       (first, RankProgram(second.rank, second.stage, second.replica, tuple(actions))))
+    return swapped, receives[0]
+
+
+def test_receives_swapped_against_their_sends_are_named_where_they_wait() -> None:
+    swapped, first_receive = swapped_receives()
+    validate(swapped)  # every receive has its send and nothing deadlocks with buffered sends ...
+    with pytest.raises(ScheduleError, match="rank 1 receives from rank 0 in another order than it is sent") as caught:
+        check_channel_order(swapped)  # ... but a first-in, first-out channel would hand over the wrong microbatch
+    assert (caught.value.rank, caught.value.step) == (1, first_receive)
+
+
+@pytest.mark.parametrize("replicas, at_least, expected", [
+    ([1, 1], 4, 4), ([2, 1], 3, 4), ([2, 3], 1, 6), ([2, 3], 7, 12), ([1], 0, 1),
+])
+def test_pipedream_microbatches_are_whole_rounds_of_every_replica(replicas: list[int], at_least: int,
+                                                                  expected: int) -> None:
+    assert pipedream_microbatches(replicas, at_least) == expected
+
