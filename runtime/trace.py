@@ -40,6 +40,18 @@ class OpTime:
     end_s: float
 
 
-def clock_offset_s() -> float:
-    """Seconds to add to this process's `time.perf_counter()` to get `time.time()`."""
-    return time.time() - time.perf_counter()
+def clock_offset_s(readings: int = 32) -> float:
+    """Seconds to add to this process's `time.perf_counter()` to get `time.time()`.
+
+    `time.time()` is read between two `perf_counter()` reads, `readings` times; the reading with the
+    shortest bracket wins and the offset is taken at its middle. One pair of reads is off by however
+    long the process was preempted between them: milliseconds on a busy machine, which shifted a
+    rank's ops by that much in the run report."""
+    best_bracket_s, best_offset_s = float("inf"), 0.0
+    for _ in range(readings):
+        before = time.perf_counter()
+        wall = time.time()
+        after = time.perf_counter()
+        if after - before < best_bracket_s:
+            best_bracket_s, best_offset_s = after - before, wall - (before + after) / 2
+    return best_offset_s
