@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
@@ -57,9 +58,11 @@ from planner.files.cluster import Cluster
 from planner.costs.layer_arrays import LayerArrays
 from planner.schedules.schedule import ArrayOrInt, in_flight
 
+ArrayOrFloat = Union[float, np.ndarray]
+ArrayOrBool = Union[bool, np.ndarray]
+
 
 Stage = tuple[int, int, int, bool]  # (start, stop, replicas, recompute)
-
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,46 @@ def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
     return ranks[::-1]
 
 
+# --- the stage formulas of the module docstring, element-wise: the reference below, the optimizer's evaluator
+# and the dynamic program's bounds all compute a stage's terms with these three functions
+
+
+def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps: ArrayOrFloat) -> ArrayOrFloat:
+    """ar = 2 (r - 1) / r * W / bw: a ring all-reduce of W bytes over r replicas, seconds (0 for r = 1)."""
+    r = np.asarray(replicas, dtype=float)
+    return 2.0 * (r - 1.0) / r * weight_bytes / bandwidth_Bps
+
+
+def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s: ArrayOrFloat,
+               comm_in_s: ArrayOrFloat, comm_out_s: ArrayOrFloat,
+               allreduce: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+    """(period, Q) in seconds. Flush schedules: period = max(t, c_in, c_out) / r and
+    Q = (ceil(m / r) - 1) max(t, c_in, c_out) + ar; pipedream: period = Q = max(t + ar, c_in, c_out) / r."""
+    r = np.asarray(replicas, dtype=float)
+    if schedule == "pipedream":
+        period = np.maximum(np.maximum(compute_s + allreduce, comm_in_s), comm_out_s) / r
+        return period, period
+    busy = np.maximum(np.maximum(compute_s, comm_in_s), comm_out_s)
+    turns = -(-microbatches // np.asarray(replicas)) - 1
+    return busy / r, turns * busy + allreduce
+
+
+def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
+                 saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat,
+                 recompute: ArrayOrBool) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
+    """(base, held, rebuilt, memory) bytes per device: base = W (2 + k), held = a per microbatch in flight
+    (the bytes entering the stage when recomputing), rebuilt = a while a recomputing backward runs,
+    memory = base + n held + rebuilt with n = `in_flight`; pipedream keeps n weight versions (base - W,
+    held + W). `saved_bytes` and `entering_bytes` are already scaled by sigma."""
+    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here)
+    base = weight_bytes * (2 + inputs.optimizer_copies)
+    held = np.where(recompute, entering_bytes, saved_bytes)
+    if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
+        base, held = base - weight_bytes, held + weight_bytes
+    rebuilt = np.where(recompute, saved_bytes, 0.0)
+    return base, held, rebuilt, base + flights * held + rebuilt
+
+
 @dataclass(frozen=True)
 class StageCost:
     """One stage's terms (seconds, bytes), as in the module docstring."""
@@ -158,23 +201,13 @@ def stage_cost(
         else sigma * arrays.cut_after(stop) / float(link_bandwidth(cluster, last_rank, last_rank + 1))
     )
     weights = arrays.stage_weight_bytes(start, stop)
-    allreduce = 0.0 if replicas == 1 else (
-        2.0 * (replicas - 1) / replicas * weights / float(link_bandwidth(cluster, first_rank, last_rank))
-    )
-    if inputs.schedule == "pipedream":
-        period = max(compute + allreduce, comm_in, comm_out) / replicas
-        bound = period
-    else:
-        period = max(compute, comm_in, comm_out) / replicas
-        bound = (-(-inputs.microbatches // replicas) - 1) * period * replicas + allreduce
+    allreduce = float(allreduce_s(weights, replicas, link_bandwidth(cluster, first_rank, last_rank)))
+    period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
+                                                           comm_in, comm_out, allreduce))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
-    flights = int(in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here))
-    base, held = weights * (2 + inputs.optimizer_copies), entering if recompute else saved
-    if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
-        base, held = base - weights, held + weights
-    rebuilt = saved if recompute else 0.0
-    memory = base + flights * held + rebuilt
+    base, held, rebuilt, memory = (float(value) for value in memory_terms(inputs, replicas, devices_from_here, weights,
+                                                                         saved, entering, recompute))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt)
 
 

@@ -41,15 +41,18 @@ from planner.errors import InfeasiblePlanError, PlannerError
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
+    allreduce_s,
     fill_drain_s,
     link_bandwidth,
+    memory_terms,
     objective_s,
     placement_ok,
     plan_fits,
     stage_cost,
     stage_costs,
+    time_terms,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, in_flight
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 from planner.costs.stage_sums import Pairs
 from planner.planning.unlimited_dp import GroupCombos, solve_unlimited
 
@@ -87,29 +90,19 @@ class _Evaluator:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(Q(s), memory bytes) of stages `pair` with these replicas, first ranks and recompute flags."""
         p, inputs = self.pairs, self.inputs
-        r = replicas.astype(float)
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         last = first + replicas - 1
         comm_in = np.where(p.starts[pair] > 0, p.cut_in[pair] / link_bandwidth(self.inputs.cluster, first - 1, first), 0.0)
         comm_out = np.where(p.stops[pair] < p.num_layers, p.cut_out[pair] / link_bandwidth(self.inputs.cluster, last, last + 1), 0.0)
-        weights = p.weights[pair]
-        allreduce = np.where(replicas > 1, 2.0 * (r - 1.0) / r * weights / link_bandwidth(self.inputs.cluster, first, last), 0.0)
-        if inputs.schedule == "pipedream":
-            bound = np.maximum(np.maximum(compute + allreduce, comm_in), comm_out) / r
-        else:
-            turns = -(-inputs.microbatches // replicas) - 1
-            bound = turns * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
+        allreduce = allreduce_s(p.weights[pair], replicas, link_bandwidth(self.inputs.cluster, first, last))
+        _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce)
         return bound, self.memory(pair, replicas, recompute, downstream)
 
     def memory(self, pair: np.ndarray, replicas: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
-        p, inputs = self.pairs, self.inputs
-        weights, saved = p.weights[pair], p.saved[pair]
-        flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
-        base, held = weights * (2 + inputs.optimizer_copies), np.where(recompute, p.entering[pair], saved)
-        if inputs.schedule == "pipedream":  # the same terms, in the same order, as schedule_cost.stage_cost
-            base, held = base - weights, held + weights
-        return base + flights * held + np.where(recompute, saved, 0.0)
+        p = self.pairs
+        return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
+                            p.entering[pair], recompute)[3]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -175,13 +168,11 @@ class _Evaluator:
         usable = np.isfinite(replicas) & (replicas < _NONE)
         replicas = np.where(usable, replicas, 2 * group).astype(np.int64)
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
-        p, top, r = self.pairs, self.bandwidths[-1], replicas.astype(float)
+        p = self.pairs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        allreduce = 2.0 * (r - 1.0) / r * p.weights[pair] / top  # every link of the stage is outermost
-        if self.inputs.schedule == "pipedream":
-            q = np.maximum(compute + allreduce, self.outer_comm[pair]) / r
-        else:
-            q = (-(-self.inputs.microbatches // replicas) - 1) * np.maximum(compute, self.outer_comm[pair]) + allreduce
+        allreduce = allreduce_s(p.weights[pair], replicas, self.bandwidths[-1])  # every link of the stage is outermost
+        comm = self.outer_comm[pair]
+        _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce)
         ok = usable & (q <= bound) & (first_end - replicas >= 0)
         if self.inputs.memory_bytes is not None:
             ok &= self.memory(pair, replicas, recompute, downstream) <= self.inputs.memory_bytes

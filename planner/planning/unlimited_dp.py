@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, link_bandwidth
+from planner.costs.schedule_cost import CostInputs, Stage, allreduce_s, link_bandwidth, time_terms
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
 
@@ -174,16 +174,15 @@ class GroupCombos:
         compute = p.both[pair]
         comm_in = p.cut_in[pair] / self.bw_in[column]
         comm_out = p.cut_out[pair] / self.bw_out[column]
-        allreduce = self.share[column] * p.weights[pair] / self.bw_allreduce[column]
-        if self.inputs.schedule == "pipedream":
-            return np.maximum(np.maximum(compute + allreduce, comm_in), comm_out) / self.replicas[column]
-        return self.turns[column] * np.maximum(np.maximum(compute, comm_in), comm_out) + allreduce
+        allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column])
+        return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
+                          comm_out, allreduce)[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""
-        p, r = self.pairs, replicas.astype(float)
-        allreduce = 2.0 * (r - 1.0) / r * p.weights[pair] / self.top
-        return np.maximum(p.both[pair] + allreduce, self.outer_comm[pair]) / r
+        p, comm = self.pairs, self.outer_comm[pair]
+        allreduce = allreduce_s(p.weights[pair], replicas, self.top)
+        return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce)[1]
 
     def columns(self, straight: bool) -> np.ndarray:
         """The combinations a plan may use, ordered by the residue they lead to."""
