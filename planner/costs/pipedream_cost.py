@@ -23,13 +23,34 @@ stages after it; PipeDream's NOAM = ceil(devices from this stage on / r)),
 
 from __future__ import annotations
 
+from typing import Union
+
+import numpy as np
+
 from planner.costs.layer_arrays import LayerArrays
+from planner.schedules.schedule import ArrayOrInt
+
+ArrayOrFloat = Union[float, np.ndarray]
 
 
-def pipedream_stage_time_s(compute_s: float, param_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
-    """stage_time = (T + 4 (r - 1) P / (B r)) / r: compute plus amortised all-reduce per mini-batch, seconds."""
-    r = float(replicas)
-    return (compute_s + 4.0 * (r - 1.0) * param_bytes / (bandwidth_Bps * r)) / r
+def pipedream_unit_terms(param_bytes: ArrayOrFloat, cut_in_bytes: ArrayOrFloat, cut_out_bytes: ArrayOrFloat,
+                         bandwidth_Bps: float) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+    """(a, c) = (4 P / B, 2 max(cut_before, cut_after) / B): the all-reduce and transfer terms at one replica,
+    seconds; the optimizer keeps them per candidate stage and the formulas below divide them by r."""
+    return 4.0 * param_bytes / bandwidth_Bps, 2.0 * np.maximum(cut_in_bytes, cut_out_bytes) / bandwidth_Bps
+
+
+def pipedream_time_from_units(compute_s: ArrayOrFloat, allreduce_unit_s: ArrayOrFloat,
+                              replicas: ArrayOrInt) -> ArrayOrFloat:
+    """stage_time = (T + a (r - 1) / r) / r, element-wise, seconds."""
+    return (compute_s + allreduce_unit_s * (replicas - 1.0) / replicas) / replicas
+
+
+def pipedream_value_from_units(compute_s: ArrayOrFloat, allreduce_unit_s: ArrayOrFloat, comm_unit_s: ArrayOrFloat,
+                               replicas: ArrayOrInt) -> ArrayOrFloat:
+    """value = max(stage_time, c / r), element-wise, seconds: the one formula behind the optimizer's table of
+    candidate stages, the plan's reported values and `pipedream_stage_value_s`."""
+    return np.maximum(pipedream_time_from_units(compute_s, allreduce_unit_s, replicas), comm_unit_s / replicas)
 
 
 def pipedream_stage_value_s(
@@ -37,8 +58,8 @@ def pipedream_stage_value_s(
     bandwidth_Bps: float,
 ) -> float:
     """max(stage_time, comm_in, comm_out) of one stage under PipeDream's objective, in seconds."""
-    comm = 2.0 * max(cut_in_bytes, cut_out_bytes) / (bandwidth_Bps * replicas)
-    return max(pipedream_stage_time_s(compute_s, param_bytes, replicas, bandwidth_Bps), comm)
+    allreduce_unit, comm_unit = pipedream_unit_terms(param_bytes, cut_in_bytes, cut_out_bytes, bandwidth_Bps)
+    return float(pipedream_value_from_units(compute_s, allreduce_unit, comm_unit, replicas))
 
 
 def pipedream_in_flight(replicas: int, downstream_devices: int) -> int:

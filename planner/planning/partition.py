@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
 from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays
-from planner.costs.pipedream_cost import pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_stage_time_s
+from planner.costs.pipedream_cost import (
+    pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
+)
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
@@ -234,15 +236,16 @@ def _partition_pipedream(
     for index, (start, stop, replicas) in enumerate(solution.stages):
         compute_s = float(arrays.compute_s[stop] - arrays.compute_s[start])
         params = float(arrays.param_bytes[stop] - arrays.param_bytes[start])
-        cut_in, cut_out = arrays.cut_before(start), arrays.cut_after(stop)
-        comm_s = 2.0 * max(cut_in, cut_out) / (bandwidth * replicas)
-        stage_time_s = pipedream_stage_time_s(compute_s, params, replicas, bandwidth)
+        allreduce_unit, comm_unit = pipedream_unit_terms(params, arrays.cut_before(start), arrays.cut_after(stop),
+                                                         bandwidth)
+        comm_s = float(comm_unit) / replicas
+        stage_time_s = float(pipedream_time_from_units(compute_s, allreduce_unit, replicas))
         busy_s += replicas * stage_time_s
         stages.append(StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
             replicas=replicas, ranks=tuple(range(next_rank, next_rank + replicas)), recompute=False,
             compute_ms=compute_s * 1000.0, comm_ms=comm_s * 1000.0,
-            allreduce_ms=4.0 * (replicas - 1) * params / (bandwidth * replicas) * 1000.0,
+            allreduce_ms=allreduce_unit * (replicas - 1.0) / replicas * 1000.0,
             period_ms=max(stage_time_s, comm_s) * 1000.0,
             memory_bytes=_stage_memory_bytes(arrays, list(solution.stages), index, optimizer),
         ))

@@ -29,7 +29,9 @@ import numpy as np
 
 from planner.planning.bound_search import TIE, smallest_bound
 from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, stage_pairs
-from planner.costs.pipedream_cost import pipedream_bottleneck_s
+from planner.costs.pipedream_cost import (
+    pipedream_bottleneck_s, pipedream_time_from_units, pipedream_unit_terms, pipedream_value_from_units,
+)
 from planner.errors import InfeasiblePlanError, PlannerError
 
 _NO_PLAN = 1 << 40  # 'no replica count works'; far above any device count, far below int64 overflow
@@ -58,23 +60,24 @@ class _PairTable:
         self.offsets = offsets  # pairs starting at i occupy [offsets[i], offsets[i+1])
         self.starts, self.stops = starts, stops
         self.compute_s = arrays.compute_s[stops] - arrays.compute_s[starts]
-        self.allreduce_s = 4.0 * (arrays.param_bytes[stops] - arrays.param_bytes[starts]) / bandwidth_Bps
+        self.param_bytes = arrays.param_bytes[stops] - arrays.param_bytes[starts]
         cut = np.concatenate([arrays.cut_bytes, [0.0]])
-        cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
-        cut_out = np.where(stops < n, cut[stops - 1], 0.0)
-        self.comm_s = 2.0 * np.maximum(cut_in, cut_out) / bandwidth_Bps
+        self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
+        self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
+        # a = 4P/B and comm = 2 max(cut) / B: the terms at one replica (also what the closed forms invert in r)
+        self.allreduce_s, self.comm_s = pipedream_unit_terms(self.param_bytes, self.cut_in, self.cut_out, bandwidth_Bps)
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weight_bytes = weights
         saved = arrays.saved_bytes
         self.saved_bytes = np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts]
 
     def stage_time(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
-        """stage_time(i, j, r) = (T + a (r - 1) / r) / r of the pairs in `where`, a = 4P/B."""
-        return (self.compute_s[where] + self.allreduce_s[where] * (replicas - 1.0) / replicas) / replicas
+        """stage_time(i, j, r) of the pairs in `where` (`pipedream_time_from_units`)."""
+        return pipedream_time_from_units(self.compute_s[where], self.allreduce_s[where], replicas)
 
     def value(self, replicas: np.ndarray, where: slice = slice(None)) -> np.ndarray:
-        """value(i, j, r) of the pairs in `where` (vectorised `pipedream_stage_value_s`)."""
-        return np.maximum(self.stage_time(replicas, where), self.comm_s[where] / replicas)
+        """value(i, j, r) of the pairs in `where` (`pipedream_value_from_units`)."""
+        return pipedream_value_from_units(self.compute_s[where], self.allreduce_s[where], self.comm_s[where], replicas)
 
     def fewest_replicas(
         self, bound_s: float, max_replicas: int, straight: bool, at_least: np.ndarray | None = None,
