@@ -79,7 +79,8 @@ class Wrapped(nn.Module):
 
 
 def build_model():
-    return Wrapped()
+    model = Wrapped()
+{after_build}    return model
 '''
 
 
@@ -93,13 +94,16 @@ class Family:
     settings: dict
     kind: str  # "causal" (next-token logits), "seq2seq" (the same, the tokens also fed to the decoder),
     #            "classify" (one label per sequence) or "image" (one label per image)
+    after_build: str = ""  # statements run on `model` after it is built (a user's own initialisation)
 
     def model_file_text(self) -> str:
         """The model file a user would write for it."""
         call = {"causal": "input_ids=inputs, use_cache=False", "classify": "input_ids=inputs",
                 "image": "pixel_values=inputs",
                 "seq2seq": "input_ids=inputs, decoder_input_ids=inputs, use_cache=False"}[self.kind]
-        text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings, call=call)
+        after_build = "".join(f"    {line}\n" for line in self.after_build.splitlines())
+        text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings, call=call,
+                            after_build=after_build)
         if self.kind == "image":
             return text + IMAGES
         target = "torch.randint(0, 4, (batch_size,))" if self.kind == "classify" else "tokens[:, 1:]"
@@ -146,7 +150,12 @@ FAMILIES = (
         "classify"),
     Family("DeiT", "DeiTConfig", "DeiTForImageClassification", dict(
         image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "image"),
+        num_attention_heads=2, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "image",
+        # transformers starts these three at zero, and the LayerNorm of an all-zero row has gradients of ~3e3:
+        # training diverges at any learning rate; small random values, as a user would set them
+        "embeddings = model.model.deit.embeddings\n"
+        "for tensor in (embeddings.cls_token, embeddings.distillation_token, embeddings.position_embeddings):\n"
+        "    torch.nn.init.normal_(tensor, std=0.02)"),
     Family("Swin", "SwinConfig", "SwinForImageClassification", dict(
         image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=4,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), "image"),
@@ -242,6 +251,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     wanted = {name.strip().lower() for name in args.families.split(",") if name.strip()}
+    unknown = sorted(wanted - {family.name.lower() for family in FAMILIES})
+    if unknown:
+        parser.error(f"unknown families {', '.join(unknown)}; known: {', '.join(f.name for f in FAMILIES)}")
     chosen = [family for family in FAMILIES if not wanted or family.name.lower() in wanted]
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}; "
           f"{args.steps} SGD steps of a batch of {BATCH} in {MICROBATCHES} microbatches, {args.schedule}\n")
