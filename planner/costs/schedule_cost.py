@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -62,7 +62,19 @@ ArrayOrFloat = Union[float, np.ndarray]
 ArrayOrBool = Union[bool, np.ndarray]
 
 
-Stage = tuple[int, int, int, bool]  # (start, stop, replicas, recompute)
+class Stage(NamedTuple):
+    """One stage of a plan: layers [start, stop) on `replicas` devices, recomputing its activations or not.
+    Plain (start, stop, replicas, recompute) tuples are accepted wherever a Stage is."""
+
+    start: int
+    stop: int
+    replicas: int
+    recompute: bool
+
+
+def replicas_of(stages: Sequence[Stage]) -> list[int]:
+    """Each stage's replica count, in order."""
+    return [replicas for _, _, replicas, _ in stages]
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt)
 def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
     """First rank of each stage under the placement of the module docstring (right-aligned, shifted)."""
     devices = inputs.cluster.num_devices
-    used = sum(stage[2] for stage in stages)
+    used = sum(replicas_of(stages))
     shift = max(devices - used, 0) // inputs.class_size * inputs.class_size
     ranks, end = [], devices - shift
     for _, _, replicas, _ in reversed(stages):
@@ -241,7 +253,8 @@ def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
 def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:
     """True when the placement rule holds and every device fits the memory limit (if any)."""
     ranks = first_ranks(inputs, stages)
-    if ranks[0] < 0 or not all(bool(placement_ok(inputs.cluster, rank, s[2])) for rank, s in zip(ranks, stages)):
+    if ranks[0] < 0 or not all(bool(placement_ok(inputs.cluster, rank, replicas))
+                               for rank, replicas in zip(ranks, replicas_of(stages))):
         return False
     if inputs.memory_bytes is None:
         return True

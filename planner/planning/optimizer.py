@@ -48,6 +48,7 @@ from planner.costs.schedule_cost import (
     objective_s,
     placement_ok,
     plan_fits,
+    replicas_of,
     stage_cost,
     stage_costs,
     time_terms,
@@ -69,7 +70,7 @@ class Solution:
     @property
     def devices(self) -> int:
         """Devices the plan uses: the sum of its replicas."""
-        return sum(stage[2] for stage in self.stages)
+        return sum(replicas_of(self.stages))
 
 
 class _Evaluator:
@@ -293,8 +294,8 @@ def _solve_front(
     for entry in at_zero[np.lexsort((front.devices[at_zero], front.cost[at_zero]))]:
         stages = []
         while front.start[entry] < n:
-            stages.append((int(front.start[entry]), int(front.stop[entry]), int(front.replicas[entry]),
-                           bool(front.recompute[entry])))
+            stages.append(Stage(int(front.start[entry]), int(front.stop[entry]), int(front.replicas[entry]),
+                                bool(front.recompute[entry])))
             entry = int(front.parent[entry])
         plans.append(stages)
     return plans
@@ -321,7 +322,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     best = solve(math.inf)
     if best is None:
         raise InfeasiblePlanError(inputs.memory_bytes or 0, _smallest_memory(inputs, straight, options))
-    everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]  # data parallelism: a
+    everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]  # data parallelism: a
     if not straight and plan_fits(inputs, everywhere) and max_bound(everywhere) < max_bound(best):  # first bound
         best = everywhere
     # no plan beats perfect division of the work (pipedream); flush bounds start from 0
@@ -340,8 +341,8 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         candidates = [plan for plan in [solve(bound)] if plan is not None]
     tied = [plan for plan in candidates if objective_s(inputs, plan) <= limit]
     if tied:
-        fewest = min(tied, key=lambda plan: sum(stage[2] for stage in plan))
-        if sum(stage[2] for stage in fewest) < sum(stage[2] for stage in best):
+        fewest = min(tied, key=lambda plan: sum(replicas_of(plan)))
+        if sum(replicas_of(fewest)) < sum(replicas_of(best)):
             best = fewest
     return Solution(tuple(best), objective_s(inputs, best))
 

@@ -128,7 +128,7 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
     """The optimizer's plan judged by simulation; data parallelism (one stage on every device)
     instead when it fits and simulates faster (the closed form can rank the two the other way)."""
     iteration = predicted_iteration_s(inputs, list(solution.stages))
-    everywhere = [(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
     fits = plan_fits(inputs, everywhere)
     data_parallel = iteration if list(solution.stages) == everywhere else predicted_iteration_s(inputs, everywhere)
     if not straight and fits and data_parallel < iteration:

@@ -460,7 +460,7 @@ def solve_unlimited(combos: GroupCombos, bound: float, straight: bool) -> list[S
     """
     n, group = combos.pairs.num_layers, combos.inputs.class_size
     if bound == math.inf:
-        return [(0, n, 1, False)]
+        return [Stage(0, n, 1, False)]
     ranges = combos.ranges(straight)
     if ranges is not None:
         keys, targets = _solve_ranges(combos, ranges, bound)
@@ -478,7 +478,7 @@ def solve_unlimited(combos: GroupCombos, bound: float, straight: bool) -> list[S
     while start < n:
         code = int(keys[start, target_of[state]])
         stop, r = (code // combos.stride_r) % (n + 1), code % combos.stride_r
-        stages.append((start, stop, r, False))
+        stages.append(Stage(start, stop, r, False))
         start, state = stop, (state - r) % group
     return stages
 

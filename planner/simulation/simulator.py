@@ -42,7 +42,7 @@ from planner.schedules.schedule import (
     build_schedule,
     pipedream_microbatches,
 )
-from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, stage_cost
+from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, replicas_of, stage_cost
 
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
     """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
@@ -134,7 +134,8 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
 
 def stage_ranks(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[tuple[int, ...], ...]:
     """The ranks of each stage under the cost model's placement (`schedule_cost.first_ranks`)."""
-    return tuple(tuple(range(first, first + stage[2])) for first, stage in zip(first_ranks(inputs, list(stages)), stages))
+    return tuple(tuple(range(first, first + replicas))
+                 for first, replicas in zip(first_ranks(inputs, list(stages)), replicas_of(stages)))
 
 
 class SimulationTooLongError(PlannerError):
@@ -154,7 +155,7 @@ def simulated_pipedream_microbatches(stages: Sequence[Stage]) -> int:
     """Microbatches for a pipedream simulation: whole rounds of every replica (`pipedream_microbatches`),
     at least 32 and 4 x stages x the most replicas, to reach steady state; SimulationTooLongError
     when one round exceeds MAX_PIPEDREAM_ROUND."""
-    replicas = [stage[2] for stage in stages]
+    replicas = replicas_of(stages)
     unit = math.lcm(*replicas)
     if unit > MAX_PIPEDREAM_ROUND:
         raise SimulationTooLongError(replicas, unit)
@@ -167,6 +168,6 @@ def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int
         count, iterations = simulated_pipedream_microbatches(stages), 1
     else:
         count = inputs.microbatches
-    schedule = build_schedule(inputs.schedule, [stage[2] for stage in stages], count, iterations,
+    schedule = build_schedule(inputs.schedule, replicas_of(stages), count, iterations,
                               stage_ranks(inputs, stages))
     return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster)
