@@ -229,11 +229,10 @@ class Pipeline:
             stage.to(device)
         self._replies: queue.Queue = queue.Queue()
         programs = {program.stage: program for program in self.schedule.programs}
-        self._workers = [
-            _Worker(index, StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn,
-                                       checkpoint=checkpoint[index]), programs[index], self._replies)
-            for index, (stage, device) in enumerate(zip(stages, self.devices))
-        ]
+        # every runner first: one that cannot be built leaves no thread of an earlier stage running
+        runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index])
+                   for index, (stage, device) in enumerate(zip(stages, self.devices))]
+        self._workers = [_Worker(index, runner, programs[index], self._replies) for index, runner in enumerate(runners)]
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 

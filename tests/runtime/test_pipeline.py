@@ -263,6 +263,26 @@ def test_close_joins_the_workers_and_the_context_manager_closes() -> None:
     pipe.close()  # again: nothing to do
 
 
+def test_a_stage_that_cannot_be_set_up_leaves_no_worker_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.pipeline
+
+    built = []
+
+    def runner_failing_for_the_second_stage(*args: Any, **kwargs: Any) -> Any:
+        if built:
+            raise RuntimeError("no room on that device")
+        built.append(True)
+        return real_runner(*args, **kwargs)
+
+    real_runner = runtime.pipeline.StageRunner
+    monkeypatch.setattr(runtime.pipeline, "StageRunner", runner_failing_for_the_second_stage)
+    before = {thread.name for thread in threading.enumerate()}
+    stages = split_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"])
+    with pytest.raises(RuntimeError, match="no room"):
+        Pipeline(stages)
+    assert {thread.name for thread in threading.enumerate()} - before == set()
+
+
 def test_pipedream_unknown_schedules_and_bad_arguments_are_refused() -> None:
     stages = split_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["1"])
     with pytest.raises(PipelineError, match="pipedream schedule .* needs the distributed engine"):
