@@ -6,19 +6,30 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_tensors", "tensors", "split_batch", "batch_size", "split_minibatch"]
+__all__ = ["map_leaves", "map_tensors", "tensors", "split_batch", "batch_size", "split_minibatch"]
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """`value` with `function` applied to every tensor in it (tuples, lists and dicts are walked)."""
-    if isinstance(value, torch.Tensor):
+    """`value` with `function` applied to every tensor in it (tuples, named tuples, lists and dicts are walked)."""
+    return map_leaves(function, value, torch.Tensor)
+
+
+def map_leaves(function: Callable[[Any], Any], value: Any, leaf: type) -> Any:
+    """`value` with `function` applied to every instance of `leaf` in it, the structure around them kept."""
+    if isinstance(value, leaf):
         return function(value)
     if isinstance(value, (tuple, list)):
-        mapped = [map_tensors(function, item) for item in value]
-        return tuple(mapped) if isinstance(value, tuple) else mapped
+        return _same_sequence(value, [map_leaves(function, item, leaf) for item in value])
     if isinstance(value, dict):
-        return {key: map_tensors(function, item) for key, item in value.items()}
+        return {key: map_leaves(function, item, leaf) for key, item in value.items()}
     return value
+
+
+def _same_sequence(value: tuple | list, items: list[Any]) -> Any:
+    """`items` as the kind of sequence `value` is: a list, a tuple, or the same named tuple."""
+    if isinstance(value, list):
+        return items
+    return type(value)(*items) if hasattr(type(value), "_fields") else tuple(items)
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -35,7 +46,7 @@ def split_batch(value: Any, chunks: int) -> list[Any]:
     if isinstance(value, (tuple, list)):
         parts = [split_batch(item, chunks) for item in value]
         pieces = [[part[k] for part in parts] for k in range(chunks)]
-        return [tuple(piece) if isinstance(value, tuple) else piece for piece in pieces]
+        return [_same_sequence(value, piece) for piece in pieces]
     if isinstance(value, dict):
         parts_of = {key: split_batch(item, chunks) for key, item in value.items()}
         return [{key: part[k] for key, part in parts_of.items()} for k in range(chunks)]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 import torch.distributed as dist
 
-from runtime.nested import map_tensors, tensors
+from runtime.nested import map_leaves, map_tensors, tensors
 
 __all__ = ["TensorSpec", "describe", "materialize", "Mailbox", "Links", "POLL_S"]
 
@@ -52,18 +52,11 @@ def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.T
     """A value of `structure` with empty tensors on `device`, and those tensors in `tensors` order."""
     made: list[torch.Tensor] = []
 
-    def walk(item: Any) -> Any:
-        if isinstance(item, TensorSpec):
-            made.append(torch.empty(item.shape, dtype=item.dtype, device=device))
-            return made[-1]
-        if isinstance(item, (tuple, list)):
-            walked = [walk(part) for part in item]
-            return tuple(walked) if isinstance(item, tuple) else walked
-        if isinstance(item, dict):
-            return {key: walk(part) for key, part in item.items()}
-        return item
+    def make(spec: TensorSpec) -> torch.Tensor:
+        made.append(torch.empty(spec.shape, dtype=spec.dtype, device=device))
+        return made[-1]
 
-    return walk(structure), made
+    return map_leaves(make, structure, TensorSpec), made
 
 
 class Mailbox:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -149,3 +149,18 @@ def test_split_minibatch_says_what_is_wrong_with_the_batch() -> None:
         split_minibatch(torch.zeros(3, 2), torch.zeros(3), 4)
     with pytest.raises(ValueError, match=r"batch in dim 0 with one size; got first dimensions \[4, 5\]"):
         split_minibatch(torch.zeros(4, 2), torch.zeros(5), 2)
+
+
+class Pair(NamedTuple):
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def test_named_tuples_keep_their_type_through_map_tensors_and_split_batch() -> None:
+    value = Pair(torch.arange(4), torch.ones(4))
+    mapped = map_tensors(lambda t: t * 2, value)
+    assert type(mapped) is Pair and torch.equal(mapped.ids, torch.arange(4) * 2)
+    halves = split_batch(value, 2)
+    assert [type(half) for half in halves] == [Pair, Pair]
+    assert torch.equal(halves[1].mask, torch.ones(2))
+

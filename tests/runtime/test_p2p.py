@@ -66,6 +66,14 @@ def test_materialize_round_trip_keeps_structure_shapes_dtypes_and_other_leaves()
     assert [t.device for t in buffers] == [CPU] * 5
 
 
+def test_materialize_keeps_a_named_tuple() -> None:
+    from test_nested import Pair
+
+    value, made = materialize(describe(Pair(torch.zeros(2, 3), torch.ones(2))), torch.device("cpu"))
+    assert type(value) is Pair and value.ids.shape == (2, 3)
+    assert len(made) == 2 and made[0] is value.ids and made[1] is value.mask
+
+
 def test_materialize_returns_its_tensors_in_tensors_order() -> None:
     value = message()
     made, buffers = materialize(describe(value), CPU)
