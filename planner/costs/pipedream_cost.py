@@ -23,7 +23,7 @@ stages after it; PipeDream's NOAM = ceil(devices from this stage on / r)),
 
 from __future__ import annotations
 
-from typing import Union
+from typing import NamedTuple, Union
 
 import numpy as np
 
@@ -31,6 +31,14 @@ from planner.costs.layer_arrays import LayerArrays
 from planner.schedules.schedule import ArrayOrInt
 
 ArrayOrFloat = Union[float, np.ndarray]
+
+
+class PipeDreamStage(NamedTuple):
+    """A stage of a PipeDream plan: layers [start, stop) on `replicas` devices."""
+
+    start: int
+    stop: int
+    replicas: int
 
 
 def pipedream_unit_terms(param_bytes: ArrayOrFloat, cut_in_bytes: ArrayOrFloat, cut_out_bytes: ArrayOrFloat,

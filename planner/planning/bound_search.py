@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 Plan = TypeVar("Plan")
+
+@dataclass(frozen=True)
+class Solution:
+    """What either optimizer returns: its stages (named tuples with a `replicas` field: the planner's
+    `schedule_cost.Stage`, PipeDream's `pipedream_cost.PipeDreamStage`) and its objective, seconds."""
+
+    stages: tuple[Any, ...]
+    objective_s: float
+
+    @property
+    def devices(self) -> int:
+        """Devices the plan uses: the sum of its replicas."""
+        return sum(stage.replicas for stage in self.stages)
+
 
 TIE = 1e-9  # objectives within this relative distance count as equal
 MAX_STEPS = 200  # bisection and descent steps: far more than the ~60 needed to exhaust a float

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.planning.bound_search import MAX_STEPS, TIE, smallest_bound
+from planner.planning.bound_search import MAX_STEPS, TIE, Solution, smallest_bound
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.costs.schedule_cost import (
     CostInputs,
@@ -58,19 +58,6 @@ from planner.costs.stage_sums import Pairs
 from planner.planning.unlimited_dp import GroupCombos, solve_unlimited
 
 _NONE = np.iinfo(np.int64).max // 4  # 'no replica count works'
-
-
-@dataclass(frozen=True)
-class Solution:
-    """Stages as (start, stop, replicas, recompute) and the objective (seconds)."""
-
-    stages: tuple[Stage, ...]
-    objective_s: float
-
-    @property
-    def devices(self) -> int:
-        """Devices the plan uses: the sum of its replicas."""
-        return sum(replicas_of(self.stages))
 
 
 class _Evaluator:

@@ -27,27 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.planning.bound_search import TIE, smallest_bound
+from planner.planning.bound_search import TIE, Solution, smallest_bound
 from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, stage_pairs
 from planner.costs.pipedream_cost import (
+    PipeDreamStage,
     pipedream_bottleneck_s, pipedream_time_from_units, pipedream_unit_terms, pipedream_value_from_units,
 )
 from planner.errors import InfeasiblePlanError, PlannerError
 
 _NO_PLAN = 1 << 40  # 'no replica count works'; far above any device count, far below int64 overflow
-
-
-@dataclass(frozen=True)
-class Solution:
-    """Stages as (start, stop, replicas) over layer indices [start, stop), and the objective."""
-
-    stages: tuple[tuple[int, int, int], ...]
-    objective_s: float
-
-    @property
-    def devices(self) -> int:
-        """Devices the plan uses: the sum of its replicas."""
-        return sum(replicas for _, _, replicas in self.stages)
 
 
 class _PairTable:
@@ -167,11 +155,11 @@ def _fewest_devices(
     return int(best[0]), chosen_stop, chosen_replicas
 
 
-def _stages(chosen_stop: np.ndarray, chosen_replicas: np.ndarray, num_layers: int) -> list[tuple[int, int, int]]:
+def _stages(chosen_stop: np.ndarray, chosen_replicas: np.ndarray, num_layers: int) -> list[PipeDreamStage]:
     stages, start = [], 0
     while start < num_layers:
         stop = int(chosen_stop[start])
-        stages.append((start, stop, int(chosen_replicas[start])))
+        stages.append(PipeDreamStage(start, stop, int(chosen_replicas[start])))
         start = stop
     return stages
 
@@ -195,7 +183,7 @@ def optimize_pipedream(
     copies = OPTIMIZER_STATE_COPIES[optimizer]
     memory = None if memory_bytes is None else _MemoryLimit(float(memory_bytes), copies)
 
-    def solve(bound_s: float) -> list[tuple[int, int, int]] | None:
+    def solve(bound_s: float) -> list[PipeDreamStage] | None:
         used, chosen_stop, chosen_replicas = _fewest_devices(table, bound_s, devices, straight, memory)
         return _stages(chosen_stop, chosen_replicas, arrays.num_layers) if used <= devices else None
 
@@ -207,7 +195,7 @@ def optimize_pipedream(
     # Among plans within the floating-point tie tolerance of the optimum, take the fewest devices:
     # stage sums come from prefix differences, so equal stages may differ in the last bit.
     fewest = solve(best_value * (1.0 + TIE))
-    if fewest is not None and sum(r for _, _, r in fewest) < sum(r for _, _, r in best):
+    if fewest is not None and sum(stage.replicas for stage in fewest) < sum(stage.replicas for stage in best):
         best, best_value = fewest, pipedream_bottleneck_s(arrays, fewest, bandwidth_Bps)
     return Solution(tuple(best), best_value)
 
