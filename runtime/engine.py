@@ -55,10 +55,11 @@ from torch import nn
 
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
-    Schedule, ScheduleError, build_schedule, check_channel_order,
+    RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action, Schedule, ScheduleError, build_schedule,
+    check_channel_order,
 )
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
+from runtime.interpreter import run_program
 from runtime.liveness import Heartbeat, RankMissing
 from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
@@ -292,44 +293,26 @@ class Engine:
 
     def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
              slots: list[tuple[int, Any]]) -> float | None:
-        """Walk this rank's program once; returns the loss on the last stage."""
-        runner, pipedream = self.runner, self.schedule.name == "pipedream"
-        outgoing: dict[Key, Any] = {}
+        """Walk this rank's program once (`run_program`, messages through `_StepMessages`); returns the loss on
+        the last stage. Every action but a send is timed here (sends in the sender thread)."""
+        pipedream = self.schedule.name == "pipedream"
         step, ops = len(self.step_spans), []
         self._collect_transfers()
         self._ops.append((step, ops))
-        for action in self.program.actions:
-            mb = action.microbatch
-            key = (action.iteration, mb)
-            self._where = key if mb >= 0 else None
-            start = time.perf_counter()
-            if action.op == RECV_ACTIVATION:
-                value, structure = self._take(("activation", key), action.peer, f"the activation of microbatch {mb}")
-                self._received_structures[(action.peer, slots[mb])] = structure
-                runner.receive(key, value)
-            elif action.op == FORWARD:
-                output = runner.forward(key, chunks[mb], targets[mb], 1.0 if pipedream else shares[mb])
-                if output is not None:
-                    outgoing[key] = output
-            elif action.op == SEND_ACTIVATION:
-                self._send_activation(action.peer, key, slots[mb], outgoing.pop(key), (step, action.op, *key))
-            elif action.op == RECV_GRADIENT:
-                value, _ = self._take(("gradient", key), action.peer, f"the gradient of microbatch {mb}")
-                runner.receive_grads(key, value)
-            elif action.op == BACKWARD:
-                grads = runner.backward(key)
-                if grads is not None:
-                    outgoing[key] = [grad for grad in grads if grad is not None]
-            elif action.op == SEND_GRADIENT:
-                self._links.send(action.peer, outgoing.pop(key), with_structure=False,
-                                 tag=(step, action.op, *key, action.peer))
-            elif action.op == ALLREDUCE:
-                self._all_reduce(self._gradients.replicated, self._gradients.replica_group,
-                                 divide_by=len(self.schedule.stage_ranks[self.stage]) if pipedream else 1)
-            elif action.op == STEP:
-                self._step()
-            if action.op not in (SEND_ACTIVATION, SEND_GRADIENT):  # sends are timed by the sender thread
-                ops.append(OpTime(step, action.op, action.iteration, mb, action.peer, start, time.perf_counter()))
+        started = [0.0]
+
+        def before(action: Action) -> None:
+            self._where = (action.iteration, action.microbatch) if action.microbatch >= 0 else None
+            started[0] = time.perf_counter()
+
+        def after(action: Action) -> None:
+            if action.op not in (SEND_ACTIVATION, SEND_GRADIENT):
+                ops.append(OpTime(step, action.op, action.iteration, action.microbatch, action.peer, started[0],
+                                  time.perf_counter()))
+
+        scales = [1.0] * len(shares) if pipedream else shares
+        run_program(self.program.actions, self.runner, _StepMessages(self, step, slots), chunks, targets, scales,
+                    before, after)
         self._where = None
         return self._loss(shares) if self.runner.last else None
 
@@ -472,6 +455,43 @@ def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:
     if not all(ranks) or every != list(range(world)):
         raise EngineError(f"stage ranks {[list(group) for group in ranks]} must cover ranks 0..{world - 1} once "
                           f"each (world size {world}); launch one process per rank of the plan")
+
+
+class _StepMessages:
+    """`run_program`'s Transport for one train_step of an engine: point-to-point links and process groups."""
+
+    def __init__(self, engine: Engine, step: int, slots: list[tuple[int, Any]]) -> None:
+        self.engine, self.step_index, self.slots = engine, step, slots
+
+    def receive(self, action: Action) -> Any:
+        """The activation or gradients from the action's peer; RankMissing when it stops answering."""
+        key, mb, engine = (action.iteration, action.microbatch), action.microbatch, self.engine
+        if action.op == RECV_ACTIVATION:
+            value, structure = engine._take(("activation", key), action.peer, f"the activation of microbatch {mb}")
+            engine._received_structures[(action.peer, self.slots[mb])] = structure
+            return value
+        value, _ = engine._take(("gradient", key), action.peer, f"the gradient of microbatch {mb}")
+        return value
+
+    def send(self, action: Action, value: Any) -> None:
+        """Queue the activation (its structure first, once per slot) or the gradients that exist."""
+        key, tag = (action.iteration, action.microbatch), (self.step_index, action.op)
+        if action.op == SEND_ACTIVATION:
+            self.engine._send_activation(action.peer, key, self.slots[action.microbatch], value, (*tag, *key))
+        else:
+            self.engine._links.send(action.peer, [grad for grad in value if grad is not None], with_structure=False,
+                                    tag=(*tag, *key, action.peer))
+
+    def all_reduce(self, action: Action) -> None:
+        """Sum the replicas' gradients (pipedream: their mean, every microbatch)."""
+        engine = self.engine
+        replicas = len(engine.schedule.stage_ranks[engine.stage])
+        engine._all_reduce(engine._gradients.replicated, engine._gradients.replica_group,
+                           divide_by=replicas if engine.schedule.name == "pipedream" else 1)
+
+    def step(self, action: Action) -> None:
+        """Tied weights' gradients summed across their stages, then the optimizer step."""
+        self.engine._step()
 
 
 def _check_message_order(schedule: Schedule) -> None:

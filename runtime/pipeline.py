@@ -41,10 +41,8 @@ from torch import nn
 
 from planner.errors import PlannerError
 from planner.profiling.model_file import default_loss
-from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
-    RankProgram, build_schedule,
-)
+from planner.schedules.schedule import RECV_ACTIVATION, SEND_ACTIVATION, Action, RankProgram, build_schedule
+from runtime.interpreter import UnknownActionError, run_program
 from runtime.nested import split_minibatch
 from runtime.stage_runner import LossFn, StageRunner
 from runtime.stages import Stages, build_stages
@@ -91,6 +89,8 @@ class _Worker:
         self.index, self.runner, self.program, self.replies = index, runner, program, replies
         self.inbox: queue.Queue = queue.Queue()
         self.microbatch: int | None = None
+        self._step: _Step | None = None  # the step being run, and messages that came before their turn
+        self._early: dict[tuple[int, int], Any] = {}
         self.thread = threading.Thread(target=self._loop, name=f"pipeline-stage-{index}", daemon=True)
         self.thread.start()
 
@@ -113,47 +113,49 @@ class _Worker:
             del step
 
     def _run(self, step: _Step) -> dict[int, float]:
-        """One step's actions in program order; returns the last stage's loss per microbatch."""
-        runner = self.runner
-        runner.reset(step.seed + self.index)
-        early: dict[tuple[int, int], Any] = {}  # messages that came before their turn, by (queue id, microbatch)
-        sent: dict[int, Any] = {}  # outputs or input gradients computed, not yet sent
-        for action in self.program.actions:
-            mb = action.microbatch
-            self.microbatch = mb if mb >= 0 else None
-            if action.op == RECV_ACTIVATION:
-                runner.receive(mb, self._receive(step.activations[self.index], mb, early))
-            elif action.op == FORWARD:
-                output = runner.forward(mb, step.inputs[mb], step.targets[mb], step.scales[mb])
-                if output is not None:
-                    sent[mb] = output
-            elif action.op == SEND_ACTIVATION:
-                step.activations[self.index + 1].put((mb, sent.pop(mb)))
-            elif action.op == RECV_GRADIENT:
-                runner.receive_grads(mb, self._receive(step.gradients[self.index], mb, early))
-            elif action.op == BACKWARD:
-                grads = runner.backward(mb)
-                if grads is not None:
-                    sent[mb] = grads
-            elif action.op == SEND_GRADIENT:
-                step.gradients[self.index - 1].put((mb, sent.pop(mb)))
-            elif action.op in (ALLREDUCE, STEP):
-                continue  # one replica: nothing to reduce; the caller's optimizer steps
-            else:
-                raise PipelineError(f"unknown action {action.op!r} in the program of stage {self.index}",
-                                    self.index, self.microbatch)
+        """One step's actions in program order (`run_program`, this worker the transport); returns the last
+        stage's loss per microbatch."""
+        self.runner.reset(step.seed + self.index)
+        self._step, self._early = step, {}
+        try:
+            run_program(self.program.actions, self.runner, self, step.inputs, step.targets, step.scales,
+                        before=self._enter)
+        except UnknownActionError as exc:
+            raise PipelineError(str(exc), self.index, self.microbatch) from None
+        finally:
+            self._step, self._early = None, {}
         self.microbatch = None
-        return dict(runner.losses)
+        return {mb: loss for (_, mb), loss in self.runner.losses.items()}
 
-    def _receive(self, inbound: queue.Queue, mb: int, early: dict[tuple[int, int], Any]) -> Any:
-        """The message for microbatch `mb` on `inbound` (others are kept for later); _Aborted on abort."""
-        key = (id(inbound), mb)
-        while key not in early:
+    def _enter(self, action: Action) -> None:
+        """Note the microbatch an action works on, for the error a failure becomes."""
+        self.microbatch = action.microbatch if action.microbatch >= 0 else None
+
+    # the Transport of run_program: queues between neighbouring stages' threads
+
+    def receive(self, action: Action) -> Any:
+        """The activation or gradients for the action's microbatch; others that came first are kept for later."""
+        inbound = (self._step.activations if action.op == RECV_ACTIVATION else self._step.gradients)[self.index]
+        key = (id(inbound), action.microbatch)
+        while key not in self._early:
             message = inbound.get()
             if message is _ABORT:
                 raise _Aborted()
-            early[(id(inbound), message[0])] = message[1]
-        return early.pop(key)
+            self._early[(id(inbound), message[0])] = message[1]
+        return self._early.pop(key)
+
+    def send(self, action: Action, value: Any) -> None:
+        """Put the value on the neighbour's queue: the next stage's activations or the previous one's gradients."""
+        if action.op == SEND_ACTIVATION:
+            self._step.activations[self.index + 1].put((action.microbatch, value))
+        else:
+            self._step.gradients[self.index - 1].put((action.microbatch, value))
+
+    def all_reduce(self, action: Action) -> None:
+        """One replica per stage: nothing to reduce."""
+
+    def step(self, action: Action) -> None:
+        """The caller's optimizer steps."""
 
 
 # --- the pipeline --------------------------------------------------------------------------------

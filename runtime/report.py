@@ -48,7 +48,8 @@ Schema (format "pipeline-planner/run-report", version 1):
 - `events`: the ops of the representative step, rows in `planner.files.timeline.COLUMNS` order (rank,
   stage, replica, microbatch, iteration, op, peer, start_s, end_s; peer -1 for none), seconds
   from the step's start on the common clock; receive waits are left out (the simulator has none:
-  they are in `recv_wait_ms`).
+  they are in `recv_wait_ms`). A step starts where the previous one ended on every rank, so when a
+  rank began it while another still finished the previous step, its first ops start below 0.
 - `notes`: sentences for the reader (e.g. when the run's microbatches differ from the plan's).
 """
 

@@ -349,6 +349,10 @@ def train_the_mlp(out: Path) -> None:
             loss = engine.train_step(inputs, target)
             if loss is not None:
                 losses.append((step, loss))
+            # no rank starts a step before every rank ended the last one: without it, on a busy machine rank 0
+            # began step k while rank 1 still finished step k - 1, and its first ops came out before the step's
+            # start (the report's events can begin below 0 then; checked exactly by the replayed runs above)
+            torch.distributed.barrier()
         save_run_report(engine, plan, out / "engine.json", batch_size=BATCH, losses=losses, plan_path="mlp.plan")
 
 
