@@ -13,7 +13,7 @@ rewritten; only `prune` deletes, and never the newest complete checkpoint.
 Optimizer state is stored keyed by parameter NAME (`runtime.optimizer_state`), not by torch's integer
 index, so a checkpoint can be loaded into a differently split model (a re-partitioned plan).
 
-Why one module of ~510 lines: writing, finding, reading and pruning follow one layout and one rule of
+Why one module of ~530 lines: writing, finding, reading and pruning follow one layout and one rule of
 completeness (the manifest last); apart they could disagree about which checkpoint is complete.
 """
 

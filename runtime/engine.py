@@ -37,8 +37,9 @@ its stage and replica (`planner.schedules.schedule`), the same data the simulato
 - timings: `trace` holds an `OpTime` per action of the last `trace_steps` steps
   (`runtime.trace`), `step_spans` the start and end of every `train_step` (perf_counter s).
 
-Why one module of ~530 lines: set-up checks, process groups, the schedule interpreter and fail-fast
-share the Engine's state; the stage's own computation is `runtime.stage_runner`, messages `runtime.p2p`.
+Why one module of ~520 lines: set-up checks, process groups, the transport the schedule interpreter
+(`runtime.interpreter`) runs on, and fail-fast share the Engine's state; the stage's own computation is
+`runtime.stage_runner`, messages `runtime.p2p`, gradient collectives `runtime.gradients`.
 """
 
 from __future__ import annotations
