@@ -56,7 +56,7 @@ from torch import nn
 
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action, Schedule, ScheduleError, build_schedule,
+    RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
     check_channel_order,
 )
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
@@ -307,7 +307,7 @@ class Engine:
             started[0] = time.perf_counter()
 
         def after(action: Action) -> None:
-            if action.op not in (SEND_ACTIVATION, SEND_GRADIENT):
+            if action.op not in SENDS:
                 ops.append(OpTime(step, action.op, action.iteration, action.microbatch, action.peer, started[0],
                                   time.perf_counter()))
 
@@ -508,7 +508,7 @@ def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:
     """links[(a, b)]: the process group of the messages from rank a to rank b, created in the same order on
     every rank (the gradient groups come next: `make_gradient_groups`)."""
     pairs = sorted({(program.rank, action.peer) for program in schedule.programs for action in program.actions
-                    if action.op in (SEND_ACTIVATION, SEND_GRADIENT)})
+                    if action.op in SENDS})
     return {pair: dist.new_group(sorted(pair)) for pair in pairs}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP, Action,
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SENDS, STEP, Action,
 )
 from runtime.stage_runner import StageRunner
 
@@ -57,7 +57,7 @@ def run_program(actions: Sequence[Action], runner: StageRunner, transport: Trans
             output = runner.forward(key, inputs[mb], targets[mb], scales[mb])
             if output is not None:
                 outgoing[key] = output
-        elif action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+        elif action.op in SENDS:
             transport.send(action, outgoing.pop(key))
         elif action.op == RECV_GRADIENT:
             runner.receive_grads(key, transport.receive(action))

@@ -71,7 +71,7 @@ from planner.files.fileformat import write_versioned_json
 from planner.files.plan import Plan
 from planner.files.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, STEP,
+    ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, SENDS, STEP,
 )
 from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
@@ -81,7 +81,6 @@ __all__ = [
     "save_run_report", "write_run_report",
 ]
 
-SENDS = (SEND_ACTIVATION, SEND_GRADIENT)
 
 
 @dataclass(frozen=True)

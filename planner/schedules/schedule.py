@@ -41,6 +41,7 @@ SEND_ACTIVATION, RECV_ACTIVATION = "send_activation", "recv_activation"
 SEND_GRADIENT, RECV_GRADIENT = "send_gradient", "recv_gradient"
 ALLREDUCE, STEP = "allreduce", "step"
 OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT, ALLREDUCE, STEP)
+SENDS = (SEND_ACTIVATION, SEND_GRADIENT)
 RECEIVES = (RECV_ACTIVATION, RECV_GRADIENT)
 _SHORT = {FORWARD: "F", BACKWARD: "B", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRADIENT: "sg",
           RECV_GRADIENT: "rg", ALLREDUCE: "AR", STEP: "S"}
@@ -241,9 +242,9 @@ def check_channel_order(schedule: Schedule) -> None:
     for program in schedule.programs:
         for step, action in enumerate(program.actions):
             key = (action.iteration, action.microbatch)
-            if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+            if action.op in SENDS:
                 sent.setdefault((program.rank, action.peer), []).append(key)
-            elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+            elif action.op in RECEIVES:
                 received.setdefault((action.peer, program.rank), []).append((key, step))
     for (sender, receiver), keys in sorted(sent.items()):
         got = received.get((sender, receiver), [])
@@ -312,9 +313,9 @@ def _check_runs(schedule: Schedule) -> None:
             rank = program.rank
             while position[rank] < len(program.actions):
                 action = program.actions[position[rank]]
-                if action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                if action.op in SENDS:
                     sent.add((action.op, action.stage, action.microbatch, action.iteration, action.peer))
-                elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                elif action.op in RECEIVES:
                     kind, source = ((SEND_ACTIVATION, action.stage - 1) if action.op == RECV_ACTIVATION
                                     else (SEND_GRADIENT, action.stage + 1))
                     if schedule.owner(source, action.microbatch) != action.peer:

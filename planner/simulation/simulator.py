@@ -33,10 +33,11 @@ from planner.schedules.schedule import (
     ALLREDUCE,
     BACKWARD,
     FORWARD,
+    RECEIVES,
     RECV_ACTIVATION,
-    RECV_GRADIENT,
     SEND_ACTIVATION,
     SEND_GRADIENT,
+    SENDS,
     STEP,
     Schedule,
     build_schedule,
@@ -77,14 +78,14 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                         free_at[rank] = max(free_at[rank], reduce_ends[rank][-2])
                     rows.append(base + (free_at[rank], free_at[rank] + duration))
                     free_at[rank] += duration
-                elif action.op in (SEND_ACTIVATION, SEND_GRADIENT):
+                elif action.op in SENDS:
                     start = max(free_at[rank], channel_free.get((rank, action.op), 0.0))
                     end = start + transfer_s(times.activation_bytes if action.op == SEND_ACTIVATION
                                              else stage_times[action.stage - 1].activation_bytes, rank, action.peer)
                     channel_free[(rank, action.op)] = end
                     arrival[(action.op, action.microbatch, action.iteration, action.peer)] = end
                     rows.append(base + (start, end))
-                elif action.op in (RECV_ACTIVATION, RECV_GRADIENT):
+                elif action.op in RECEIVES:
                     kind = SEND_ACTIVATION if action.op == RECV_ACTIVATION else SEND_GRADIENT
                     ready = arrival.get((kind, action.microbatch, action.iteration, rank))
                     if ready is None:
