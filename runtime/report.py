@@ -2,8 +2,8 @@
 
 Every rank keeps `engine.trace` (`runtime.trace.OpTime` per action) and `engine.step_spans`;
 `gather_traces` collects them on rank 0 as `RankTrace`s, `build_run_report` (pure) reduces them
-to the report body and `write_run_report` writes it. `planner.files.run_report` reads the file
-(`planner compare`, `planner calibrate`).
+to a `planner.files.run_report.RunReport` and `write_run_report` writes it; `planner compare`
+and `planner calibrate` read it back.
 
 Common clock: each rank's `perf_counter` times plus its `clock_offset_s` are wall-clock seconds;
 the report subtracts rank 0's offset as well (times stay small, so no precision is lost).
@@ -12,45 +12,23 @@ ranks. The first `warmup_steps` steps are left out of every figure, and so are s
 timings on some rank (the engine keeps the last `trace_steps`) and ops of a step that did not
 finish (no span).
 
-Schema (format "pipeline-planner/run-report", version 1):
+How each figure of the report (`planner.files.run_report` has the schema) is measured:
 
-- `plan`: `path` (as given, "" if not), `profile` {name, digest}, `cost_model`, `schedule`,
-  `microbatches` (the plan's; None for pipedream), `microbatch_size`, `stages`: per stage
-  `layers` [start, stop), `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`.
-- `meta`: as the caller gives it (backend, device, torch version, threads, hosts; `run_meta`).
-- `measured`: `steps` (measured: after the warm-up, with op timings), `warmup_steps`, `batch_size`
-  (samples per train_step), `microbatches` (per train_step, as the engine ran), `microbatch_size`
-  (batch_size / microbatches, samples), `step_times_ms` (each measured step's time: from its
-  first rank's start, or the previous step's last end if that is later, to its last rank's end;
-  what the loop does between steps is not counted),
-  `train_step_ms` (their median), `iteration_ms` (the quantity the plan's `iteration_ms` states:
-  flush schedules, the median step time; pipedream, the median over steps of the steady-state
-  time per microbatch, read off the first stage's backwards as `files.timeline.Timeline.iteration_s`
-  does), `samples_per_s` (flush: batch_size / iteration; pipedream: microbatch_size /
-  iteration), `representative_step` (the step whose time is the median: the one in `events`),
-  `ranks`: [{rank, stage, replica, hostname}], and `stages`, each averaged over the stage's
-  replicas and the measured steps:
-  `forward_ms`, `backward_ms` (per microbatch; backward with a recomputed forward),
-  `compute_ms` (their sum: the plan stage's `compute_ms`), `comm_ms` (per microbatch: the
-  larger of the mean transfers into and out of the stage, each boundary's mean over both
-  directions: the plan stage's `comm_ms`), `send_ms` (this stage's transfers per step, timed in
-  the sender thread; they overlap compute), `recv_wait_ms` (per step, the compute thread waiting
-  for messages), `allreduce_ms` (per step) and `allreduce_each_ms` (per all-reduce, as the plan's
-  `allreduce_ms`; both include waiting for the slowest replica), `step_ms` (optimizer and tied
-  parameters' all-reduce, per step), `busy_ms` (compute + all-reduce + optimizer, per step),
-  `idle_ms` (step time - busy, per step; pipedream: with each train_step's fill and drain),
-  `idle_fraction` (idle_ms / mean step time).
-- `predicted`: the plan's `iteration_ms`, `samples_per_s`, and per stage `compute_ms`, `comm_ms`,
-  `allreduce_ms`.
-- `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms}]
-  (None where the prediction is 0).
-- `losses`: [[step, loss], ...] as given.
-- `events`: the ops of the representative step, rows in `planner.files.timeline.COLUMNS` order (rank,
-  stage, replica, microbatch, iteration, op, peer, start_s, end_s; peer -1 for none), seconds
-  from the step's start on the common clock; receive waits are left out (the simulator has none:
-  they are in `recv_wait_ms`). A step starts where the previous one ended on every rank, so when a
-  rank began it while another still finished the previous step, its first ops start below 0.
-- `notes`: sentences for the reader (e.g. when the run's microbatches differ from the plan's).
+- `measured.step_times_ms`: each measured step's time, from its first rank's start (or the
+  previous step's last end if that is later) to its last rank's end; what the loop does between
+  steps is not counted. `train_step_ms` is their median. `iteration_ms` is the quantity the
+  plan's `iteration_ms` states: flush schedules, the median step time; pipedream, the median over
+  steps of the steady-state time per microbatch, read off the first stage's backwards as
+  `files.timeline.Timeline.iteration_s` does. `samples_per_s`: flush, batch_size / iteration;
+  pipedream, microbatch_size / iteration. `representative_step`: the step whose time is the
+  median (the one in `events`).
+- `measured.stages`: each averaged over the stage's replicas and the measured steps. `comm_ms`
+  is the larger of the mean transfers into and out of the stage, each boundary's mean over both
+  directions (activations one way, gradients the other); `send_ms` is timed in the sender
+  thread; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
+  `idle_ms` includes each train_step's fill and drain.
+- `events`: a step starts where the previous one ended on every rank, so when a rank began it
+  while another still finished the previous step, its first ops start below 0.
 """
 
 from __future__ import annotations
@@ -69,7 +47,10 @@ import torch.distributed as dist
 
 from planner.files.fileformat import write_versioned_json
 from planner.files.plan import Plan
-from planner.files.run_report import RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RunReportError
+from planner.files.run_report import (
+    RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RankPlacement, RunReport, RunReportError, StageMeasurement,
+    StagePrediction,
+)
 from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, SENDS, STEP,
 )
@@ -158,8 +139,8 @@ def save_run_report(engine: Any, plan: Plan, path: str | Path, *, batch_size: in
 
 def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int,
                      losses: Sequence[tuple[int, float]], warmup_steps: int = 1, plan_path: str = "",
-                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The report body (module docstring) of a run of `plan` whose ranks measured `traces`, with
+                     meta: dict[str, Any] | None = None) -> RunReport:
+    """The report (module docstring) of a run of `plan` whose ranks measured `traces`, with
     `batch_size` samples per train_step; RunReportError if the traces do not fit the plan."""
     traces = sorted(traces, key=lambda trace: trace.rank)
     microbatches = _check_traces(plan, traces, batch_size, warmup_steps)
@@ -198,42 +179,29 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
     mean_step_s = statistics.fmean(step_s.values())
     stages = [_stage_measurement(ops, ranks, measured_steps, step_s, mean_step_s, boundaries, index)
               for index, ranks in enumerate(stage_ranks)]
-    iteration_ms = iteration_s * 1000.0
     predicted = plan.predicted
-    events = step_events(representative)
-    return {
-        "plan": _plan_section(plan, plan_path),
-        "meta": dict(meta or {}),
-        "measured": {
-            "steps": len(measured_steps), "warmup_steps": warmup_steps, "batch_size": batch_size,
-            "microbatches": microbatches, "microbatch_size": microbatch_size,
-            "step_times_ms": [step_s[k] * 1000.0 for k in measured_steps],
-            "train_step_ms": statistics.median(step_s.values()) * 1000.0,
-            "iteration_ms": iteration_ms, "samples_per_s": samples, "representative_step": representative,
-            "ranks": [{"rank": t.rank, "stage": t.stage, "replica": t.replica, "hostname": t.hostname} for t in traces],
-            "stages": stages,
-        },
-        "predicted": {
-            "iteration_ms": predicted.iteration_ms, "samples_per_s": predicted.samples_per_s,
-            "stages": [{"compute_ms": s.compute_ms, "comm_ms": s.comm_ms, "allreduce_ms": s.allreduce_ms}
-                       for s in plan.stages],
-        },
-        "ratios": {
-            "iteration_ms": _ratio(iteration_ms, predicted.iteration_ms),
-            "samples_per_s": _ratio(samples, predicted.samples_per_s),
-            "stages": [{"compute_ms": _ratio(found["compute_ms"], stage.compute_ms)}
-                       for found, stage in zip(stages, plan.stages)],
-        },
-        "losses": [[int(step), float(loss)] for step, loss in losses],
-        "events": [[int(r.rank), int(r.stage), int(r.replica), int(r.microbatch), int(r.iteration), str(r.op),
-                    int(r.peer), float(r.start_s), float(r.end_s)] for r in events.itertuples(index=False)],
-        "notes": _notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps),
-    }
+    return RunReport(
+        source="", plan_path=plan_path, profile_name=plan.profile.name, profile_digest=plan.profile.digest,
+        cost_model=plan.cost_model, schedule=plan.schedule, plan_microbatches=plan.microbatches,
+        plan_microbatch_size=plan.microbatch_size,
+        plan_stages=tuple(stage.layout() for stage in plan.stages),
+        steps=len(measured_steps), warmup_steps=warmup_steps, batch_size=batch_size, microbatches=microbatches,
+        microbatch_size=microbatch_size, step_times_ms=tuple(step_s[k] * 1000.0 for k in measured_steps),
+        train_step_ms=statistics.median(step_s.values()) * 1000.0, iteration_ms=iteration_s * 1000.0,
+        samples_per_s=samples, representative_step=representative,
+        ranks=tuple(RankPlacement(t.rank, t.stage, t.replica, t.hostname) for t in traces),
+        measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
+        predicted_samples_per_s=predicted.samples_per_s,
+        predicted=tuple(StagePrediction(s.compute_ms, s.comm_ms, s.allreduce_ms) for s in plan.stages),
+        losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
+        notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
+        meta=dict(meta or {}),
+    )
 
 
-def write_run_report(path: str | Path, body: dict[str, Any]) -> Path:
-    """Write a `build_run_report` body as versioned JSON (atomically); returns the path."""
-    return write_versioned_json(path, RUN_REPORT_FORMAT, RUN_REPORT_VERSION, body)
+def write_run_report(path: str | Path, report: RunReport) -> Path:
+    """Write `report` as versioned JSON (atomically); returns the path."""
+    return write_versioned_json(path, RUN_REPORT_FORMAT, RUN_REPORT_VERSION, report.to_dict())
 
 
 def _check_traces(plan: Plan, traces: Sequence[RankTrace], batch_size: int, warmup_steps: int) -> int:
@@ -319,7 +287,7 @@ def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks:
 
 def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int], steps: list[int],
                        step_s: dict[int, float], mean_step_s: float, boundaries: list[float],
-                       index: int) -> dict[str, float]:
+                       index: int) -> StageMeasurement:
     """One stage's figures (module docstring): per-microbatch means over every op of the stage's
     ranks, per-step totals averaged over (rank, step) pairs."""
     forwards = _durations_ms(ops, ranks, steps, (FORWARD,))
@@ -337,24 +305,13 @@ def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int
     backward_ms = statistics.fmean(backwards) if backwards else 0.0
     transfer_in = boundaries[index - 1] if index > 0 else 0.0
     transfer_out = boundaries[index] if index < len(boundaries) else 0.0
-    return {
-        "forward_ms": forward_ms, "backward_ms": backward_ms, "compute_ms": forward_ms + backward_ms,
-        "comm_ms": max(transfer_in, transfer_out), "send_ms": per_step(SENDS), "recv_wait_ms": per_step(RECEIVES),
-        "allreduce_ms": per_step((ALLREDUCE,)),
-        "allreduce_each_ms": statistics.fmean(reductions) if reductions else 0.0,
-        "step_ms": per_step((STEP,)), "busy_ms": statistics.fmean(busy), "idle_ms": idle,
-        "idle_fraction": idle / (mean_step_s * 1000.0) if mean_step_s > 0 else 0.0,
-    }
-
-
-def _plan_section(plan: Plan, plan_path: str) -> dict[str, Any]:
-    return {
-        "path": plan_path, "profile": {"name": plan.profile.name, "digest": plan.profile.digest},
-        "cost_model": plan.cost_model, "schedule": plan.schedule, "microbatches": plan.microbatches,
-        "microbatch_size": plan.microbatch_size,
-        "stages": [{"layers": [s.start, s.stop], "first_layer": s.first_layer, "last_layer": s.last_layer,
-                    "replicas": s.replicas, "ranks": list(s.ranks), "recompute": s.recompute} for s in plan.stages],
-    }
+    return StageMeasurement(
+        forward_ms=forward_ms, backward_ms=backward_ms, compute_ms=forward_ms + backward_ms,
+        comm_ms=max(transfer_in, transfer_out), send_ms=per_step(SENDS), recv_wait_ms=per_step(RECEIVES),
+        allreduce_ms=per_step((ALLREDUCE,)), allreduce_each_ms=statistics.fmean(reductions) if reductions else 0.0,
+        step_ms=per_step((STEP,)), busy_ms=statistics.fmean(busy), idle_ms=idle,
+        idle_fraction=idle / (mean_step_s * 1000.0) if mean_step_s > 0 else 0.0,
+    )
 
 
 def _notes(plan: Plan, microbatches: int, microbatch_size: float, measured: int, after_warmup: int) -> list[str]:
@@ -377,9 +334,3 @@ def _notes(plan: Plan, microbatches: int, microbatch_size: float, measured: int,
                      "fills and drains the pipeline")
     return notes
 
-
-def _ratio(measured: float | None, predicted: float | None) -> float | None:
-    """measured / predicted, None when either is missing or the prediction is 0."""
-    if measured is None or predicted is None or predicted == 0:
-        return None
-    return measured / predicted

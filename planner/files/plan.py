@@ -90,8 +90,8 @@ class ProfileRef:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One stage: layers [start, stop), its replicas and ranks, and predicted times (ms per micro-batch)."""
+class StageLayout:
+    """Where one stage is: layers [start, stop) and their names, its replicas and ranks, recompute."""
 
     start: int
     stop: int
@@ -100,6 +100,31 @@ class StagePlan:
     replicas: int
     ranks: tuple[int, ...]
     recompute: bool
+
+    def layout(self) -> StageLayout:
+        """This stage's layout alone (a StagePlan without its predictions)."""
+        return StageLayout(self.start, self.stop, self.first_layer, self.last_layer, self.replicas, tuple(self.ranks),
+                           self.recompute)
+
+    def layout_dict(self) -> dict[str, Any]:
+        """The layout as a file writes it: `layers` [start, stop), `first_layer`, `last_layer`,
+        `replicas`, `ranks`, `recompute`; `layout_fields` reads it back."""
+        return {"layers": [self.start, self.stop], "first_layer": self.first_layer, "last_layer": self.last_layer,
+                "replicas": self.replicas, "ranks": list(self.ranks), "recompute": self.recompute}
+
+
+def layout_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """StageLayout's fields from a file's stage entry (`StageLayout.layout_dict`); KeyError or
+    ValueError when one is missing or malformed."""
+    return {"start": int(entry["layers"][0]), "stop": int(entry["layers"][1]), "first_layer": str(entry["first_layer"]),
+            "last_layer": str(entry["last_layer"]), "replicas": int(entry["replicas"]),
+            "ranks": tuple(int(r) for r in entry["ranks"]), "recompute": _strict_bool(entry["recompute"], "recompute")}
+
+
+@dataclass(frozen=True)
+class StagePlan(StageLayout):
+    """One stage: its layout and predicted times (ms per micro-batch)."""
+
     compute_ms: float
     comm_ms: float
     allreduce_ms: float
@@ -142,9 +167,9 @@ class Plan:
         """The file body (without the format header); inverse of `plan_from_dict`."""
         body = dataclasses.asdict(self)
         body["cluster"] = self.cluster.to_dict()
+        layout = {f.name for f in dataclasses.fields(StageLayout)}
         body["stages"] = [
-            {**{k: v for k, v in dataclasses.asdict(stage).items() if k not in ("start", "stop")},
-             "layers": [stage.start, stage.stop]}
+            {**{k: v for k, v in dataclasses.asdict(stage).items() if k not in layout}, **stage.layout_dict()}
             for stage in self.stages
         ]
         return body
@@ -186,10 +211,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
     try:
         stages = tuple(
             StagePlan(
-                start=int(s["layers"][0]), stop=int(s["layers"][1]), first_layer=str(s["first_layer"]),
-                last_layer=str(s["last_layer"]), replicas=int(s["replicas"]),
-                ranks=tuple(int(r) for r in s["ranks"]), recompute=_strict_bool(s["recompute"], "recompute"),
-                compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
+                **layout_fields(s), compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
                 allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
                 memory_bytes=int(s["memory_bytes"]),
             )

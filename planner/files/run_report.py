@@ -1,10 +1,30 @@
-"""Run reports read back: measured against predicted, the measured timeline, and calibrated profiles.
+"""Run reports: a training run's measurements against its plan's predictions, the file type and its readers.
 
-A run report (format "pipeline-planner/run-report") is written by `runtime.report` at the end of
-a training run; its module docstring has the schema. This module reads it (no torch.distributed):
-`load_run_report`, `comparison_table` (and `run_report_table` for the terminal),
+A run report (format "pipeline-planner/run-report", version 1) is built by `runtime.report` at the
+end of a training run as a `RunReport` and written with `RunReport.to_dict`; this module reads it
+back (no torch): `load_run_report`, `comparison_table` (and `run_report_table` for the terminal),
 `measured_timeline` (the representative step as a `files.timeline.Timeline`, for the plots) and
 `calibrate_profile` (the profile's layer times scaled by each stage's measured / predicted compute).
+
+Schema (what `RunReport.to_dict` writes; `runtime.report` says how each figure is measured):
+
+- `plan`: `path` (as given, "" if not), `profile` {name, digest}, `cost_model`, `schedule`,
+  `microbatches` (the plan's; None for pipedream), `microbatch_size`, `stages`: per stage
+  `layers` [start, stop), `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`.
+- `meta`: as the caller gives it (backend, device, torch version, threads, hosts).
+- `measured`: `steps`, `warmup_steps`, `batch_size` (samples per train_step), `microbatches`,
+  `microbatch_size` (samples), `step_times_ms`, `train_step_ms`, `iteration_ms`, `samples_per_s`,
+  `representative_step`, `ranks`: [{rank, stage, replica, hostname}], and `stages`: per stage the
+  fields of `StageMeasurement` (ms).
+- `predicted`: the plan's `iteration_ms`, `samples_per_s`, and per stage `compute_ms`, `comm_ms`,
+  `allreduce_ms`.
+- `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms}]
+  (None where the prediction is 0); derived from the two sections above, never read back.
+- `losses`: [[step, loss], ...].
+- `events`: the ops of the representative step, rows in `files.timeline.COLUMNS` order (rank,
+  stage, replica, microbatch, iteration, op, peer, start_s, end_s; peer -1 for none), seconds
+  from the step's start on the common clock; waits to receive are left out.
+- `notes`: sentences for the reader.
 """
 
 from __future__ import annotations
@@ -21,17 +41,17 @@ from rich.table import Table
 
 from planner.errors import FileFormatError, PlannerError
 from planner.files.fileformat import read_versioned_json
-from planner.files.plan import Plan
+from planner.files.plan import Plan, StageLayout, layout_fields
 from planner.files.profile import Profile
 from planner.schedules.schedule import OPS, RECEIVES
 from planner.files.timeline import COLUMNS, StageTimes, Timeline
 from planner.units import format_ms
 
 __all__ = [
-    "EVENT_OPS", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "ReportPlanMismatchError", "RunReport", "RunReportError",
-    "StageMeasurement", "StagePrediction", "calibrate_profile", "calibration_ratios", "calibration_table",
-    "check_report_plan", "comparison_table", "load_run_report", "measured_timeline", "run_report_from_dict",
-    "run_report_table",
+    "EVENT_OPS", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "RankPlacement", "ReportPlanMismatchError",
+    "RunReport", "RunReportError", "StageMeasurement", "StagePrediction", "calibrate_profile", "calibration_ratios",
+    "calibration_table", "check_report_plan", "comparison_table", "load_run_report", "measured_timeline", "ratio",
+    "run_report_from_dict", "run_report_table",
 ]
 
 RUN_REPORT_FORMAT = "pipeline-planner/run-report"
@@ -54,7 +74,14 @@ class ReportPlanMismatchError(RunReportError):
 
 @dataclass(frozen=True)
 class StageMeasurement:
-    """What one stage measured (ms; per microbatch or per step as `runtime.report` documents)."""
+    """What one stage measured, averaged over its replicas and the measured steps (ms).
+
+    Per microbatch: `forward_ms`, `backward_ms` (with a recomputed forward), `compute_ms` (their
+    sum), `comm_ms` (the larger of the mean transfers into and out of the stage). Per step:
+    `send_ms` (its sends, overlapping compute), `recv_wait_ms` (waiting for messages),
+    `allreduce_ms`, `step_ms` (optimizer and tied all-reduce), `busy_ms` (compute + all-reduce +
+    optimizer), `idle_ms` (step time - busy). `allreduce_each_ms`: per all-reduce;
+    `idle_fraction`: idle_ms / mean step time (a share)."""
 
     forward_ms: float
     backward_ms: float
@@ -79,11 +106,22 @@ class StagePrediction:
     allreduce_ms: float
 
 
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank ran: its stage, its replica within the stage, its host."""
+
+    rank: int
+    stage: int
+    replica: int
+    hostname: str
+
+
 @dataclass(frozen=True, eq=False)
 class RunReport:
-    """A run report file, parsed (`source`: where it was read from). `plan_*` describe the plan
-    the run used; `measured` and `predicted` have one entry per stage; `events` has the columns
-    of `files.timeline.COLUMNS` (the representative step, seconds from its start)."""
+    """A run report (module docstring): `source` is where it was read from (not written).
+    `plan_*` and `plan_stages` describe the plan the run used; `measured` and `predicted` have
+    one entry per stage; `events` has the columns of `files.timeline.COLUMNS` (the
+    representative step, seconds from its start)."""
 
     source: str
     plan_path: str
@@ -93,9 +131,9 @@ class RunReport:
     schedule: str
     plan_microbatches: int | None
     plan_microbatch_size: int | None
-    stage_layers: tuple[tuple[int, int], ...]
-    stage_ranks: tuple[tuple[int, ...], ...]
+    plan_stages: tuple[StageLayout, ...]
     steps: int
+    warmup_steps: int
     batch_size: int
     microbatches: int
     microbatch_size: float
@@ -103,6 +141,8 @@ class RunReport:
     train_step_ms: float
     iteration_ms: float
     samples_per_s: float | None
+    representative_step: int
+    ranks: tuple[RankPlacement, ...]
     measured: tuple[StageMeasurement, ...]
     predicted_iteration_ms: float
     predicted_samples_per_s: float
@@ -112,31 +152,83 @@ class RunReport:
     notes: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def stage_layers(self) -> tuple[tuple[int, int], ...]:
+        """Each plan stage's layers [start, stop)."""
+        return tuple((stage.start, stage.stop) for stage in self.plan_stages)
+
+    @property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """Each plan stage's ranks."""
+        return tuple(stage.ranks for stage in self.plan_stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file body (module docstring's schema); `run_report_from_dict` reads it back."""
+        return {
+            "plan": {
+                "path": self.plan_path, "profile": {"name": self.profile_name, "digest": self.profile_digest},
+                "cost_model": self.cost_model, "schedule": self.schedule, "microbatches": self.plan_microbatches,
+                "microbatch_size": self.plan_microbatch_size,
+                "stages": [stage.layout_dict() for stage in self.plan_stages],
+            },
+            "meta": dict(self.meta),
+            "measured": {
+                "steps": self.steps, "warmup_steps": self.warmup_steps, "batch_size": self.batch_size,
+                "microbatches": self.microbatches, "microbatch_size": self.microbatch_size,
+                "step_times_ms": list(self.step_times_ms), "train_step_ms": self.train_step_ms,
+                "iteration_ms": self.iteration_ms, "samples_per_s": self.samples_per_s,
+                "representative_step": self.representative_step,
+                "ranks": [dataclasses.asdict(placement) for placement in self.ranks],
+                "stages": [dataclasses.asdict(stage) for stage in self.measured],
+            },
+            "predicted": {
+                "iteration_ms": self.predicted_iteration_ms, "samples_per_s": self.predicted_samples_per_s,
+                "stages": [dataclasses.asdict(stage) for stage in self.predicted],
+            },
+            "ratios": {
+                "iteration_ms": ratio(self.iteration_ms, self.predicted_iteration_ms),
+                "samples_per_s": ratio(self.samples_per_s, self.predicted_samples_per_s),
+                "stages": [{"compute_ms": ratio(found.compute_ms, expected.compute_ms)}
+                           for found, expected in zip(self.measured, self.predicted)],
+            },
+            "losses": [[step, loss] for step, loss in self.losses],
+            "events": [[int(r.rank), int(r.stage), int(r.replica), int(r.microbatch), int(r.iteration), str(r.op),
+                        int(r.peer), float(r.start_s), float(r.end_s)] for r in self.events.itertuples(index=False)],
+            "notes": list(self.notes),
+        }
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    """measured / predicted, None when either is missing or the prediction is 0."""
+    if measured is None or predicted is None or predicted == 0:
+        return None
+    return measured / predicted
+
 
 def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunReport:
-    """A RunReport from a report body (`runtime.report.build_run_report`); FileFormatError naming
-    `source` when a field is missing or malformed."""
+    """A RunReport from a report body (`RunReport.to_dict`); FileFormatError naming `source` when
+    a field is missing or malformed. `ratios` is not read: it is derived."""
     try:
         plan, measured, predicted = body["plan"], body["measured"], body["predicted"]
-        stage_fields = [f.name for f in dataclasses.fields(StageMeasurement)]
         report = RunReport(
             source=source, plan_path=str(plan["path"]), profile_name=str(plan["profile"]["name"]),
             profile_digest=str(plan["profile"]["digest"]), cost_model=str(plan["cost_model"]),
             schedule=str(plan["schedule"]), plan_microbatches=_optional_int(plan["microbatches"]),
             plan_microbatch_size=_optional_int(plan["microbatch_size"]),
-            stage_layers=tuple((int(s["layers"][0]), int(s["layers"][1])) for s in plan["stages"]),
-            stage_ranks=tuple(tuple(int(r) for r in s["ranks"]) for s in plan["stages"]),
-            steps=int(measured["steps"]), batch_size=int(measured["batch_size"]),
+            plan_stages=tuple(StageLayout(**layout_fields(s)) for s in plan["stages"]),
+            steps=int(measured["steps"]), warmup_steps=int(measured["warmup_steps"]),
+            batch_size=int(measured["batch_size"]),
             microbatches=int(measured["microbatches"]), microbatch_size=float(measured["microbatch_size"]),
             step_times_ms=tuple(float(t) for t in measured["step_times_ms"]),
             train_step_ms=float(measured["train_step_ms"]), iteration_ms=float(measured["iteration_ms"]),
             samples_per_s=_optional_float(measured["samples_per_s"]),
-            measured=tuple(StageMeasurement(**{name: float(s[name]) for name in stage_fields})
-                           for s in measured["stages"]),
+            representative_step=int(measured["representative_step"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), int(r["stage"]), int(r["replica"]), str(r["hostname"]))
+                        for r in measured["ranks"]),
+            measured=tuple(_floats(StageMeasurement, s) for s in measured["stages"]),
             predicted_iteration_ms=float(predicted["iteration_ms"]),
             predicted_samples_per_s=float(predicted["samples_per_s"]),
-            predicted=tuple(StagePrediction(float(s["compute_ms"]), float(s["comm_ms"]), float(s["allreduce_ms"]))
-                            for s in predicted["stages"]),
+            predicted=tuple(_floats(StagePrediction, s) for s in predicted["stages"]),
             losses=tuple((int(step), float(loss)) for step, loss in body["losses"]),
             events=_events_frame(body["events"]),
             notes=tuple(str(note) for note in body.get("notes", [])), meta=dict(body.get("meta") or {}),
@@ -146,7 +238,7 @@ def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunRep
                               "write it with runtime.report.write_run_report") from None
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise FileFormatError(source, f"run report has a malformed field: {exc}") from None
-    stages = len(report.stage_layers)
+    stages = len(report.plan_stages)
     if stages == 0 or len(report.measured) != stages or len(report.predicted) != stages:
         raise FileFormatError(source, f"run report has {stages} plan stages, {len(report.measured)} measured and "
                                       f"{len(report.predicted)} predicted; they must be equal and at least 1")
@@ -154,6 +246,11 @@ def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunRep
         raise FileFormatError(source, f"run report has steps {report.steps}, microbatches {report.microbatches}, "
                                       f"batch_size {report.batch_size}; each must be at least 1")
     return report
+
+
+def _floats(kind: Any, values: dict[str, Any]) -> Any:
+    """`kind` (a dataclass of floats) from the same-named entries of `values`."""
+    return kind(**{f.name: float(values[f.name]) for f in dataclasses.fields(kind)})
 
 
 def load_run_report(path: str | Path) -> RunReport:

@@ -55,9 +55,9 @@ def test_file_commands_run_without_torch(tmp_path: Path) -> None:
                      profile_path=str(profile_path))
     plan_path = plan.save(tmp_path / "given.json")
     timeline = simulate_stages(plan_cost_inputs(profile, plan), plan_stages(plan))
-    body = build_run_report(plan, replay_timeline(timeline, 3), batch_size=2 * plan.microbatch_size,
-                            losses=[(1, 0.5)], plan_path=str(plan_path))
-    report_path = write_run_report(tmp_path / "run.json", body)
+    report = build_run_report(plan, replay_timeline(timeline, 3), batch_size=2 * plan.microbatch_size,
+                              losses=[(1, 0.5)], plan_path=str(plan_path))
+    report_path = write_run_report(tmp_path / "run.json", report)
     commands = [
         ["import-pipedream", str(REPO / "tests" / "data" / "pipedream_skip.txt"), "-o", "imported.json"],
         ["inspect", "imported.json"],

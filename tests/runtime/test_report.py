@@ -34,6 +34,11 @@ from runtime.report import RankTrace, build_run_report, save_run_report, write_r
 from tests.replay import replay_timeline
 from runtime.trace import OpTime
 
+
+def report_body(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`build_run_report`'s report as the file body it writes (the schema under test)."""
+    return build_run_report(*args, **kwargs).to_dict()
+
 REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- a hand-made run of 2 ranks
@@ -88,7 +93,7 @@ def plan() -> Plan:
 
 @pytest.fixture(scope="module")
 def body(plan: Plan) -> dict[str, Any]:
-    return build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[(1, 2.5), (2, 2.25)],
+    return report_body(plan, hand_made_traces(), batch_size=BATCH, losses=[(1, 2.5), (2, 2.25)],
                             plan_path="plan.json", meta={"backend": "gloo"})
 
 
@@ -161,7 +166,7 @@ def test_events_are_the_median_step_on_the_common_clock_without_receives(body: d
 
 
 def test_events_align_ranks_whatever_their_clocks(plan: Plan, body: dict[str, Any]) -> None:
-    shifted = build_run_report(plan, hand_made_traces({0: -123.4, 1: 98765.0}), batch_size=BATCH, losses=[])
+    shifted = report_body(plan, hand_made_traces({0: -123.4, 1: 98765.0}), batch_size=BATCH, losses=[])
     assert_same_events(shifted["events"], body["events"])
     for found, expected in zip(shifted["measured"]["stages"], body["measured"]["stages"]):
         assert found == pytest.approx(expected, abs=1e-6)
@@ -169,14 +174,14 @@ def test_events_align_ranks_whatever_their_clocks(plan: Plan, body: dict[str, An
     # rank 1 believing its clock 1 ms behind shifts its ops 1 ms later against rank 0's
     traces = hand_made_traces()
     traces[1] = dataclasses.replace(traces[1], clock_offset_s=traces[1].clock_offset_s + 0.001)
-    late = build_run_report(plan, traces, batch_size=BATCH, losses=[], warmup_steps=3)
+    late = report_body(plan, traces, batch_size=BATCH, losses=[], warmup_steps=3)
     rows = {(row[0], row[5], row[3]): row for row in late["events"]}
     gap = rows[(1, "forward", 0)][7] - rows[(0, "forward", 0)][7]
     assert gap == pytest.approx((2.5 * 1.5) / 1000.0 + 0.001, abs=1e-9)
 
 
 def test_no_warmup_measures_every_step(plan: Plan) -> None:
-    body = build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=0)
+    body = report_body(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=0)
     assert body["measured"]["steps"] == 4
     assert body["measured"]["step_times_ms"] == pytest.approx([42.6, 14.2, 28.4, 21.3], abs=1e-6)
     assert body["measured"]["iteration_ms"] == pytest.approx((28.4 + 21.3) / 2, abs=1e-6)  # median of an even count
@@ -185,7 +190,7 @@ def test_no_warmup_measures_every_step(plan: Plan) -> None:
 
 def test_notes_when_the_run_used_other_microbatches_than_the_plan(plan: Plan) -> None:
     traces = [dataclasses.replace(trace, microbatches=4) for trace in hand_made_traces()]
-    notes = build_run_report(plan, traces, batch_size=8, losses=[])["notes"]
+    notes = report_body(plan, traces, batch_size=8, losses=[])["notes"]
     assert any("4 microbatches" in note and "2" in note for note in notes)
     assert any("2 samples" in note for note in notes)
 
@@ -203,12 +208,12 @@ def test_notes_when_the_run_used_other_microbatches_than_the_plan(plan: Plan) ->
 ])
 def test_traces_that_do_not_fit_the_plan_are_refused(plan: Plan, change: Any, fragment: str) -> None:
     with pytest.raises(RunReportError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        build_run_report(plan, change(hand_made_traces()), batch_size=BATCH, losses=[])
+        report_body(plan, change(hand_made_traces()), batch_size=BATCH, losses=[])
 
 
 def test_no_step_left_after_the_warmup_is_refused(plan: Plan) -> None:
     with pytest.raises(RunReportError, match="none is left to measure"):
-        build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=4)
+        report_body(plan, hand_made_traces(), batch_size=BATCH, losses=[], warmup_steps=4)
 
 
 def test_only_steps_traced_on_every_rank_are_measured(plan: Plan, body: dict[str, Any]) -> None:
@@ -216,7 +221,7 @@ def test_only_steps_traced_on_every_rank_are_measured(plan: Plan, body: dict[str
     first, second = hand_made_traces()
     unfinished = tuple(dataclasses.replace(op, step=4) for op in second.ops if op.step == 3)
     second = dataclasses.replace(second, ops=tuple(op for op in second.ops if op.step != 2) + unfinished)
-    partial = build_run_report(plan, [first, second], batch_size=BATCH, losses=[])
+    partial = report_body(plan, [first, second], batch_size=BATCH, losses=[])
     assert partial["measured"]["steps"] == 2
     assert partial["measured"]["step_times_ms"] == pytest.approx([14.2, 21.3], abs=1e-6)
     mean = (SCALES[1] + SCALES[3]) / 2
@@ -224,11 +229,14 @@ def test_only_steps_traced_on_every_rank_are_measured(plan: Plan, body: dict[str
     assert partial["measured"]["stages"][1]["recv_wait_ms"] == pytest.approx(3.5 * mean, abs=1e-6)
     assert any("2 of the 3 steps" in note for note in partial["notes"])
     with pytest.raises(RunReportError, match="op timings on every rank"):
-        build_run_report(plan, [first, dataclasses.replace(second, ops=())], batch_size=BATCH, losses=[])
+        report_body(plan, [first, dataclasses.replace(second, ops=())], batch_size=BATCH, losses=[])
 
 
-def test_written_report_loads_back(tmp_path: Path, body: dict[str, Any]) -> None:
-    report = load_run_report(write_run_report(tmp_path / "run.json", body))
+def test_written_report_loads_back(tmp_path: Path, plan: Plan, body: dict[str, Any]) -> None:
+    built = build_run_report(plan, hand_made_traces(), batch_size=BATCH, losses=[(1, 2.5), (2, 2.25)],
+                             plan_path="plan.json", meta={"backend": "gloo"})
+    report = load_run_report(write_run_report(tmp_path / "run.json", built))
+    assert report.to_dict() == body  # every field the file has comes back, ratios derived alike
     assert json.loads((tmp_path / "run.json").read_text())["format"] == "pipeline-planner/run-report"
     assert report.iteration_ms == body["measured"]["iteration_ms"]
     assert report.measured[0].compute_ms == body["measured"]["stages"][0]["compute_ms"]
@@ -280,7 +288,7 @@ def test_a_run_that_went_as_simulated_measures_what_was_predicted(mlp: Profile, 
     timeline = simulate(plan, mlp)
     offsets = {rank: 1000.0 * rank - 3.7 for rank in range(gpus)}
     batch = timeline.microbatches * plan.microbatch_size
-    body = build_run_report(plan, replay_timeline(timeline, 3, clock_offsets_s=offsets), batch_size=batch, losses=[])
+    body = report_body(plan, replay_timeline(timeline, 3, clock_offsets_s=offsets), batch_size=batch, losses=[])
     assert body["ratios"]["iteration_ms"] == pytest.approx(1.0, rel=1e-6)
     assert body["ratios"]["samples_per_s"] == pytest.approx(1.0, rel=1e-6)
     assert body["measured"]["steps"] == 2

@@ -69,9 +69,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     assert [stage.replicas for stage in plan.stages] == [1, 1, 1, 1]
     plan_path = plan.save(folder / "plan.json")
     truth = simulate_stages(plan_cost_inputs(scaled(profile, plan, TRUE_FACTORS), plan), plan_stages(plan))
-    body = build_run_report(plan, replay_timeline(truth, 3, clock_offsets_s={1: 2.0, 3: -1.0}),
-                            batch_size=4 * plan.microbatch_size, losses=[(1, 0.75), (2, 0.5)], plan_path=str(plan_path))
-    return Files(profile_path, plan_path, write_run_report(folder / "run.json", body))
+    report = build_run_report(plan, replay_timeline(truth, 3, clock_offsets_s={1: 2.0, 3: -1.0}),
+                              batch_size=4 * plan.microbatch_size, losses=[(1, 0.75), (2, 0.5)], plan_path=str(plan_path))
+    return Files(profile_path, plan_path, write_run_report(folder / "run.json", report))
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +160,13 @@ def test_comparison_table_without_a_simulation_has_no_predicted_idle(report: Run
 def test_pipedream_compares_the_steady_state_time_per_microbatch(profile: Profile) -> None:
     plan = partition(profile, make_cluster(3, None, ["1GB/s"]), straight=True, schedule="pipedream")
     simulated = simulate(plan, profile)
-    body = build_run_report(plan, replay_timeline(simulated, 2), batch_size=simulated.microbatches * 8, losses=[])
-    table = comparison_table(run_report_from_dict(body), simulated)
+    built = build_run_report(plan, replay_timeline(simulated, 2), batch_size=simulated.microbatches * 8, losses=[])
+    table = comparison_table(built, simulated)
     assert table.index[0] == "time per microbatch (ms)"
     assert table.loc["time per microbatch (ms)", "measured"] == pytest.approx(simulated.iteration_s() * 1000.0)
     assert table.loc["time per microbatch (ms)", "ratio"] == pytest.approx(1.0)
     assert table.loc["samples/s", "ratio"] == pytest.approx(1.0)
-    assert any("steady-state" in note for note in body["notes"])
+    assert any("steady-state" in note for note in built.notes)
 
 
 def test_measured_timeline_is_the_run(report: RunReport, truth: Timeline, plan: Plan, profile: Profile) -> None:
@@ -332,3 +332,5 @@ def test_report_round_trips_through_the_dict(files: Files) -> None:
     body = json.loads(files.report.read_text())
     report = run_report_from_dict(body, "here")
     assert report.source == "here" and report.measured[0].compute_ms == body["measured"]["stages"][0]["compute_ms"]
+    written = {key: value for key, value in body.items() if key not in ("format", "version", "planner_version")}
+    assert report.to_dict() == written  # nothing the file has is dropped on the way through RunReport
