@@ -116,15 +116,15 @@ class _Evaluator:
                 need = self._flush_fixed_point(np.maximum(compute, comm), a, need, bound, group)
             need = np.ceil(np.minimum(need, 4.0 * _NONE) / group - 1e-9) * group  # a multiple of M
         need = np.where(np.isfinite(need) & (need <= inputs.cluster.num_devices), need, _NONE).astype(np.int64)
-        # the closed forms round: step down while the one below still works, else up once
-        below = need - group
-        use_below = (below >= 2 * group) & self._outer_ok(pair, below, first_end, recompute, downstream, bound, group)
-        need = np.where(use_below, below, need)
-        fine = self._outer_ok(pair, need, first_end, recompute, downstream, bound, group)
-        above = need + group
-        need = np.where(fine, need, np.where(self._outer_ok(pair, above, first_end, recompute, downstream, bound, group),
-                                             above, _NONE))
-        return need
+        # the closed forms round: take the one below if it still works, else this one, else the one above
+        # (the three checked in one call)
+        count = len(pair)
+        tried = np.concatenate([need - group, need, need + group])
+        ok = self._outer_ok(_copies(pair, 3), tried, _copies(first_end, 3), _copies(recompute, 3),
+                            _copies(downstream, 3), bound, group)
+        below_ok, need_ok, above_ok = ok[:count], ok[count:2 * count], ok[2 * count:]
+        below_ok &= tried[:count] >= 2 * group
+        return np.where(below_ok, tried[:count], np.where(need_ok, need, np.where(above_ok, tried[2 * count:], _NONE)))
 
     def _flush_fixed_point(
         self, busy: np.ndarray, a: np.ndarray, lowest: np.ndarray, bound: float, group: int
@@ -193,6 +193,11 @@ class _Evaluator:
         return by_depth
 
 
+def _copies(values: np.ndarray, count: int) -> np.ndarray:
+    """`values` repeated `count` times end to end (np.tile of a 1-D array, without its overhead)."""
+    return values if count == 1 else np.concatenate((values,) * count)
+
+
 @dataclass
 class _Front:
     """Every Pareto entry of every suffix, as parallel arrays; entry 0 is the empty suffix."""
@@ -231,23 +236,23 @@ def _solve_front(
         pair = pairs.offsets[start] + front.start[entries] - start - 1
         downstream = front.devices[entries]
         end = total - downstream  # exclusive end rank of the new stage
-        pieces = []
-        for recompute in recompute_options:
-            flags = np.full(len(entries), recompute)
-            # replica counts 1..M: each reaches its own residue class
-            r = np.broadcast_to(small, (len(entries), len(small)))
-            e_pair, e_down, e_end = (np.repeat(x, len(small)) for x in (pair, downstream, end))
-            e_flag, e_entry, r = np.repeat(flags, len(small)), np.repeat(entries, len(small)), r.ravel()
-            q, memory = evaluator.terms(e_pair, r, e_end - r, e_flag, e_down)
-            ok = (q <= bound) & evaluator.placement_ok(e_end - r, r)
-            if inputs.memory_bytes is not None:
-                ok &= memory <= inputs.memory_bytes
-            pieces.append((e_entry[ok], r[ok], e_flag[ok]))
-            if not straight:  # whole outer groups: the fewest that work
-                aligned = end % group == 0
-                r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], flags[aligned], downstream[aligned], bound)
-                keep = r_outer < _NONE
-                pieces.append((entries[aligned][keep], r_outer[keep], flags[aligned][keep]))
+        # every recompute option at once: entries repeated once per option
+        options = len(recompute_options)
+        entries, pair, downstream, end = (_copies(x, options) for x in (entries, pair, downstream, end))
+        flags = np.repeat(np.array(recompute_options, dtype=bool), len(entries) // options)
+        # replica counts 1..M: each reaches its own residue class
+        r = np.tile(small, len(entries))
+        e_pair, e_down, e_end, e_flag, e_entry = (np.repeat(x, len(small)) for x in (pair, downstream, end, flags, entries))
+        q, memory = evaluator.terms(e_pair, r, e_end - r, e_flag, e_down)
+        ok = (q <= bound) & evaluator.placement_ok(e_end - r, r)
+        if inputs.memory_bytes is not None:
+            ok &= memory <= inputs.memory_bytes
+        pieces = [(e_entry[ok], r[ok], e_flag[ok])]
+        aligned = end % group == 0
+        if not straight and aligned.any():  # whole outer groups: the fewest that work
+            r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], flags[aligned], downstream[aligned], bound)
+            keep = r_outer < _NONE
+            pieces.append((entries[aligned][keep], r_outer[keep], flags[aligned][keep]))
         parent = np.concatenate([piece[0] for piece in pieces])
         replicas = np.concatenate([piece[1] for piece in pieces]).astype(np.int64)
         flags = np.concatenate([piece[2] for piece in pieces]).astype(bool)
