@@ -16,7 +16,7 @@ For each example model file (examples/<name>.py) and each schedule:
 4. the run report gives the measured iteration time (median train step after one warm-up step)
    against the plan's prediction, and per stage the compute ratio (measured / predicted forward +
    backward per microbatch) and the idle share (measured; the simulated one in parentheses);
-5. the profile is calibrated from that report (`planner.files.run_report.calibrate_profile`: each
+5. the profile is calibrated from that report (`planner.files.calibration.calibrate_profile`: each
    stage's layers scaled by its compute ratio), the same settings partition it again, the new plan
    is trained the same way, and its measured / predicted ratio is reported with whether the cut moved.
 
@@ -55,7 +55,8 @@ from planner.files.plan import Plan
 from planner.simulation.plan_simulation import simulate
 from planner.files.profile import Profile
 from planner.profiling.profiler import ProfileSettings, profile_model
-from planner.files.run_report import RunReport, calibrate_profile, comparison_table, load_run_report
+from planner.files.calibration import calibrate_profile
+from planner.files.run_report import RunReport, comparison_table, load_run_report
 from runtime.malloc import steady_malloc
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,6 +30,9 @@ backward, gradient sums and the optimizer step. Three parts, each side by side i
    gets one core) and then with every core (its two stage threads may overlap).
 
 Absolute times on shared machines drift by tens of percent within minutes; compare the ratios.
+
+Why one script of ~700 lines: the three parts must run in one sitting, interleaved, for their
+ratios to compare (the machine drifts between runs); the worker and the launcher share its runners.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def partition_command(
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
-    schedule: str = typer.Option("auto", help="auto (fastest), gpipe, 1f1b or pipedream (asynchronous)."),
+    schedule: str = typer.Option("auto", help="auto (the fastest of gpipe and 1f1b), gpipe, 1f1b, or pipedream (asynchronous: stale weights)."),
     microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b, or auto."),
     microbatch_size: Optional[int] = typer.Option(
         None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."
@@ -338,7 +338,8 @@ def calibrate(
     def action() -> None:
         from planner.files.plan import load_plan
         from planner.files.profile import load_profile
-        from planner.files.run_report import calibrate_profile, calibration_table, load_run_report
+        from planner.files.calibration import calibrate_profile, calibration_table
+        from planner.files.run_report import load_run_report
 
         plan, report, profile = load_plan(plan_file), load_run_report(report_file), load_profile(profile_file)
         calibrated = calibrate_profile(profile, plan, report, plan_file, profile_file)

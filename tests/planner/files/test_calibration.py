@@ -1,0 +1,57 @@
+"""Calibration: the fixture run of `test_run_report` (stages TRUE_FACTORS times slower than profiled)
+must give back the true layer times; reports of other plans, profiles or microbatch sizes are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.costs.schedule_cost import stage_costs
+from planner.files.calibration import calibrate_profile
+from planner.files.plan import Plan, PlanProfileMismatchError
+from planner.files.profile import Profile
+from planner.files.run_report import ReportPlanMismatchError, RunReport, RunReportError
+from planner.simulation.plan_simulation import plan_cost_inputs, plan_stages
+from tests.planner.files.test_run_report import TRUE_FACTORS, files, plan, profile, report, scaled  # noqa: F401 (fixtures)
+
+
+def test_calibration_gives_back_the_true_layer_times(profile: Profile, plan: Plan, report: RunReport) -> None:
+    calibrated = calibrate_profile(profile, plan, report, "plan.json")
+    truth = scaled(profile, plan, TRUE_FACTORS)
+    assert [layer.fwd_ms for layer in calibrated.layers] == pytest.approx([layer.fwd_ms for layer in truth.layers])
+    assert [layer.bwd_ms for layer in calibrated.layers] == pytest.approx([layer.bwd_ms for layer in truth.layers])
+    assert dataclasses.replace(calibrated, layers=profile.layers, settings=profile.settings) == profile
+    record = calibrated.settings["calibrations"][-1]
+    assert record["report"] == report.source and record["plan"] == "plan.json"
+    assert record["ratios"] == pytest.approx(list(TRUE_FACTORS))
+    assert record["stages"] == [[stage.start, stage.stop] for stage in plan.stages]
+    earlier = dataclasses.replace(profile, settings={**profile.settings, "calibrations": [{"report": "earlier"}]})
+    again = calibrate_profile(earlier, plan, report)  # settings are not in the digest: still the plan's profile
+    assert [entry["report"] for entry in again.settings["calibrations"]] == ["earlier", report.source]
+
+
+def test_calibrated_stage_times_are_the_measured_ones(profile: Profile, plan: Plan, report: RunReport) -> None:
+    calibrated = calibrate_profile(profile, plan, report)
+    costs = stage_costs(plan_cost_inputs(calibrated, plan), plan_stages(plan))
+    assert [cost.compute_s * 1000.0 for cost in costs] == pytest.approx([s.compute_ms for s in report.measured])
+
+
+def test_calibration_refuses_another_profile(profile: Profile, plan: Plan, report: RunReport) -> None:
+    with pytest.raises(PlanProfileMismatchError):
+        calibrate_profile(scaled(profile, plan, (3.0, 1.0, 1.0, 1.0)), plan, report)
+
+
+def test_calibration_refuses_a_report_of_another_plan(profile: Profile, plan: Plan, report: RunReport) -> None:
+    first, second, *rest = plan.stages
+    moved = dataclasses.replace(plan, stages=(dataclasses.replace(first, stop=first.stop + 1),
+                                              dataclasses.replace(second, start=second.start + 1), *rest))
+    with pytest.raises(ReportPlanMismatchError, match="stage layers"):
+        calibrate_profile(profile, moved, report, "moved.json")
+    with pytest.raises(ReportPlanMismatchError, match="schedule gpipe"):
+        calibrate_profile(profile, plan, dataclasses.replace(report, schedule="gpipe"))
+
+
+def test_calibration_refuses_a_run_of_another_microbatch_size(profile: Profile, plan: Plan, report: RunReport) -> None:
+    with pytest.raises(RunReportError, match="2 samples"):
+        calibrate_profile(profile, plan, dataclasses.replace(report, microbatch_size=2.0))
