@@ -31,7 +31,8 @@ from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
-SCHEDULE_PREFERENCE = ("1f1b", "gpipe", "pipedream")  # on equal throughput: synchronous, least memory
+SCHEDULE_PREFERENCE = ("1f1b", "gpipe", "pipedream")  # on equal throughput: least memory first
+AUTO_SCHEDULES = FLUSH_SCHEDULES  # `auto` never picks pipedream: stale weights change what training computes
 
 
 def partition(
@@ -43,8 +44,8 @@ def partition(
 
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
     With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
-    state copies weights have). `schedule` and `microbatches` may be "auto": the schedule with the
-    highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
+    state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
+    (gpipe or 1f1b; pipedream only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
     throughput. The plan may use fewer devices than the cluster has; its notes then say so.
     """
     if cost_model not in COST_MODELS:
@@ -66,7 +67,7 @@ def partition(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
     )
-    chosen = _choose(base, SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
+    chosen = _choose(base, AUTO_SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
     return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
 
 
@@ -194,7 +195,8 @@ def _planner_plan(
                  f"closed form the optimizer minimised says {closed_form * 1000:.4g} ms")
     if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
-                     "iteration_ms is the steady-state time per microbatch")
+                     "iteration_ms is the steady-state time per microbatch. Weights update after every "
+                     "microbatch and backwards use stale weights: training differs from synchronous SGD/Adam")
     if size != (profile.batch_size or 1):
         notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
     if any(stage.recompute for stage in stages):

@@ -220,3 +220,14 @@ def test_plan_is_never_slower_than_data_parallel_in_simulation(gpus: int, per_no
     gpt = load_profile(Path(__file__).resolve().parents[3] / "profiles" / "gpt.json")
     plan = partition(gpt, make_cluster(gpus, per_node, bandwidths))
     assert plan.predicted.speedup_vs_data_parallel >= 1.0 - 1e-9
+
+
+def test_auto_schedule_is_synchronous_even_where_pipedream_is_faster() -> None:
+    """pipedream trains with stale weights: a different algorithm, used only when asked for by name."""
+    gpt = load_profile(Path(__file__).resolve().parents[3] / "profiles" / "gpt.json")
+    cluster = make_cluster(8, 4, ["300GB/s", "25GB/s"], memory="100MB")
+    auto = partition(gpt, cluster)
+    asked = partition(gpt, cluster, schedule="pipedream")
+    assert auto.schedule in ("gpipe", "1f1b")
+    assert asked.schedule == "pipedream" and asked.predicted.samples_per_s > auto.predicted.samples_per_s
+    assert any("stale weights" in note for note in asked.notes)
