@@ -168,6 +168,9 @@ def partition_command(
         None, help=f"Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s "
                    f"(default: {DEFAULT_BANDWIDTH})."
     ),
+    latency: Optional[str] = typer.Option(
+        None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: 0)."
+    ),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
@@ -189,23 +192,25 @@ def partition_command(
 
     def action() -> None:
         from planner.display.tables import comparison_table, plan_table
-        from planner.files.cluster import load_cluster, make_cluster
+        from planner.files.cluster import assumed_links, load_cluster, make_cluster
         from planner.files.profile import load_profile
         from planner.planning.partition import compare_baselines, partition
 
-        flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--memory": memory}
+        flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--latency": latency,
+                 "--memory": memory}
         given = [flag for flag, value in flags.items() if value is not None]
         if cluster_file is not None and given:
             raise PlannerError(f"--cluster {cluster_file} describes the whole cluster, so {', '.join(given)} would be "
                                "ignored: give either the cluster file or the flags (--gpus, --gpus-per-node, "
-                               "--bandwidth, --memory)")
+                               "--bandwidth, --latency, --memory)")
         if cluster_file is not None:
             cluster = load_cluster(cluster_file)
         elif gpus is None:
             raise PlannerError("give --gpus N (or --cluster FILE)")
         else:
-            rates = (bandwidth or DEFAULT_BANDWIDTH).split(",")
-            cluster = make_cluster(gpus, gpus_per_node, [rate.strip() for rate in rates if rate.strip()], memory)
+            rates = [rate.strip() for rate in (bandwidth or DEFAULT_BANDWIDTH).split(",") if rate.strip()]
+            delays = [delay.strip() for delay in (latency or "").split(",") if delay.strip()]
+            cluster = make_cluster(gpus, gpus_per_node, rates, memory, delays)
         count = microbatches.strip()
         if count != "auto" and not count.isdigit():
             raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")
@@ -214,6 +219,9 @@ def partition_command(
                          profile_path=profile_file, schedule=schedule,
                          microbatches="auto" if count == "auto" else int(count),
                          microbatch_size=microbatch_size, recompute=not no_recompute)
+        if cluster_file is None:
+            assumed = assumed_links(cluster, bandwidth is not None, latency is not None)
+            plan = plan.with_notes(assumed) if assumed else plan
         default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
         path = plan.save(out or Path("plans") / default_name)
         console = _console()

@@ -87,3 +87,21 @@ def parse_bandwidth(text: str) -> float:
     if not number > 0 or number == float("inf"):
         raise ValueError(f"bandwidth {text!r} must be positive")
     return number * factor
+
+
+_TIME_FACTORS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_seconds(text: str) -> float:
+    """A duration such as '20us', '0.5ms', '1e-5s' or plain '1e-5' (seconds), in seconds; 0 allowed.
+
+    ValueError (with the accepted forms) if it cannot be read or is negative.
+    """
+    try:
+        number, unit = _split_number(text)
+        factor = _TIME_FACTORS[unit.lower()]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read duration {text!r}; use e.g. 20us, 0.5ms or a number of seconds") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"duration {text!r} must be 0 or more")
+    return number * factor

@@ -20,9 +20,13 @@ adjacent stages' devices is the link between the last rank of one and the first 
 For stage s = layers [i, j) with r replicas on ranks [p, p + r), recompute q in {0, 1}:
 
     F = sigma sum fwd,  B = sigma sum bwd,  t = F + B + q F       (one microbatch, one device)
-    c_in  = sigma cut_bytes[i-1] / bw(p-1, p)          (0 for the first stage)
-    c_out = sigma cut_bytes[j-1] / bw(p+r-1, p+r)      (0 for the last stage)
-    ar = 2 (r - 1) / r * W / bw(span of p..p+r-1)      (ring all-reduce of the stage's weights W)
+    c_in  = lat(p-1, p) + sigma cut_bytes[i-1] / bw(p-1, p)          (0 for the first stage)
+    c_out = lat(p+r-1, p+r) + sigma cut_bytes[j-1] / bw(p+r-1, p+r)  (0 for the last stage)
+    ar = 2 (r - 1) (W / (r bw) + lat), bw and lat of the span p..p+r-1
+                                 (ring all-reduce of the stage's weights W: 2 (r - 1) messages of W / r)
+
+bw and lat are the cluster's bandwidth (bytes/s) and latency (s per message) of the innermost
+level holding both ranks (`link_bandwidth`, `link_latency`).
 
 Transfers run on their own channel (one per direction), overlapped with compute.
 
@@ -33,7 +37,7 @@ Transfers run on their own channel (one per direction), overlapped with compute.
   stages: sum_s t = sigma T_total + recomputed forwards); the busiest replica then handles its
   ceil(m / r) - 1 other microbatches and the all-reduce. For equal stages and no communication
   this is GPipe's and 1F1B's (m + S - 1)(f + b); for one stage on r replicas it is data
-  parallelism's ceil(m / r) t + ar. Transfer latency during fill and drain is not counted.
+  parallelism's ceil(m / r) t + ar. Transfers during fill and drain (latency included) are not counted.
 - `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
       Q(s) = max(t + ar, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
@@ -106,12 +110,26 @@ def link_bandwidth(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> 
 
     Works element-wise on arrays of ranks; a 0-d array for two ints.
     """
+    return _link_value(cluster, rank_a, rank_b, [level.bandwidth_Bps for level in cluster.levels])
+
+
+def link_latency(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> np.ndarray:
+    """Latency per message between ranks (as `link_bandwidth`), seconds."""
+    return _link_value(cluster, rank_a, rank_b, [level.latency_s for level in cluster.levels])
+
+
+def _link_value(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt, values: list[float]) -> np.ndarray:
+    """values[level] of the innermost level holding both ranks, element-wise."""
     sizes = cluster.group_sizes()
-    rates = [level.bandwidth_Bps for level in cluster.levels]
-    result = np.full(np.shape(rank_a), rates[-1])
-    for group, rate in zip(sizes[-2::-1], rates[-2::-1]):
-        result = np.where(np.floor_divide(rank_a, group) == np.floor_divide(rank_b, group), rate, result)
+    result = np.full(np.shape(rank_a), values[-1])
+    for group, value in zip(sizes[-2::-1], values[-2::-1]):
+        result = np.where(np.floor_divide(rank_a, group) == np.floor_divide(rank_b, group), value, result)
     return result
+
+
+def link_terms(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> tuple[np.ndarray, np.ndarray]:
+    """(bandwidth, latency) between ranks (`link_bandwidth`, `link_latency`)."""
+    return link_bandwidth(cluster, rank_a, rank_b), link_latency(cluster, rank_a, rank_b)
 
 
 def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt) -> np.ndarray:
@@ -144,10 +162,19 @@ def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
 # and the dynamic program's bounds all compute a stage's terms with these three functions
 
 
-def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps: ArrayOrFloat) -> ArrayOrFloat:
-    """ar = 2 (r - 1) / r * W / bw: a ring all-reduce of W bytes over r replicas, seconds (0 for r = 1)."""
+def transfer_s(nbytes: ArrayOrFloat, bandwidth_Bps: ArrayOrFloat, latency_s: ArrayOrFloat = 0.0,
+               exists: ArrayOrBool = True) -> ArrayOrFloat:
+    """One message of `nbytes` over a link: latency_s + nbytes / bandwidth_Bps seconds where the
+    boundary `exists` (a stage has a neighbour on that side), 0 where it does not."""
+    return np.where(exists, latency_s + nbytes / bandwidth_Bps, 0.0)
+
+
+def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps: ArrayOrFloat,
+                latency_s: ArrayOrFloat = 0.0) -> ArrayOrFloat:
+    """ar = 2 (r - 1) (W / (r bw) + lat): a ring all-reduce of W bytes over r replicas, 2 (r - 1)
+    messages of W / r each, seconds (0 for r = 1)."""
     r = np.asarray(replicas, dtype=float)
-    return 2.0 * (r - 1.0) / r * weight_bytes / bandwidth_Bps
+    return 2.0 * (r - 1.0) * (weight_bytes / (r * bandwidth_Bps) + latency_s)
 
 
 def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s: ArrayOrFloat,
@@ -207,13 +234,12 @@ def stage_cost(
     both = sigma * float(arrays.compute_s[stop] - arrays.compute_s[start])
     compute = both + (fwd if recompute else 0.0)
     last_rank = first_rank + replicas - 1
-    comm_in = 0.0 if start == 0 else sigma * arrays.cut_before(start) / float(link_bandwidth(cluster, first_rank - 1, first_rank))
-    comm_out = (
-        0.0 if stop == arrays.num_layers
-        else sigma * arrays.cut_after(stop) / float(link_bandwidth(cluster, last_rank, last_rank + 1))
-    )
+    comm_in = float(transfer_s(sigma * arrays.cut_before(start), *link_terms(cluster, first_rank - 1, first_rank),
+                               exists=start > 0))
+    comm_out = float(transfer_s(sigma * arrays.cut_after(stop), *link_terms(cluster, last_rank, last_rank + 1),
+                                exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
-    allreduce = float(allreduce_s(weights, replicas, link_bandwidth(cluster, first_rank, last_rank)))
+    allreduce = float(allreduce_s(weights, replicas, *link_terms(cluster, first_rank, last_rank)))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
                                                            comm_in, comm_out, allreduce))
     saved = sigma * arrays.stage_saved_bytes(start, stop)

@@ -1,8 +1,9 @@
-"""Cluster: devices in nested levels (GPUs in a node, nodes in a cluster) with per-level bandwidth.
+"""Cluster: devices in nested levels (GPUs in a node, nodes in a cluster) with per-level links.
 
 Ranks are numbered so that each group of a level is a contiguous range: with 8 GPUs per node,
-ranks 0-7 are node 0. Two ranks talk over the bandwidth of the innermost level whose group holds
-both; a set of ranks spanning [first, last] is limited by the slowest link inside that range.
+ranks 0-7 are node 0. Two ranks talk over the link of the innermost level whose group holds
+both: a message of b bytes takes latency_s + b / bandwidth_Bps. A set of ranks spanning
+[first, last] is limited by the slowest link inside that range.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from planner.errors import FileFormatError, PlannerError
-from planner.units import parse_bandwidth, parse_bytes
+from planner.units import parse_bandwidth, parse_bytes, parse_seconds
 
 MIN_BANDWIDTH_BPS = 1e6  # 1 MB/s: anything slower is a number given without units
+MAX_LATENCY_S = 1.0  # a second per message: anything longer is a number given in other units
 MIN_MEMORY_BYTES = 10**6
 MAX_LEVEL_SIZE = 10**6
 
@@ -30,12 +32,13 @@ class Level:
     """One level of the hierarchy: `size` groups of the level below form one group of this level.
 
     `bandwidth_Bps` is the bandwidth between two devices whose innermost common group is at this
-    level, in bytes per second.
+    level, in bytes per second; `latency_s` the fixed time of each message between them, seconds.
     """
 
     name: str
     size: int
     bandwidth_Bps: float
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class Cluster:
                 raise ClusterError(
                     f"level {level.name!r} has bandwidth {level.bandwidth_Bps:g} B/s; below {MIN_BANDWIDTH_BPS:g} B/s "
                     "is not a real interconnect: give units, e.g. 300GB/s or 25Gbit/s"
+                )
+            if not 0.0 <= level.latency_s < MAX_LATENCY_S:
+                raise ClusterError(
+                    f"level {level.name!r} has latency {level.latency_s:g} s; it must be 0 or more and below "
+                    f"{MAX_LATENCY_S:g} s per message: give units, e.g. 20us or 0.5ms"
                 )
         if self.memory_bytes is not None and not MIN_MEMORY_BYTES <= self.memory_bytes < 2**63:
             raise ClusterError(
@@ -86,25 +94,42 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description; inverse of `cluster_from_dict`."""
         return {
-            "levels": [{"name": lv.name, "size": lv.size, "bandwidth_Bps": lv.bandwidth_Bps} for lv in self.levels],
+            "levels": [{"name": lv.name, "size": lv.size, "bandwidth_Bps": lv.bandwidth_Bps, "latency_s": lv.latency_s}
+                       for lv in self.levels],
             "memory_bytes": self.memory_bytes,
         }
 
     def describe(self) -> str:
         """One line, e.g. '16 GPUs: 8 per node at 300 GB/s, 2 nodes at 25 GB/s, 80.0 GB each'."""
-        parts = [f"{lv.size} per {lv.name} at {lv.bandwidth_Bps / 1e9:.3g} GB/s" for lv in self.levels]
+        parts = [f"{lv.size} per {lv.name} at {lv.bandwidth_Bps / 1e9:.3g} GB/s"
+                 + (f" + {lv.latency_s * 1e6:.3g} us" if lv.latency_s else "") for lv in self.levels]
         memory = "" if self.memory_bytes is None else f", {self.memory_bytes / 1e9:.3g} GB each"
         return f"{self.num_devices} GPUs: " + ", ".join(parts) + memory
 
 
+def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool) -> str:
+    """A note naming the link values of `cluster` that are defaults rather than given ("" when both
+    were given), and how to measure them."""
+    assumed = []
+    if not bandwidth_given:
+        assumed.append("bandwidth " + ", ".join(f"{lv.bandwidth_Bps / 1e9:.3g} GB/s" for lv in cluster.levels))
+    if not latency_given:
+        assumed.append("latency " + ", ".join(f"{lv.latency_s * 1e6:.3g} us" for lv in cluster.levels))
+    if not assumed:
+        return ""
+    return (f"assumed {' and '.join(assumed)} per level (defaults, not measured): transfer times may be far off; "
+            "measure this machine with `planner cluster` and pass --cluster")
+
+
 def make_cluster(
     gpus: int, gpus_per_node: int | None = None, bandwidths: Sequence[str | float] = ("300GB/s", "25GB/s"),
-    memory: str | int | None = None,
+    memory: str | int | None = None, latencies: Sequence[str | float] = (),
 ) -> Cluster:
-    """The cluster of the `--gpus/--gpus-per-node/--bandwidth/--memory` flags.
+    """The cluster of the `--gpus/--gpus-per-node/--bandwidth/--latency/--memory` flags.
 
     With `gpus_per_node` None or equal to `gpus`, the cluster is flat (one node) at the first
     bandwidth; otherwise GPUs within a node use the first bandwidth and nodes the second.
+    `latencies` pair with the bandwidths the same way (none given: 0 s per message).
     """
     if gpus < 1:
         raise ClusterError(f"--gpus must be at least 1, got {gpus}")
@@ -116,14 +141,19 @@ def make_cluster(
     rates = [_bandwidth(value) for value in bandwidths]
     if not rates:
         raise ClusterError("--bandwidth needs at least one value")
+    delays = [_latency(value) for value in latencies] or [0.0]
     memory_bytes = None if memory is None else _memory(memory)
     if per_node == gpus:
-        return Cluster((Level("node", gpus, rates[0]),), memory_bytes)
+        return Cluster((Level("node", gpus, rates[0], delays[0]),), memory_bytes)
     if len(rates) < 2:
         raise ClusterError(
             f"{gpus // per_node} nodes need two bandwidths (within a node, between nodes), got {len(rates)}"
         )
-    return Cluster((Level("node", per_node, rates[0]), Level("cluster", gpus // per_node, rates[1])), memory_bytes)
+    if len(delays) < 2 and latencies:
+        raise ClusterError(f"{gpus // per_node} nodes need two latencies (within a node, between nodes), got 1")
+    outer_delay = delays[1] if len(delays) > 1 else delays[0]
+    return Cluster((Level("node", per_node, rates[0], delays[0]),
+                    Level("cluster", gpus // per_node, rates[1], outer_delay)), memory_bytes)
 
 
 def _bandwidth(value: str | float) -> float:
@@ -133,6 +163,15 @@ def _bandwidth(value: str | float) -> float:
         return float(value)
     try:
         return parse_bandwidth(value)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def _latency(value: str | float) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    try:
+        return parse_seconds(value)
     except ValueError as exc:
         raise ClusterError(str(exc)) from None
 
@@ -151,14 +190,18 @@ def _memory(value: str | int) -> int:
 def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
     """A Cluster from `Cluster.to_dict()` output or a hand-written file body.
 
-    Hand-written files may give `bandwidth` as text ("300GB/s") instead of `bandwidth_Bps`, and
-    `memory` as text ("80GB") instead of `memory_bytes`.
+    Hand-written files may give `bandwidth` as text ("300GB/s") instead of `bandwidth_Bps`,
+    `latency` as text ("20us") instead of `latency_s` (neither: 0), and `memory` as text ("80GB")
+    instead of `memory_bytes`. Other fields (e.g. the measurements `planner cluster` writes) are kept
+    out of the Cluster.
     """
     try:
         levels = []
         for entry in body["levels"]:
             rate = entry["bandwidth_Bps"] if "bandwidth_Bps" in entry else _bandwidth(str(entry["bandwidth"]))
-            levels.append(Level(str(entry.get("name", f"level{len(levels)}")), _whole(entry["size"]), float(rate)))
+            delay = float(entry["latency_s"]) if "latency_s" in entry else _latency(str(entry.get("latency", 0.0)))
+            levels.append(Level(str(entry.get("name", f"level{len(levels)}")), _whole(entry["size"]), float(rate),
+                                delay))
         if "memory_bytes" in body:
             memory = None if body["memory_bytes"] is None else _whole(body["memory_bytes"])
         else:

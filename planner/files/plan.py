@@ -199,6 +199,10 @@ class Plan:
         found = resolve_profile(self, profile)
         return plan_figure(self, found, simulate(self, found))
 
+    def with_notes(self, *notes: str) -> "Plan":
+        """This plan with `notes` added after its own."""
+        return dataclasses.replace(self, notes=self.notes + tuple(notes))
+
     def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>") -> None:
         """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from."""
         found = profile_digest(profile)

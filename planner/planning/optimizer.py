@@ -43,7 +43,7 @@ from planner.costs.schedule_cost import (
     Stage,
     allreduce_s,
     fill_drain_s,
-    link_bandwidth,
+    link_terms,
     memory_terms,
     objective_s,
     placement_ok,
@@ -52,6 +52,7 @@ from planner.costs.schedule_cost import (
     stage_cost,
     stage_costs,
     time_terms,
+    transfer_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 from planner.costs.stage_sums import Pairs
@@ -65,8 +66,11 @@ class _Evaluator:
 
     def __init__(self, inputs: CostInputs, pairs: Pairs) -> None:
         self.inputs, self.pairs = inputs, pairs
-        self.bandwidths = [level.bandwidth_Bps for level in inputs.cluster.levels]
-        self.outer_comm = np.maximum(pairs.cut_in, pairs.cut_out) / self.bandwidths[-1]  # both links outermost
+        outermost = inputs.cluster.levels[-1]
+        self.top, self.top_latency = outermost.bandwidth_Bps, outermost.latency_s
+        self.outer_comm = np.maximum(  # both links outermost
+            transfer_s(pairs.cut_in, self.top, self.top_latency, pairs.starts > 0),
+            transfer_s(pairs.cut_out, self.top, self.top_latency, pairs.stops < pairs.num_layers))
         self.combos = GroupCombos(inputs, pairs) if inputs.memory_bytes is None else None
 
     def placement_ok(self, first: np.ndarray, replicas: np.ndarray) -> np.ndarray:
@@ -80,9 +84,10 @@ class _Evaluator:
         p, inputs = self.pairs, self.inputs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         last = first + replicas - 1
-        comm_in = np.where(p.starts[pair] > 0, p.cut_in[pair] / link_bandwidth(self.inputs.cluster, first - 1, first), 0.0)
-        comm_out = np.where(p.stops[pair] < p.num_layers, p.cut_out[pair] / link_bandwidth(self.inputs.cluster, last, last + 1), 0.0)
-        allreduce = allreduce_s(p.weights[pair], replicas, link_bandwidth(self.inputs.cluster, first, last))
+        cluster = inputs.cluster
+        comm_in = transfer_s(p.cut_in[pair], *link_terms(cluster, first - 1, first), p.starts[pair] > 0)
+        comm_out = transfer_s(p.cut_out[pair], *link_terms(cluster, last, last + 1), p.stops[pair] < p.num_layers)
+        allreduce = allreduce_s(p.weights[pair], replicas, *link_terms(cluster, first, last))
         _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce)
         return bound, self.memory(pair, replicas, recompute, downstream)
 
@@ -99,7 +104,9 @@ class _Evaluator:
         memory within the limit; _NONE where none works. Every link such a stage sees is outermost."""
         inputs, p = self.inputs, self.pairs
         group = inputs.class_size
-        top = self.bandwidths[-1]
+        if self.top_latency > 0:  # the closed forms below leave latency out: try every count instead
+            return self._fewest_outer_scan(pair, first_end, recompute, downstream, bound)
+        top = self.top
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         comm = self.outer_comm[pair]
         a = 2.0 * p.weights[pair] / top
@@ -125,6 +132,19 @@ class _Evaluator:
         below_ok, need_ok, above_ok = ok[:count], ok[count:2 * count], ok[2 * count:]
         below_ok &= tried[:count] >= 2 * group
         return np.where(below_ok, tried[:count], np.where(need_ok, need, np.where(above_ok, tried[2 * count:], _NONE)))
+
+    def _fewest_outer_scan(
+        self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
+    ) -> np.ndarray:
+        """`fewest_outer` by trying every r = k M, k >= 2, that the cluster has (exact for any link terms)."""
+        group = self.inputs.class_size
+        counts = np.arange(2 * group, self.inputs.cluster.num_devices + 1, group)
+        if len(counts) == 0 or len(pair) == 0:
+            return np.full(len(pair), _NONE, dtype=np.int64)
+        k = len(counts)
+        ok = self._outer_ok(np.repeat(pair, k), np.tile(counts, len(pair)), np.repeat(first_end, k),
+                            np.repeat(recompute, k), np.repeat(downstream, k), bound, group).reshape(len(pair), k)
+        return np.where(ok.any(axis=1), counts[np.argmax(ok, axis=1)], _NONE).astype(np.int64)
 
     def _flush_fixed_point(
         self, busy: np.ndarray, a: np.ndarray, lowest: np.ndarray, bound: float, group: int
@@ -158,7 +178,7 @@ class _Evaluator:
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
         p = self.pairs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        allreduce = allreduce_s(p.weights[pair], replicas, self.bandwidths[-1])  # every link of the stage is outermost
+        allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)  # every link is outermost
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce)
         ok = usable & (q <= bound) & (first_end - replicas >= 0)

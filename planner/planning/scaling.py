@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Any, Sequence
 
@@ -77,7 +79,7 @@ def subcluster(cluster: Cluster, gpus: int) -> Cluster:
         return cluster
     innermost = cluster.levels[0]
     if gpus <= innermost.size:
-        return Cluster((Level(innermost.name, gpus, innermost.bandwidth_Bps),), cluster.memory_bytes)
+        return Cluster((dataclasses.replace(innermost, size=gpus),), cluster.memory_bytes)
     kept: list[Level] = []
     group = 1
     for level in cluster.levels:
@@ -86,7 +88,7 @@ def subcluster(cluster: Cluster, gpus: int) -> Cluster:
         kept.append(level)
         group *= level.size
     outer = cluster.levels[cluster.span_level(0, gpus - 1)]
-    return Cluster(tuple(kept) + (Level(outer.name, gpus // group, outer.bandwidth_Bps),), cluster.memory_bytes)
+    return Cluster(tuple(kept) + (dataclasses.replace(outer, size=gpus // group),), cluster.memory_bytes)
 
 
 def _plan_or_none(profile: Profile, cluster: Cluster, partition_kwargs: dict[str, Any]) -> Plan | None:

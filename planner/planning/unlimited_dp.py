@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, allreduce_s, link_bandwidth, time_terms
+from planner.costs.schedule_cost import CostInputs, Stage, allreduce_s, link_terms, time_terms, transfer_s
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
 
@@ -135,18 +135,20 @@ class GroupCombos:
         end = (-self.rho) % group
         end = np.where(end > 0, end, np.maximum(group, self.replicas))  # a representative end rank (>= r)
         first = end - self.replicas
-        self.bw_in = link_bandwidth(cluster, first - 1, first)
-        self.bw_out = link_bandwidth(cluster, end - 1, end)
-        self.bw_allreduce = link_bandwidth(cluster, first, end - 1)
+        self.bw_in, self.lat_in = link_terms(cluster, first - 1, first)
+        self.bw_out, self.lat_out = link_terms(cluster, end - 1, end)
+        self.bw_allreduce, self.lat_allreduce = link_terms(cluster, first, end - 1)
         self.turns = (-(-inputs.microbatches // self.replicas) - 1).astype(float)
         self.share = 2.0 * (self.replicas - 1.0) / self.replicas  # ring all-reduce traffic per weight byte
         n, total = pairs.num_layers, cluster.num_devices
         self.worst = total + 1  # 'no plan'; DP keys encode (devices, stop, replicas) in one integer
         self.stride_r = max(total, group) + 1
         self.stride_j = (n + 1) * self.stride_r
-        self.top = float(cluster.levels[-1].bandwidth_Bps)
+        self.top, self.top_latency = float(cluster.levels[-1].bandwidth_Bps), float(cluster.levels[-1].latency_s)
         self.outer = np.arange(2 * group, total + 1, group) if inputs.schedule == "pipedream" else np.zeros(0, int)
-        self.outer_comm = np.maximum(pairs.cut_in, pairs.cut_out) / self.top  # both links outermost
+        self.outer_comm = np.maximum(  # both links outermost
+            transfer_s(pairs.cut_in, self.top, self.top_latency, pairs.starts > 0),
+            transfer_s(pairs.cut_out, self.top, self.top_latency, pairs.stops < n))
         self.whole = int(np.nonzero((self.rho == 0) & (self.replicas == group))[0][0])
         self._whole_group_q: np.ndarray | None = None  # Q on a whole inner group, computed when first needed
         self._time = inputs.scale * inputs.arrays.compute_s
@@ -172,16 +174,17 @@ class GroupCombos:
         max(t + ar, c_in, c_out) / r (pipedream), seconds."""
         p = self.pairs
         compute = p.both[pair]
-        comm_in = p.cut_in[pair] / self.bw_in[column]
-        comm_out = p.cut_out[pair] / self.bw_out[column]
-        allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column])
+        comm_in = transfer_s(p.cut_in[pair], self.bw_in[column], self.lat_in[column], p.starts[pair] > 0)
+        comm_out = transfer_s(p.cut_out[pair], self.bw_out[column], self.lat_out[column], p.stops[pair] < p.num_layers)
+        allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column],
+                                self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
                           comm_out, allreduce)[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""
         p, comm = self.pairs, self.outer_comm[pair]
-        allreduce = allreduce_s(p.weights[pair], replicas, self.top)
+        allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)
         return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce)[1]
 
     def columns(self, straight: bool) -> np.ndarray:
@@ -220,16 +223,20 @@ class GroupCombos:
         return np.searchsorted(running, reach, side="right") - 1
 
     def _column_stops(self, column: int, bound: float) -> np.ndarray:
-        """`_last_stops` of a combination: necessary for Q <= bound (class docstring)."""
+        """`_last_stops` of a combination: necessary for Q <= bound (class docstring; the all-reduce's
+        latencies, 2 (r - 1) lat, are a constant taken off the limit)."""
         gain_weight = float(self.share[column] / self.bw_allreduce[column])
+        r = float(self.replicas[column])
+        latencies = 2.0 * (r - 1.0) * float(self.lat_allreduce[column])
         if self.inputs.schedule == "pipedream":
-            return self._last_stops(1.0, gain_weight, float(self.replicas[column]) * bound)
-        return self._last_stops(float(self.turns[column]), gain_weight, bound)
+            return self._last_stops(1.0, gain_weight, r * bound - latencies)
+        return self._last_stops(float(self.turns[column]), gain_weight, bound - latencies)
 
     def _outer_stops(self, bound: float) -> np.ndarray:
         """`_last_stops` of pipedream stages on the most outer groups, whose Q is the least (class docstring)."""
         most = float(self.outer[-1])
-        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.top, most * bound)
+        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.top,
+                                most * bound - 2.0 * (most - 1.0) * self.top_latency)
 
     def _within(self, last_stops: np.ndarray) -> np.ndarray:
         """The pairs [i, j) with j <= last_stops[i], ordered by i then j."""
@@ -336,24 +343,31 @@ class _RangeColumns:
         rho, replicas = combos.rho[columns], combos.replicas[columns]
         share, bw_allreduce = combos.share[columns], combos.bw_allreduce[columns]
         bw_in, bw_out = combos.bw_in[columns], combos.bw_out[columns]
+        lat_allreduce, lat_in, lat_out = combos.lat_allreduce[columns], combos.lat_in[columns], combos.lat_out[columns]
         if not straight and len(combos.outer) > 0:
             outer = combos.outer
             r = outer.astype(float)
-            top = np.full(len(outer), combos.top)
+            top, top_latency = np.full(len(outer), combos.top), np.full(len(outer), combos.top_latency)
             rho = np.concatenate([rho, np.zeros(len(outer), dtype=np.int64)])
             replicas = np.concatenate([replicas, outer])
             share = np.concatenate([share, 2.0 * (r - 1.0) / r])
             bw_allreduce, bw_in, bw_out = (np.concatenate([x, top]) for x in (bw_allreduce, bw_in, bw_out))
+            lat_allreduce, lat_in, lat_out = (np.concatenate([x, top_latency]) for x in (lat_allreduce, lat_in, lat_out))
         order = np.argsort((rho + replicas) % group, kind="stable")
         self.rho, self.replicas = rho[order], replicas[order]
         self.share, self.bw_allreduce = share[order], bw_allreduce[order]
+        self.lat_allreduce = lat_allreduce[order]
+        self.allreduce_latencies = 2.0 * (self.replicas - 1.0) * self.lat_allreduce  # 2 (r - 1) lat per column
         targets = (self.rho + self.replicas) % group
         self.targets, self.heads = np.unique(targets, return_index=True)
         cut_in = pairs.cut_in[pairs.offsets[:-1]]  # entering a stage that starts at i
         cut_out = np.concatenate([[0.0], pairs.cut_out[pairs.offsets[:-1]]])  # leaving one that stops at j
         r = self.replicas[:, None]
-        self.start_term = cut_in[None, :] / bw_in[order][:, None] / r  # (columns, starts)
-        self.stop_term = cut_out[None, :] / bw_out[order][:, None] / r  # (columns, stops 0..n)
+        has_in, has_out = np.arange(n) > 0, np.arange(n + 1) < n
+        self.start_term = transfer_s(cut_in[None, :], bw_in[order][:, None], lat_in[order][:, None],
+                                     has_in[None, :]) / r  # (columns, starts)
+        self.stop_term = transfer_s(cut_out[None, :], bw_out[order][:, None], lat_out[order][:, None],
+                                    has_out[None, :]) / r  # (columns, stops 0..n)
         self.add = self.replicas * combos.stride_j + self.replicas  # key = V + add
         k = len(self.rho)
         self.levels = max(int(n).bit_length(), 1)
@@ -381,8 +395,8 @@ class _RangeColumns:
             high = min(above, key=lambda known: known[0])[1].copy()
         else:
             high = np.concatenate([
-                combos._last_stops(1.0, float(s / bw), float(r) * bound)[:, None]
-                for s, bw, r in zip(self.share, self.bw_allreduce, self.replicas)
+                combos._last_stops(1.0, float(s / bw), float(r) * bound - float(latencies))[:, None]
+                for s, bw, r, latencies in zip(self.share, self.bw_allreduce, self.replicas, self.allreduce_latencies)
             ], axis=1).ravel()
         high = np.maximum(high, low)
         column = np.tile(np.arange(k), n)
@@ -393,7 +407,7 @@ class _RangeColumns:
             middle = (low[active] + high[active] + 1) // 2
             at, c = starts[active], column[active]
             pair = p.offsets[at] + middle - at - 1
-            allreduce = self.share[c] * p.weights[pair] / self.bw_allreduce[c]
+            allreduce = allreduce_s(p.weights[pair], self.replicas[c], self.bw_allreduce[c], self.lat_allreduce[c])
             fits = (p.both[pair] + allreduce) / self.replicas[c] <= bound
             low[active] = np.where(fits, middle, low[active])
             high[active] = np.where(fits, high[active], middle - 1)

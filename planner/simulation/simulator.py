@@ -12,7 +12,7 @@ weight stashing keeps every backward on its forward's weights), so replicas that
 the microbatches never wait for each other; a forward waits only while two of its rank's
 all-reduces are unfinished (at most one update pending, so weights are never more than one
 update behind).
-Transfer time = bytes / bandwidth of the link between the two ranks (`schedule_cost.link_bandwidth`).
+Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`).
 
 Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward, plus `rebuilt_bytes` during a recomputing backward: the
@@ -43,7 +43,8 @@ from planner.schedules.schedule import (
     build_schedule,
     pipedream_microbatches,
 )
-from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_bandwidth, replicas_of, stage_cost
+from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_terms, replicas_of, stage_cost
+from planner.costs.schedule_cost import transfer_s as message_s
 
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
     """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
@@ -60,9 +61,9 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     rows: list[tuple] = []
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
-        if cluster is None or action_bytes <= 0:
+        if cluster is None:
             return 0.0
-        return action_bytes / float(link_bandwidth(cluster, min(source, target), max(source, target)))
+        return float(message_s(action_bytes, *link_terms(cluster, min(source, target), max(source, target))))
 
     progress = True
     while progress:

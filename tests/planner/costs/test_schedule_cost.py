@@ -348,3 +348,34 @@ def test_stage_after_a_whole_node_stage_talks_across_nodes() -> None:
     costs = stage_costs(inputs, [(0, 1, 4, False), (1, 2, 4, False)])
     assert costs[0].comm_out_s == pytest.approx(cut / 10e9, rel=REL)
     assert costs[1].comm_in_s == pytest.approx(cut / 10e9, rel=REL)
+
+
+# ---- latency ------------------------------------------------------------------------------
+
+
+def test_each_transfer_pays_its_link_latency_once() -> None:
+    # 1e8 bytes at 1 GB/s = 0.1 s, plus 2 ms per message; the first stage has no transfer in, the last none out
+    arrays = layers([0.5, 0.5], fwd=[0.125, 0.125], cuts=[1e8, 0.0])
+    inputs = CostInputs(arrays, make_cluster(2, None, ["1GB/s"], latencies=["2ms"]), "1f1b", 3)
+    costs = stage_costs(inputs, one_layer_per_stage(2))
+    assert costs[0].comm_in_s == 0.0 and costs[1].comm_out_s == 0.0
+    assert costs[0].comm_out_s == pytest.approx(0.002 + 0.1, rel=REL)
+    assert costs[1].comm_in_s == pytest.approx(0.002 + 0.1, rel=REL)
+
+
+def test_ring_allreduce_pays_two_latencies_per_replica_step() -> None:
+    # 2 (r - 1) messages of W / r: 2 * 3 * (1e9 / (4 * 1e10) + 1e-3) on 4 replicas
+    arrays = layers([0.3], fwd=[0.1], params=[1e9])
+    inputs = CostInputs(arrays, make_cluster(4, None, ["10GB/s"], latencies=["1ms"]), "gpipe", 5)
+    cost = stage_costs(inputs, [(0, 1, 4, False)])[0]
+    assert cost.allreduce_s == pytest.approx(2 * 3 * (1e9 / 4e10 + 1e-3), rel=REL)
+    assert stage_costs(inputs, [(0, 1, 1, False)])[0].allreduce_s == 0.0
+
+
+def test_latency_of_the_level_between_the_two_ranks() -> None:
+    # ranks 3 -> 4 cross nodes (1 ms); ranks 4 -> 5 stay inside one (10 us)
+    cluster = make_cluster(8, 4, ["100GB/s", "10GB/s"], latencies=["10us", "1ms"])
+    inputs = CostInputs(layers([0.01] * 5, cuts=[1e9] * 4 + [0.0]), cluster, "pipedream", 2)
+    costs = stage_costs(inputs, one_layer_per_stage(5))
+    assert costs[0].comm_out_s == pytest.approx(1e-3 + 1e9 / 10e9, rel=REL)
+    assert costs[1].comm_out_s == pytest.approx(1e-5 + 1e9 / 100e9, rel=REL)

@@ -94,6 +94,9 @@ def test_bad_cluster_files_name_the_file(tmp_path: Path) -> None:
         ('{"levels": [{"size": true, "bandwidth": "1GB/s"}]}', "not a whole number"),
         ('{"levels": [{"size": 4, "bandwidth_Bps": 300}]}', "give units"),
         ('{"levels": [{"size": 4, "bandwidth": "1GB/s"}], "memory": "80"}', "give units"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency_s": 20}]}', "give units"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency": "-3us"}]}', "0 or more"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency": "soon"}]}', "cannot read duration"),
     ],
 )
 def test_cluster_values_that_would_mean_something_else_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
@@ -106,3 +109,18 @@ def test_a_bandwidth_without_units_is_refused_on_the_command_line() -> None:
     with pytest.raises(ClusterError, match="give units"):
         make_cluster(4, None, ["300"])
     assert parse_bandwidth("10GBps") == 10e9 and parse_bandwidth("10 MB/S") == 10e6
+
+
+def test_latencies_per_level_from_flags_and_files(tmp_path: Path) -> None:
+    cluster = make_cluster(16, 8, ["300GB/s", "25GB/s"], latencies=["10us", "0.5ms"])
+    assert [level.latency_s for level in cluster.levels] == pytest.approx([1e-5, 5e-4])
+    assert make_cluster(4, None, ["1GB/s"]).levels[0].latency_s == 0.0  # none given: no latency
+    (tmp_path / "c.yaml").write_text(
+        "levels:\n  - {name: node, size: 8, bandwidth: 300GB/s, latency: 10us}\n"
+        "  - {name: cluster, size: 2, bandwidth: 25GB/s, latency: 0.5ms}\n"
+    )
+    assert load_cluster(tmp_path / "c.yaml") == cluster
+    assert cluster_from_dict(cluster.to_dict()) == cluster
+    assert "+ 10 us" in cluster.describe() and "+ 500 us" in cluster.describe()
+    with pytest.raises(ClusterError, match="two latencies"):
+        make_cluster(8, 4, ["1GB/s", "1GB/s"], latencies=["1us"])

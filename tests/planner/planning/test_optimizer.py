@@ -90,16 +90,23 @@ def check_solution(inputs: CostInputs, solution: Solution, straight: bool, allow
 
 
 BANDWIDTHS = [1e9, 1e10, 1e11]
+LATENCIES = [1e-5, 1e-3, 0.03125]  # per message, seconds: against layer times of 1 us to 0.1 s
 
 
 @st.composite
 def clusters(draw: st.DrawFn) -> Cluster:
-    """Flat clusters of 1-4 devices, or 2 nodes of 2 or 3 devices with any two bandwidths."""
+    """Flat clusters of 1-4 devices, or 2 nodes of 2 or 3 devices with any two bandwidths; half of
+    them with per-message latencies (any per level), half without."""
+    with_latency = draw(st.booleans())
+
+    def latency() -> float:
+        return draw(st.sampled_from(LATENCIES)) if with_latency else 0.0
+
     if draw(st.booleans()):
-        return make_cluster(draw(st.integers(1, 4)), None, [draw(st.sampled_from(BANDWIDTHS))])
+        return make_cluster(draw(st.integers(1, 4)), None, [draw(st.sampled_from(BANDWIDTHS))], latencies=[latency()])
     per_node = draw(st.sampled_from([2, 3]))
     inner, outer = draw(st.sampled_from(BANDWIDTHS)), draw(st.sampled_from(BANDWIDTHS))
-    return make_cluster(2 * per_node, per_node, [inner, outer])
+    return make_cluster(2 * per_node, per_node, [inner, outer], latencies=[latency(), latency()])
 
 
 def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from planner.files.cluster import make_cluster
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, build_schedule
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SENDS, build_schedule
 from planner.files.timeline import StageTimes
 from planner.simulation.simulator import simulate_schedule
 
@@ -77,6 +77,17 @@ def test_transfers_take_bytes_over_the_link_and_overlap_compute() -> None:
     assert second_forward["start_s"].iloc[0] == pytest.approx(F)  # not delayed by the first send
     receiving = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["rank"] == 1)]
     assert receiving["start_s"].min() == pytest.approx(F + 1.0)
+
+
+def test_each_transfer_pays_the_link_latency() -> None:
+    """Latency 0.25 s per message: the same 1e9 bytes take 1.25 s, and the receiver starts that much later."""
+    cluster = make_cluster(2, None, [1e9], latencies=[0.25])
+    times = [StageTimes(F, B, 0.0, 1e9), StageTimes(F, B, 0.0, 0.0)]
+    timeline = simulate_schedule(build_schedule("gpipe", [1, 1], 2), times, cluster)
+    transfers = timeline.events[timeline.events["op"].isin(SENDS)]
+    assert list(transfers["end_s"] - transfers["start_s"]) == [pytest.approx(1.25)] * len(transfers)
+    receiving = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["rank"] == 1)]
+    assert receiving["start_s"].min() == pytest.approx(F + 1.25)
 
 
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
