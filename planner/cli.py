@@ -410,6 +410,20 @@ def train(
     _run(debug, lambda: launch([model_file, "--plan", plan_file, *ctx.args], nproc))
 
 
+@app.command("cluster")
+def cluster_command(
+    out: Path = typer.Option(Path("clusters") / "this-machine.json", "--out", "-o", help="The cluster file to write."),
+    nproc: int = typer.Option(2, "--nproc", help="Processes (one per GPU; CPU processes without GPUs)."),
+    quick: bool = typer.Option(False, "--quick", help="Messages up to 4 MiB instead of 64 MiB."),
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Measure this machine's links (bandwidth and latency per message, all-reduce) and GPU memory
+    under torchrun; write a cluster file for `planner partition --cluster`."""
+    from runtime.launch import measure_cluster  # imports torch's launcher: only for this command
+
+    _run(debug, lambda: measure_cluster(str(out), nproc, quick))
+
+
 def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, Profile]:
     """The plan and the profile it was made from (given, or the path the plan records)."""
     from planner.files.plan import load_plan

@@ -1,0 +1,54 @@
+"""`planner cluster`: ranks grouped into nodes, and a real two-process measurement that partition reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.files.cluster import load_cluster
+from runtime.cluster_probe import _nodes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ranks_are_grouped_by_host() -> None:
+    assert _nodes(["a", "a", "a"]) == (3, 1)
+    assert _nodes(["a", "a", "b", "b"]) == (2, 2)
+    with pytest.raises(PlannerError, match="same number of contiguous ranks"):
+        _nodes(["a", "a", "b"])
+    with pytest.raises(PlannerError, match="same number of contiguous ranks"):
+        _nodes(["a", "b", "a", "b"])
+
+
+@pytest.mark.slow
+def test_planner_cluster_measures_two_processes_and_partition_reads_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "here.json"
+    done = subprocess.run([sys.executable, "-m", "planner", "cluster", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout and "per message" in done.stdout
+    cluster = load_cluster(out)
+    assert cluster.num_devices == 2 and len(cluster.levels) == 1
+    link = cluster.levels[0]
+    assert link.latency_s > 0 and link.bandwidth_Bps > 1e7  # a real loopback: some latency, some bandwidth
+    measured = json.loads(out.read_text())["measured"]
+    assert measured["backend"] == "gloo" and measured["world_size"] == 2
+    sizes = [size for size, _ in measured["one_way_s"]["node"]]
+    assert sizes == sorted(sizes) and len(sizes) == 4 and all(seconds > 0 for _, seconds in measured["one_way_s"]["node"])
+    plan = subprocess.run([sys.executable, "-m", "planner", "partition", str(REPO / "profiles" / "mlp.json"),
+                           "--cluster", str(out), "--out", str(tmp_path / "plan.json")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert "defaults, not measured" not in plan.stdout  # a measured cluster: no note about assumed links
+
+
+def test_one_process_cannot_measure_a_link(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "planner", "cluster", "--nproc", "1", "--out", str(tmp_path / "c.json")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("error: --nproc must be at least 2")
+    assert not (tmp_path / "c.json").exists()
