@@ -57,7 +57,7 @@ from planner.files.profile import Profile
 from planner.profiling.profiler import ProfileSettings, profile_model
 from planner.files.calibration import calibrate_profile
 from planner.files.run_report import RunReport, comparison_table, load_run_report
-from runtime.malloc import steady_malloc
+from planner.profiling.conditions import steady_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 MICROBATCH_SIZES = {"mlp": 64, "gpt": 8, "resnet": 32}  # samples per microbatch, by example

@@ -60,7 +60,7 @@ from planner.files.plan import Plan
 from planner.files.profile import load_profile
 from planner.profiling.profiler import ProfileSettings, profile_model
 from runtime.engine import Engine, EngineError, init_distributed
-from runtime.malloc import steady_malloc
+from planner.profiling.conditions import steady_malloc
 from runtime.stages import Stages, build_stages, split_model, stage_args
 
 REPO = Path(__file__).resolve().parents[1]

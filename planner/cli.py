@@ -79,7 +79,9 @@ def profile(
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),
     iters: int = typer.Option(10, help="Measured steps; times are medians over them."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: torch's current setting)."),
+    threads: Optional[int] = typer.Option(
+        None, help="CPU threads (default on CPU: cores / 2, what `planner train` gives each of 2 processes)."
+    ),
     depth: Optional[int] = typer.Option(None, help="Take the modules this many calls below the model as layers."),
     split_points: Optional[str] = typer.Option(
         None, "--split-points", help="Comma-separated module names at which layers begin, e.g. h.4,h.8."
@@ -313,15 +315,20 @@ def compare(
         from planner.display.plots import comparison_figure, save_figure
         from planner.files.plan import load_plan
         from planner.files.run_report import check_report_plan, load_run_report, measured_timeline, run_report_table
+        from planner.profiling.conditions import differences
         from planner.simulation.plan_simulation import simulate
 
         plan, report = load_plan(plan_file), load_run_report(report_file)
         check_report_plan(report, plan, plan_file)
-        simulated = None  # the simulation gives the predicted idle shares and the upper chart; needs the profile
+        simulated = profile = None  # the simulation gives the predicted idle shares and the upper chart
         if out is not None or profile_file is not None or (plan.profile.path and Path(plan.profile.path).is_file()):
-            simulated = simulate(*_plan_and_profile(plan_file, profile_file))
+            plan, profile = _plan_and_profile(plan_file, profile_file)
+            simulated = simulate(plan, profile)
         console = _console()
         console.print(run_report_table(report, simulated))
+        if profile is not None:
+            for line in differences(profile.settings.get("conditions", {}), report.meta.get("conditions", {})):
+                console.print(f"warning: {line}")
         if simulated is None:
             console.print("predicted idle shares need the plan's profile: give --profile PATH")
         if out is not None and simulated is not None:
@@ -436,7 +443,14 @@ def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, P
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. `planner profile` on CPU first re-executes itself with the glibc
+    settings that `planner train` gives its workers (`profiling.conditions.steady_malloc`): glibc
+    reads them only when a process starts, and times measured under other ones differ by 5-10%."""
+    arguments = sys.argv[1:]
+    if arguments[:1] == ["profile"] and not any(argument.startswith("cuda") for argument in arguments):
+        from planner.profiling.conditions import steady_malloc
+
+        steady_malloc(["-m", "planner", *arguments])
     app(prog_name="planner")
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
-from runtime.malloc import STEADY_MALLOC
+from planner.files.plan import Plan, load_plan
+from planner.files.profile import load_profile
+from planner.profiling.conditions import STEADY_MALLOC, cores, current_conditions, differences, worker_threads
 from runtime.stages import build_stages
 from runtime.train import TrainingError, check_setup, example_microbatch, parse_args
 
@@ -21,13 +25,14 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     here and the model was split for the plan, so that a bad plan, model file, option or folder,
     or a model that cannot be split (StageSplitError), is one line and nothing is started.
 
-    The workers get one torch thread per core share (`OMP_NUM_THREADS` = cores // nproc, unless
-    set) and, on CPU, glibc settings that keep freed memory (`runtime.malloc`). Raises
-    TrainingError when the job fails; each failing rank has printed its own line by then.
+    The workers run in the profile's conditions where this machine allows
+    (`planner.profiling.conditions`): the profile's threads per process when they fit the cores
+    (else cores // nproc), and on CPU the glibc settings the profile was measured with. What still
+    differs (or that the profile is not there to ask) is one line on stderr before the job starts;
+    an `OMP_NUM_THREADS` the user set wins. Raises TrainingError when the job fails; each failing
+    rank has printed its own line by then.
     """
     options = parse_args(argv)
-    from planner.files.plan import load_plan
-
     plan = load_plan(options.plan)
     count = nproc if nproc is not None else sum(stage.replicas for stage in plan.stages)
     if count < 1:
@@ -36,8 +41,11 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
     device_type = setup.device.type
     del setup  # the workers build their own models
+    profiled = _profile_conditions(plan)
+    threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
-        run_module("runtime.train", argv, count, cpu=device_type == "cpu")
+        run_module("runtime.train", argv, count, cpu=device_type == "cpu", threads=threads,
+                   before=lambda training: _warn_differences(profiled, training, plan.profile.path))
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
 
@@ -56,17 +64,45 @@ def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
         raise PlannerError(f"measuring the cluster failed: {_failures(exc)}; each rank's own error is above") from None
 
 
-def run_module(module: str, argv: Sequence[str], count: int, cpu: bool) -> None:
+def run_module(module: str, argv: Sequence[str], count: int, cpu: bool, threads: int | None = None,
+               before: Callable[[dict[str, Any]], None] | None = None) -> None:
     """`python -m MODULE *argv` on `count` processes under torchrun's launcher (`--standalone`);
-    each worker gets cores // count torch threads (`OMP_NUM_THREADS`, unless set) and, on CPU,
-    `runtime.malloc`'s glibc settings. ChildFailedError when a worker fails."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
+    each worker gets `threads` torch threads (default cores // count; `OMP_NUM_THREADS` wins if
+    set) and, on CPU, `planner.profiling.conditions.STEADY_MALLOC` glibc settings. `before` sees
+    the workers' conditions (`conditions.current_conditions`) first. ChildFailedError when a worker fails."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else max(1, cores() // count)))
     if cpu:
         for name, value in STEADY_MALLOC.items():
             os.environ.setdefault(name, value)
+    if before is not None:
+        before(current_conditions(int(os.environ["OMP_NUM_THREADS"])))
     from torch.distributed.run import get_args_parser, run
 
     run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", "--module", module, *argv]))
+
+
+def _profile_conditions(plan: Plan) -> dict[str, Any] | None:
+    """The conditions the plan's profile was measured in, None when its file is not there (or is
+    another profile) or recorded none."""
+    path = Path(plan.profile.path)
+    if not plan.profile.path or not path.is_file():
+        return None
+    try:
+        profile = load_profile(path)
+        plan.check_profile(profile)
+    except PlannerError:
+        return None
+    return profile.settings.get("conditions")
+
+
+def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:
+    """One line on stderr per condition that differs between profile and training (or that none can be compared)."""
+    if profiled is None:
+        print(f"note: the plan's profile {profile_path or '(no path recorded)'} is not there or recorded no "
+              "conditions: cannot check that training runs as it was measured", file=sys.stderr)
+        return
+    for line in differences(profiled, training):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def _failures(exc: ChildFailedError) -> str:

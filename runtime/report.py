@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from planner.files.fileformat import write_versioned_json
 from planner.files.plan import Plan
+from planner.profiling.conditions import current_conditions
 from planner.files.run_report import (
     RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RankPlacement, RunReport, RunReportError, StageMeasurement,
     StagePrediction,
@@ -107,11 +108,11 @@ def gather_traces(engine: Any) -> list[RankTrace] | None:
 
 def run_meta(engine: Any, traces: Sequence[RankTrace] = ()) -> dict[str, Any]:
     """What the run ran on: backend, device, torch version, torch threads (of this rank), world
-    size, and the hosts of `traces`."""
+    size, the hosts of `traces`, and this rank's `conditions` (`planner.profiling.conditions`)."""
     return {
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": str(getattr(engine, "device", "")), "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "conditions": current_conditions(torch.get_num_threads()),
         "world_size": dist.get_world_size() if dist.is_initialized() else len(traces),
         "hosts": sorted({trace.hostname for trace in traces}),
     }

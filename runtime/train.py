@@ -54,7 +54,7 @@ from runtime.checkpoint import (
     merged_optimizer_state, prune, save_stage, write_manifest,
 )
 from runtime.engine import Engine, EngineError, init_distributed
-from runtime.malloc import steady_malloc
+from planner.profiling.conditions import steady_malloc
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from planner.profiling.conditions import current_conditions, default_cpu_threads
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
@@ -31,7 +32,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """What to measure and how: batch size, device, dtype, repetitions, threads and layer choice."""
+    """What to measure and how: batch size, device, dtype, repetitions, threads and layer choice.
+
+    `threads` None: on CPU, `conditions.default_cpu_threads()` (cores / 2: what `planner train`
+    gives each of two processes on this machine); on CUDA, torch's current setting."""
 
     batch_size: int = 8
     device: str = "cpu"
@@ -131,8 +135,9 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     dtype = resolve_dtype(settings.dtype)
     report = progress or (lambda phase, done, total: None)
     previous_threads = torch.get_num_threads()
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
+    threads = settings.threads if settings.threads is not None or device.type != "cpu" else default_cpu_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return _measure(model_file, settings, device, dtype, report)
@@ -201,7 +206,7 @@ def _measure(
         settings={
             "warmup": settings.warmup, "iters": settings.iters, "depth": settings.depth,
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
-            "instrumented_ratio": times.instrumented_ratio,
+            "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },
     )
 

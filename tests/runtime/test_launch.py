@@ -35,3 +35,24 @@ def test_a_model_no_split_can_capture_is_one_line_before_anything_starts(tmp_pat
     assert lines[0].startswith("error: cannot split Routed:") and f"routed.py:{branch}" in lines[0]
     assert "--split-points" in lines[0]
     assert "torch.distributed" not in finished.stderr  # torchrun never ran
+
+
+def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.launch import _profile_conditions, _warn_differences
+
+    profile = profile_model(load_model_file(REPO / "examples" / "mlp.py"),
+                            ProfileSettings(batch_size=4, warmup=0, iters=1, threads=2))
+    path = profile.save(tmp_path / "mlp.json")
+    plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2, profile_path=str(path))
+    profiled = _profile_conditions(plan)
+    assert profiled is not None and profiled["threads"] == 2
+    _warn_differences(profiled, {**profiled, "threads": 1}, str(path))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: the profile was measured with 2 threads per process")
+    _warn_differences(profiled, dict(profiled), str(path))
+    assert capsys.readouterr().err == ""
+    path.unlink()
+    assert _profile_conditions(plan) is None  # the profile is gone: nothing to compare
+    _warn_differences(None, profiled, str(path))
+    assert f"the plan's profile {path} is not there" in capsys.readouterr().err

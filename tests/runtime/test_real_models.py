@@ -26,7 +26,7 @@ from planner.files.profile import Profile  # noqa: E402
 from planner.profiling.profiler import ProfileSettings, profile_model  # noqa: E402
 from real_model_worker import MODELS, loss_of, model_file, seeded_batch, seeded_model  # noqa: E402
 from runtime.checkpoint import export_checkpoint  # noqa: E402
-from runtime.malloc import STEADY_MALLOC  # noqa: E402
+from planner.profiling.conditions import STEADY_MALLOC  # noqa: E402
 from runtime.stages import StageSplitError, build_stages  # noqa: E402
 from test_train import environment, losses  # noqa: E402
 
@@ -106,7 +106,7 @@ TRAIN_PLAN = "llama-2-1f1b"  # `planner train` runs this case's plan (the planne
 
 
 def job_environment() -> dict[str, str]:
-    """test_train's environment (one thread, the repository importable) with runtime.malloc's steady settings."""
+    """test_train's environment (one thread, the repository importable) with the steady malloc settings of planner.profiling.conditions."""
     return {**STEADY_MALLOC, **environment()}
 
 

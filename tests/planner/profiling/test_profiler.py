@@ -37,6 +37,8 @@ def test_layer_times_add_up_to_the_measured_step(profiles: dict[str, Profile], n
 def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     profile = profiles[name]
     assert profile.batch_size == 8 and profile.device == "cpu" and profile.threads == 1
+    conditions = profile.settings["conditions"]
+    assert conditions["threads"] == 1 and conditions["cores"] >= 1 and "malloc" in conditions
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"

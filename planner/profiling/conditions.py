@@ -1,0 +1,72 @@
+"""Measurement conditions that change times (threads per process, cores, malloc settings), and how two differ.
+
+A profile records the conditions it was measured in (`current_conditions`, in
+`Profile.settings["conditions"]`); `planner train` gives its workers the same ones where the
+machine allows and says what differs otherwise (`differences`), and so does `planner compare`.
+
+On CPU both run with glibc keeping freed memory (`STEADY_MALLOC`, `steady_malloc`): by default
+glibc hands large freed blocks back to the OS and page-faults them in again on the next step;
+GPipe, which keeps every microbatch's activations alive at once, then ran 5-10% slower on CPU
+than its profile predicts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Mapping, Sequence
+
+__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "cores", "current_conditions", "default_cpu_threads", "differences",
+           "steady_malloc", "worker_threads"]
+
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless --threads says otherwise
+
+
+def cores() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:
+    """Threads per process when `ranks` processes share this machine's cores: cores // ranks (at least 1),
+    what `planner train` gives each of them."""
+    return max(1, cores() // ranks)
+
+
+def worker_threads(profiled: int | None, ranks: int) -> int:
+    """Threads for each of `ranks` training processes on this machine: the profile's count where
+    the cores allow it (profiled x ranks <= cores), else cores // ranks."""
+    share = max(1, cores() // ranks)
+    return profiled if profiled is not None and profiled * ranks <= cores() else share
+
+
+def current_conditions(threads: int) -> dict[str, Any]:
+    """This process's conditions: torch `threads`, the machine's `cores`, and the `malloc`
+    settings of STEADY_MALLOC's variables (None where unset)."""
+    return {"threads": threads, "cores": cores(), "malloc": {name: os.environ.get(name) for name in STEADY_MALLOC}}
+
+
+def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> list[str]:
+    """Sentences naming each condition that differs between a profile's and a training run's, with
+    how far it may move the predictions; [] when they match (or the profile recorded none)."""
+    found = []
+    was, now = profiled.get("threads"), training.get("threads")
+    if was is not None and now is not None and was != now:
+        found.append(f"the profile was measured with {was} threads per process, training runs {now}: compute may "
+                     f"take up to {max(was, now) / min(was, now):.2g}x {'longer' if now < was else 'less'} than "
+                     f"predicted (profile with --threads {now}, or give each process {was})")
+    if "malloc" in profiled and "malloc" in training and dict(profiled["malloc"]) != dict(training["malloc"]):
+        found.append(f"the profile was measured with malloc settings {dict(profiled['malloc'])}, training runs "
+                     f"{dict(training['malloc'])}: CPU steps may differ by 5-10%")
+    return found
+
+
+def steady_malloc(argv: Sequence[str]) -> None:
+    """Re-exec `sys.executable argv` with STEADY_MALLOC in the environment, unless it is already set.
+
+    The process keeps its pid (exec), so it stays torchrun's worker; child processes inherit the
+    setting. A no-op where a variable is already set (the user's choice wins)."""
+    if all(name in os.environ for name in STEADY_MALLOC):
+        return
+    os.execve(sys.executable, [sys.executable, *argv], {**STEADY_MALLOC, **os.environ})

@@ -1,0 +1,44 @@
+"""Measurement conditions: the default threads, the workers' threads, and the sentences for what differs."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.profiling import conditions
+from planner.profiling.conditions import STEADY_MALLOC, current_conditions, default_cpu_threads, differences, worker_threads
+
+
+@pytest.fixture
+def sixteen_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conditions, "cores", lambda: 16)
+
+
+def test_a_cpu_profile_defaults_to_what_each_of_two_processes_gets(sixteen_cores: None) -> None:
+    assert default_cpu_threads() == 8 and default_cpu_threads(4) == 4 and default_cpu_threads(32) == 1
+
+
+def test_workers_get_the_profiles_threads_where_the_cores_allow(sixteen_cores: None) -> None:
+    assert worker_threads(8, 2) == 8  # 2 x 8 fit 16 cores: as profiled
+    assert worker_threads(4, 2) == 4  # fewer than their share: still as profiled
+    assert worker_threads(8, 4) == 4  # 4 x 8 do not fit: each its share
+    assert worker_threads(None, 3) == 5  # nothing known: the share
+
+
+def test_current_conditions_name_threads_cores_and_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in STEADY_MALLOC:
+        monkeypatch.delenv(name, raising=False)
+    found = current_conditions(3)
+    assert found["threads"] == 3 and found["cores"] >= 1
+    assert found["malloc"] == dict.fromkeys(STEADY_MALLOC)
+
+
+def test_differences_say_what_differs_and_how_far() -> None:
+    steady = dict(STEADY_MALLOC)
+    same = {"threads": 2, "cores": 2, "malloc": steady}
+    assert differences(same, dict(same)) == []
+    assert differences({}, same) == []  # a profile without conditions: nothing to compare
+    fewer = differences(same, {**same, "threads": 1})
+    assert len(fewer) == 1 and "2 threads per process, training runs 1" in fewer[0] and "2x longer" in fewer[0]
+    assert "--threads 1" in fewer[0]
+    malloc = differences(same, {**same, "malloc": dict.fromkeys(STEADY_MALLOC)})
+    assert len(malloc) == 1 and "malloc settings" in malloc[0] and "5-10%" in malloc[0]
