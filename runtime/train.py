@@ -55,6 +55,7 @@ from runtime.checkpoint import (
 )
 from runtime.engine import Engine, EngineError, init_distributed
 from planner.profiling.conditions import steady_malloc
+from planner.profiling.optimizer_step import make_optimizer
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
 
@@ -398,9 +399,7 @@ def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: b
 
 
 def _optimizer_factory(name: str, lr: float) -> Any:
-    if name == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: make_optimizer(name, params, lr)
 
 
 def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[Any, Any]]:

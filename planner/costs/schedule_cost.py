@@ -97,6 +97,7 @@ class CostInputs:
     input_bytes: float = 0.0
     optimizer_copies: int = 2
     memory_bytes: float | None = None
+    step_s_per_byte: float = 0.0  # one optimizer step, seconds per parameter byte (0: not counted)
 
     @property
     def class_size(self) -> int:
@@ -178,17 +179,24 @@ def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps:
 
 
 def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s: ArrayOrFloat,
-               comm_in_s: ArrayOrFloat, comm_out_s: ArrayOrFloat,
-               allreduce: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat]:
-    """(period, Q) in seconds. Flush schedules: period = max(t, c_in, c_out) / r and
-    Q = (ceil(m / r) - 1) max(t, c_in, c_out) + ar; pipedream: period = Q = max(t + ar, c_in, c_out) / r."""
+               comm_in_s: ArrayOrFloat, comm_out_s: ArrayOrFloat, allreduce: ArrayOrFloat,
+               step: ArrayOrFloat = 0.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+    """(period, Q) in seconds, with `step` the optimizer step (`step_terms`). Flush schedules:
+    period = max(t, c_in, c_out) / r and Q = (ceil(m / r) - 1) max(t, c_in, c_out) + ar + step;
+    pipedream: period = Q = max(t + ar + step, c_in, c_out) / r."""
     r = np.asarray(replicas, dtype=float)
     if schedule == "pipedream":
-        period = np.maximum(np.maximum(compute_s + allreduce, comm_in_s), comm_out_s) / r
+        period = np.maximum(np.maximum(compute_s + allreduce + step, comm_in_s), comm_out_s) / r
         return period, period
     busy = np.maximum(np.maximum(compute_s, comm_in_s), comm_out_s)
     turns = -(-microbatches // np.asarray(replicas)) - 1
-    return busy / r, turns * busy + allreduce
+    return busy / r, turns * busy + allreduce + step
+
+
+def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """opt = W x the profile's optimizer step time per parameter byte: one optimizer step over the
+    stage's weights (shared copies included), seconds."""
+    return inputs.step_s_per_byte * weight_bytes
 
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
@@ -222,6 +230,7 @@ class StageCost:
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
+    step_s: float = 0.0  # opt: one optimizer step over the stage's weights
 
 
 def stage_cost(
@@ -240,13 +249,14 @@ def stage_cost(
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
     allreduce = float(allreduce_s(weights, replicas, *link_terms(cluster, first_rank, last_rank)))
+    step = float(step_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
-                                                           comm_in, comm_out, allreduce))
+                                                           comm_in, comm_out, allreduce, step))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     base, held, rebuilt, memory = (float(value) for value in memory_terms(inputs, replicas, devices_from_here, weights,
                                                                          saved, entering, recompute))
-    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt)
+    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step)
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:

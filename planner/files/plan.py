@@ -66,10 +66,12 @@ class PlanProfileMismatchError(PlannerError):
 
 def profile_digest(profile: Profile) -> str:
     """SHA-256 of what a plan depends on in a profile, as canonical JSON: model name, batch size,
-    input bytes, layers and shared parameters (not the date, path or settings, so re-importing
+    input bytes, layers, shared parameters and optimizer step times (not the date, path or settings, so re-importing
     or copying the same measurements keeps the digest)."""
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
+    if body.get("optimizer_step_ms"):  # (profiles from before it was measured keep their digest)
+        content["optimizer_step_ms"] = body["optimizer_step_ms"]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -130,6 +132,7 @@ class StagePlan(StageLayout):
     allreduce_ms: float
     period_ms: float
     memory_bytes: int
+    step_ms: float = 0.0  # one optimizer step over the stage's weights (0 where the profile did not time it)
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
             StagePlan(
                 **layout_fields(s), compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
                 allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
-                memory_bytes=int(s["memory_bytes"]),
+                memory_bytes=int(s["memory_bytes"]), step_ms=float(s.get("step_ms", 0.0)),
             )
             for s in body["stages"]
         )

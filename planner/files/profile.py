@@ -72,6 +72,8 @@ class Profile:
     "live-tensors": peak bytes of live tensor storage tracked per operation on CPU;
     "pipedream-estimate" and "unknown" for imported profiles).
     `batch_size` is None when unknown (imported profiles without one).
+    `optimizer_step_ms`: one optimizer step over all the model's parameters, per optimizer name
+    ("sgd": momentum 0.9, "adam"), ms; empty in older and imported profiles.
     """
 
     model_name: str
@@ -90,6 +92,7 @@ class Profile:
     input_bytes: int
     shared_params: tuple[SharedParam, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    optimizer_step_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -157,6 +160,7 @@ class Profile:
                 step_ms=float(body["step_ms"]), peak_memory_bytes=int(body["peak_memory_bytes"]),
                 peak_memory_method=str(body["peak_memory_method"]), input_bytes=int(body["input_bytes"]),
                 shared_params=shared, settings=dict(body.get("settings", {})),
+                optimizer_step_ms={str(name): float(ms) for name, ms in body.get("optimizer_step_ms", {}).items()},
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

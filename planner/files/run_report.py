@@ -97,11 +97,13 @@ class StageMeasurement:
 
 @dataclass(frozen=True)
 class StagePrediction:
-    """What the plan predicted for one stage (ms): per microbatch compute and transfer, all-reduce."""
+    """What the plan predicted for one stage (ms): per microbatch compute and transfer, all-reduce,
+    optimizer step (0 in reports from before it was predicted)."""
 
     compute_ms: float
     comm_ms: float
     allreduce_ms: float
+    step_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,8 @@ def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunRep
 
 def _floats(kind: Any, values: dict[str, Any]) -> Any:
     """`kind` (a dataclass of floats) from the same-named entries of `values`."""
-    return kind(**{f.name: float(values[f.name]) for f in dataclasses.fields(kind)})
+    return kind(**{f.name: float(values[f.name] if f.name in values or f.default is dataclasses.MISSING else f.default)
+                   for f in dataclasses.fields(kind)})
 
 
 def load_run_report(path: str | Path) -> RunReport:
@@ -317,7 +320,8 @@ def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes]) -> T
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:
     """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
     `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
-    `stage i all-reduce (ms)` (per all-reduce) and `stage i idle (share)`; columns `predicted`,
+    `stage i all-reduce (ms)` (per all-reduce), `stage i step (ms)` (the optimizer step; measured with the
+    tied parameters' all-reduce) and `stage i idle (share)`; columns `predicted`,
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
     predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when
     `simulated` is given, else NaN."""
@@ -332,6 +336,7 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
             (f"stage {index} compute (ms/microbatch)", expected.compute_ms, found.compute_ms),
             (f"stage {index} comm (ms/microbatch)", expected.comm_ms, found.comm_ms),
             (f"stage {index} all-reduce (ms)", expected.allreduce_ms, found.allreduce_each_ms),
+            (f"stage {index} step (ms)", expected.step_ms, found.step_ms),
             (f"stage {index} idle (share)", idle.get(index, math.nan), found.idle_fraction),
         ]
     table = pd.DataFrame([(p, m) for _, p, m in rows], index=[name for name, _, _ in rows],

@@ -36,6 +36,7 @@ class StageTimes:
     base_bytes: float = 0.0
     held_bytes: float = 0.0
     rebuilt_bytes: float = 0.0
+    step_s: float = 0.0  # one optimizer step (after each all-reduce; pipedream: after every microbatch)
 
 
 @dataclass(frozen=True)

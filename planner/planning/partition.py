@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_step_s_per_byte
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
 )
@@ -66,6 +66,7 @@ def partition(
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
+        optimizer_step_s_per_byte(profile, optimizer),
     )
     chosen = _choose(base, AUTO_SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
     return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
@@ -161,7 +162,7 @@ def _planner_plan(
             replicas=replicas, ranks=tuple(range(rank, rank + replicas)), recompute=flag,
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
-            memory_bytes=int(cost.memory_bytes),
+            memory_bytes=int(cost.memory_bytes), step_ms=cost.step_s * 1000.0,
         )
         for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
     )
@@ -201,6 +202,9 @@ def _planner_plan(
         notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
     if any(stage.recompute for stage in stages):
         notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
+    if inputs.step_s_per_byte <= 0:
+        notes.append(f"the profile did not time the {optimizer} optimizer step (made before it did, or imported): "
+                     "iteration_ms leaves it out; profile again to count it")
     return Plan(
         profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
         cluster=inputs.cluster, cost_model="planner", schedule=inputs.schedule,

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, allreduce_s, link_terms, time_terms, transfer_s
+from planner.costs.schedule_cost import (
+    CostInputs, Stage, allreduce_s, link_terms, step_terms, time_terms, transfer_s,
+)
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
 
@@ -170,8 +172,8 @@ class GroupCombos:
         return self._ranges[straight]
 
     def stage_bounds(self, pair: np.ndarray, column: int) -> np.ndarray:
-        """Q of stages `pair` under one combination: turns max(t, c_in, c_out) + ar (flush) or
-        max(t + ar, c_in, c_out) / r (pipedream), seconds."""
+        """Q of stages `pair` under one combination: turns max(t, c_in, c_out) + ar + opt (flush) or
+        max(t + ar + opt, c_in, c_out) / r (pipedream), seconds."""
         p = self.pairs
         compute = p.both[pair]
         comm_in = transfer_s(p.cut_in[pair], self.bw_in[column], self.lat_in[column], p.starts[pair] > 0)
@@ -179,13 +181,14 @@ class GroupCombos:
         allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column],
                                 self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
-                          comm_out, allreduce)[1]
+                          comm_out, allreduce, step_terms(self.inputs, p.weights[pair]))[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""
         p, comm = self.pairs, self.outer_comm[pair]
         allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)
-        return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce)[1]
+        return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce,
+                          step_terms(self.inputs, p.weights[pair]))[1]
 
     def columns(self, straight: bool) -> np.ndarray:
         """The combinations a plan may use, ordered by the residue they lead to."""
@@ -225,7 +228,7 @@ class GroupCombos:
     def _column_stops(self, column: int, bound: float) -> np.ndarray:
         """`_last_stops` of a combination: necessary for Q <= bound (class docstring; the all-reduce's
         latencies, 2 (r - 1) lat, are a constant taken off the limit)."""
-        gain_weight = float(self.share[column] / self.bw_allreduce[column])
+        gain_weight = float(self.share[column] / self.bw_allreduce[column]) + self.inputs.step_s_per_byte
         r = float(self.replicas[column])
         latencies = 2.0 * (r - 1.0) * float(self.lat_allreduce[column])
         if self.inputs.schedule == "pipedream":
@@ -235,7 +238,7 @@ class GroupCombos:
     def _outer_stops(self, bound: float) -> np.ndarray:
         """`_last_stops` of pipedream stages on the most outer groups, whose Q is the least (class docstring)."""
         most = float(self.outer[-1])
-        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.top,
+        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.top + self.inputs.step_s_per_byte,
                                 most * bound - 2.0 * (most - 1.0) * self.top_latency)
 
     def _within(self, last_stops: np.ndarray) -> np.ndarray:
@@ -395,7 +398,8 @@ class _RangeColumns:
             high = min(above, key=lambda known: known[0])[1].copy()
         else:
             high = np.concatenate([
-                combos._last_stops(1.0, float(s / bw), float(r) * bound - float(latencies))[:, None]
+                combos._last_stops(1.0, float(s / bw) + combos.inputs.step_s_per_byte,
+                                   float(r) * bound - float(latencies))[:, None]
                 for s, bw, r, latencies in zip(self.share, self.bw_allreduce, self.replicas, self.allreduce_latencies)
             ], axis=1).ravel()
         high = np.maximum(high, low)
@@ -408,7 +412,7 @@ class _RangeColumns:
             at, c = starts[active], column[active]
             pair = p.offsets[at] + middle - at - 1
             allreduce = allreduce_s(p.weights[pair], self.replicas[c], self.bw_allreduce[c], self.lat_allreduce[c])
-            fits = (p.both[pair] + allreduce) / self.replicas[c] <= bound
+            fits = (p.both[pair] + allreduce + step_terms(combos.inputs, p.weights[pair])) / self.replicas[c] <= bound
             low[active] = np.where(fits, middle, low[active])
             high[active] = np.where(fits, high[active], middle - 1)
         self._known.append((bound, low))

@@ -7,7 +7,8 @@ at a time in program order; a send starts a transfer on the sender's channel for
 sent data exists and the channel is free; a receive waits for its transfer to arrive; an
 all-reduce starts when every replica of the stage has reached it. In flush schedules it occupies
 each replica (nothing else is left to do); in `pipedream` it runs on its own channel per rank,
-one at a time, overlapped with the next forwards and backwards (the step applies when it ends;
+one at a time, overlapped with the next forwards and backwards (the step, `step_s` long on the
+compute thread, applies when it ends;
 weight stashing keeps every backward on its forward's weights), so replicas that take turns on
 the microbatches never wait for each other; a forward waits only while two of its rank's
 all-reduces are unfinished (at most one update pending, so weights are never more than one
@@ -107,7 +108,10 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     reductions[rank] += 1
                 elif action.op == STEP:  # applies the last all-reduce's result
                     at = max(free_at[rank], reduce_ends[rank][-1]) if reduce_ends[rank] else free_at[rank]
-                    rows.append(base + (at, at))
+                    if schedule.name == "pipedream":  # the compute thread steps while the all-reduce
+                        at = free_at[rank]  # runs on its channel (its result applies when both are done)
+                    rows.append(base + (at, at + times.step_s))
+                    free_at[rank] = at + times.step_s
                 position[rank] += 1
                 progress = True
     stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]
@@ -130,6 +134,7 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
+            step_s=cost.step_s,
         ))
     return tuple(result[::-1])
 

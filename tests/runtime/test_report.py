@@ -128,7 +128,8 @@ def test_every_stage_figure_of_the_hand_made_run(body: dict[str, Any]) -> None:
 
 def test_predictions_ratios_plan_and_losses(plan: Plan, body: dict[str, Any]) -> None:
     assert body["predicted"] == {"iteration_ms": 20.0, "samples_per_s": 400.0, "stages": [
-        {"compute_ms": 5.0, "comm_ms": 0.5, "allreduce_ms": 0.0}, {"compute_ms": 3.0, "comm_ms": 0.5, "allreduce_ms": 0.0}]}
+        {"compute_ms": 5.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0},
+        {"compute_ms": 3.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0}]}
     ratios = body["ratios"]
     assert ratios["iteration_ms"] == pytest.approx(21.3 / 20.0)
     assert ratios["samples_per_s"] == pytest.approx(BATCH / 0.0213 / 400.0)

@@ -379,3 +379,26 @@ def test_latency_of_the_level_between_the_two_ranks() -> None:
     costs = stage_costs(inputs, one_layer_per_stage(5))
     assert costs[0].comm_out_s == pytest.approx(1e-3 + 1e9 / 10e9, rel=REL)
     assert costs[1].comm_out_s == pytest.approx(1e-5 + 1e9 / 100e9, rel=REL)
+
+
+# ---- optimizer step -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_optimizer_step_is_the_stages_weights_times_the_profiled_rate(schedule: str) -> None:
+    # 1e9 weight bytes at 2e-11 s per byte: 20 ms per step; one stage, one replica, compute 0.3 s
+    arrays = layers([0.3], fwd=[0.1], params=[1e9])
+    inputs = CostInputs(arrays, flat(1), schedule, 4, step_s_per_byte=2e-11)
+    cost = stage_costs(inputs, [(0, 1, 1, False)])[0]
+    assert cost.step_s == pytest.approx(0.02, rel=REL)
+    # flush: the step ends the iteration, once; pipedream: after every microbatch
+    expected = 4 * 0.3 + 0.02 if schedule in FLUSH_SCHEDULES else 0.3 + 0.02
+    assert objective_s(inputs, [(0, 1, 1, False)]) == pytest.approx(expected, rel=REL)
+
+
+def test_each_stage_steps_its_own_weights_and_a_copy_of_a_shared_one() -> None:
+    arrays = layers([0.1, 0.1, 0.1], params=[3e9, 1e9, 1e9], shared=((0, (2,), 2e9),))
+    inputs = CostInputs(arrays, flat(2), "1f1b", 2, step_s_per_byte=1e-11)
+    first, second = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert first.step_s == pytest.approx(3e9 * 1e-11, rel=REL)
+    assert second.step_s == pytest.approx((2e9 + 2e9) * 1e-11, rel=REL)  # its layers and the tied copy

@@ -145,10 +145,11 @@ def test_comparison_table_finds_the_true_factors(report: RunReport, plan: Plan, 
         assert table.loc[f"stage {index} compute (ms/microbatch)", "ratio"] == pytest.approx(factor)
         assert table.loc[f"stage {index} comm (ms/microbatch)", "ratio"] == pytest.approx(1.0)
         assert math.isnan(table.loc[f"stage {index} all-reduce (ms)", "ratio"])  # nothing to all-reduce: 0 / 0
+        assert table.loc[f"stage {index} step (ms)", "predicted"] == stage.step_ms
         measured_idle = table.loc[f"stage {index} idle (share)", "measured"]
         assert measured_idle == pytest.approx(float(truth.bubble_fraction()[index]))
         assert 0 <= table.loc[f"stage {index} idle (share)", "predicted"] < 1
-    assert len(table) == 2 + 4 * len(plan.stages)
+    assert len(table) == 2 + 5 * len(plan.stages)
 
 
 def test_comparison_table_without_a_simulation_has_no_predicted_idle(report: RunReport) -> None:
@@ -290,3 +291,12 @@ def test_report_round_trips_through_the_dict(files: Files) -> None:
     assert report.source == "here" and report.measured[0].compute_ms == body["measured"]["stages"][0]["compute_ms"]
     written = {key: value for key, value in body.items() if key not in ("format", "version", "planner_version")}
     assert report.to_dict() == written  # nothing the file has is dropped on the way through RunReport
+
+
+def test_a_report_from_before_steps_were_predicted_still_loads(files: Files, tmp_path: Path) -> None:
+    def drop_steps(body: dict[str, Any]) -> None:
+        for stage in body["predicted"]["stages"]:
+            del stage["step_ms"]
+
+    report = load_run_report(damaged(files, tmp_path, drop_steps))
+    assert [stage.step_ms for stage in report.predicted] == [0.0] * len(report.predicted)

@@ -90,6 +90,16 @@ def test_each_transfer_pays_the_link_latency() -> None:
     assert receiving["start_s"].min() == pytest.approx(F + 1.25)
 
 
+def test_the_optimizer_step_follows_the_allreduce_and_ends_the_iteration() -> None:
+    times = [StageTimes(F, B, 0.5, 0.0, step_s=0.25)]
+    timeline = simulate_schedule(build_schedule("gpipe", [2], 2), times)
+    steps = timeline.events[timeline.events["op"] == "step"]
+    reduces = timeline.events[timeline.events["op"] == ALLREDUCE]
+    assert list(steps["end_s"] - steps["start_s"]) == [pytest.approx(0.25)] * 2
+    assert steps["start_s"].min() == pytest.approx(reduces["end_s"].max())
+    assert timeline.iteration_s() == pytest.approx(F + B + 0.5 + 0.25)  # each replica: one microbatch
+
+
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
     """Asynchronous 1F1B settles at the slowest stage's f + b per microbatch; two replicas of that
     stage take turns and halve it: stage 1 needs 2 (F + B) = 6 s per microbatch per replica, so 3 s."""

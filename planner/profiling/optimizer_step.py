@@ -1,0 +1,45 @@
+"""The optimizers training runs (`make_optimizer`) and the time of one step of each over a model's parameters."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from planner.profiling.timing import Clock
+
+__all__ = ["OPTIMIZERS", "make_optimizer", "time_optimizer_steps"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def make_optimizer(name: str, parameters: Iterable[Any], lr: float) -> torch.optim.Optimizer:
+    """`name`'s optimizer as training runs it: "sgd" (momentum 0.9) or "adam" (torch's defaults)."""
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(parameters, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int) -> dict[str, float]:
+    """Per optimizer of OPTIMIZERS: the median ms of one `step()` over every parameter of `model`
+    (after one warm-up step that creates its state), with the gradients `backward` leaves. The
+    steps change the weights (by a learning rate of 1e-9): time them last."""
+    backward()
+    found = {}
+    for name in OPTIMIZERS:
+        optimizer = make_optimizer(name, model.parameters(), lr=1e-9)
+        optimizer.step()
+        times = []
+        for _ in range(max(iters, 1)):
+            start = clock.mark()
+            optimizer.step()
+            end = clock.mark()
+            clock.synchronize()
+            times.append(clock.elapsed_ms(start, end))
+        found[name] = statistics.median(times)
+        del optimizer
+    return found
