@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
     RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
@@ -181,6 +182,8 @@ class Engine:
         self._where: Key | None = None
         self._closed = False
         self.step_spans: list[tuple[float, float]] = []
+        # (bytes, method) this rank needed during its first train_step (`planner.profiling.memory.peak_memory_of`)
+        self.peak_memory: tuple[int, str] | None = None
         self._ops: deque[tuple[int, list[OpTime]]] = deque(maxlen=trace_steps)  # (step, its ops)
 
     @classmethod
@@ -249,7 +252,15 @@ class Engine:
         start = time.perf_counter()
         try:
             self._expect(slots)
-            loss = self._run(chunks, targets, shares, slots)
+            if self.peak_memory is None:  # the first step: also the memory it needs (slower; a warm-up step)
+                found: list[Any] = []
+                self.peak_memory = peak_memory_of(
+                    lambda: found.append(self._run(chunks, targets, shares, slots)), self.module,
+                    tuple(tensors(self.optimizer.state_dict()["state"]) if self.optimizer is not None else ()),
+                    self.device, count_inputs=True)
+                loss = found[0]
+            else:
+                loss = self._run(chunks, targets, shares, slots)
         except _PeerFailed as failed:
             self._store.add(self._prefix + "acks", 1)
             self.close()

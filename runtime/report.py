@@ -27,6 +27,11 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   directions (activations one way, gradients the other); `send_ms` is timed in the sender
   thread; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
   `idle_ms` includes each train_step's fill and drain.
+- `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its first
+  `train_step` (the warm-up step: measuring slows it), as `planner.profiling.memory.peak_memory_of`
+  measures it: the CUDA allocator's peak, or on CPU the live tensor storages its operations create
+  and use (received messages from their first use) on top of the stage's weights; allocator
+  caching and fragmentation are not in it.
 - `events`: a step starts where the previous one ended on every rank, so when a rank began it
   while another still finished the previous step, its first ops start below 0.
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 import socket
 import statistics
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -79,6 +85,8 @@ class RankTrace:
     step_spans: tuple[tuple[float, float], ...]
     microbatches: int
     schedule: str
+    peak_memory_bytes: int | None = None  # during the engine's first train_step (None: not measured)
+    memory_method: str = ""
 
 
 # ---------------------------------------------------------------- on every rank (collective)
@@ -92,6 +100,8 @@ def rank_trace(engine: Any) -> RankTrace:
         clock_offset_s=clock_offset_s(), ops=tuple(engine.trace),
         step_spans=tuple((float(start), float(end)) for start, end in engine.step_spans),
         microbatches=int(engine.microbatches), schedule=str(engine.schedule.name),
+        **({} if getattr(engine, "peak_memory", None) is None else
+           {"peak_memory_bytes": int(engine.peak_memory[0]), "memory_method": str(engine.peak_memory[1])}),
     )
 
 
@@ -178,8 +188,11 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
     stage_ranks = [[trace.rank for trace in traces if trace.stage == index] for index in range(len(plan.stages))]
     boundaries = _boundary_transfer_ms(ops, stage_ranks, measured_steps)
     mean_step_s = statistics.fmean(step_s.values())
-    stages = [_stage_measurement(ops, ranks, measured_steps, step_s, mean_step_s, boundaries, index)
+    peaks = {trace.rank: trace.peak_memory_bytes for trace in traces}
+    stages = [dataclasses.replace(_stage_measurement(ops, ranks, measured_steps, step_s, mean_step_s, boundaries, index),
+                                  peak_memory_bytes=float(max((peaks[rank] or 0) for rank in ranks)))
               for index, ranks in enumerate(stage_ranks)]
+    methods = sorted({trace.memory_method for trace in traces if trace.peak_memory_bytes is not None})
     predicted = plan.predicted
     return RunReport(
         source="", plan_path=plan_path, profile_name=plan.profile.name, profile_digest=plan.profile.digest,
@@ -193,10 +206,11 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         ranks=tuple(RankPlacement(t.rank, t.stage, t.replica, t.hostname) for t in traces),
         measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
         predicted_samples_per_s=predicted.samples_per_s,
-        predicted=tuple(StagePrediction(s.compute_ms, s.comm_ms, s.allreduce_ms, s.step_ms) for s in plan.stages),
+        predicted=tuple(StagePrediction(s.compute_ms, s.comm_ms, s.allreduce_ms, s.step_ms, float(s.memory_bytes))
+                        for s in plan.stages),
         losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
         notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
-        meta=dict(meta or {}),
+        meta=dict(meta or {}), memory_method=", ".join(methods),
     )
 
 

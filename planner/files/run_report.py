@@ -14,11 +14,12 @@ Schema (what `RunReport.to_dict` writes; `runtime.report` says how each figure i
 - `meta`: as the caller gives it (backend, device, torch version, threads, hosts).
 - `measured`: `steps`, `warmup_steps`, `batch_size` (samples per train_step), `microbatches`,
   `microbatch_size` (samples), `step_times_ms`, `train_step_ms`, `iteration_ms`, `samples_per_s`,
-  `representative_step`, `ranks`: [{rank, stage, replica, hostname}], and `stages`: per stage the
-  fields of `StageMeasurement` (ms).
+  `representative_step`, `memory_method` (how peak memory was measured, "" if not), `ranks`:
+  [{rank, stage, replica, hostname}], and `stages`: per stage the fields of `StageMeasurement`
+  (ms; `peak_memory_bytes` in bytes).
 - `predicted`: the plan's `iteration_ms`, `samples_per_s`, and per stage `compute_ms`, `comm_ms`,
-  `allreduce_ms`.
-- `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms}]
+  `allreduce_ms`, `step_ms` and `peak_memory_bytes` (the stage's memory per device).
+- `ratios`: measured / predicted for `iteration_ms`, `samples_per_s` and `stages` [{compute_ms, peak_memory_bytes}]
   (None where the prediction is 0); derived from the two sections above, never read back.
 - `losses`: [[step, loss], ...].
 - `events`: the ops of the representative step, rows in `files.timeline.COLUMNS` order (rank,
@@ -93,6 +94,7 @@ class StageMeasurement:
     busy_ms: float
     idle_ms: float
     idle_fraction: float
+    peak_memory_bytes: float = 0.0  # the most any replica needed in its first step (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class StagePrediction:
     comm_ms: float
     allreduce_ms: float
     step_ms: float = 0.0
+    peak_memory_bytes: float = 0.0  # the plan's memory per device of the stage
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class RunReport:
     events: pd.DataFrame
     notes: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+    memory_method: str = ""  # how peak memory was measured (`profiling.memory`); "" when it was not
 
     @property
     def stage_layers(self) -> tuple[tuple[int, int], ...]:
@@ -177,7 +181,7 @@ class RunReport:
                 "microbatches": self.microbatches, "microbatch_size": self.microbatch_size,
                 "step_times_ms": list(self.step_times_ms), "train_step_ms": self.train_step_ms,
                 "iteration_ms": self.iteration_ms, "samples_per_s": self.samples_per_s,
-                "representative_step": self.representative_step,
+                "representative_step": self.representative_step, "memory_method": self.memory_method,
                 "ranks": [dataclasses.asdict(placement) for placement in self.ranks],
                 "stages": [dataclasses.asdict(stage) for stage in self.measured],
             },
@@ -188,7 +192,8 @@ class RunReport:
             "ratios": {
                 "iteration_ms": ratio(self.iteration_ms, self.predicted_iteration_ms),
                 "samples_per_s": ratio(self.samples_per_s, self.predicted_samples_per_s),
-                "stages": [{"compute_ms": ratio(found.compute_ms, expected.compute_ms)}
+                "stages": [{"compute_ms": ratio(found.compute_ms, expected.compute_ms),
+                            "peak_memory_bytes": ratio(found.peak_memory_bytes or None, expected.peak_memory_bytes)}
                            for found, expected in zip(self.measured, self.predicted)],
             },
             "losses": [[step, loss] for step, loss in self.losses],
@@ -232,6 +237,7 @@ def run_report_from_dict(body: dict[str, Any], source: str = "<dict>") -> RunRep
             losses=tuple((int(step), float(loss)) for step, loss in body["losses"]),
             events=_events_frame(body["events"]),
             notes=tuple(str(note) for note in body.get("notes", [])), meta=dict(body.get("meta") or {}),
+            memory_method=str(measured.get("memory_method", "")),
         )
     except KeyError as exc:
         raise FileFormatError(source, f"run report is missing the field {exc.args[0]!r}",
@@ -321,7 +327,9 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
     """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
     `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
     `stage i all-reduce (ms)` (per all-reduce), `stage i step (ms)` (the optimizer step; measured with the
-    tied parameters' all-reduce) and `stage i idle (share)`; columns `predicted`,
+    tied parameters' all-reduce), `stage i peak memory (MB)` (the plan's memory per device against
+    the most a replica needed in its first step; NaN when not measured) and `stage i idle (share)`;
+    columns `predicted`,
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
     predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when
     `simulated` is given, else NaN."""
@@ -337,6 +345,8 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
             (f"stage {index} comm (ms/microbatch)", expected.comm_ms, found.comm_ms),
             (f"stage {index} all-reduce (ms)", expected.allreduce_ms, found.allreduce_each_ms),
             (f"stage {index} step (ms)", expected.step_ms, found.step_ms),
+            (f"stage {index} peak memory (MB)", expected.peak_memory_bytes / 1e6,
+             found.peak_memory_bytes / 1e6 if found.peak_memory_bytes else math.nan),
             (f"stage {index} idle (share)", idle.get(index, math.nan), found.idle_fraction),
         ]
     table = pd.DataFrame([(p, m) for _, p, m in rows], index=[name for name, _, _ in rows],

@@ -27,8 +27,9 @@ class _LiveStorageMode(TorchDispatchMode):
         # torch._dynamo (about a second) to wrap __torch_dispatch__.
         return False
 
-    def __init__(self, resident: set[int], start_bytes: int) -> None:
+    def __init__(self, resident: set[int], start_bytes: int, count_inputs: bool = False) -> None:
         super().__init__()
+        self.count_inputs = count_inputs  # also count storages first seen as an operation's input
         self.resident = resident
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [nbytes, live tensor objects]
         self.deaths = DeathWatch()
@@ -36,6 +37,10 @@ class _LiveStorageMode(TorchDispatchMode):
         self.peak_bytes = start_bytes
 
     def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.count_inputs:  # e.g. tensors another thread received: they count from their first use
+            for tensor in tensors_in((args, kwargs)):
+                if tensor.untyped_storage().data_ptr() not in self.refs:
+                    self._track(tensor)
         result = func(*args, **(kwargs or {}))
         for tensor in tensors_in(result):
             self._track(tensor)
@@ -78,20 +83,29 @@ def measure_peak_memory(
 
     `inputs` are the tensors present before the step (the batch and its target).
     """
+    def step() -> None:
+        loss = run_step()
+        loss.backward()
+
+    return peak_memory_of(step, model, inputs, device)
+
+
+def peak_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
+                   device: torch.device, count_inputs: bool = False) -> tuple[int, str]:
+    """Peak bytes while `work()` runs in this thread, and the method (module docstring): on CUDA
+    the allocator's peak; on CPU the live storages its operations create (with `count_inputs`, also
+    those first seen as an operation's input, e.g. received from another thread) on top of the
+    model's parameters, buffers and gradients and the `present` tensors."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        loss = run_step()
-        loss.backward()
-        del loss
+        work()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
-    present = [*model.parameters(), *model.buffers(), *inputs]
-    present += [p.grad for p in model.parameters() if p.grad is not None]
-    resident = _storages(present)
-    mode = _LiveStorageMode(set(resident), sum(resident.values()))
+    existing = [*model.parameters(), *model.buffers(), *present]
+    existing += [p.grad for p in model.parameters() if p.grad is not None]
+    resident = _storages(existing)
+    mode = _LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
     with mode:
-        loss = run_step()
-        loss.backward()
-        del loss
+        work()
     return mode.peak_bytes, "live-tensors"

@@ -117,19 +117,21 @@ def test_every_stage_figure_of_the_hand_made_run(body: dict[str, Any]) -> None:
     expected_first = dict(forward_ms=2.0 * mean, backward_ms=3.0 * mean, compute_ms=5.0 * mean, comm_ms=0.5 * mean,
                           send_ms=1.0 * mean, recv_wait_ms=3.0 * mean, allreduce_ms=0.0, allreduce_each_ms=0.0,
                           step_ms=0.5 * mean, busy_ms=10.5 * mean, idle_ms=(14.2 - 10.5) * mean,
-                          idle_fraction=(14.2 - 10.5) * mean / step_ms)
+                          idle_fraction=(14.2 - 10.5) * mean / step_ms, peak_memory_bytes=0.0)
     expected_second = dict(forward_ms=1.0 * mean, backward_ms=1.0 * mean, compute_ms=2.0 * mean, comm_ms=0.5 * mean,
                            send_ms=1.0 * mean, recv_wait_ms=3.5 * mean, allreduce_ms=0.0, allreduce_each_ms=0.0,
                            step_ms=0.5 * mean, busy_ms=4.5 * mean, idle_ms=(14.2 - 4.5) * mean,
-                           idle_fraction=(14.2 - 4.5) * mean / step_ms)
+                           idle_fraction=(14.2 - 4.5) * mean / step_ms, peak_memory_bytes=0.0)
     assert first == pytest.approx(expected_first, abs=1e-6)
     assert second == pytest.approx(expected_second, abs=1e-6)
 
 
 def test_predictions_ratios_plan_and_losses(plan: Plan, body: dict[str, Any]) -> None:
     assert body["predicted"] == {"iteration_ms": 20.0, "samples_per_s": 400.0, "stages": [
-        {"compute_ms": 5.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0},
-        {"compute_ms": 3.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0}]}
+        {"compute_ms": 5.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0,
+         "peak_memory_bytes": float(plan.stages[0].memory_bytes)},
+        {"compute_ms": 3.0, "comm_ms": 0.5, "allreduce_ms": 0.0, "step_ms": 0.0,
+         "peak_memory_bytes": float(plan.stages[1].memory_bytes)}]}
     ratios = body["ratios"]
     assert ratios["iteration_ms"] == pytest.approx(21.3 / 20.0)
     assert ratios["samples_per_s"] == pytest.approx(BATCH / 0.0213 / 400.0)
@@ -187,6 +189,17 @@ def test_no_warmup_measures_every_step(plan: Plan) -> None:
     assert body["measured"]["step_times_ms"] == pytest.approx([42.6, 14.2, 28.4, 21.3], abs=1e-6)
     assert body["measured"]["iteration_ms"] == pytest.approx((28.4 + 21.3) / 2, abs=1e-6)  # median of an even count
     assert body["measured"]["representative_step"] == 3  # the shorter of the middle two
+
+
+def test_peak_memory_is_the_most_a_stage_rank_needed_against_the_plans(plan: Plan) -> None:
+    first, second = hand_made_traces()
+    traces = [dataclasses.replace(first, peak_memory_bytes=3_000_000, memory_method="live-tensors"), second]
+    body = report_body(plan, traces, batch_size=BATCH, losses=[])
+    assert [s["peak_memory_bytes"] for s in body["measured"]["stages"]] == [3e6, 0.0]  # 0: not measured
+    assert [s["peak_memory_bytes"] for s in body["predicted"]["stages"]] == [float(s.memory_bytes) for s in plan.stages]
+    assert body["ratios"]["stages"][0]["peak_memory_bytes"] == pytest.approx(3e6 / plan.stages[0].memory_bytes)
+    assert body["ratios"]["stages"][1]["peak_memory_bytes"] is None
+    assert body["measured"]["memory_method"] == "live-tensors"
 
 
 def test_notes_when_the_run_used_other_microbatches_than_the_plan(plan: Plan) -> None:
@@ -404,6 +417,12 @@ def check_engine_report(report: Any) -> None:
         mean_step_ms = statistics.fmean(report.step_times_ms)
         assert 0 < stage.busy_ms <= mean_step_ms and stage.busy_ms + stage.idle_ms == pytest.approx(mean_step_ms)
         assert 0 <= stage.idle_fraction < 1
+    # each rank's first step measured the memory it needed: at least its stage's weights and their gradients
+    assert report.memory_method == "live-tensors"
+    profile = load_profile(REPO / "profiles" / "mlp.json")
+    for found, (start, stop) in zip(report.measured, report.stage_layers):
+        weights = sum(layer.param_bytes for layer in profile.layers[start:stop])
+        assert found.peak_memory_bytes >= 2 * weights  # SGD without momentum keeps no state
     events = report.events
     counts = events.groupby(["rank", "op"]).size().to_dict()
     assert counts == {(0, "forward"): 2, (0, "backward"): 2, (0, "send_activation"): 2, (0, "step"): 1,

@@ -149,7 +149,7 @@ def test_comparison_table_finds_the_true_factors(report: RunReport, plan: Plan, 
         measured_idle = table.loc[f"stage {index} idle (share)", "measured"]
         assert measured_idle == pytest.approx(float(truth.bubble_fraction()[index]))
         assert 0 <= table.loc[f"stage {index} idle (share)", "predicted"] < 1
-    assert len(table) == 2 + 5 * len(plan.stages)
+    assert len(table) == 2 + 6 * len(plan.stages)
 
 
 def test_comparison_table_without_a_simulation_has_no_predicted_idle(report: RunReport) -> None:

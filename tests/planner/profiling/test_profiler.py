@@ -39,6 +39,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert profile.batch_size == 8 and profile.device == "cpu" and profile.threads == 1
     conditions = profile.settings["conditions"]
     assert conditions["threads"] == 1 and conditions["cores"] >= 1 and "malloc" in conditions
+    assert set(profile.optimizer_step_ms) == {"sgd", "adam"} and all(ms > 0 for ms in profile.optimizer_step_ms.values())
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"
