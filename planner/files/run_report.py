@@ -6,6 +6,9 @@ back (no torch): `load_run_report`, `comparison_table` (and `run_report_table` f
 and `measured_timeline` (the representative step as a `files.timeline.Timeline`, for the plots);
 `files.calibration` scales a profile by what a report measured.
 
+Why one module of ~400 lines: the type, its file and the comparison with a plan read the same
+fields; a field added to the report (e.g. peak memory) touches all three here, once.
+
 Schema (what `RunReport.to_dict` writes; `runtime.report` says how each figure is measured):
 
 - `plan`: `path` (as given, "" if not), `profile` {name, digest}, `cost_model`, `schedule`,
