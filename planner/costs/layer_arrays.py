@@ -11,13 +11,15 @@ from planner.files.profile import Profile
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
 
 
-def optimizer_step_s_per_byte(profile: Profile, optimizer: str) -> float:
-    """Seconds of one `optimizer` step per parameter byte: the profile's whole-model step time
-    (`Profile.optimizer_step_ms`) over its parameter bytes; 0 when the profile did not time it."""
-    step_ms = profile.optimizer_step_ms.get(optimizer)
-    if not step_ms or profile.total_param_bytes <= 0:
-        return 0.0
-    return step_ms / 1000.0 / profile.total_param_bytes
+def optimizer_per_byte(profile: Profile, optimizer: str) -> tuple[float, float]:
+    """(seconds, scratch bytes) of one `optimizer` step per parameter byte: the profile's
+    whole-model step time and scratch memory (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`)
+    over its parameter bytes; 0 for what the profile did not measure."""
+    if profile.total_param_bytes <= 0:
+        return 0.0, 0.0
+    step_ms = profile.optimizer_step_ms.get(optimizer, 0.0)
+    scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
+    return step_ms / 1000.0 / profile.total_param_bytes, scratch / profile.total_param_bytes
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ plus one microbatch's sigma saved_bytes rebuilt during its backward) and n micro
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
-    memory = W (2 + k) + n a + q sigma saved  (+ (n - 1) W stashed weight versions for pipedream)
+    memory = W (2 + k) + max(n a + q sigma saved, s W)  (+ (n - 1) W stashed weight versions for pipedream)
+    with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile)
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class CostInputs:
     optimizer_copies: int = 2
     memory_bytes: float | None = None
     step_s_per_byte: float = 0.0  # one optimizer step, seconds per parameter byte (0: not counted)
+    scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
 
     @property
     def class_size(self) -> int:
@@ -201,10 +203,12 @@ def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
                  saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat,
-                 recompute: ArrayOrBool) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
-    """(base, held, rebuilt, memory) bytes per device: base = W (2 + k), held = a per microbatch in flight
-    (the bytes entering the stage when recomputing), rebuilt = a while a recomputing backward runs,
-    memory = base + n held + rebuilt with n = `in_flight`; pipedream keeps n weight versions (base - W,
+                 recompute: ArrayOrBool) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
+    """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k), held = a per
+    microbatch in flight (the bytes entering the stage when recomputing), rebuilt = a while a
+    recomputing backward runs, scratch = s W while the optimizer steps (s: the profile's scratch
+    bytes per parameter byte), memory = base + max(n held + rebuilt, scratch) with n = `in_flight`
+    (the step runs when the activations are gone); pipedream keeps n weight versions (base - W,
     held + W). `saved_bytes` and `entering_bytes` are already scaled by sigma."""
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here)
     base = weight_bytes * (2 + inputs.optimizer_copies)
@@ -212,7 +216,8 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
     rebuilt = np.where(recompute, saved_bytes, 0.0)
-    return base, held, rebuilt, base + flights * held + rebuilt
+    scratch = inputs.scratch_per_byte * weight_bytes
+    return base, held, rebuilt, scratch, base + np.maximum(flights * held + rebuilt, scratch)
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,7 @@ class StageCost:
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
     step_s: float = 0.0  # opt: one optimizer step over the stage's weights
+    scratch_bytes: float = 0.0  # held by the optimizer step beyond weights, gradients and state
 
 
 def stage_cost(
@@ -254,9 +260,10 @@ def stage_cost(
                                                            comm_in, comm_out, allreduce, step))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
-    base, held, rebuilt, memory = (float(value) for value in memory_terms(inputs, replicas, devices_from_here, weights,
-                                                                         saved, entering, recompute))
-    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step)
+    base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
+        inputs, replicas, devices_from_here, weights, saved, entering, recompute))
+    return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
+                     scratch)
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:

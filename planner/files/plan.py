@@ -70,8 +70,9 @@ def profile_digest(profile: Profile) -> str:
     or copying the same measurements keeps the digest)."""
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
-    if body.get("optimizer_step_ms"):  # (profiles from before it was measured keep their digest)
-        content["optimizer_step_ms"] = body["optimizer_step_ms"]
+    for key in ("optimizer_step_ms", "optimizer_scratch_bytes"):
+        if body.get(key):  # (profiles from before they were measured keep their digest)
+            content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

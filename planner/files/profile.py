@@ -73,7 +73,8 @@ class Profile:
     "pipedream-estimate" and "unknown" for imported profiles).
     `batch_size` is None when unknown (imported profiles without one).
     `optimizer_step_ms`: one optimizer step over all the model's parameters, per optimizer name
-    ("sgd": momentum 0.9, "adam"), ms; empty in older and imported profiles.
+    ("sgd": momentum 0.9, "adam"), ms; `optimizer_scratch_bytes`: the temporary bytes such a step
+    holds beyond weights, gradients and state. Both empty in older and imported profiles.
     """
 
     model_name: str
@@ -93,6 +94,7 @@ class Profile:
     shared_params: tuple[SharedParam, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
     optimizer_step_ms: dict[str, float] = field(default_factory=dict)
+    optimizer_scratch_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -161,6 +163,8 @@ class Profile:
                 peak_memory_method=str(body["peak_memory_method"]), input_bytes=int(body["input_bytes"]),
                 shared_params=shared, settings=dict(body.get("settings", {})),
                 optimizer_step_ms={str(name): float(ms) for name, ms in body.get("optimizer_step_ms", {}).items()},
+                optimizer_scratch_bytes={str(name): int(nbytes)
+                                         for name, nbytes in body.get("optimizer_scratch_bytes", {}).items()},
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from planner.files.fileformat import write_atomically
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,6 +37,7 @@ class StageTimes:
     held_bytes: float = 0.0
     rebuilt_bytes: float = 0.0
     step_s: float = 0.0  # one optimizer step (after each all-reduce; pipedream: after every microbatch)
+    scratch_bytes: float = 0.0  # held during each optimizer step
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,19 @@ class Timeline:
 
     def memory(self) -> pd.DataFrame:
         """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
-        value holds from time_s until the rank's next row)."""
+        value holds from time_s until the rank's next row): base bytes, held bytes from each
+        forward to the end of its backward, rebuilt bytes during a backward, scratch bytes during
+        each optimizer step."""
         rows = []
-        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD))]
+        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, STEP))]
         for (rank, stage), ops in compute.groupby(["rank", "stage"]):
             times = self.stage_times[int(stage)]
             changes = [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
             for start, end in ops.loc[ops["op"] == BACKWARD, ["start_s", "end_s"]].itertuples(index=False):
                 changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - times.held_bytes)]
+            for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
+                if times.scratch_bytes > 0 and end > start:
+                    changes += [(float(start), times.scratch_bytes), (float(end), -times.scratch_bytes)]
             changes.sort(key=lambda change: (change[0], change[1]))  # frees before allocations at one instant
             level = times.base_bytes
             rows.append((int(rank), int(stage), 0.0, level))

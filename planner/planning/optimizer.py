@@ -97,7 +97,7 @@ class _Evaluator:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
-                            p.entering[pair], recompute)[3]
+                            p.entering[pair], recompute)[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -191,7 +191,8 @@ class _Evaluator:
         return ok
 
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
-        """Lower bound on replicas from memory: n(r) microbatches in flight must fit (see schedule_cost)."""
+        """Lower bound on replicas from memory: n(r) microbatches in flight must fit, and so must the
+        optimizer step's scratch (see schedule_cost); inf where nothing fits."""
         inputs, p = self.inputs, self.pairs
         if inputs.memory_bytes is None:
             return np.zeros(len(pair))
@@ -204,6 +205,8 @@ class _Evaluator:
             flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
         flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
         # limit must not be lost to rounding; every candidate is checked exactly afterwards)
+        stepping = base - np.where(recompute, saved, 0.0) + inputs.scratch_per_byte * weights  # the optimizer step's
+        flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)  # peak does not depend on replicas
         m = float(inputs.microbatches)
         d = downstream.astype(float)
         with np.errstate(divide="ignore", invalid="ignore"):

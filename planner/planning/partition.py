@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_step_s_per_byte
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_per_byte
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
 )
@@ -66,7 +66,7 @@ def partition(
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
-        optimizer_step_s_per_byte(profile, optimizer),
+        *optimizer_per_byte(profile, optimizer),
     )
     chosen = _choose(base, AUTO_SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
     return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)

@@ -96,16 +96,32 @@ def peak_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tup
     the allocator's peak; on CPU the live storages its operations create (with `count_inputs`, also
     those first seen as an operation's input, e.g. received from another thread) on top of the
     model's parameters, buffers and gradients and the `present` tensors."""
+    _, peak, method = _memory_during(work, model, present, device, count_inputs)
+    return peak, method
+
+
+def extra_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
+                    device: torch.device) -> int:
+    """The most bytes `work()` holds beyond what existed when it started (`peak_memory_of`'s peak
+    less its starting level): e.g. an optimizer step's scratch tensors."""
+    start, peak, _ = _memory_during(work, model, present, device, False)
+    return max(peak - start, 0)
+
+
+def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
+                   device: torch.device, count_inputs: bool) -> tuple[int, int, str]:
+    """(bytes at the start, peak bytes, method) of `work()`, as `peak_memory_of` measures them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        start = int(torch.cuda.memory_allocated(device))
         work()
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
+        return start, int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
     existing = [*model.parameters(), *model.buffers(), *present]
     existing += [p.grad for p in model.parameters() if p.grad is not None]
     resident = _storages(existing)
     mode = _LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
     with mode:
         work()
-    return mode.peak_bytes, "live-tensors"
+    return sum(resident.values()), mode.peak_bytes, "live-tensors"

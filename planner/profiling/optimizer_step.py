@@ -1,4 +1,4 @@
-"""The optimizers training runs (`make_optimizer`) and the time of one step of each over a model's parameters."""
+"""The optimizers training runs (`make_optimizer`), and the time and scratch memory of one step of each over a model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from planner.profiling.memory import extra_memory_of
 from planner.profiling.timing import Clock
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "time_optimizer_steps"]
@@ -24,15 +25,21 @@ def make_optimizer(name: str, parameters: Iterable[Any], lr: float) -> torch.opt
     raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
-def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int) -> dict[str, float]:
+def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int,
+                         device: torch.device) -> tuple[dict[str, float], dict[str, int]]:
     """Per optimizer of OPTIMIZERS: the median ms of one `step()` over every parameter of `model`
-    (after one warm-up step that creates its state), with the gradients `backward` leaves. The
-    steps change the weights (by a learning rate of 1e-9): time them last."""
+    (after one warm-up step that creates its state), with the gradients `backward` leaves, and the
+    scratch bytes one step holds beyond the weights, gradients and state (`memory.extra_memory_of`;
+    e.g. Adam's per-tensor intermediates). The steps change the weights (by a learning rate of
+    1e-9): time them last."""
     backward()
-    found = {}
+    found, scratch = {}, {}
     for name in OPTIMIZERS:
         optimizer = make_optimizer(name, model.parameters(), lr=1e-9)
         optimizer.step()
+        state = tuple(tensor for values in optimizer.state.values() for tensor in values.values()
+                      if isinstance(tensor, torch.Tensor))
+        scratch[name] = extra_memory_of(optimizer.step, model, state, device)
         times = []
         for _ in range(max(iters, 1)):
             start = clock.mark()
@@ -42,4 +49,4 @@ def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: 
             times.append(clock.elapsed_ms(start, end))
         found[name] = statistics.median(times)
         del optimizer
-    return found
+    return found, scratch

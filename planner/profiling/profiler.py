@@ -186,8 +186,8 @@ def _measure(
         layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
         progress=lambda done, total: report("timing", done, total),
     ))
-    optimizer_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
-        model, lambda: step.loss().backward(), clock_for(device), settings.iters))
+    optimizer_ms, optimizer_scratch = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
+        model, lambda: step.loss().backward(), clock_for(device), settings.iters, device))
     step.zero_grad()
     threads = torch.get_num_threads()
     param_bytes, shared = _attribute_params(model, layers, dataflow)
@@ -212,7 +212,7 @@ def _measure(
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
             "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },
-        optimizer_step_ms=optimizer_ms,
+        optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch,
     )
 
 

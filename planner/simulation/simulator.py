@@ -134,7 +134,7 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
-            step_s=cost.step_s,
+            step_s=cost.step_s, scratch_bytes=cost.scratch_bytes,
         ))
     return tuple(result[::-1])
 

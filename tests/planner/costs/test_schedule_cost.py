@@ -402,3 +402,14 @@ def test_each_stage_steps_its_own_weights_and_a_copy_of_a_shared_one() -> None:
     first, second = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
     assert first.step_s == pytest.approx(3e9 * 1e-11, rel=REL)
     assert second.step_s == pytest.approx((2e9 + 2e9) * 1e-11, rel=REL)  # its layers and the tied copy
+
+
+def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations() -> None:
+    # W = 1e9 (Adam: base 4e9); activations 5e8 per microbatch, gpipe n = 2 on one device
+    arrays = layers([0.1], params=[1e9], saved=[5e8])
+    small = CostInputs(arrays, flat(1), "gpipe", 2, scratch_per_byte=0.5)
+    large = CostInputs(arrays, flat(1), "gpipe", 2, scratch_per_byte=1.5)
+    assert stage_costs(small, [(0, 1, 1, False)])[0].memory_bytes == pytest.approx(4e9 + 2 * 5e8, rel=REL)
+    cost = stage_costs(large, [(0, 1, 1, False)])[0]
+    assert cost.scratch_bytes == pytest.approx(1.5e9, rel=REL)
+    assert cost.memory_bytes == pytest.approx(4e9 + 1.5e9, rel=REL)  # the step's scratch, not 2 microbatches

@@ -40,6 +40,8 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     conditions = profile.settings["conditions"]
     assert conditions["threads"] == 1 and conditions["cores"] >= 1 and "malloc" in conditions
     assert set(profile.optimizer_step_ms) == {"sgd", "adam"} and all(ms > 0 for ms in profile.optimizer_step_ms.values())
+    assert set(profile.optimizer_scratch_bytes) == {"sgd", "adam"}
+    assert profile.optimizer_scratch_bytes["adam"] > 0  # Adam's step computes per-tensor intermediates
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"

@@ -98,6 +98,11 @@ def test_the_optimizer_step_follows_the_allreduce_and_ends_the_iteration() -> No
     assert list(steps["end_s"] - steps["start_s"]) == [pytest.approx(0.25)] * 2
     assert steps["start_s"].min() == pytest.approx(reduces["end_s"].max())
     assert timeline.iteration_s() == pytest.approx(F + B + 0.5 + 0.25)  # each replica: one microbatch
+    with_scratch = simulate_schedule(build_schedule("gpipe", [1], 2), [StageTimes(F, B, 0.0, 0.0, 100.0, 10.0,
+                                                                                   step_s=0.25, scratch_bytes=30.0)])
+    memory = with_scratch.memory()
+    assert memory["bytes"].max() == pytest.approx(130.0)  # during the step: base + scratch, above base + 2 held
+    assert memory["bytes"].iloc[-1] == pytest.approx(100.0)
 
 
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
