@@ -74,9 +74,9 @@ class Timeline:
         return float((done[high - 1] - done[low - 1]) / (high - low))
 
     def bubble_fraction(self) -> pd.Series:
-        """Per rank: the share of the makespan it spends not computing (nor, in flush schedules,
-        all-reducing; pipedream's all-reduces overlap compute)."""
-        working = (FORWARD, BACKWARD) if self.schedule == "pipedream" else (FORWARD, BACKWARD, ALLREDUCE)
+        """Per rank: the share of the makespan it spends not computing nor stepping the optimizer
+        (nor, in flush schedules, all-reducing; pipedream's all-reduces overlap compute)."""
+        working = (FORWARD, BACKWARD, STEP) if self.schedule == "pipedream" else (FORWARD, BACKWARD, ALLREDUCE, STEP)
         busy = self.events[self.events["op"].isin(working)]
         per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
         ranks = sorted(self.events["rank"].unique())

@@ -80,8 +80,8 @@ def hand_made_plan() -> Plan:
     plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2, None, ["1GB/s"]), straight=True,
                      schedule="gpipe", microbatches=2, microbatch_size=4)
     first, second = plan.stages
-    stages = (dataclasses.replace(first, ranks=(0,), compute_ms=5.0, comm_ms=0.5, allreduce_ms=0.0),
-              dataclasses.replace(second, ranks=(1,), compute_ms=3.0, comm_ms=0.5, allreduce_ms=0.0))
+    stages = (dataclasses.replace(first, ranks=(0,), compute_ms=5.0, comm_ms=0.5, allreduce_ms=0.0, step_ms=0.0),
+              dataclasses.replace(second, ranks=(1,), compute_ms=3.0, comm_ms=0.5, allreduce_ms=0.0, step_ms=0.0))
     predicted = dataclasses.replace(plan.predicted, iteration_ms=20.0, samples_per_s=400.0)
     return dataclasses.replace(plan, stages=stages, predicted=predicted)
 
