@@ -206,8 +206,8 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         ranks=tuple(RankPlacement(t.rank, t.stage, t.replica, t.hostname) for t in traces),
         measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
         predicted_samples_per_s=predicted.samples_per_s,
-        predicted=tuple(StagePrediction(s.compute_ms, s.comm_ms, s.allreduce_ms, s.step_ms, float(s.memory_bytes))
-                        for s in plan.stages),
+        predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms, s.allreduce_ms, s.step_ms,
+                                        float(s.memory_bytes)) for i, s in enumerate(plan.stages)),
         losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
         notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
         meta=dict(meta or {}), memory_method=", ".join(methods),

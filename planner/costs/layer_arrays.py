@@ -11,15 +11,17 @@ from planner.files.profile import Profile
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
 
 
-def optimizer_per_byte(profile: Profile, optimizer: str) -> tuple[float, float]:
-    """(seconds, scratch bytes) of one `optimizer` step per parameter byte: the profile's
-    whole-model step time and scratch memory (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`)
-    over its parameter bytes; 0 for what the profile did not measure."""
+def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float]:
+    """(step seconds, step scratch bytes, accumulation seconds) per parameter byte: one `optimizer`
+    step's time and scratch memory and one gradient accumulation's time over the whole model
+    (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`, `grad_accumulation_ms`), divided by
+    its parameter bytes; 0 for what the profile did not measure."""
     if profile.total_param_bytes <= 0:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     step_ms = profile.optimizer_step_ms.get(optimizer, 0.0)
     scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
-    return step_ms / 1000.0 / profile.total_param_bytes, scratch / profile.total_param_bytes
+    total = profile.total_param_bytes
+    return step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,18 @@ level holding both ranks (`link_bandwidth`, `link_latency`).
 Transfers run on their own channel (one per direction), overlapped with compute.
 
 - Flush schedules (`gpipe`, `1f1b`), m microbatches, one all-reduce per iteration:
-      Q(s) = (ceil(m / r) - 1) max(t, c_in, c_out) + ar(s)
+      Q(s) = (ceil(m / r) - 1) max(t + acc, c_in, c_out) + ar(s) + opt(s)
       iteration = sum_s t(s) + max_s Q(s)
+  with opt = W x the optimizer step's time per weight byte and acc = W x the time per byte of
+  adding a microbatch's gradients into the accumulated ones (both measured by the profiler; every
+  backward after a replica's first accumulates).
   The sum is one microbatch's trip through every stage and back (fill and drain with unequal
   stages: sum_s t = sigma T_total + recomputed forwards); the busiest replica then handles its
   ceil(m / r) - 1 other microbatches and the all-reduce. For equal stages and no communication
   this is GPipe's and 1F1B's (m + S - 1)(f + b); for one stage on r replicas it is data
   parallelism's ceil(m / r) t + ar. Transfers during fill and drain (latency included) are not counted.
 - `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
-      Q(s) = max(t + ar, c_in, c_out) / r,    time per microbatch = max_s Q(s)
+      Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
 Memory per device of a stage with weights W, k optimizer state copies (Adam 2, SGD 1),
 activations a = sigma saved_bytes per microbatch (q = 1: a = sigma bytes entering the stage,
@@ -100,6 +103,7 @@ class CostInputs:
     memory_bytes: float | None = None
     step_s_per_byte: float = 0.0  # one optimizer step, seconds per parameter byte (0: not counted)
     scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
+    accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
 
     @property
     def class_size(self) -> int:
@@ -182,17 +186,26 @@ def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps:
 
 def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s: ArrayOrFloat,
                comm_in_s: ArrayOrFloat, comm_out_s: ArrayOrFloat, allreduce: ArrayOrFloat,
-               step: ArrayOrFloat = 0.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
-    """(period, Q) in seconds, with `step` the optimizer step (`step_terms`). Flush schedules:
-    period = max(t, c_in, c_out) / r and Q = (ceil(m / r) - 1) max(t, c_in, c_out) + ar + step;
-    pipedream: period = Q = max(t + ar + step, c_in, c_out) / r."""
+               step: ArrayOrFloat = 0.0, accumulate: ArrayOrFloat = 0.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+    """(period, Q) in seconds, with `step` the optimizer step (`step_terms`) and `accumulate` adding
+    one microbatch's gradients into the stage's (`accumulate_terms`). Flush schedules: period =
+    max(t + acc, c_in, c_out) / r and Q = (ceil(m / r) - 1) max(t + acc, c_in, c_out) + ar + step
+    (a replica's microbatches after its first also accumulate); pipedream (a step per microbatch,
+    nothing to accumulate): period = Q = max(t + ar + step, c_in, c_out) / r."""
     r = np.asarray(replicas, dtype=float)
     if schedule == "pipedream":
         period = np.maximum(np.maximum(compute_s + allreduce + step, comm_in_s), comm_out_s) / r
         return period, period
-    busy = np.maximum(np.maximum(compute_s, comm_in_s), comm_out_s)
+    busy = np.maximum(np.maximum(compute_s + accumulate, comm_in_s), comm_out_s)
     turns = -(-microbatches // np.asarray(replicas)) - 1
     return busy / r, turns * busy + allreduce + step
+
+
+def accumulate_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """acc = W x the profile's gradient accumulation time per byte: what a backward after a
+    replica's first in an iteration adds to t, seconds (flush schedules; 0 for pipedream)."""
+    rate = 0.0 if inputs.schedule == "pipedream" else inputs.accumulate_s_per_byte
+    return rate * weight_bytes
 
 
 def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
@@ -237,6 +250,7 @@ class StageCost:
     rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
     step_s: float = 0.0  # opt: one optimizer step over the stage's weights
     scratch_bytes: float = 0.0  # held by the optimizer step beyond weights, gradients and state
+    accumulate_s: float = 0.0  # acc: added to each backward after a replica's first in an iteration
 
 
 def stage_cost(
@@ -255,15 +269,15 @@ def stage_cost(
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
     allreduce = float(allreduce_s(weights, replicas, *link_terms(cluster, first_rank, last_rank)))
-    step = float(step_terms(inputs, weights))
+    step, accumulate = float(step_terms(inputs, weights)), float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
-                                                           comm_in, comm_out, allreduce, step))
+                                                           comm_in, comm_out, allreduce, step, accumulate))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
-                     scratch)
+                     scratch, accumulate)
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:

@@ -18,7 +18,8 @@ __all__ = ["calibrate_profile", "calibration_ratios", "calibration_table"]
 
 
 def calibration_ratios(plan: Plan, report: RunReport, plan_path: str = "<plan>") -> tuple[float, ...]:
-    """Per stage: measured compute_ms / the plan's compute_ms (1.0 where the plan predicts 0), after
+    """Per stage: measured compute_ms, less the gradient accumulation the plan predicts in it
+    (`Plan.mean_compute_ms`), over the plan's compute_ms (1.0 where the plan predicts 0), after
     checking that the report measured this plan (`check_report_plan`) at its microbatch size."""
     check_report_plan(report, plan, plan_path)
     if plan.microbatch_size is not None and abs(report.microbatch_size - plan.microbatch_size) > 1e-9:
@@ -33,7 +34,8 @@ def calibration_ratios(plan: Plan, report: RunReport, plan_path: str = "<plan>")
         if not found.compute_ms > 0 or not math.isfinite(found.compute_ms):
             raise RunReportError(f"{report.source}: stage {index} measured {found.compute_ms} ms of compute per "
                                  "microbatch; cannot calibrate from a stage that was not timed")
-        ratios.append(found.compute_ms / stage.compute_ms)
+        accumulated = plan.mean_compute_ms(index) - stage.compute_ms  # gradient accumulation: not layer time
+        ratios.append(max(found.compute_ms - accumulated, 0.0) / stage.compute_ms)
     return tuple(ratios)
 
 

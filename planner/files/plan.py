@@ -39,7 +39,7 @@ from planner.files.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
 from planner.files.fileformat import read_versioned_json, write_versioned_json
 from planner.files.profile import Profile
-from planner.schedules.schedule import SCHEDULES
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 
 COST_MODELS = ("planner", "pipedream")  # `costs.schedule_cost`, `costs.pipedream_cost`
 
@@ -70,7 +70,7 @@ def profile_digest(profile: Profile) -> str:
     or copying the same measurements keeps the digest)."""
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
-    for key in ("optimizer_step_ms", "optimizer_scratch_bytes"):
+    for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms"):
         if body.get(key):  # (profiles from before they were measured keep their digest)
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
@@ -134,6 +134,7 @@ class StagePlan(StageLayout):
     period_ms: float
     memory_bytes: int
     step_ms: float = 0.0  # one optimizer step over the stage's weights (0 where the profile did not time it)
+    accumulate_ms: float = 0.0  # added to each backward after a replica's first of an iteration (flush schedules)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,16 @@ class Plan:
         found = resolve_profile(self, profile)
         return plan_figure(self, found, simulate(self, found))
 
+    def mean_compute_ms(self, index: int) -> float:
+        """What a run of this plan measures as stage `index`'s compute per microbatch, on average:
+        compute_ms + accumulate_ms x (m - min(r, m)) / m (flush schedules: every microbatch but each
+        replica's first accumulates gradients; pipedream: compute_ms)."""
+        stage = self.stages[index]
+        if self.microbatches is None or self.schedule not in FLUSH_SCHEDULES:
+            return stage.compute_ms
+        m = self.microbatches
+        return stage.compute_ms + stage.accumulate_ms * (m - min(stage.replicas, m)) / m
+
     def with_notes(self, *notes: str) -> "Plan":
         """This plan with `notes` added after its own."""
         return dataclasses.replace(self, notes=self.notes + tuple(notes))
@@ -222,6 +233,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
                 **layout_fields(s), compute_ms=float(s["compute_ms"]), comm_ms=float(s["comm_ms"]),
                 allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
                 memory_bytes=int(s["memory_bytes"]), step_ms=float(s.get("step_ms", 0.0)),
+                accumulate_ms=float(s.get("accumulate_ms", 0.0)),
             )
             for s in body["stages"]
         )

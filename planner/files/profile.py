@@ -74,7 +74,9 @@ class Profile:
     `batch_size` is None when unknown (imported profiles without one).
     `optimizer_step_ms`: one optimizer step over all the model's parameters, per optimizer name
     ("sgd": momentum 0.9, "adam"), ms; `optimizer_scratch_bytes`: the temporary bytes such a step
-    holds beyond weights, gradients and state. Both empty in older and imported profiles.
+    holds beyond weights, gradients and state. `grad_accumulation_ms`: adding one more batch's
+    gradients into every `.grad` (each backward after a stage's first in a step does). Empty or 0
+    in older and imported profiles.
     """
 
     model_name: str
@@ -95,6 +97,7 @@ class Profile:
     settings: dict[str, Any] = field(default_factory=dict)
     optimizer_step_ms: dict[str, float] = field(default_factory=dict)
     optimizer_scratch_bytes: dict[str, int] = field(default_factory=dict)
+    grad_accumulation_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -165,6 +168,7 @@ class Profile:
                 optimizer_step_ms={str(name): float(ms) for name, ms in body.get("optimizer_step_ms", {}).items()},
                 optimizer_scratch_bytes={str(name): int(nbytes)
                                          for name, nbytes in body.get("optimizer_scratch_bytes", {}).items()},
+                grad_accumulation_ms=float(body.get("grad_accumulation_ms", 0.0)),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

@@ -38,6 +38,7 @@ class StageTimes:
     rebuilt_bytes: float = 0.0
     step_s: float = 0.0  # one optimizer step (after each all-reduce; pipedream: after every microbatch)
     scratch_bytes: float = 0.0  # held during each optimizer step
+    accumulate_s: float = 0.0  # added to each backward after a rank's first of an iteration (flush schedules)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_per_byte
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
 )
@@ -66,7 +66,7 @@ def partition(
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
-        *optimizer_per_byte(profile, optimizer),
+        *per_weight_byte(profile, optimizer),
     )
     chosen = _choose(base, AUTO_SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
     return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
@@ -163,6 +163,7 @@ def _planner_plan(
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
             memory_bytes=int(cost.memory_bytes), step_ms=cost.step_s * 1000.0,
+            accumulate_ms=cost.accumulate_s * 1000.0,
         )
         for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
     )

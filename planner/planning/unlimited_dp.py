@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs.schedule_cost import (
-    CostInputs, Stage, allreduce_s, link_terms, step_terms, time_terms, transfer_s,
+    CostInputs, Stage, accumulate_terms, allreduce_s, link_terms, step_terms, time_terms, transfer_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
@@ -181,7 +181,8 @@ class GroupCombos:
         allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column],
                                 self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
-                          comm_out, allreduce, step_terms(self.inputs, p.weights[pair]))[1]
+                          comm_out, allreduce, step_terms(self.inputs, p.weights[pair]),
+                          accumulate_terms(self.inputs, p.weights[pair]))[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""

@@ -11,7 +11,7 @@ from torch import nn
 from planner.profiling.memory import extra_memory_of
 from planner.profiling.timing import Clock
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "time_optimizer_steps"]
+__all__ = ["OPTIMIZERS", "make_optimizer", "time_grad_accumulation", "time_optimizer_steps"]
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -23,6 +23,23 @@ def make_optimizer(name: str, parameters: Iterable[Any], lr: float) -> torch.opt
     if name == "adam":
         return torch.optim.Adam(parameters, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def time_grad_accumulation(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int) -> float:
+    """The median ms of adding one more microbatch's gradients into every parameter's `.grad`
+    (what each backward after a stage's first in a step does), measured as in-place adds of the
+    gradients `backward` leaves."""
+    backward()
+    pairs = [(p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+    times = []
+    for _ in range(max(iters, 1) + 1):
+        start = clock.mark()
+        for grad, more in pairs:
+            grad.add_(more)
+        end = clock.mark()
+        clock.synchronize()
+        times.append(clock.elapsed_ms(start, end))
+    return statistics.median(times[1:])
 
 
 def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from planner.profiling.conditions import current_conditions, default_cpu_threads
-from planner.profiling.optimizer_step import time_optimizer_steps
+from planner.profiling.optimizer_step import time_grad_accumulation, time_optimizer_steps
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
@@ -186,6 +186,9 @@ def _measure(
         layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
         progress=lambda done, total: report("timing", done, total),
     ))
+    accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
+        model, lambda: step.loss().backward(), clock_for(device), settings.iters))
+    step.zero_grad()
     optimizer_ms, optimizer_scratch = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters, device))
     step.zero_grad()
@@ -212,7 +215,7 @@ def _measure(
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
             "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },
-        optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch,
+        optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
     )
 
 

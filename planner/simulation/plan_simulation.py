@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_per_byte
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
 from planner.costs.schedule_cost import CostInputs
 from planner.errors import PlannerError
 from planner.files.plan import Plan
@@ -23,7 +23,7 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
         LayerArrays.from_profile(profile), plan.cluster, plan.schedule, plan.microbatches or 1,
         (plan.microbatch_size or profiled) / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
-        *optimizer_per_byte(profile, optimizer or plan.optimizer),
+        *per_weight_byte(profile, optimizer or plan.optimizer),
     )
 
 

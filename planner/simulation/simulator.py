@@ -59,6 +59,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, n-th all-reduce) -> rank -> ready time
     reductions = dict.fromkeys(programs, 0)
     reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
+    backwards: dict[tuple[int, int], int] = {}  # (rank, iteration) -> backwards run
     rows: list[tuple] = []
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
@@ -76,6 +77,10 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                 base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
                 if action.op in (FORWARD, BACKWARD):
                     duration = times.forward_s if action.op == FORWARD else times.backward_s
+                    if action.op == BACKWARD and schedule.name != "pipedream":  # after this rank's first backward
+                        done = backwards.get((rank, action.iteration), 0)  # of the iteration, it accumulates
+                        backwards[(rank, action.iteration)] = done + 1
+                        duration += times.accumulate_s if done else 0.0
                     if action.op == FORWARD and len(reduce_ends[rank]) >= 2:  # at most one update pending
                         free_at[rank] = max(free_at[rank], reduce_ends[rank][-2])
                     rows.append(base + (free_at[rank], free_at[rank] + duration))
@@ -134,7 +139,7 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
-            step_s=cost.step_s, scratch_bytes=cost.scratch_bytes,
+            step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
         ))
     return tuple(result[::-1])
 

@@ -413,3 +413,17 @@ def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations
     cost = stage_costs(large, [(0, 1, 1, False)])[0]
     assert cost.scratch_bytes == pytest.approx(1.5e9, rel=REL)
     assert cost.memory_bytes == pytest.approx(4e9 + 1.5e9, rel=REL)  # the step's scratch, not 2 microbatches
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_microbatches_after_a_replicas_first_accumulate_gradients(schedule: str) -> None:
+    # W = 1e9 at 1e-11 s per byte: 10 ms per accumulation; compute 0.3 s; 4 microbatches on 2 replicas
+    arrays = layers([0.3], fwd=[0.1], params=[1e9])
+    inputs = CostInputs(arrays, flat(2), schedule, 4, accumulate_s_per_byte=1e-11)
+    cost = stage_costs(inputs, [(0, 1, 2, False)])[0]
+    if schedule == "pipedream":  # a step per microbatch: nothing accumulates
+        assert cost.accumulate_s == 0.0 and cost.bound_s == pytest.approx((0.3 + 0.1) / 2, rel=REL)  # (t + ar) / r
+    else:  # each replica: 2 microbatches, the second accumulates; then the all-reduce of 1e9 bytes at 10 GB/s
+        assert cost.accumulate_s == pytest.approx(0.01, rel=REL)
+        allreduce = 2 * (2 - 1) * 1e9 / (2 * 1e10)
+        assert objective_s(inputs, [(0, 1, 2, False)]) == pytest.approx(0.3 + (0.3 + 0.01) + allreduce, rel=REL)

@@ -42,6 +42,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert set(profile.optimizer_step_ms) == {"sgd", "adam"} and all(ms > 0 for ms in profile.optimizer_step_ms.values())
     assert set(profile.optimizer_scratch_bytes) == {"sgd", "adam"}
     assert profile.optimizer_scratch_bytes["adam"] > 0  # Adam's step computes per-tensor intermediates
+    assert profile.grad_accumulation_ms > 0
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"

@@ -105,6 +105,13 @@ def test_the_optimizer_step_follows_the_allreduce_and_ends_the_iteration() -> No
     assert memory["bytes"].iloc[-1] == pytest.approx(100.0)
 
 
+def test_backwards_after_a_ranks_first_accumulate_gradients() -> None:
+    timeline = simulate_schedule(build_schedule("gpipe", [1], 3), [StageTimes(F, B, 0.0, 0.0, accumulate_s=0.125)])
+    backwards = timeline.events[timeline.events["op"] == BACKWARD].sort_values("start_s")
+    assert list(backwards["end_s"] - backwards["start_s"]) == pytest.approx([B, B + 0.125, B + 0.125])
+    assert timeline.iteration_s() == pytest.approx(3 * (F + B) + 2 * 0.125)
+
+
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
     """Asynchronous 1F1B settles at the slowest stage's f + b per microbatch; two replicas of that
     stage take turns and halve it: stage 1 needs 2 (F + B) = 6 s per microbatch per replica, so 3 s."""
