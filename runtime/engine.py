@@ -60,6 +60,7 @@ from planner.schedules.schedule import (
     RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
     check_channel_order,
 )
+from runtime.export_split import ShapeGuard
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
 from runtime.interpreter import run_program
 from runtime.liveness import Heartbeat, RankMissing
@@ -67,7 +68,7 @@ from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
-from runtime.stages import Stages, build_stages
+from runtime.stages import StageSplitError, Stages, build_stages
 from runtime.trace import OpTime
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
@@ -164,6 +165,7 @@ class Engine:
             raise EngineError(f"tied parameter {shared[0].names[0]} is used by stages {list(shared[0].stages)}: "
                               "pipedream steps each stage on its own, so the copies would drift apart; "
                               "split so that tied layers share a stage, or use gpipe or 1f1b")
+        self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
         self.module = stages[self.stage].to(self.device)
         self.runner = StageRunner(self.module, self.device, last=self.stage == count - 1,
                                   loss_fn=loss_fn or default_loss, checkpoint=flags[self.stage],
@@ -242,7 +244,9 @@ class Engine:
             raise EngineError("the engine is closed; make a new one", self.rank, self.stage)
         try:
             chunks, targets, shares = split_minibatch(inputs, target, self.microbatches)
-        except ValueError as exc:
+            if self._input_guard is not None:  # every rank has the same batch: all refuse it alike
+                self._input_guard.check_microbatches(chunks)
+        except (ValueError, StageSplitError) as exc:
             raise EngineError(str(exc), self.rank, self.stage) from None
         slots = [(index, tuple((tuple(t.shape), t.dtype) for t in tensors((chunk, goal))))
                  for index, (chunk, goal) in enumerate(zip(chunks, targets))]

@@ -178,11 +178,31 @@ class ShapeGuard:
         self.stage, self.shapes, self.training = stage, shapes, training
 
     @staticmethod
+    def of(module: nn.Module) -> "ShapeGuard | None":
+        """`module`'s guard, None if it has none (it was not exported)."""
+        return next((hook for hook in module._forward_pre_hooks.values() if isinstance(hook, ShapeGuard)), None)
+
+    @staticmethod
     def check_shapes(module: nn.Module, args: tuple[Any, ...]) -> None:
         """The shape check of `module`'s guard, without calling it (nothing if it has none)."""
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, ShapeGuard):
-                hook._check_shapes(args)
+        guard = ShapeGuard.of(module)
+        if guard is not None:
+            guard._check_shapes(args)
+
+    def check_microbatches(self, chunks: list[tuple[Any, ...]]) -> None:
+        """Before a step runs: StageSplitError unless every microbatch's arguments have the captured
+        shapes (an uneven split of the batch, e.g. 10 into 3, 3, 2, 2, is refused here rather than on
+        its first odd microbatch, mid-step)."""
+        sizes = [next((arg.shape[0] for arg in chunk if isinstance(arg, torch.Tensor) and arg.dim()), None)
+                 for chunk in chunks]
+        try:
+            for chunk in chunks:
+                self._check_shapes(chunk)
+        except StageSplitError as exc:
+            total = sum(size or 0 for size in sizes)
+            raise StageSplitError(f"{exc}; the batch of {total} splits into microbatches of "
+                                  f"{', '.join(str(size) for size in sizes)}: give a batch that {len(chunks)} "
+                                  "microbatches of the captured size make") from None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Raise StageSplitError unless `args` have the captured shapes and the module the captured mode."""

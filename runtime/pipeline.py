@@ -42,10 +42,11 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import RECV_ACTIVATION, SEND_ACTIVATION, Action, RankProgram, build_schedule
+from runtime.export_split import ShapeGuard
 from runtime.interpreter import UnknownActionError, run_program
 from runtime.nested import split_minibatch
 from runtime.stage_runner import LossFn, StageRunner
-from runtime.stages import Stages, build_stages
+from runtime.stages import StageSplitError, Stages, build_stages
 
 __all__ = ["Pipeline", "PipelineError", "IN_PROCESS_SCHEDULES"]
 
@@ -234,6 +235,7 @@ class Pipeline:
         # every runner first: one that cannot be built leaves no thread of an earlier stage running
         runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index])
                    for index, (stage, device) in enumerate(zip(stages, self.devices))]
+        self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
         self._workers = [_Worker(index, runner, programs[index], self._replies) for index, runner in enumerate(runners)]
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
@@ -284,7 +286,9 @@ class Pipeline:
             raise PipelineError("the pipeline is closed; make a new one")
         try:
             chunks, targets, scales = split_minibatch(inputs, target, self.microbatches)
-        except ValueError as exc:
+            if self._input_guard is not None:
+                self._input_guard.check_microbatches(chunks)
+        except (ValueError, StageSplitError) as exc:
             raise PipelineError(str(exc)) from None
         count = len(self._workers)
         step = _Step(chunks, targets, scales, int(torch.randint(0, 2**62, (1,)).item()),

@@ -463,3 +463,24 @@ def test_a_failed_fx_trace_leaves_the_models_state_as_it_was() -> None:
     split_model(model, ["last"], (x,))
     assert model.steps.item() == 0, "the split ran the forward on the model's buffers"
     assert not isinstance(getattr(model, "width", None), torch.fx.Proxy), "the failed trace left a Proxy on the model"
+
+
+def test_a_batch_an_exported_split_cannot_run_is_refused_before_the_step_starts() -> None:
+    """Captured at microbatches of 2: a batch of 5 in 2 microbatches (3 and 2) is refused before anything runs."""
+    from runtime.pipeline import Pipeline, PipelineError
+
+    _, stages, _ = _split("llama")
+    parameters = [parameter for stage in stages for parameter in stage.parameters()]
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    with Pipeline(stages, microbatches=2, loss_fn=loss) as pipeline:
+        with pytest.raises(PipelineError) as raised:
+            pipeline.train_step(torch.randint(0, 96, (5, 12)), torch.randint(0, 96, (5, 12)))
+        message = str(raised.value)
+        assert "\n" not in message and "[2x12]" in message and "[3x12]" in message
+        assert "the batch of 5 splits into microbatches of 3, 2" in message
+        assert all(parameter.grad is None for parameter in parameters)  # no stage ran
+        pipeline.train_step(torch.randint(0, 96, (4, 12)), torch.randint(0, 96, (4, 12)))  # 2 and 2: runs
+    assert all(parameter.grad is not None for parameter in parameters if parameter.requires_grad)
