@@ -147,7 +147,7 @@ def summary(body: dict[str, Any]) -> str:
     lines = [f"{level['name']}: {level['size']} x, {level['bandwidth_Bps'] / 1e9:.3g} GB/s + "
              f"{level['latency_s'] * 1e6:.3g} us per message" for level in body["levels"]]
     lines.append("all-reduce over every rank (measured / ring formula from the links): " + ", ".join(
-        f"{size / 1e6:.3g} MB {found * 1e3:.3g} ms (x{found / guess:.2f})" if guess > 0 else ""
+        f"{size / 1e6:.3g} MB {found * 1e3:.3g} ms (x{found / guess:.2f})"
         for size, found, guess in body["measured"]["allreduce_s"]))
     return "\n".join(lines)
 

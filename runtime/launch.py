@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
 from planner.files.plan import Plan, load_plan
-from planner.files.profile import load_profile
-from planner.profiling.conditions import STEADY_MALLOC, cores, current_conditions, differences, worker_threads
+from planner.profiling.conditions import STEADY_MALLOC, current_conditions, differences, worker_threads
+from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
 from runtime.train import TrainingError, check_setup, example_microbatch, parse_args
 
@@ -70,7 +69,7 @@ def run_module(module: str, argv: Sequence[str], count: int, cpu: bool, threads:
     each worker gets `threads` torch threads (default cores // count; `OMP_NUM_THREADS` wins if
     set) and, on CPU, `planner.profiling.conditions.STEADY_MALLOC` glibc settings. `before` sees
     the workers' conditions (`conditions.current_conditions`) first. ChildFailedError when a worker fails."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else max(1, cores() // count)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
     if cpu:
         for name, value in STEADY_MALLOC.items():
             os.environ.setdefault(name, value)
@@ -84,15 +83,10 @@ def run_module(module: str, argv: Sequence[str], count: int, cpu: bool, threads:
 def _profile_conditions(plan: Plan) -> dict[str, Any] | None:
     """The conditions the plan's profile was measured in, None when its file is not there (or is
     another profile) or recorded none."""
-    path = Path(plan.profile.path)
-    if not plan.profile.path or not path.is_file():
-        return None
     try:
-        profile = load_profile(path)
-        plan.check_profile(profile)
+        return resolve_profile(plan).settings.get("conditions")
     except PlannerError:
         return None
-    return profile.settings.get("conditions")
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:

@@ -41,6 +41,7 @@ from planner.errors import InfeasiblePlanError, PlannerError
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
+    accumulate_terms,
     allreduce_s,
     fill_drain_s,
     link_terms,
@@ -51,7 +52,6 @@ from planner.costs.schedule_cost import (
     replicas_of,
     stage_cost,
     stage_costs,
-    accumulate_terms,
     step_terms,
     time_terms,
     transfer_s,

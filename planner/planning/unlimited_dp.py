@@ -172,8 +172,8 @@ class GroupCombos:
         return self._ranges[straight]
 
     def stage_bounds(self, pair: np.ndarray, column: int) -> np.ndarray:
-        """Q of stages `pair` under one combination: turns max(t, c_in, c_out) + ar + opt (flush) or
-        max(t + ar + opt, c_in, c_out) / r (pipedream), seconds."""
+        """Q of stages `pair` under one combination: turns max(t + acc, c_in, c_out) + ar + opt (flush) or
+        max(t + ar + opt, c_in, c_out) / r (pipedream), seconds (`schedule_cost.time_terms`)."""
         p = self.pairs
         compute = p.both[pair]
         comm_in = transfer_s(p.cut_in[pair], self.bw_in[column], self.lat_in[column], p.starts[pair] > 0)

@@ -37,8 +37,8 @@ def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:
 def worker_threads(profiled: int | None, ranks: int) -> int:
     """Threads for each of `ranks` training processes on this machine: the profile's count where
     the cores allow it (profiled x ranks <= cores), else cores // ranks."""
-    share = max(1, cores() // ranks)
-    return profiled if profiled is not None and profiled * ranks <= cores() else share
+    fits = profiled is not None and profiled * ranks <= cores()
+    return profiled if fits else default_cpu_threads(ranks)
 
 
 def current_conditions(threads: int) -> dict[str, Any]:
