@@ -64,7 +64,7 @@ from runtime.export_split import ShapeGuard
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
 from runtime.interpreter import run_program
 from runtime.liveness import Heartbeat, RankMissing
-from runtime.nested import split_minibatch, tensors
+from runtime.nested import map_leaves, split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
@@ -304,8 +304,10 @@ class Engine:
             if action.op == RECV_ACTIVATION:
                 known = self._received_structures.get((action.peer, slots[action.microbatch]))
                 self._links.expect(action.peer, [Expected(("activation", key), known)])
-            elif action.op == RECV_GRADIENT:
-                self._links.expect(action.peer, [Expected(("gradient", key), Later(("gradient structure", key)))])
+            elif action.op == RECV_GRADIENT:  # known once this slot's activation was sent in an earlier step
+                sent = self._sent_structures.get((action.peer, slots[action.microbatch]))
+                known = Later(("gradient structure", key)) if sent is None else gradient_structure(sent)
+                self._links.expect(action.peer, [Expected(("gradient", key), known)])
 
     def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
              slots: list[tuple[int, Any]]) -> float | None:
@@ -358,9 +360,8 @@ class Engine:
             raise EngineError(f"the values sent to rank {peer} for microbatch {key[1]} changed shape or type "
                               "between steps at the same input shapes; the engine exchanges them once")
         self._sent_structures[(peer, slot)] = structure
-        self._mailbox.put(("gradient structure", key), [
-            TensorSpec(tuple(t.shape), t.dtype) if (t.is_floating_point() or t.is_complex()) else None
-            for t in tensors(value)])
+        if known is None:  # this step's receive of the gradient waits for its structure (`_expect`)
+            self._mailbox.put(("gradient structure", key), gradient_structure(structure))
         self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
     def _step(self) -> None:
@@ -461,6 +462,14 @@ class Engine:
 
 
 # --- set-up ---------------------------------------------------------------------------------------
+
+
+def gradient_structure(structure: Any) -> list[TensorSpec | None]:
+    """The structure of the gradients sent back for an activation of `structure` (`p2p.describe`): per
+    tensor, in `tensors` order, its spec if it is floating point or complex (it has a gradient), else None."""
+    specs: list[TensorSpec] = []
+    map_leaves(specs.append, structure, TensorSpec)
+    return [spec if spec.dtype.is_floating_point or spec.dtype.is_complex else None for spec in specs]
 
 
 def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:

@@ -12,6 +12,12 @@ structure with a `TensorSpec` for each tensor, sent as a length and a byte tenso
 allocates the tensors with `materialize` and receives into them. Later messages of the same
 structure send the tensors only. Received values land in a `Mailbox` under the key the
 receiver was told to expect; compute threads wait there, checking for failures while they wait.
+
+A send (gloo and NCCL alike) completes only once the receiver has posted the matching receive. A
+receiver thread therefore keeps up to `RECEIVES_AHEAD` receives posted (`torch.distributed.irecv`,
+in the channel's order) for the messages whose structure it already knows, so a sender does not
+wait for this thread to be scheduled between two messages: on a busy 2-core machine that wait was
+0.3-12 ms a message against a 0.06 ms link.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import torch.distributed as dist
 
 from runtime.nested import map_leaves, map_tensors, tensors
 
-__all__ = ["TensorSpec", "describe", "materialize", "Mailbox", "Links", "POLL_S"]
+__all__ = ["TensorSpec", "describe", "materialize", "Mailbox", "Links", "POLL_S", "RECEIVES_AHEAD"]
 
 POLL_S = 0.05  # how often a waiting thread checks for failures (seconds)
+RECEIVES_AHEAD = 2  # messages per channel whose receives are posted before the first of them arrives
 _STOP = object()
 
 
@@ -78,6 +85,11 @@ class Mailbox:
                 if self._changed.wait_for(lambda: key in self._values, timeout=POLL_S):
                     return self._values.pop(key)
             check()
+
+    def has(self, key: Hashable) -> bool:
+        """Whether a value is under `key` now (it stays there)."""
+        with self._changed:
+            return key in self._values
 
     def clear(self) -> None:
         with self._changed:
@@ -187,18 +199,54 @@ class Links:
                 self._sent.notify_all()
 
     def _receive_loop(self, peer: int, jobs: queue.Queue) -> None:
+        """Post the expected messages' receives in order, up to RECEIVES_AHEAD at once, and deliver
+        each into the mailbox as it completes.
+
+        A message is posted ahead of the one being waited for only if its structure is known now
+        (given, or a `Later` key already in the mailbox): finding it out may need the compute thread,
+        which may be waiting for the earlier message.
+        """
         group = self.groups[(peer, self.rank)]
-        while (job := jobs.get()) is not _STOP:
-            structure = job.structure
-            if isinstance(structure, Later):
-                structure = self.mailbox.take(structure.key, self.check)
-            elif structure is None:
-                length = torch.empty(1, dtype=torch.int64, device=self.device)
-                dist.recv(length, peer, group=group)
-                blob = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-                dist.recv(blob, peer, group=group)
-                structure = pickle.loads(blob.cpu().numpy().tobytes())
-            value, buffers = materialize(structure, self.device)
-            for buffer in buffers:
-                dist.recv(buffer, peer, group=group)
-            self.mailbox.put(job.key, (value, structure))
+        posted: deque[tuple[Hashable, Any, Any, list[Any]]] = deque()  # (key, value, structure, works)
+        held: Any = None  # the next job, taken from `jobs` but not posted yet
+        while True:
+            if held is None:
+                if not posted:
+                    held = jobs.get()
+                else:
+                    try:
+                        held = jobs.get_nowait()
+                    except queue.Empty:
+                        pass
+            if held is _STOP and not posted:
+                return
+            if held is not None and held is not _STOP and (
+                    not posted or (len(posted) < RECEIVES_AHEAD and self._known_now(held))):
+                posted.append(self._post(held, peer, group))
+                held = None
+                continue
+            key, value, structure, works = posted.popleft()
+            for work in works:
+                work.wait()
+            self.mailbox.put(key, (value, structure))
+
+    def _known_now(self, job: Expected) -> bool:
+        """Whether `job`'s structure can be had without waiting."""
+        if isinstance(job.structure, Later):
+            return self.mailbox.has(job.structure.key)
+        return job.structure is not None
+
+    def _post(self, job: Expected, peer: int, group: Any) -> tuple[Hashable, Any, Any, list[Any]]:
+        """Find out `job`'s structure (waiting for it if need be), allocate its tensors and post their
+        receives; returns (key, value, structure, the receives' works)."""
+        structure = job.structure
+        if isinstance(structure, Later):
+            structure = self.mailbox.take(structure.key, self.check)
+        elif structure is None:
+            length = torch.empty(1, dtype=torch.int64, device=self.device)
+            dist.recv(length, peer, group=group)
+            blob = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+            dist.recv(blob, peer, group=group)
+            structure = pickle.loads(blob.cpu().numpy().tobytes())
+        value, buffers = materialize(structure, self.device)
+        return job.key, value, structure, [dist.irecv(buffer, peer, group=group) for buffer in buffers]

@@ -23,9 +23,11 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   pipedream, microbatch_size / iteration. `representative_step`: the step whose time is the
   median (the one in `events`).
 - `measured.stages`: each averaged over the stage's replicas and the measured steps. `comm_ms`
-  is the larger of the mean transfers into and out of the stage, each boundary's mean over both
-  directions (activations one way, gradients the other); `send_ms` is timed in the sender
-  thread; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
+  is the larger of the transfers into and out of the stage, each boundary's median over both
+  directions (activations one way, gradients the other), each transfer timed in the sender thread
+  from its first send to the return of its last. The median, not the mean: on a busy CPU a
+  sender thread may resume tens of ms after its message arrived (the receiver's op that needed it
+  had long started), which says nothing of the link; `send_ms` is the total per step, timed the same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
   `idle_ms` includes each train_step's fill and drain.
 - `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its first
   `train_step` (the warm-up step: measuring slows it), as `planner.profiling.memory.peak_memory_of`
@@ -291,13 +293,13 @@ def _durations_ms(ops: dict[tuple[int, int], list[OpTime]], ranks: Iterable[int]
 
 def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks: list[list[int]],
                           steps: list[int]) -> list[float]:
-    """Per boundary b (between stage b and b + 1): the mean transfer across it, ms: activations
+    """Per boundary b (between stage b and b + 1): the median transfer across it, ms: activations
     sent by stage b and gradients sent by stage b + 1 (0 when none was timed)."""
-    means = []
+    medians = []
     for below, above in pairwise(stage_ranks):
         both = (_durations_ms(ops, below, steps, (SEND_ACTIVATION,)) + _durations_ms(ops, above, steps, (SEND_GRADIENT,)))
-        means.append(statistics.fmean(both) if both else 0.0)
-    return means
+        medians.append(statistics.median(both) if both else 0.0)
+    return medians
 
 
 def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int], steps: list[int],

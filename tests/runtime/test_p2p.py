@@ -191,7 +191,7 @@ def activation(seed: int) -> dict[str, Any]:
 
 
 def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
-    """Rank 0 sends two activations to rank 1 (the first with its structure); rank 1 sends a gradient back."""
+    """Rank 0 sends seven activations to rank 1 (the first with its structure); rank 1 sends a gradient back."""
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -207,19 +207,22 @@ def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
         links = Links(rank, groups, box, CPU, check)
         result: dict[str, Any] = {}
         if rank == 0:
-            first, second, third = (activation(seed) for seed in (0, 1, 2))
+            first, second, third, *more = (activation(seed) for seed in range(7))
             links.send(1, first, with_structure=True)
             links.send(1, second, with_structure=False)
             links.send(1, third, with_structure=False)
+            for value in more:  # received more than RECEIVES_AHEAD at a time
+                links.send(1, value, with_structure=False)
             links.expect(1, [Expected("gradient", [TensorSpec((3, 2), torch.float32), None])])
-            result["sent"] = [first, second, third]
+            result["sent"] = [first, second, third, *more]
             result["gradient"] = box.take("gradient", check)
         else:
             links.expect(0, [Expected("first", None), Expected("second", Later("second structure"))])
             first, structure = box.take("first", check)
             box.put("second structure", structure)  # as the engine does once it knows the structure
-            links.expect(0, [Expected("third", structure)])
+            links.expect(0, [Expected("third", structure)] + [Expected(("more", i), structure) for i in range(4)])
             result["received"] = [(first, structure), box.take("second", check), box.take("third", check)]
+            result["received"] += [box.take(("more", i), check) for i in range(4)]
             links.send(0, [first["x"] * -1], with_structure=False)
         links.close()
         result["error"] = None if links.error is None else repr(links.error)
@@ -245,7 +248,7 @@ def test_links_deliver_nested_values_with_and_without_their_structure(tmp_path: 
     receiver = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert sender["error"] is None and receiver["error"] is None
     sent = sender["sent"]
-    assert len(sent) == len(receiver["received"]) == 3
+    assert len(sent) == len(receiver["received"]) == 7
     for original, (value, structure) in zip(sent, receiver["received"]):
         assert structure == describe(original)
         assert value["meta"] == ("tag", 4) and value["ids"][1] is None and isinstance(value["ids"], list)

@@ -30,7 +30,8 @@ from planner.files.profile import Profile, load_profile
 from planner.files.run_report import RunReportError, load_run_report
 from planner.costs.schedule_cost import first_ranks, samples_per_s, stage_costs
 from planner.files.timeline import COLUMNS
-from runtime.report import RankTrace, build_run_report, save_run_report, write_run_report
+from planner.schedules.schedule import SEND_ACTIVATION, SEND_GRADIENT
+from runtime.report import RankTrace, _boundary_transfer_ms, build_run_report, save_run_report, write_run_report
 from tests.replay import replay_timeline
 from runtime.trace import OpTime
 
@@ -438,3 +439,11 @@ def check_engine_report(report: Any) -> None:
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_a_boundary_transfer_is_the_median_so_a_sender_thread_resuming_late_does_not_count() -> None:
+    # three activations of 0.5 ms and one gradient whose sender thread resumed 40 ms after it was sent
+    sends = [OpTime(1, SEND_ACTIVATION, 0, mb, 1, mb * 10.0, mb * 10.0 + 0.0005) for mb in range(3)]
+    late = [OpTime(1, SEND_GRADIENT, 0, 0, 0, 50.0, 50.04)]
+    ops = {(0, 1): sends, (1, 1): late}
+    assert _boundary_transfer_ms(ops, [[0], [1]], [1]) == pytest.approx([0.5])
