@@ -6,8 +6,14 @@
 One process per device (GPUs with NCCL, CPU processes with gloo), ranks grouped by host into nodes
 (each host must run the same number of ranks, contiguously). For each level, rank 0 and one peer
 (rank 1 within a node; the first rank of the second node between nodes) bounce messages of
-several sizes back and forth; half a round trip is one message's time, the median of `--trials`
-after a warm-up. `planner.profiling.links.fit_link` fits latency + bytes / bandwidth to them.
+several sizes back and forth, twice: through the runtime's own path (`runtime.p2p.Links`: the
+compute thread queues the message, a sender thread sends it, a receiver thread delivers it into
+the mailbox the peer's compute thread takes it from) and with plain `send`/`recv`. Half a round
+trip is one message's time, the median of `--trials` after a warm-up, and
+`planner.profiling.links.fit_link` fits latency + bytes / bandwidth to each. The levels the file
+gives the planner are the runtime path's: what a pipeline stage waits for a message to arrive
+(on the 2-core CPU machine its latency is about twice the plain link's). The plain link's fit is
+kept under `measured.link_only`.
 The all-reduce over every rank is timed at several sizes next to the ring formula's prediction
 from the fitted links (`costs.schedule_cost.allreduce_s`), and each GPU's memory is read
 (CPU: none, so plans are not memory-limited). Rank 0 writes the file: the cluster's `levels` and
@@ -37,6 +43,7 @@ from planner.files.cluster import cluster_from_dict
 from planner.files.fileformat import write_atomically
 from planner.profiling.links import fit_link
 from runtime.engine import init_distributed
+from runtime.p2p import Expected, Links, Mailbox, describe
 
 __all__ = ["SIZES_BYTES", "measure", "main"]
 
@@ -87,6 +94,46 @@ def _one_way_s(rank: int, peer: int, nbytes: int, trials: int, device: torch.dev
     return statistics.median(times[1:]) if rank == 0 else None
 
 
+def _runtime_one_way_s(links: Links | None, peer: int, nbytes: int, trials: int, device: torch.device) -> float | None:
+    """Rank 0: the median half round trip of `nbytes` to `peer` and back through the runtime's `Links`
+    (from queuing the message in this thread to taking the reply from the mailbox), seconds; None elsewhere.
+    `links`: this rank's links with the other end (None on ranks that take no part)."""
+    if links is None:
+        return None
+    rank = links.rank
+    other = peer if rank == 0 else 0
+    buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    links.expect(other, [Expected(("bounce", nbytes, trial), describe(buffer)) for trial in range(trials + 1)])
+    times = []
+    for trial in range(trials + 1):
+        if rank == 0:
+            start = time.perf_counter()
+            links.send(peer, buffer, with_structure=False)
+            links.mailbox.take(("bounce", nbytes, trial), links.check)
+            times.append((time.perf_counter() - start) / 2.0)
+        else:
+            value, _ = links.mailbox.take(("bounce", nbytes, trial), links.check)
+            links.send(0, value, with_structure=False)
+    links.wait_sent(links.check)
+    return statistics.median(times[1:]) if rank == 0 else None
+
+
+def _links_with(rank: int, peer: int, device: torch.device) -> Links | None:
+    """Links between rank 0 and `peer` as the engine makes them (a process group per direction);
+    every rank takes part in creating the groups, only those two get links."""
+    groups = {(0, peer): dist.new_group([0, peer]), (peer, 0): dist.new_group([0, peer])}
+    if rank not in (0, peer):
+        return None
+
+    def check() -> None:
+        if links.error is not None:
+            what, error, _ = links.error
+            raise PlannerError(f"{what} failed: {type(error).__name__}: {error}")
+
+    links = Links(rank, groups, Mailbox(), device, check)
+    return links
+
+
 def _allreduce_s(nbytes: int, trials: int, device: torch.device) -> float:
     """The median time of an all-reduce of `nbytes` over every rank, seconds (each after a barrier)."""
     buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
@@ -112,21 +159,29 @@ def measure(sizes: Sequence[int], trials: int, device: torch.device) -> dict[str
     pairs = ([("node", 1)] if per_node >= 2 else []) + ([("cluster", per_node)] if nodes >= 2 else [])
     sizes = [4 * max(size // 4, 1) for size in sizes]
     timings: dict[str, list[list[float]]] = {}
+    runtime_timings: dict[str, list[list[float]]] = {}
     for name, peer in pairs:
         found = [_one_way_s(rank, peer, size, trials, device) for size in sizes]
         dist.barrier()
+        links = _links_with(rank, peer, device)
+        through_links = [_runtime_one_way_s(links, peer, size, trials, device) for size in sizes]
+        if links is not None:
+            links.close()
+        dist.barrier()
         timings[name] = [[size, seconds] for size, seconds in zip(sizes, found)] if rank == 0 else []
+        runtime_timings[name] = [[size, seconds] for size, seconds in zip(sizes, through_links)] if rank == 0 else []
     reductions = [_allreduce_s(size, trials, device) for size in sizes]
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     memories: list[Any] = [None] * world
     dist.all_gather_object(memories, memory)
     if rank != 0:
         return None
-    levels = []
+    levels, link_only = [], []
     for name, _ in pairs:
-        latency, bandwidth = fit_link([s for s, _ in timings[name]], [t for _, t in timings[name]])
-        levels.append({"name": name, "size": per_node if name == "node" else nodes,
-                       "bandwidth_Bps": bandwidth, "latency_s": latency})
+        size = per_node if name == "node" else nodes
+        for found, into in ((runtime_timings[name], levels), (timings[name], link_only)):
+            latency, bandwidth = fit_link([s for s, _ in found], [t for _, t in found])
+            into.append({"name": name, "size": size, "bandwidth_Bps": bandwidth, "latency_s": latency})
     slowest = levels[-1]
     predicted = [float(allreduce_s(size, world, slowest["bandwidth_Bps"], slowest["latency_s"])) for size in sizes]
     return {
@@ -136,7 +191,8 @@ def measure(sizes: Sequence[int], trials: int, device: torch.device) -> dict[str
             "by": "planner cluster", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "backend": dist.get_backend(), "device": str(device), "threads": torch.get_num_threads(),
             "hosts": sorted(set(hosts)), "world_size": world, "trials": trials,
-            "one_way_s": timings,
+            "one_way_s": runtime_timings,
+            "link_only": {"levels": link_only, "one_way_s": timings},
             "allreduce_s": [[size, found, guess] for size, found, guess in zip(sizes, reductions, predicted)],
         },
     }
@@ -145,7 +201,9 @@ def measure(sizes: Sequence[int], trials: int, device: torch.device) -> dict[str
 def summary(body: dict[str, Any]) -> str:
     """A few lines for the terminal: each level's fit, and all-reduce measured against the ring formula."""
     lines = [f"{level['name']}: {level['size']} x, {level['bandwidth_Bps'] / 1e9:.3g} GB/s + "
-             f"{level['latency_s'] * 1e6:.3g} us per message" for level in body["levels"]]
+             f"{level['latency_s'] * 1e6:.3g} us per message through the runtime (the link alone: "
+             f"{alone['bandwidth_Bps'] / 1e9:.3g} GB/s + {alone['latency_s'] * 1e6:.3g} us)"
+             for level, alone in zip(body["levels"], body["measured"]["link_only"]["levels"])]
     lines.append("all-reduce over every rank (measured / ring formula from the links): " + ", ".join(
         f"{size / 1e6:.3g} MB {found * 1e3:.3g} ms (x{found / guess:.2f})"
         for size, found, guess in body["measured"]["allreduce_s"]))

@@ -38,8 +38,11 @@ def test_planner_cluster_measures_two_processes_and_partition_reads_the_file(tmp
     assert link.latency_s > 0 and link.bandwidth_Bps > 1e7  # a real loopback: some latency, some bandwidth
     measured = json.loads(out.read_text())["measured"]
     assert measured["backend"] == "gloo" and measured["world_size"] == 2
-    sizes = [size for size, _ in measured["one_way_s"]["node"]]
-    assert sizes == sorted(sizes) and len(sizes) == 4 and all(seconds > 0 for _, seconds in measured["one_way_s"]["node"])
+    for one_way in (measured["one_way_s"], measured["link_only"]["one_way_s"]):  # the runtime's path, the link alone
+        sizes = [size for size, _ in one_way["node"]]
+        assert sizes == sorted(sizes) and len(sizes) == 4 and all(seconds > 0 for _, seconds in one_way["node"])
+    alone = measured["link_only"]["levels"][0]
+    assert alone["name"] == "node" and alone["latency_s"] > 0 and alone["bandwidth_Bps"] > 1e7
     plan = subprocess.run([sys.executable, "-m", "planner", "partition", str(REPO / "profiles" / "mlp.json"),
                            "--cluster", str(out), "--out", str(tmp_path / "plan.json")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
