@@ -184,8 +184,10 @@ class Engine:
         self._where: Key | None = None
         self._closed = False
         self.step_spans: list[tuple[float, float]] = []
-        # (bytes, method) this rank needed during its first train_step (`planner.profiling.memory.peak_memory_of`)
-        self.peak_memory: tuple[int, str] | None = None
+        # (bytes, method) this rank needed during train_step number `memory_step` (from 0; measuring slows it):
+        # the second with an optimizer, the first whose optimizer state exists, as in every later step
+        self.memory_step = 0 if self.optimizer is None else 1
+        self.peak_memory: tuple[int, str] | None = None  # (`planner.profiling.memory.peak_memory_of`)
         self._ops: deque[tuple[int, list[OpTime]]] = deque(maxlen=trace_steps)  # (step, its ops)
 
     @classmethod
@@ -256,7 +258,7 @@ class Engine:
         start = time.perf_counter()
         try:
             self._expect(slots)
-            if self.peak_memory is None:  # the first step: also the memory it needs (slower; a warm-up step)
+            if len(self.step_spans) == self.memory_step:  # also the memory it needs (slower; a warm-up step)
                 found: list[Any] = []
                 self.peak_memory = peak_memory_of(
                     lambda: found.append(self._run(chunks, targets, shares, slots)), self.module,

@@ -27,10 +27,13 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   directions (activations one way, gradients the other), each transfer timed in the sender thread
   from its first send to the return of its last. The median, not the mean: on a busy CPU a
   sender thread may resume tens of ms after its message arrived (the receiver's op that needed it
-  had long started), which says nothing of the link; `send_ms` is the total per step, timed the same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
+  had long started), which says nothing of the link; `send_ms` is the total per step, timed the
+  same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
   `idle_ms` includes each train_step's fill and drain.
-- `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its first
-  `train_step` (the warm-up step: measuring slows it), as `planner.profiling.memory.peak_memory_of`
+- `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its
+  `Engine.memory_step` (the second `train_step` with an optimizer, whose state the first created;
+  the first without; measuring slows it, so the run's warm-up reaches to it), as
+  `planner.profiling.memory.peak_memory_of`
   measures it: the CUDA allocator's peak, or on CPU the live tensor storages its operations create
   and use (received messages from their first use) on top of the stage's weights; allocator
   caching and fragmentation are not in it.
@@ -87,7 +90,7 @@ class RankTrace:
     step_spans: tuple[tuple[float, float], ...]
     microbatches: int
     schedule: str
-    peak_memory_bytes: int | None = None  # during the engine's first train_step (None: not measured)
+    peak_memory_bytes: int | None = None  # during the engine's memory_step (None: not measured)
     memory_method: str = ""
 
 

@@ -519,6 +519,12 @@ def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest
 # --- the end --------------------------------------------------------------------------------------
 
 
+def warmup_steps(steps: int, memory_step: int) -> int:
+    """The steps a run's report leaves out: the first (allocations, caches) up to the one whose memory was
+    measured (which measuring slowed), while at least one step is left; none when there is only one."""
+    return max(min(memory_step + 1, steps - 1), 0)
+
+
 def _finish(options: TrainOptions, setup: Setup, engine: Engine, losses: list[tuple[int, float]],
             start_step: int) -> None:
     """Gather the traces and losses on rank 0 and write the run report there."""
@@ -526,7 +532,8 @@ def _finish(options: TrainOptions, setup: Setup, engine: Engine, losses: list[tu
     meta = {"model_file": options.model_file, "optimizer": setup.optimizer, "first_step": start_step + 1}
     with _collective(engine, "gathering the run report"):
         written = save_run_report(engine, setup.plan, path, batch_size=setup.batch_size, losses=losses,
-                                  warmup_steps=1 if len(engine.step_spans) > 1 else 0, plan_path=options.plan,
+                                  warmup_steps=warmup_steps(len(engine.step_spans), engine.memory_step),
+                                  plan_path=options.plan,
                                   meta=meta)
     if written is not None:
         print(f"wrote {written} (compare with `planner compare {options.plan} {written}`)", flush=True)
