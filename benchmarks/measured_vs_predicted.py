@@ -10,7 +10,7 @@ In a fresh folder, exactly the commands of the README, with their defaults:
 3. per schedule, `planner partition PROFILE --cluster cluster.json --straight --schedule S --microbatches 4`;
 4. `planner train MODEL --plan PLAN --steps N --report REPORT` (2 processes under torchrun);
 5. the report's ratios measured / predicted: the iteration, each stage's compute per microbatch,
-   its transfers per microbatch, its optimizer step and its peak memory (first step).
+   its transfers per microbatch, its optimizer step and its peak memory (second step, the first with optimizer state).
 
 Models: examples/mlp.py, examples/gpt.py, examples/resnet.py and benchmarks/models/gpt2.py (a
 transformers GPT-2 that no test or example uses). The lines `planner train` printed about
@@ -91,7 +91,7 @@ def main() -> None:
     print("|" + "---|" * len(headers))
     for cells in rows:
         print("| " + " | ".join(cells) + " |")
-    print(f"\n(measured / predicted; {args.steps} steps, the first a warm-up; {time.perf_counter() - started:.0f} s; "
+    print(f"\n(measured / predicted; {args.steps} steps, the first two a warm-up; {time.perf_counter() - started:.0f} s; "
           f"files in {folder})")
     for line in warnings or ["(planner train printed no warning about conditions)"]:
         print(line)

@@ -33,7 +33,8 @@ class LayerArrays:
     boundary after layer k (not a prefix sum); `saved_bytes`: activation bytes kept per
     in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
     (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
-    stage holding one of the other layers holds a copy too.
+    stage holding one of the other layers holds a copy too; `workspace_bytes[k]`: bytes layer k's
+    backward holds beyond saved activations (not a prefix sum; None: all zero).
     """
 
     compute_s: np.ndarray
@@ -42,10 +43,13 @@ class LayerArrays:
     saved_bytes: np.ndarray | None = None
     shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
     fwd_s: np.ndarray | None = None
+    workspace_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
             object.__setattr__(self, "fwd_s", np.zeros_like(self.compute_s))
+        if self.workspace_bytes is None:
+            object.__setattr__(self, "workspace_bytes", np.zeros(len(self.cut_bytes)))
 
     @property
     def num_layers(self) -> int:
@@ -66,11 +70,26 @@ class LayerArrays:
             saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
             shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params),
             fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
+            workspace_bytes=np.array([float(nbytes) for nbytes in profile.workspace_bytes]) if profile.workspace_bytes
+            else None,
         )
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
         """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""
         return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])
+
+    def stage_workspace_bytes(self, start: int, stop: int) -> float:
+        """The most any layer of a stage [start, stop) holds during its backward beyond saved activations."""
+        return float(np.max(self.workspace_bytes[start:stop]))
+
+    def pair_workspace_bytes(self, starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """`stage_workspace_bytes` of every stage of `stage_pairs` (ordered by start, then stop): running
+        maxima from each start."""
+        n = self.num_layers
+        found = np.empty(len(starts))
+        for start in range(n):
+            found[offsets[start]:offsets[start + 1]] = np.maximum.accumulate(self.workspace_bytes[start:])
+        return found
 
     def stage_weight_bytes(self, start: int, stop: int) -> float:
         """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared

@@ -50,8 +50,11 @@ plus one microbatch's sigma saved_bytes rebuilt during its backward) and n micro
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
-    memory = W (2 + k) + max(n a + q sigma saved, s W)  (+ (n - 1) W stashed weight versions for pipedream)
-    with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile)
+    memory = W (2 + k) + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
+    with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
+    w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
+    the saved activations (gradients between layers, temporaries such as a loss's gradient over a
+    vocabulary; measured in the profile, 0 in older ones)
 """
 
 from __future__ import annotations
@@ -215,20 +218,21 @@ def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
 
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
-                 saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat,
-                 recompute: ArrayOrBool) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
+                 saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat, recompute: ArrayOrBool,
+                 workspace_bytes: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k), held = a per
-    microbatch in flight (the bytes entering the stage when recomputing), rebuilt = a while a
-    recomputing backward runs, scratch = s W while the optimizer steps (s: the profile's scratch
+    microbatch in flight (the bytes entering the stage when recomputing), rebuilt = what a backward
+    holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
+    it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
     bytes per parameter byte), memory = base + max(n held + rebuilt, scratch) with n = `in_flight`
     (the step runs when the activations are gone); pipedream keeps n weight versions (base - W,
-    held + W). `saved_bytes` and `entering_bytes` are already scaled by sigma."""
+    held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma."""
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here)
     base = weight_bytes * (2 + inputs.optimizer_copies)
     held = np.where(recompute, entering_bytes, saved_bytes)
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
-    rebuilt = np.where(recompute, saved_bytes, 0.0)
+    rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
     scratch = inputs.scratch_per_byte * weight_bytes
     return base, held, rebuilt, scratch, base + np.maximum(flights * held + rebuilt, scratch)
 
@@ -247,7 +251,7 @@ class StageCost:
     memory_bytes: float  # base_bytes + in_flight * held_bytes + rebuilt_bytes
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
-    rebuilt_bytes: float = 0.0  # activations rebuilt during a recomputing backward
+    rebuilt_bytes: float = 0.0  # held during a backward on top: its workspace (+ activations rebuilt when recomputing)
     step_s: float = 0.0  # opt: one optimizer step over the stage's weights
     scratch_bytes: float = 0.0  # held by the optimizer step beyond weights, gradients and state
     accumulate_s: float = 0.0  # acc: added to each backward after a replica's first in an iteration
@@ -274,8 +278,9 @@ def stage_cost(
                                                            comm_in, comm_out, allreduce, step, accumulate))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
+    workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
-        inputs, replicas, devices_from_here, weights, saved, entering, recompute))
+        inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate)
 

@@ -27,3 +27,4 @@ class Pairs:
         self.weights = weights
         saved = arrays.saved_bytes
         self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
+        self.workspace = sigma * arrays.pair_workspace_bytes(starts, self.offsets)

@@ -66,11 +66,11 @@ class PlanProfileMismatchError(PlannerError):
 
 def profile_digest(profile: Profile) -> str:
     """SHA-256 of what a plan depends on in a profile, as canonical JSON: model name, batch size,
-    input bytes, layers, shared parameters and optimizer step times (not the date, path or settings, so re-importing
+    input bytes, layers, shared parameters, optimizer step times and workspace (not the date, path or settings, so re-importing
     or copying the same measurements keeps the digest)."""
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
-    for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms"):
+    for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms", "workspace_bytes"):
         if body.get(key):  # (profiles from before they were measured keep their digest)
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))

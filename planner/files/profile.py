@@ -75,8 +75,10 @@ class Profile:
     `optimizer_step_ms`: one optimizer step over all the model's parameters, per optimizer name
     ("sgd": momentum 0.9, "adam"), ms; `optimizer_scratch_bytes`: the temporary bytes such a step
     holds beyond weights, gradients and state. `grad_accumulation_ms`: adding one more batch's
-    gradients into every `.grad` (each backward after a stage's first in a step does). Empty or 0
-    in older and imported profiles.
+    gradients into every `.grad` (each backward after a stage's first in a step does).
+    `workspace_bytes[i]`: the most bytes live while layer i's backward runs beyond weights, their
+    gradients, the batch and the saved activations (gradients between layers, temporaries;
+    `planner.profiling.memory.measure_workspace`). Empty or 0 in older and imported profiles.
     """
 
     model_name: str
@@ -98,6 +100,7 @@ class Profile:
     optimizer_step_ms: dict[str, float] = field(default_factory=dict)
     optimizer_scratch_bytes: dict[str, int] = field(default_factory=dict)
     grad_accumulation_ms: float = 0.0
+    workspace_bytes: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -157,7 +160,7 @@ class Profile:
                 for p in body.get("shared_params", [])
             )
             batch_size = body["batch_size"]
-            return cls(
+            profile = cls(
                 model_name=str(body["model_name"]), source=str(body["source"]), device=str(body["device"]),
                 device_name=str(body["device_name"]), torch_version=str(body["torch_version"]),
                 dtype=str(body["dtype"]), batch_size=None if batch_size is None else int(batch_size),
@@ -169,11 +172,16 @@ class Profile:
                 optimizer_scratch_bytes={str(name): int(nbytes)
                                          for name, nbytes in body.get("optimizer_scratch_bytes", {}).items()},
                 grad_accumulation_ms=float(body.get("grad_accumulation_ms", 0.0)),
+                workspace_bytes=tuple(int(nbytes) for nbytes in body.get("workspace_bytes", ())),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise FileFormatError(source_path, f"profile has a malformed field: {exc}") from None
+        if profile.workspace_bytes and len(profile.workspace_bytes) != len(layers):
+            raise FileFormatError(source_path, f"profile has {len(profile.workspace_bytes)} workspace_bytes for "
+                                               f"{len(layers)} layers; remake it with `planner profile`")
+        return profile
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as versioned JSON (atomically); returns the path."""

@@ -98,7 +98,7 @@ class _Evaluator:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
-                            p.entering[pair], recompute)[4]
+                            p.entering[pair], recompute, p.workspace[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -199,14 +199,15 @@ class _Evaluator:
             return np.zeros(len(pair))
         weights, saved = p.weights[pair], p.saved[pair]
         per_flight = np.where(recompute, p.entering[pair], saved)
-        base = weights * (2 + inputs.optimizer_copies) + np.where(recompute, saved, 0.0)
+        in_backward = np.where(recompute, saved, 0.0) + p.workspace[pair]  # rebuilt (memory_terms)
+        base = weights * (2 + inputs.optimizer_copies) + in_backward
         if inputs.schedule == "pipedream":
             per_flight, base = per_flight + weights, base - weights
         with np.errstate(divide="ignore", invalid="ignore"):
             flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
         flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
         # limit must not be lost to rounding; every candidate is checked exactly afterwards)
-        stepping = base - np.where(recompute, saved, 0.0) + inputs.scratch_per_byte * weights  # the optimizer step's
+        stepping = base - in_backward + inputs.scratch_per_byte * weights  # the optimizer step's
         flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)  # peak does not depend on replicas
         m = float(inputs.microbatches)
         d = downstream.astype(float)

@@ -10,12 +10,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from planner.profiling.layer_tracker import LayerTracker
+from planner.profiling.layers import Layer
 from planner.profiling.tensors import DeathWatch, tensors_in
+from planner.profiling.timing import backward_nodes, sequence_nr
 
 
 class _LiveStorageMode(TorchDispatchMode):
@@ -35,6 +38,10 @@ class _LiveStorageMode(TorchDispatchMode):
         self.deaths = DeathWatch()
         self.live_bytes = start_bytes
         self.peak_bytes = start_bytes
+        self.start_bytes = start_bytes
+        self.saved: dict[int, int] = {}  # storages autograd saved for backward (`mark_saved`), still alive
+        self.saved_bytes = 0
+        self.excess_peak = 0  # the most of `excess()` since `reset_excess()`
 
     def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.count_inputs:  # e.g. tensors another thread received: they count from their first use
@@ -56,6 +63,7 @@ class _LiveStorageMode(TorchDispatchMode):
             entry = self.refs[key] = [storage.nbytes(), 0]
             self.live_bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.excess_peak = max(self.excess_peak, self.excess())
         entry[1] += 1
         self.deaths.watch(tensor, lambda: self._release(key))
 
@@ -67,6 +75,23 @@ class _LiveStorageMode(TorchDispatchMode):
         if entry[1] == 0:
             del self.refs[key]
             self.live_bytes -= entry[0]
+            self.saved_bytes -= self.saved.pop(key, 0)
+
+    def mark_saved(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage as saved activations from now until it is freed (if it is tracked)."""
+        key = tensor.untyped_storage().data_ptr()
+        entry = self.refs.get(key)
+        if entry is not None and key not in self.saved:
+            self.saved[key] = entry[0]
+            self.saved_bytes += entry[0]
+
+    def excess(self) -> int:
+        """Bytes live beyond the starting ones and the saved activations."""
+        return self.live_bytes - self.start_bytes - self.saved_bytes
+
+    def reset_excess(self) -> None:
+        """Start a new `excess_peak` from the present excess."""
+        self.excess_peak = self.excess()
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
@@ -125,3 +150,58 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
     with mode:
         work()
     return sum(resident.values()), mode.peak_bytes, "live-tensors"
+
+
+def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: tuple[torch.Tensor, ...],
+                      run_step: Callable[[], torch.Tensor]) -> list[int]:
+    """Per layer, the most bytes live while its backward runs beyond the weights, their gradients,
+    the `present` tensors (the batch) and the activations autograd saved and still holds: the
+    gradients flowing between layers and each operation's temporaries (a language model's loss
+    holds several vocabulary-sized tensors there). One step of `run_step()` (forward and loss) and
+    its backward, tracked as on the CPU (live storages per operation) on any device; each backward
+    node counts for the layer whose forward created it (`timing.backward_nodes`). Gradients that do
+    not exist yet are made (zeros) first and removed after, so that they count as weights'.
+    """
+    made = [p for p in model.parameters() if p.requires_grad and p.grad is None]
+    for parameter in made:
+        parameter.grad = torch.zeros_like(parameter)
+    try:
+        existing = [*model.parameters(), *model.buffers(), *present]
+        existing += [p.grad for p in model.parameters() if p.grad is not None]
+        resident = _storages(existing)
+        mode = _LiveStorageMode(set(resident), sum(resident.values()))
+        workspace = [0] * len(layers)
+        sequence_starts: list[int | None] = [None] * len(layers)
+        current = [-1]  # the layer whose backward runs
+
+        def enter(index: int, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+            sequence_starts[index] = sequence_nr()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            mode.mark_saved(tensor)
+            return tensor.detach()  # (the tensor itself would tie an output saved by its own node into a cycle)
+
+        def close() -> None:
+            if current[0] >= 0:
+                workspace[current[0]] = max(workspace[current[0]], mode.excess_peak)
+
+        def starts(layer: int) -> Callable[[Any], None]:
+            def hook(_grad_outputs: Any) -> None:
+                close()
+                current[0] = layer
+                mode.reset_excess()
+            return hook
+
+        hooks = [starts(layer) for layer in range(len(layers))]
+        with mode:
+            with LayerTracker(layers, on_enter=enter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = run_step()
+            for node, layer in backward_nodes(loss, sequence_starts):
+                node.register_prehook(hooks[layer])
+            loss.backward()
+            close()
+            del loss
+    finally:
+        for parameter in made:
+            parameter.grad = None
+    return workspace

@@ -16,7 +16,7 @@ from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.profiling.layers import Layer, find_layers
-from planner.profiling.memory import measure_peak_memory
+from planner.profiling.memory import measure_peak_memory, measure_workspace
 from planner.profiling.model_file import (
     ModelFile,
     build_checked_model,
@@ -181,6 +181,9 @@ def _measure(
         lambda: measure_peak_memory(model, (*inputs, step.target), step.loss, device),
     )
     step.zero_grad()
+    workspace = _phase(model_file, "measuring each layer's backward memory",
+                       lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
+    step.zero_grad()
     report("memory", 1, 1)
     times = _phase(model_file, "timing layers", lambda: time_layers(
         layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
@@ -194,6 +197,7 @@ def _measure(
     step.zero_grad()
     threads = torch.get_num_threads()
     param_bytes, shared = _attribute_params(model, layers, dataflow)
+    workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
             name=layer.name, kind=layer.kind, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
@@ -216,7 +220,21 @@ def _measure(
             "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
+        workspace_bytes=tuple(workspace),
     )
+
+
+def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedParam, ...]) -> list[int]:
+    """`workspace` less, at the layers from a shared parameter's first user up to (not including) its
+    last, its bytes: in the whole model autograd holds the later users' gradient of a tied weight
+    until the first user's backward adds its own, while in a pipeline each stage holding the weight
+    has its own copy and gradient (counted as weights')."""
+    found = list(workspace)
+    for parameter in shared:
+        first, last = min(parameter.layers), max(parameter.layers)
+        for layer in range(first, last):
+            found[layer] = max(found[layer] - parameter.nbytes, 0)
+    return found
 
 
 def _attribute_params(

@@ -117,7 +117,7 @@ def _gc_paused() -> Any:
             gc.enable()
 
 
-def _sequence_nr() -> int:
+def sequence_nr() -> int:
     """The sequence number the next autograd node created on this thread will get."""
     return int(torch._C._autograd._get_sequence_nr())
 
@@ -134,6 +134,23 @@ def _graph_nodes(root: torch.autograd.graph.Node) -> list[torch.autograd.graph.N
     return nodes
 
 
+def backward_nodes(loss: torch.Tensor, sequence_starts: Sequence[int | None]) -> list[tuple[Any, int]]:
+    """Every autograd node of `loss`'s graph that a layer's forward created, with that layer: the
+    last layer whose start (`sequence_starts[i]`: `sequence_nr()` when layer i began, None if it
+    never did) is at or below the node's number. Call it right after the forward and loss."""
+    if loss.grad_fn is None:
+        return []
+    forward_end = sequence_nr()  # nodes numbered from here on (gradient accumulators) are not layers'
+    starts: list[int] = []
+    following = forward_end
+    for start in reversed(sequence_starts):  # a layer that never began starts where the next does
+        following = start if start is not None else following
+        starts.append(following)
+    starts.reverse()
+    return [(node, max(bisect.bisect_right(starts, node._sequence_nr()) - 1, 0))
+            for node in _graph_nodes(loss.grad_fn) if node._sequence_nr() < forward_end]
+
+
 class _InstrumentedStep:
     """Hooks that mark forward layer starts and the start of every backward node during one step."""
 
@@ -147,25 +164,13 @@ class _InstrumentedStep:
 
     def _enter(self, index: int, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         self.fwd_marks[index] = self.clock.mark()
-        self.sequence_starts[index] = _sequence_nr()
+        self.sequence_starts[index] = sequence_nr()
 
     def hook_backward(self, loss: torch.Tensor) -> None:
         """Give every node of the loss's graph a pre-hook that records its layer and the time."""
-        if loss.grad_fn is None:
-            return
-        forward_end = _sequence_nr()  # nodes numbered from here on (gradient accumulators) are not layers'
-        starts: list[int] = []
-        following = forward_end
-        for start in reversed(self.sequence_starts):  # a layer that never began starts where the next does
-            following = start if start is not None else following
-            starts.append(following)
-        starts.reverse()
         hooks = [self._backward_hook(layer) for layer in range(self.num_layers)]
-        for node in _graph_nodes(loss.grad_fn):
-            number = node._sequence_nr()
-            if number < forward_end:
-                layer = max(bisect.bisect_right(starts, number) - 1, 0)
-                node.register_prehook(hooks[layer])
+        for node, layer in backward_nodes(loss, self.sequence_starts):
+            node.register_prehook(hooks[layer])
 
     def _backward_hook(self, layer: int) -> Callable[[Any], None]:
         def hook(_grad_outputs: Any) -> None:

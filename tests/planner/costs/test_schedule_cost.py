@@ -33,7 +33,7 @@ def prefix(values: Sequence[float]) -> np.ndarray:
 def layers(
     compute: Sequence[float], fwd: Sequence[float] | None = None, params: Sequence[float] | None = None,
     cuts: Sequence[float] | None = None, saved: Sequence[float] | None = None,
-    shared: tuple[tuple[int, tuple[int, ...], float], ...] = (),
+    shared: tuple[tuple[int, tuple[int, ...], float], ...] = (), workspace: Sequence[float] | None = None,
 ) -> LayerArrays:
     """LayerArrays from per-layer values (missing ones are zero)."""
     n = len(compute)
@@ -45,6 +45,7 @@ def layers(
         saved_bytes=prefix(saved if saved is not None else zeros),
         shared=shared,
         fwd_s=prefix(fwd if fwd is not None else zeros),
+        workspace_bytes=None if workspace is None else np.asarray(workspace, dtype=float),
     )
 
 
@@ -217,6 +218,17 @@ def test_1f1b_memory_is_capped_by_microbatches() -> None:
     costs = stage_costs(inputs, [(0, 1, 1, False), (1, 2, 3, False)])
     assert costs[0].memory_bytes == pytest.approx(4e9 + 2 * 5e8, rel=REL)
     assert costs[1].memory_bytes == pytest.approx(4e9 + 1 * 5e8, rel=REL)
+
+
+def test_a_backwards_workspace_adds_once_on_top_of_the_microbatches_in_flight() -> None:
+    # layers' workspace 3e8, 9e8, 1e8: stage [0, 2) holds the larger, 9e8, scaled by sigma = 0.5
+    arrays = layers([0.1, 0.1, 0.1], params=[1e9, 1e9, 1e9], saved=[5e8, 5e8, 5e8], workspace=[3e8, 9e8, 1e8])
+    inputs = CostInputs(arrays, flat(2), "1f1b", 4, scale=0.5, optimizer_copies=2)
+    first, second = stage_costs(inputs, [(0, 2, 1, False), (2, 3, 1, False)])
+    # first: n = min(4, 2) = 2 microbatches of 0.5 x 1e9 saved; second: n = 1
+    assert first.memory_bytes == pytest.approx(4 * 2e9 + 2 * 0.5 * 1e9 + 0.5 * 9e8, rel=REL)
+    assert second.memory_bytes == pytest.approx(4 * 1e9 + 1 * 0.5 * 5e8 + 0.5 * 1e8, rel=REL)
+    assert (first.rebuilt_bytes, second.rebuilt_bytes) == pytest.approx((0.5 * 9e8, 0.5 * 1e8), rel=REL)
 
 
 def test_pipedream_memory_stashes_weight_versions() -> None:

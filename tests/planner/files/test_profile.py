@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from planner.errors import FileFormatError
+from planner.files.plan import profile_digest
 from planner.files.profile import (
     LAYER_COLUMNS,
     PROFILE_FORMAT,
@@ -39,6 +41,20 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     assert load_profile(path) == profile
     document = json.loads(path.read_text())
     assert document["format"] == PROFILE_FORMAT and document["version"] == 1 and "planner_version" in document
+
+
+def test_workspace_round_trips_and_a_count_other_than_the_layers_is_refused(tmp_path: Path) -> None:
+    profile = dataclasses.replace(_profile(), workspace_bytes=(10, 20, 30))
+    assert load_profile(profile.save(tmp_path / "w.json")) == profile
+    path = _rewrite(tmp_path, workspace_bytes=[10, 20])
+    with pytest.raises(FileFormatError, match="2 workspace_bytes for 3 layers"):
+        load_profile(path)
+
+
+def test_the_workspace_enters_the_digest_only_where_it_was_measured() -> None:
+    older = _profile()
+    assert profile_digest(dataclasses.replace(older, workspace_bytes=())) == profile_digest(older)
+    assert profile_digest(dataclasses.replace(older, workspace_bytes=(1, 2, 3))) != profile_digest(older)
 
 
 def test_dataframe_has_the_layer_columns_in_execution_order() -> None:

@@ -1,11 +1,14 @@
-"""Peak memory of one step on CPU, tracked from live tensor storages."""
+"""Peak memory of one step on CPU, and each layer's backward workspace, tracked from live tensor storages."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from planner.profiling.memory import measure_peak_memory
+from planner.profiling.layers import find_layers
+from planner.profiling.memory import measure_peak_memory, measure_workspace
 
 FLOAT = 4
 
@@ -34,3 +37,72 @@ def test_cpu_peak_sees_a_large_temporary() -> None:
 
     peak, _ = measure_peak_memory(model, (x,), step, torch.device("cpu"))
     assert peak >= 1_000_000 * FLOAT
+
+
+# --- each layer's backward workspace -------------------------------------------------------------
+
+
+class _TemporaryInBackward(torch.autograd.Function):
+    """Identity whose backward makes a 4 MB temporary."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        big = torch.ones(1_000_000)
+        return grad * big[0]
+
+
+class _SavesALot(torch.autograd.Function):
+    """Identity that saves 4 MB for a backward that makes nothing large."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(torch.ones(1_000_000))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (kept,) = ctx.saved_tensors
+        return grad * kept[0]
+
+
+class _Apply(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x)
+
+
+def _workspace(model: nn.Sequential, x: torch.Tensor) -> list[int]:
+    layers = find_layers(model, lambda: model(x), None, None)
+    assert len(layers) == len(model)
+    return measure_workspace(model, layers, (x,), lambda: model(x).square().sum())
+
+
+def test_workspace_is_the_temporary_of_the_layer_whose_backward_makes_it() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), _Apply(_TemporaryInBackward), nn.Linear(10, 10))
+    found = _workspace(model, torch.randn(4, 10))
+    assert found[1] >= 1_000_000 * FLOAT
+    assert found[0] < 10_000 and found[2] < 10_000  # gradients of 4 x 10 activations and 10 x 10 weights
+    assert all(p.grad is None for p in model.parameters())  # the zero gradients it made are gone again
+
+
+def test_workspace_leaves_out_what_autograd_saved() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), _Apply(_SavesALot))
+    found = _workspace(model, torch.randn(4, 10))
+    assert found[1] < 10_000  # the 4 MB it saved are activations (saved_bytes), not workspace
+
+
+def test_workspace_leaves_out_existing_and_made_weight_gradients() -> None:
+    model = nn.Sequential(nn.Linear(1000, 1000, bias=False), nn.ReLU())
+    x = torch.randn(2, 1000)
+    model(x).sum().backward()  # a gradient exists for the weight: it is a weight's, not workspace
+    found = _workspace(model, x)
+    # the linear's backward makes its weight's gradient (4 MB) before adding it into .grad
+    assert 1000 * 1000 * FLOAT <= found[0] < 1000 * 1000 * FLOAT + 100_000
+    assert found[1] < 100_000

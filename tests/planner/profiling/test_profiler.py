@@ -46,6 +46,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"
+    assert len(profile.workspace_bytes) == profile.num_layers and all(w >= 0 for w in profile.workspace_bytes)
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
 
@@ -60,6 +61,21 @@ def test_gpt_records_the_tied_embedding_once(profiles: dict[str, Profile]) -> No
     assert profile.layers[-1].param_bytes == 0
     model = load_model_file(EXAMPLES / "gpt.py").build_model()
     assert profile.total_param_bytes == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_gpt_head_holds_the_largest_backward_workspace_and_no_block_holds_the_tied_gradient(
+        profiles: dict[str, Profile]) -> None:
+    profile = profiles["gpt"]
+    workspace = profile.workspace_bytes
+    head = [layer.name for layer in profile.layers].index("lm_head")
+    logits = profile.layers[head].output_bytes
+    # the loss's backward holds gradients the size of the logits (batch x sequence x vocabulary)
+    assert workspace.index(max(workspace)) == head and workspace[head] >= logits
+    # in the whole model autograd holds the head's gradient of the tied embedding (4 MB) through every
+    # block's backward; a pipeline stage does not, and the profile leaves it out
+    (shared,) = profile.shared_params
+    blocks = [w for layer, w in zip(profile.layers, workspace) if layer.kind == "Block"]
+    assert blocks and max(blocks) < shared.nbytes
 
 
 def test_gpt_head_is_the_heaviest_layer(profiles: dict[str, Profile]) -> None:
