@@ -9,7 +9,9 @@ In a fresh folder, exactly the commands of the README, with their defaults:
 2. per model, `planner profile MODEL` (defaults: batch 8, on CPU cores / 2 threads);
 3. per schedule, `planner partition PROFILE --cluster cluster.json --straight --schedule S --microbatches 4`;
 4. `planner train MODEL --plan PLAN --steps N --report REPORT` (2 processes under torchrun);
-5. the report's ratios measured / predicted: the iteration, each stage's compute per microbatch,
+5. per schedule again on devices with 80% of the memory that plan needs (`memory_bytes` in a copy
+   of the cluster file), where the planner recomputes activations (`--no-recompute` leaves it out);
+6. the report's ratios measured / predicted: the iteration, each stage's compute per microbatch,
    its transfers per microbatch, its optimizer step and its peak memory (second step, the first with optimizer state).
 
 Models: examples/mlp.py, examples/gpt.py, examples/resnet.py and benchmarks/models/gpt2.py (a
@@ -22,6 +24,7 @@ minutes, so compare ratios, and rerun before reading much into one.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,7 @@ MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.p
           "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py"}
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = 4
+MEMORY_SHARE = 0.8  # the recompute rows: devices with this share of what the plan without a limit needs
 TIMEOUT_S = 600
 
 
@@ -61,12 +65,29 @@ def row(model: str, schedule: str, report: RunReport) -> list[str]:
     return cells
 
 
+def recompute_row(model: str, schedule: str, free_plan: str, steps: int, folder: Path) -> list[str]:
+    """The same path on devices with MEMORY_SHARE of the memory the plan without a limit needs (the cluster
+    file with `memory_bytes`): the planner recomputes activations where they no longer fit."""
+    needed = max(stage["memory_bytes"] for stage in json.loads((folder / free_plan).read_text())["stages"])
+    cluster = json.loads((folder / "cluster.json").read_text())
+    cluster["memory_bytes"] = int(MEMORY_SHARE * needed)
+    (folder / "cluster-small.json").write_text(json.dumps(cluster))
+    plan, report = f"{model}-{schedule}-small.json", f"{model}-{schedule}-small.report.json"
+    planner("partition", f"{model}.json", "--cluster", "cluster-small.json", "--straight", "--schedule", schedule,
+            "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
+    flags = "".join("r" if stage["recompute"] else "-" for stage in json.loads((folder / plan).read_text())["stages"])
+    planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
+    return row(model, f"{schedule}, {MEMORY_SHARE:.0%} memory, recompute {flags}", load_run_report(folder / report))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep its files")
+    parser.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="leave out the plans made for devices too small to hold the activations")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="default-path-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,6 +106,10 @@ def main() -> None:
                          if line.startswith(("warning:", "note:"))]
             rows.append(row(model, schedule, load_run_report(folder / f"{model}-{schedule}.report.json")))
             print(f"  {model} {schedule} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            if args.recompute:
+                rows.append(recompute_row(model, schedule, plan, args.steps, folder))
+                print(f"  {model} {schedule} with recompute done ({time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr)
     headers = ["model", "schedule", "predicted ms", "measured ms", "iteration", "compute per stage",
                "transfers per stage", "optimizer step per stage", "peak memory per stage"]
     print("| " + " | ".join(headers) + " |")

@@ -102,6 +102,11 @@ class Profile:
     grad_accumulation_ms: float = 0.0
     workspace_bytes: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.workspace_bytes and len(self.workspace_bytes) != len(self.layers):
+            raise ValueError(f"{len(self.workspace_bytes)} workspace_bytes for {len(self.layers)} layers "
+                             "(one per layer, or none)")
+
     @property
     def num_layers(self) -> int:
         """Number of layers."""
@@ -178,9 +183,6 @@ class Profile:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise FileFormatError(source_path, f"profile has a malformed field: {exc}") from None
-        if profile.workspace_bytes and len(profile.workspace_bytes) != len(layers):
-            raise FileFormatError(source_path, f"profile has {len(profile.workspace_bytes)} workspace_bytes for "
-                                               f"{len(layers)} layers; remake it with `planner profile`")
         return profile
 
     def save(self, path: str | Path) -> Path:

@@ -23,7 +23,7 @@ from planner.planning.partition import partition
 from planner.files.plan import Plan
 from planner.files.profile import load_profile
 from runtime.checkpoint import export_checkpoint, latest_complete
-from runtime.train import parse_args
+from runtime.train import parse_args, warmup_steps
 from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -320,3 +320,10 @@ def test_options() -> None:
     options = parse_args(["m.py", "--plan", "p.json", "--steps", "5", "--timeout", "60", "--checkpoint-dir", "c",
                           "--resume"])
     assert (options.steps, options.timeout_s, options.checkpoint_dir, options.resume) == (5, 60.0, "c", True)
+
+
+def test_the_reports_warmup_reaches_to_the_step_whose_memory_was_measured_while_a_step_is_left() -> None:
+    assert warmup_steps(12, memory_step=1) == 2  # the first allocates the optimizer's state, the second is measured
+    assert warmup_steps(12, memory_step=0) == 1
+    assert warmup_steps(2, memory_step=1) == 1  # one step must remain to be measured
+    assert warmup_steps(1, memory_step=1) == 0

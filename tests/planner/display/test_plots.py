@@ -46,8 +46,8 @@ def gpt() -> Profile:
 
 @pytest.fixture(scope="module")
 def replicated(gpt: Profile) -> Plan:
-    """Several stages, some replicated, under a 100 MB limit (today [0, 5) x1, [5, 9) x1, [9, 17) x2)."""
-    plan = partition(gpt, make_cluster(4, memory="100MB"), schedule="1f1b", microbatches=8)
+    """Several stages, some replicated, under a 120 MB limit (today three stages, the last x2)."""
+    plan = partition(gpt, make_cluster(4, memory="120MB"), schedule="1f1b", microbatches=8)
     assert len(plan.stages) >= 2 and any(stage.replicas > 1 for stage in plan.stages)
     return plan
 
@@ -169,7 +169,7 @@ def test_many_layers_get_at_most_forty_short_tick_labels(gpt: Profile) -> None:
     template = gpt.layers[3]
     layers = tuple(dataclasses.replace(template, name=f"model.encoder.layers.{i}.attention_block_with_long_name")
                    for i in range(200))
-    big = dataclasses.replace(gpt, layers=layers)
+    big = dataclasses.replace(gpt, layers=layers, workspace_bytes=(gpt.workspace_bytes[3],) * len(layers))
     plan = partition(big, make_cluster(2), schedule="1f1b", microbatches=2)
     _, memory_ax = partition_figure(plan, big).axes
     labels = [label.get_text() for label in memory_ax.get_xticklabels()]

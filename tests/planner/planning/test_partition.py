@@ -229,7 +229,7 @@ def test_auto_schedule_is_synchronous_even_where_pipedream_is_faster() -> None:
     # without the optimizer step (which pipedream pays after every microbatch), pipedream predicts faster here
     gpt = dataclasses.replace(load_profile(Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"),
                               optimizer_step_ms={}, optimizer_scratch_bytes={})
-    cluster = make_cluster(8, 4, ["300GB/s", "25GB/s"], memory="60MB")
+    cluster = make_cluster(8, 4, ["300GB/s", "25GB/s"], memory="100MB")
     auto = partition(gpt, cluster)
     asked = partition(gpt, cluster, schedule="pipedream")
     assert auto.schedule in ("gpipe", "1f1b")
