@@ -9,8 +9,9 @@ In a fresh folder, exactly the commands of the README, with their defaults:
 2. per model, `planner profile MODEL` (defaults: batch 8, on CPU cores / 2 threads);
 3. per schedule, `planner partition PROFILE --cluster cluster.json --straight --schedule S --microbatches 4`;
 4. `planner train MODEL --plan PLAN --steps N --report REPORT` (2 processes under torchrun);
-5. per schedule again on devices with 80% of the memory that plan needs (`memory_bytes` in a copy
-   of the cluster file), where the planner recomputes activations (`--no-recompute` leaves it out);
+5. per schedule again on devices with less memory than that plan needs (`memory_bytes` in a copy of
+   the cluster file: halfway to the least any plan needs), where the planner recomputes activations
+   (`--no-recompute` leaves these rows out);
 6. the report's ratios measured / predicted: the iteration, each stage's compute per microbatch,
    its transfers per microbatch, its optimizer step and its peak memory (second step, the first with optimizer state).
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from planner.files.cluster import MIN_MEMORY_BYTES
 from planner.files.run_report import RunReport, load_run_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +41,6 @@ MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.p
           "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py"}
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = 4
-MEMORY_SHARE = 0.8  # the recompute rows: devices with this share of what the plan without a limit needs
 TIMEOUT_S = 600
 
 
@@ -65,19 +67,33 @@ def row(model: str, schedule: str, report: RunReport) -> list[str]:
     return cells
 
 
-def recompute_row(model: str, schedule: str, free_plan: str, steps: int, folder: Path) -> list[str]:
-    """The same path on devices with MEMORY_SHARE of the memory the plan without a limit needs (the cluster
-    file with `memory_bytes`): the planner recomputes activations where they no longer fit."""
-    needed = max(stage["memory_bytes"] for stage in json.loads((folder / free_plan).read_text())["stages"])
+def with_memory(folder: Path, memory_bytes: int) -> str:
+    """A copy of the measured cluster file whose devices have `memory_bytes` each; its name."""
     cluster = json.loads((folder / "cluster.json").read_text())
-    cluster["memory_bytes"] = int(MEMORY_SHARE * needed)
+    cluster["memory_bytes"] = memory_bytes
     (folder / "cluster-small.json").write_text(json.dumps(cluster))
+    return "cluster-small.json"
+
+
+def recompute_row(model: str, schedule: str, free_plan: str, steps: int, folder: Path) -> list[str]:
+    """The same path on devices halfway between the least memory any plan needs (with recompute; the planner
+    says it when asked for the least it accepts) and what the plan without a limit needs: the planner recomputes
+    activations where they no longer fit."""
+    needed = max(stage["memory_bytes"] for stage in json.loads((folder / free_plan).read_text())["stages"])
+    arguments = ("--straight", "--schedule", schedule, "--microbatches", str(MICROBATCHES))
+    refused = subprocess.run([sys.executable, "-m", "planner", "partition", f"{model}.json", "--cluster",
+                              with_memory(folder, MIN_MEMORY_BYTES), *arguments, "--out", "refused.json"],
+                             cwd=folder, capture_output=True, text=True, timeout=TIMEOUT_S)
+    least = re.search(r"smallest memory that admits a plan is ([0-9.]+) GB", refused.stderr)
+    if least is None:
+        sys.exit(f"`planner partition` did not name the least memory for {model}:\n{refused.stderr[-2000:]}")
+    limit = int((float(least.group(1)) * 1e9 + needed) / 2)
     plan, report = f"{model}-{schedule}-small.json", f"{model}-{schedule}-small.report.json"
-    planner("partition", f"{model}.json", "--cluster", "cluster-small.json", "--straight", "--schedule", schedule,
-            "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
+    planner("partition", f"{model}.json", "--cluster", with_memory(folder, limit), *arguments, "--out", plan,
+            folder=folder)
     flags = "".join("r" if stage["recompute"] else "-" for stage in json.loads((folder / plan).read_text())["stages"])
     planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
-    return row(model, f"{schedule}, {MEMORY_SHARE:.0%} memory, recompute {flags}", load_run_report(folder / report))
+    return row(model, f"{schedule}, {limit / 1e6:.0f} MB, recompute {flags}", load_run_report(folder / report))
 
 
 def main() -> None:
