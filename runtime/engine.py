@@ -57,7 +57,7 @@ from torch import nn
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
+    ALLREDUCE, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
     check_channel_order,
 )
 from runtime.export_split import ShapeGuard
@@ -331,8 +331,8 @@ class Engine:
                                   time.perf_counter()))
 
         scales = [1.0] * len(shares) if pipedream else shares
-        run_program(self.program.actions, self.runner, _StepMessages(self, step, slots), chunks, targets, scales,
-                    before, after)
+        messages = _StepMessages(self, step, slots, ops, started)
+        run_program(self.program.actions, self.runner, messages, chunks, targets, scales, before, after)
         self._where = None
         return self._loss(shares) if self.runner.last else None
 
@@ -366,13 +366,21 @@ class Engine:
             self._mailbox.put(("gradient structure", key), gradient_structure(structure))
         self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
-    def _step(self) -> None:
-        """Sum tied parameters' gradients across their stages, then step the optimizer (if any)."""
-        for parameter, group in self._gradients.tied:
-            self._all_reduce([parameter], group)
+    def _step(self, ops: list[OpTime] | None = None, step: int = 0, iteration: int = 0) -> float:
+        """Sum tied parameters' gradients across their stages, then step the optimizer (if any); returns
+        when the step began (`perf_counter`). The tied all-reduce, if any, goes into `ops` as an ALLREDUCE
+        op of microbatch -1 (it waits for every stage holding the tie)."""
+        if self._gradients.tied:
+            start = time.perf_counter()
+            for parameter, group in self._gradients.tied:
+                self._all_reduce([parameter], group)
+            if ops is not None:
+                ops.append(OpTime(step, ALLREDUCE, iteration, -1, None, start, time.perf_counter()))
+        began = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        return began
 
     def _all_reduce(self, parameters: list[nn.Parameter], group: Any, divide_by: int = 1) -> None:
         """Sum the gradients of `parameters` over `group`, divided by `divide_by` (`all_reduce_gradients`),
@@ -487,8 +495,10 @@ def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:
 class _StepMessages:
     """`run_program`'s Transport for one train_step of an engine: point-to-point links and process groups."""
 
-    def __init__(self, engine: Engine, step: int, slots: list[tuple[int, Any]]) -> None:
+    def __init__(self, engine: Engine, step: int, slots: list[tuple[int, Any]], ops: list[OpTime],
+                 started: list[float]) -> None:
         self.engine, self.step_index, self.slots = engine, step, slots
+        self.ops, self.started = ops, started  # this step's timed ops; when the running action began
 
     def receive(self, action: Action) -> Any:
         """The activation or gradients from the action's peer; RankMissing when it stops answering."""
@@ -517,8 +527,9 @@ class _StepMessages:
                            divide_by=replicas if engine.schedule.name == "pipedream" else 1)
 
     def step(self, action: Action) -> None:
-        """Tied weights' gradients summed across their stages, then the optimizer step."""
-        self.engine._step()
+        """Tied weights' gradients summed across their stages (timed as an all-reduce), then the optimizer
+        step (timed from there as the STEP action)."""
+        self.started[0] = self.engine._step(self.ops, self.step_index, action.iteration)
 
 
 def _check_message_order(schedule: Schedule) -> None:

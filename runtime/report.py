@@ -28,7 +28,9 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   from its first send to the return of its last. The median, not the mean: on a busy CPU a
   sender thread may resume tens of ms after its message arrived (the receiver's op that needed it
   had long started), which says nothing of the link; `send_ms` is the total per step, timed the
-  same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica; pipedream's
+  same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica (and the
+  tied weights' all-reduce before the step, for the last stage holding them to get there: predicted
+  as the plan's `allreduce_ms + tied_allreduce_ms`); `step_ms` is the optimizer step alone; pipedream's
   `idle_ms` includes each train_step's fill and drain.
 - `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its
   `Engine.memory_step` (the second `train_step` with an optimizer, whose state the first created;
@@ -211,8 +213,8 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         ranks=tuple(RankPlacement(t.rank, t.stage, t.replica, t.hostname) for t in traces),
         measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
         predicted_samples_per_s=predicted.samples_per_s,
-        predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms, s.allreduce_ms, s.step_ms,
-                                        float(s.memory_bytes)) for i, s in enumerate(plan.stages)),
+        predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms, s.allreduce_ms + s.tied_allreduce_ms,
+                                        s.step_ms, float(s.memory_bytes)) for i, s in enumerate(plan.stages)),
         losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
         notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
         meta=dict(meta or {}), memory_method=", ".join(methods),

@@ -40,7 +40,8 @@ Transfers run on their own channel (one per direction), overlapped with compute.
   stages: sum_s t = sigma T_total + recomputed forwards); the busiest replica then handles its
   ceil(m / r) - 1 other microbatches and the all-reduce. For equal stages and no communication
   this is GPipe's and 1F1B's (m + S - 1)(f + b); for one stage on r replicas it is data
-  parallelism's ceil(m / r) t + ar. Transfers during fill and drain (latency included) are not counted.
+  parallelism's ceil(m / r) t + ar. Transfers during fill and drain (latency included) are not counted,
+  nor is the all-reduce of tied weights across stages (`tied_allreduce_s`); the simulator plays both.
 - `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
       Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
@@ -59,6 +60,7 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
@@ -255,6 +257,7 @@ class StageCost:
     step_s: float = 0.0  # opt: one optimizer step over the stage's weights
     scratch_bytes: float = 0.0  # held by the optimizer step beyond weights, gradients and state
     accumulate_s: float = 0.0  # acc: added to each backward after a replica's first in an iteration
+    tied_s: float = 0.0  # the all-reduce of tied weights across stages before the step (`tied_allreduce_s`)
 
 
 def stage_cost(
@@ -286,13 +289,34 @@ def stage_cost(
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
-    """The terms of every stage of a plan, placed as in the module docstring."""
+    """The terms of every stage of a plan, placed as in the module docstring (`tied_s` included)."""
     ranks = first_ranks(inputs, stages)
     costs, from_here = [], 0
     for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
         from_here += replicas
         costs.append(stage_cost(inputs, start, stop, replicas, recompute, rank, from_here))
-    return costs[::-1]
+    return [dataclasses.replace(cost, tied_s=tied) for cost, tied in zip(costs[::-1], tied_allreduce_s(inputs, stages))]
+
+
+def tied_allreduce_s(inputs: CostInputs, stages: list[Stage]) -> list[float]:
+    """Per stage, seconds of summing the gradients of tied weights across the stages using them, before
+    the optimizer step: for each shared parameter of S bytes used by g ranks of two or more stages, a
+    ring all-reduce 2 (g - 1)(S / (g bw) + lat) over the slowest link among them (`allreduce_s`), for
+    each of those stages; 0 where a stage holds no tied copy. The closed form Q leaves it out (it
+    depends on where the other users are); the simulator plays it, every holder waiting for all."""
+    ranks = first_ranks(inputs, stages)
+    found = [0.0] * len(stages)
+    for first, others, nbytes in inputs.arrays.shared:
+        holders = [index for index, (start, stop, _, _) in enumerate(stages)
+                   if any(start <= layer < stop for layer in (first, *others))]
+        if len(holders) < 2:
+            continue
+        count = sum(stages[index][2] for index in holders)
+        low, high = ranks[holders[0]], ranks[holders[-1]] + stages[holders[-1]][2] - 1
+        seconds = float(allreduce_s(nbytes, count, *link_terms(inputs.cluster, low, high)))
+        for index in holders:
+            found[index] += seconds
+    return found
 
 
 def fill_drain_s(inputs: CostInputs, stages: list[Stage]) -> float:

@@ -13,7 +13,8 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
   `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions: `compute_ms`
   (forward + backward, plus the recomputed forward, of one microbatch on one device),
   `comm_ms` (its larger transfer per microbatch, in or out), `allreduce_ms` (the gradient
-  all-reduce among its replicas), `period_ms` (steady-state time per microbatch the stage
+  all-reduce among its replicas), `tied_allreduce_ms` (summing tied weights' gradients with the
+  other stages holding them, once per step; `schedule_cost.tied_allreduce_s`), `period_ms` (steady-state time per microbatch the stage
   allows; the planner model: max(compute, transfers) / replicas), `memory_bytes` (per device).
 - `predicted`: `bottleneck_s` (the largest per-stage term the cost model minimises),
   `iteration_ms` (flush schedules: one iteration of `microbatches`; pipedream: time per
@@ -135,6 +136,7 @@ class StagePlan(StageLayout):
     memory_bytes: int
     step_ms: float = 0.0  # one optimizer step over the stage's weights (0 where the profile did not time it)
     accumulate_ms: float = 0.0  # added to each backward after a replica's first of an iteration (flush schedules)
+    tied_allreduce_ms: float = 0.0  # summing tied weights' gradients with the other stages holding them, per step
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
                 allreduce_ms=float(s["allreduce_ms"]), period_ms=float(s["period_ms"]),
                 memory_bytes=int(s["memory_bytes"]), step_ms=float(s.get("step_ms", 0.0)),
                 accumulate_ms=float(s.get("accumulate_ms", 0.0)),
+                tied_allreduce_ms=float(s.get("tied_allreduce_ms", 0.0)),
             )
             for s in body["stages"]
         )

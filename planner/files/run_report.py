@@ -79,9 +79,9 @@ class StageMeasurement:
     """What one stage measured, averaged over its replicas and the measured steps (ms).
 
     Per microbatch: `forward_ms`, `backward_ms` (with a recomputed forward), `compute_ms` (their
-    sum), `comm_ms` (the larger of the mean transfers into and out of the stage). Per step:
+    sum), `comm_ms` (the larger of the median transfers into and out of the stage). Per step:
     `send_ms` (its sends, overlapping compute), `recv_wait_ms` (waiting for messages),
-    `allreduce_ms`, `step_ms` (optimizer and tied all-reduce), `busy_ms` (compute + all-reduce +
+    `allreduce_ms` (with tied weights' all-reduce), `step_ms` (the optimizer step), `busy_ms` (compute + all-reduce +
     optimizer), `idle_ms` (step time - busy). `allreduce_each_ms`: per all-reduce;
     `idle_fraction`: idle_ms / mean step time (a share)."""
 
@@ -329,9 +329,9 @@ def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes]) -> T
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:
     """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
     `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
-    `stage i all-reduce (ms)` (per all-reduce), `stage i step (ms)` (the optimizer step; measured with the
-    tied parameters' all-reduce), `stage i peak memory (MB)` (the plan's memory per device against
-    the most a replica needed in its first step; NaN when not measured) and `stage i idle (share)`;
+    `stage i all-reduce (ms)` (per all-reduce), `stage i step (ms)` (the optimizer step; the tied
+    parameters' all-reduce before it counts as an all-reduce), `stage i peak memory (MB)` (the plan's memory per device against
+    the most a replica needed in the step it was measured; NaN when not measured) and `stage i idle (share)`;
     columns `predicted`,
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
     predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when

@@ -39,6 +39,7 @@ class StageTimes:
     step_s: float = 0.0  # one optimizer step (after each all-reduce; pipedream: after every microbatch)
     scratch_bytes: float = 0.0  # held during each optimizer step
     accumulate_s: float = 0.0  # added to each backward after a rank's first of an iteration (flush schedules)
+    tied_s: float = 0.0  # all-reduce of tied weights with the other stages holding them, before each step
 
 
 @dataclass(frozen=True)

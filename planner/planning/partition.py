@@ -163,7 +163,7 @@ def _planner_plan(
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
             memory_bytes=int(cost.memory_bytes), step_ms=cost.step_s * 1000.0,
-            accumulate_ms=cost.accumulate_s * 1000.0,
+            accumulate_ms=cost.accumulate_s * 1000.0, tied_allreduce_ms=cost.tied_s * 1000.0,
         )
         for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
     )

@@ -12,11 +12,13 @@ compute thread, applies when it ends;
 weight stashing keeps every backward on its forward's weights), so replicas that take turns on
 the microbatches never wait for each other; a forward waits only while two of its rank's
 all-reduces are unfinished (at most one update pending, so weights are never more than one
-update behind).
+update behind). A stage holding a copy of tied weights (`tied_s` > 0) sums their gradients with
+the other holders before its step: when every holder rank has reached its step, an all-reduce row
+`tied_s` long (one sync among all holder ranks, whichever tied parameters they hold).
 Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`).
 
 Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
-forward to the end of its backward, plus `rebuilt_bytes` during a recomputing backward: the
+forward to the end of its backward, plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds): the
 terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
 """
 
@@ -44,7 +46,7 @@ from planner.schedules.schedule import (
     build_schedule,
     pipedream_microbatches,
 )
-from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_terms, replicas_of, stage_cost
+from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_terms, replicas_of, stage_costs
 from planner.costs.schedule_cost import transfer_s as message_s
 
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
@@ -60,6 +62,8 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     reductions = dict.fromkeys(programs, 0)
     reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
     backwards: dict[tuple[int, int], int] = {}  # (rank, iteration) -> backwards run
+    tied_ranks = [rank for rank, program in programs.items() if stage_times[program.stage].tied_s > 0]
+    tied_waiting: dict[int, dict[int, float]] = {}  # iteration -> rank -> when it reached its step
     rows: list[tuple] = []
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
@@ -115,6 +119,14 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     at = max(free_at[rank], reduce_ends[rank][-1]) if reduce_ends[rank] else free_at[rank]
                     if schedule.name == "pipedream":  # the compute thread steps while the all-reduce
                         at = free_at[rank]  # runs on its channel (its result applies when both are done)
+                    if times.tied_s > 0:  # tied weights: every rank holding a copy sums their gradients first
+                        arrived = tied_waiting.setdefault(action.iteration, {})
+                        arrived[rank] = at
+                        if len(arrived) < len(tied_ranks):
+                            break
+                        start = max(arrived.values())
+                        rows.append(base[:5] + (ALLREDUCE, -1, start, start + times.tied_s))
+                        at = start + times.tied_s
                     rows.append(base + (at, at + times.step_s))
                     free_at[rank] = at + times.step_s
                 position[rank] += 1
@@ -130,18 +142,16 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
 def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
     """Each stage's durations and memory terms under the planner cost model (`schedule_cost`)."""
     arrays, sigma = inputs.arrays, inputs.scale
-    ranks = first_ranks(inputs, list(stages))
-    result, devices_after = [], 0
-    for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
-        devices_after += replicas
-        cost = stage_cost(inputs, start, stop, replicas, recompute, rank, devices_after)
+    result = []
+    for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages))):
         result.append(StageTimes(
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
             step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
+            tied_s=cost.tied_s,
         ))
-    return tuple(result[::-1])
+    return tuple(result)
 
 
 def stage_ranks(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[tuple[int, ...], ...]:

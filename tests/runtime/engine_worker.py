@@ -62,10 +62,11 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
     if fail and fail["rank"] == rank:
         deliberate_failure(engine.module, fail["microbatch"], fail["in"])
     losses = [engine.train_step(inputs, target) for _ in range(case["steps"])]
+    ops = [(op.op, op.microbatch, op.start_s, op.end_s) for op in engine.trace if op.step == case["steps"] - 1]
     engine.close()
     mine = {id(parameter) for parameter in engine.module.parameters()}
     params = {name: parameter.detach().clone() for name, parameter in model.named_parameters() if id(parameter) in mine}
-    torch.save({"losses": losses, "params": params}, out / f"{case['name']}.rank{rank}.pt")
+    torch.save({"losses": losses, "params": params, "ops": ops}, out / f"{case['name']}.rank{rank}.pt")
 
 
 def main() -> int:

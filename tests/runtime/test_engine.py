@@ -215,6 +215,16 @@ def pipedream_reference(spec: dict[str, Any], stash: bool) -> dict[int, dict[str
 
 
 @pytest.mark.slow
+def test_the_tied_embeddings_all_reduce_is_timed_apart_from_the_optimizer_step(results: Path) -> None:
+    """gpt's wte/lm_head weight lives on both stages: each times its all-reduce (microbatch -1), then the step."""
+    for rank in (0, 1):
+        ops = load(results, "gpt-1f1b", rank)["ops"]
+        tied = [op for op in ops if op[0] == ALLREDUCE and op[1] == -1]
+        (step,) = [op for op in ops if op[0] == STEP]
+        assert len(tied) == 1 and tied[0][3] <= step[2], f"rank {rank}: {ops}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world, spec", PIPEDREAM, ids=[c["name"] for _, c in PIPEDREAM])
 def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world: int, spec: dict[str, Any]) -> None:
     stashed, unstashed = pipedream_reference(spec, stash=True), pipedream_reference(spec, stash=False)

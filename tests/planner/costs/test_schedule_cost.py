@@ -19,6 +19,7 @@ from planner.costs.schedule_cost import (
     placement_ok,
     plan_fits,
     stage_costs,
+    tied_allreduce_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 
@@ -143,6 +144,20 @@ def test_flush_allreduce_is_ring_over_stage_bandwidth(replicas: int) -> None:
     assert objective_s(inputs, [(0, 1, replicas, False)]) == pytest.approx(
         t + (math.ceil(m / replicas) - 1) * t + allreduce, rel=REL  # the busiest replica's other microbatches
     )
+
+
+def test_tied_weights_are_summed_by_a_ring_over_every_rank_of_the_stages_holding_them() -> None:
+    # a 4e8-byte weight tied between layers 0 and 2, 10 GB/s, 20 us per message
+    arrays = layers([0.1, 0.1, 0.1], params=[4e8, 0.0, 0.0], shared=((0, (2,), 4e8),))
+    inputs = CostInputs(arrays, make_cluster(4, None, ["10GB/s"], latencies=["20us"]), "1f1b", 4)
+    two = 2 * (2 - 1) * (4e8 / (2 * 1e10) + 20e-6)  # one rank per holder: g = 2
+    assert tied_allreduce_s(inputs, [(0, 1, 1, False), (1, 3, 1, False)]) == pytest.approx([two, two], rel=REL)
+    three = 2 * (3 - 1) * (4e8 / (3 * 1e10) + 20e-6)  # the first holder on 2 replicas: g = 3
+    found = tied_allreduce_s(inputs, [(0, 1, 2, False), (1, 2, 1, False), (2, 3, 1, False)])
+    assert found == pytest.approx([three, 0.0, three], rel=REL)  # the middle stage holds no copy
+    assert tied_allreduce_s(inputs, [(0, 3, 1, False)]) == [0.0]  # one stage holds every user: nothing to sum
+    costs = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert [cost.tied_s for cost in costs] == pytest.approx([two, two], rel=REL)
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])

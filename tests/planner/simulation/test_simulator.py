@@ -105,6 +105,19 @@ def test_the_optimizer_step_follows_the_allreduce_and_ends_the_iteration() -> No
     assert memory["bytes"].iloc[-1] == pytest.approx(100.0)
 
 
+def test_stages_holding_tied_weights_sum_their_gradients_together_before_their_steps() -> None:
+    # 1f1b, 2 stages, 2 microbatches: rank 1 ends its last backward at 7, rank 0 at 9 (the flush's 3 x 3)
+    times = equal_stages(2, step_s=0.25, tied_s=0.5)
+    timeline = simulate_schedule(build_schedule("1f1b", [1, 1], 2), times)
+    tied = timeline.events[(timeline.events["op"] == ALLREDUCE) & (timeline.events["microbatch"] == -1)]
+    assert sorted(tied["rank"]) == [0, 1]
+    assert list(tied["start_s"]) == pytest.approx([9.0, 9.0])  # rank 1 waits for rank 0 to get there
+    assert list(tied["end_s"]) == pytest.approx([9.5, 9.5])
+    steps = timeline.events[timeline.events["op"] == "step"]
+    assert list(steps["start_s"]) == pytest.approx([9.5, 9.5])
+    assert timeline.iteration_s() == pytest.approx(9.0 + 0.5 + 0.25)
+
+
 def test_backwards_after_a_ranks_first_accumulate_gradients() -> None:
     timeline = simulate_schedule(build_schedule("gpipe", [1], 3), [StageTimes(F, B, 0.0, 0.0, accumulate_s=0.125)])
     backwards = timeline.events[timeline.events["op"] == BACKWARD].sort_values("start_s")
