@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -11,17 +12,23 @@ from planner.files.profile import Profile
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
 
 
-def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float]:
-    """(step seconds, step scratch bytes, accumulation seconds) per parameter byte: one `optimizer`
-    step's time and scratch memory and one gradient accumulation's time over the whole model
-    (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`, `grad_accumulation_ms`), divided by
-    its parameter bytes; 0 for what the profile did not measure."""
+def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float, float]:
+    """(step seconds, step scratch bytes, accumulation seconds) per parameter byte, and step seconds per
+    parameter tensor: one `optimizer` step's time and scratch memory and one gradient accumulation's
+    time over the whole model (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`,
+    `grad_accumulation_ms`) divided by its parameter bytes, the step's time after taking off its
+    per-tensor cost (`optimizer_step_per_tensor_ms` x the model's tensors) when measured; 0 for what
+    the profile did not measure."""
     if profile.total_param_bytes <= 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     step_ms = profile.optimizer_step_ms.get(optimizer, 0.0)
+    per_tensor_ms = profile.optimizer_step_per_tensor_ms.get(optimizer, 0.0) if profile.param_tensors else 0.0
+    per_tensor_ms = min(per_tensor_ms, step_ms / max(sum(profile.param_tensors), 1))
+    step_ms -= per_tensor_ms * sum(profile.param_tensors)
     scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
     total = profile.total_param_bytes
-    return step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total
+    return (step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total,
+            per_tensor_ms / 1000.0)
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,9 @@ class LayerArrays:
     in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
     (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
     stage holding one of the other layers holds a copy too; `workspace_bytes[k]`: bytes layer k's
-    backward holds beyond saved activations (not a prefix sum; None: all zero).
+    backward holds beyond saved activations (not a prefix sum; None: all zero); `param_tensors`:
+    parameter tensors, a prefix sum counted as `param_bytes` (None: all zero; a shared one's copy
+    counts 1).
     """
 
     compute_s: np.ndarray
@@ -44,12 +53,15 @@ class LayerArrays:
     shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
     fwd_s: np.ndarray | None = None
     workspace_bytes: np.ndarray | None = None
+    param_tensors: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
             object.__setattr__(self, "fwd_s", np.zeros_like(self.compute_s))
         if self.workspace_bytes is None:
             object.__setattr__(self, "workspace_bytes", np.zeros(len(self.cut_bytes)))
+        if self.param_tensors is None:
+            object.__setattr__(self, "param_tensors", np.zeros_like(self.param_bytes))
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +84,7 @@ class LayerArrays:
             fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
             workspace_bytes=np.array([float(nbytes) for nbytes in profile.workspace_bytes]) if profile.workspace_bytes
             else None,
+            param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
         )
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
@@ -94,22 +107,31 @@ class LayerArrays:
     def stage_weight_bytes(self, start: int, stop: int) -> float:
         """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared
         parameter it uses whose first user lies outside it."""
-        own = float(self.param_bytes[stop] - self.param_bytes[start])
-        copies = sum(
-            nbytes for first, others, nbytes in self.shared
-            if not start <= first < stop and any(start <= layer < stop for layer in others)
-        )
-        return own + copies
+        return float(self.pair_weight_bytes(np.array([start]), np.array([stop]))[0])
+
+    def stage_tensor_count(self, start: int, stop: int) -> float:
+        """Parameter tensors a stage [start, stop) holds, shared copies included (as `stage_weight_bytes`)."""
+        return float(self.pair_tensor_counts(np.array([start]), np.array([stop]))[0])
 
     def pair_weight_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """`stage_weight_bytes` of many stages [starts[k], stops[k]) at once."""
-        weights = self.param_bytes[stops] - self.param_bytes[starts]
+        return self._with_copies(self.param_bytes, starts, stops, lambda nbytes: nbytes)
+
+    def pair_tensor_counts(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """`stage_tensor_count` of many stages at once."""
+        return self._with_copies(self.param_tensors, starts, stops, lambda nbytes: 1.0)
+
+    def _with_copies(self, prefix: np.ndarray, starts: np.ndarray, stops: np.ndarray,
+                     per_copy: Callable[[float], float]) -> np.ndarray:
+        """prefix[stop] - prefix[start], plus per_copy(bytes) for each shared parameter a stage uses
+        whose first user lies outside it."""
+        found = prefix[stops] - prefix[starts]
         for first, others, nbytes in self.shared:
             holds_other = np.zeros(len(starts), dtype=bool)
             for layer in others:
                 holds_other |= (starts <= layer) & (layer < stops)
-            weights = weights + np.where(holds_other & ~((starts <= first) & (first < stops)), nbytes, 0.0)
-        return weights
+            found = found + np.where(holds_other & ~((starts <= first) & (first < stops)), per_copy(nbytes), 0.0)
+        return found
 
     def cut_before(self, start: int) -> float:
         """Bytes entering a stage that begins at layer `start` (0 for the first stage)."""

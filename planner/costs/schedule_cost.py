@@ -33,7 +33,8 @@ Transfers run on their own channel (one per direction), overlapped with compute.
 - Flush schedules (`gpipe`, `1f1b`), m microbatches, one all-reduce per iteration:
       Q(s) = (ceil(m / r) - 1) max(t + acc, c_in, c_out) + ar(s) + opt(s)
       iteration = sum_s t(s) + max_s Q(s)
-  with opt = W x the optimizer step's time per weight byte and acc = W x the time per byte of
+  with opt = W x the optimizer step's time per weight byte + n x its time per parameter tensor (n:
+  the stage's parameter tensors; both rates measured by the profiler) and acc = W x the time per byte of
   adding a microbatch's gradients into the accumulated ones (both measured by the profiler; every
   backward after a replica's first accumulates).
   The sum is one microbatch's trip through every stage and back (fill and drain with unequal
@@ -109,6 +110,7 @@ class CostInputs:
     step_s_per_byte: float = 0.0  # one optimizer step, seconds per parameter byte (0: not counted)
     scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
     accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
+    step_s_per_tensor: float = 0.0  # one optimizer step, seconds per parameter tensor (on top of per byte)
 
     @property
     def class_size(self) -> int:
@@ -213,10 +215,10 @@ def accumulate_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrF
     return rate * weight_bytes
 
 
-def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
-    """opt = W x the profile's optimizer step time per parameter byte: one optimizer step over the
-    stage's weights (shared copies included), seconds."""
-    return inputs.step_s_per_byte * weight_bytes
+def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrFloat) -> ArrayOrFloat:
+    """opt = W x the optimizer step's time per parameter byte + n x its time per parameter tensor: one
+    optimizer step over the stage's W bytes in n tensors (shared copies included), seconds."""
+    return inputs.step_s_per_byte * weight_bytes + inputs.step_s_per_tensor * tensors
 
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
@@ -276,7 +278,8 @@ def stage_cost(
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
     allreduce = float(allreduce_s(weights, replicas, *link_terms(cluster, first_rank, last_rank)))
-    step, accumulate = float(step_terms(inputs, weights)), float(accumulate_terms(inputs, weights))
+    step = float(step_terms(inputs, weights, arrays.stage_tensor_count(start, stop)))
+    accumulate = float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
                                                            comm_in, comm_out, allreduce, step, accumulate))
     saved = sigma * arrays.stage_saved_bytes(start, stop)

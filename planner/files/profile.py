@@ -76,6 +76,9 @@ class Profile:
     ("sgd": momentum 0.9, "adam"), ms; `optimizer_scratch_bytes`: the temporary bytes such a step
     holds beyond weights, gradients and state. `grad_accumulation_ms`: adding one more batch's
     gradients into every `.grad` (each backward after a stage's first in a step does).
+    `optimizer_step_per_tensor_ms`: per optimizer, its step's cost per parameter tensor, ms (timed over
+    many one-element tensors), the rest of `optimizer_step_ms` being per byte; `param_tensors[i]`: the
+    parameter tensors layer i holds, counted as `param_bytes` is.
     `workspace_bytes[i]`: the most bytes live while layer i's backward runs beyond weights, their
     gradients, the batch and the saved activations (gradients between layers, temporaries;
     `planner.profiling.memory.measure_workspace`). Empty or 0 in older and imported profiles.
@@ -101,11 +104,14 @@ class Profile:
     optimizer_scratch_bytes: dict[str, int] = field(default_factory=dict)
     grad_accumulation_ms: float = 0.0
     workspace_bytes: tuple[int, ...] = ()
+    optimizer_step_per_tensor_ms: dict[str, float] = field(default_factory=dict)
+    param_tensors: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.workspace_bytes and len(self.workspace_bytes) != len(self.layers):
-            raise ValueError(f"{len(self.workspace_bytes)} workspace_bytes for {len(self.layers)} layers "
-                             "(one per layer, or none)")
+        for name in ("workspace_bytes", "param_tensors"):
+            values = getattr(self, name)
+            if values and len(values) != len(self.layers):
+                raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
 
     @property
     def num_layers(self) -> int:
@@ -178,6 +184,9 @@ class Profile:
                                          for name, nbytes in body.get("optimizer_scratch_bytes", {}).items()},
                 grad_accumulation_ms=float(body.get("grad_accumulation_ms", 0.0)),
                 workspace_bytes=tuple(int(nbytes) for nbytes in body.get("workspace_bytes", ())),
+                optimizer_step_per_tensor_ms={str(name): float(ms) for name, ms
+                                              in body.get("optimizer_step_per_tensor_ms", {}).items()},
+                param_tensors=tuple(int(count) for count in body.get("param_tensors", ())),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

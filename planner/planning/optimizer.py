@@ -91,7 +91,8 @@ class _Evaluator:
         comm_out = transfer_s(p.cut_out[pair], *link_terms(cluster, last, last + 1), p.stops[pair] < p.num_layers)
         allreduce = allreduce_s(p.weights[pair], replicas, *link_terms(cluster, first, last))
         _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce,
-                              step_terms(inputs, p.weights[pair]), accumulate_terms(inputs, p.weights[pair]))
+                              step_terms(inputs, p.weights[pair], p.tensors[pair]),
+                              accumulate_terms(inputs, p.weights[pair]))
         return bound, self.memory(pair, replicas, recompute, downstream)
 
     def memory(self, pair: np.ndarray, replicas: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
@@ -107,7 +108,8 @@ class _Evaluator:
         memory within the limit; _NONE where none works. Every link such a stage sees is outermost."""
         inputs, p = self.inputs, self.pairs
         group = inputs.class_size
-        if self.top_latency > 0 or self.inputs.step_s_per_byte > 0 or self.inputs.accumulate_s_per_byte > 0:
+        if (self.top_latency > 0 or self.inputs.step_s_per_byte > 0 or self.inputs.accumulate_s_per_byte > 0
+                or self.inputs.step_s_per_tensor > 0):
             # the closed forms below leave latency, the optimizer step and accumulation out: try every count
             return self._fewest_outer_scan(pair, first_end, recompute, downstream, bound)
         top = self.top
@@ -185,7 +187,8 @@ class _Evaluator:
         allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)  # every link is outermost
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce,
-                          step_terms(self.inputs, p.weights[pair]), accumulate_terms(self.inputs, p.weights[pair]))
+                          step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
+                          accumulate_terms(self.inputs, p.weights[pair]))
         ok = usable & (q <= bound) & (first_end - replicas >= 0)
         if self.inputs.memory_bytes is not None:
             ok &= self.memory(pair, replicas, recompute, downstream) <= self.inputs.memory_bytes

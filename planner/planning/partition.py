@@ -203,7 +203,7 @@ def _planner_plan(
         notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
     if any(stage.recompute for stage in stages):
         notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
-    if inputs.step_s_per_byte <= 0:
+    if inputs.step_s_per_byte <= 0 and inputs.step_s_per_tensor <= 0:
         notes.append(f"the profile did not time the {optimizer} optimizer step (made before it did, or imported): "
                      "iteration_ms leaves it out; profile again to count it")
     return Plan(

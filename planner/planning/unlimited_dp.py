@@ -156,6 +156,7 @@ class GroupCombos:
         self._time = inputs.scale * inputs.arrays.compute_s
         copies_add = all(nbytes >= 0 for _, _, nbytes in inputs.arrays.shared)
         self._weight = inputs.arrays.param_bytes if copies_add else np.zeros(n + 1)
+        self._step_tensors = inputs.step_s_per_tensor * inputs.arrays.param_tensors  # own tensors (copies add)
         self._held: Candidates | None = None
         self._ranges: dict[bool, _RangeColumns | None] = {}
 
@@ -181,7 +182,7 @@ class GroupCombos:
         allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column],
                                 self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
-                          comm_out, allreduce, step_terms(self.inputs, p.weights[pair]),
+                          comm_out, allreduce, step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
                           accumulate_terms(self.inputs, p.weights[pair]))[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
@@ -189,7 +190,7 @@ class GroupCombos:
         p, comm = self.pairs, self.outer_comm[pair]
         allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)
         return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce,
-                          step_terms(self.inputs, p.weights[pair]))[1]
+                          step_terms(self.inputs, p.weights[pair], p.tensors[pair]))[1]
 
     def columns(self, straight: bool) -> np.ndarray:
         """The combinations a plan may use, ordered by the residue they lead to."""
@@ -218,11 +219,13 @@ class GroupCombos:
         return self._held
 
     def _last_stops(self, gain_time: float, gain_weight: float, limit: float) -> np.ndarray:
-        """Per start i, the last stop j with gain_time t(i, j) + gain_weight W_own(i, j) <= limit,
-        up to a margin for rounding (class docstring); i or less when there is none."""
-        g = gain_time * self._time + gain_weight * self._weight
+        """Per start i, the last stop j with gain_time t(i, j) + gain_weight W_own(i, j) + the optimizer
+        step's time per tensor x n_own(i, j) <= limit, up to a margin for rounding (class docstring); i
+        or less when there is none."""
+        g = gain_time * self._time + gain_weight * self._weight + self._step_tensors
         running = np.minimum.accumulate(g[::-1])[::-1]
-        scale = abs(gain_time) * float(np.abs(self._time).max()) + abs(gain_weight) * float(np.abs(self._weight).max())
+        scale = (abs(gain_time) * float(np.abs(self._time).max()) + abs(gain_weight) * float(np.abs(self._weight).max())
+                 + float(np.abs(self._step_tensors).max()))
         reach = g[:-1] + (limit * (1.0 + 1e-9) + 1e-12 * scale)
         return np.searchsorted(running, reach, side="right") - 1
 
@@ -413,7 +416,8 @@ class _RangeColumns:
             at, c = starts[active], column[active]
             pair = p.offsets[at] + middle - at - 1
             allreduce = allreduce_s(p.weights[pair], self.replicas[c], self.bw_allreduce[c], self.lat_allreduce[c])
-            fits = (p.both[pair] + allreduce + step_terms(combos.inputs, p.weights[pair])) / self.replicas[c] <= bound
+            step = step_terms(combos.inputs, p.weights[pair], p.tensors[pair])
+            fits = (p.both[pair] + allreduce + step) / self.replicas[c] <= bound
             low[active] = np.where(fits, middle, low[active])
             high[active] = np.where(fits, high[active], middle - 1)
         self._known.append((bound, low))

@@ -43,14 +43,14 @@ def time_grad_accumulation(model: nn.Module, backward: Callable[[], None], clock
 
 
 def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int,
-                         device: torch.device) -> tuple[dict[str, float], dict[str, int]]:
+                         device: torch.device) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Per optimizer of OPTIMIZERS: the median ms of one `step()` over every parameter of `model`
-    (after one warm-up step that creates its state), with the gradients `backward` leaves, and the
+    (after one warm-up step that creates its state), with the gradients `backward` leaves, the
     scratch bytes one step holds beyond the weights, gradients and state (`memory.extra_memory_of`;
-    e.g. Adam's per-tensor intermediates). The steps change the weights (by a learning rate of
-    1e-9): time them last."""
+    e.g. Adam's per-tensor intermediates), and its ms per parameter tensor (`_step_ms_per_tensor`).
+    The steps change the weights (by a learning rate of 1e-9): time them last."""
     backward()
-    found, scratch = {}, {}
+    found, scratch, per_tensor = {}, {}, {}
     for name in OPTIMIZERS:
         optimizer = make_optimizer(name, model.parameters(), lr=1e-9)
         optimizer.step()
@@ -66,4 +66,27 @@ def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: 
             times.append(clock.elapsed_ms(start, end))
         found[name] = statistics.median(times)
         del optimizer
-    return found, scratch
+        per_tensor[name] = _step_ms_per_tensor(name, clock, iters, device)
+    return found, scratch, per_tensor
+
+
+PER_TENSOR_PROBE = 256  # one-element tensors `_step_ms_per_tensor` steps over
+
+
+def _step_ms_per_tensor(name: str, clock: Clock, iters: int, device: torch.device) -> float:
+    """The median ms of one `name` step over PER_TENSOR_PROBE one-element parameters, divided by their
+    count: what a step costs per tensor whatever its size (on CPU, torch's per-parameter loop; e.g.
+    resnet's many small tensors make this dominate)."""
+    parameters = [torch.zeros(1, device=device, requires_grad=True) for _ in range(PER_TENSOR_PROBE)]
+    for parameter in parameters:
+        parameter.grad = torch.ones_like(parameter)
+    optimizer = make_optimizer(name, parameters, lr=1e-9)
+    optimizer.step()
+    times = []
+    for _ in range(max(iters, 1)):
+        start = clock.mark()
+        optimizer.step()
+        end = clock.mark()
+        clock.synchronize()
+        times.append(clock.elapsed_ms(start, end))
+    return statistics.median(times) / PER_TENSOR_PROBE

@@ -192,11 +192,11 @@ def _measure(
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
-    optimizer_ms, optimizer_scratch = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
+    optimizer_ms, optimizer_scratch, per_tensor_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters, device))
     step.zero_grad()
     threads = torch.get_num_threads()
-    param_bytes, shared = _attribute_params(model, layers, dataflow)
+    param_bytes, param_tensors, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -220,7 +220,8 @@ def _measure(
             "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
-        workspace_bytes=tuple(workspace),
+        workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
+        param_tensors=tuple(param_tensors),
     )
 
 
@@ -239,8 +240,8 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
 
 def _attribute_params(
     model: nn.Module, layers: list[Layer], dataflow: Dataflow
-) -> tuple[list[int], tuple[SharedParam, ...]]:
-    """Parameter bytes per layer (each parameter at the first layer using it) and the shared ones.
+) -> tuple[list[int], list[int], tuple[SharedParam, ...]]:
+    """Parameter bytes and tensors per layer (each parameter at the first layer using it) and the shared ones.
 
     A parameter the forward never used goes to the layer whose module holds it (or layer 0).
     """
@@ -249,7 +250,7 @@ def _attribute_params(
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(parameter), []).append(name)
         tensors[id(parameter)] = parameter
-    param_bytes = [0] * len(layers)
+    param_bytes, param_tensors = [0] * len(layers), [0] * len(layers)
     shared: list[SharedParam] = []
     for key, names in names_of.items():
         used_by: set[int] = set()
@@ -259,6 +260,7 @@ def _attribute_params(
         holders = sorted(used_by or owners or {0})
         nbytes = tensor_nbytes(tensors[key])
         param_bytes[holders[0]] += nbytes
+        param_tensors[holders[0]] += 1
         if len(names) > 1 or len(holders) > 1:
             shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders)))
-    return param_bytes, tuple(shared)
+    return param_bytes, param_tensors, tuple(shared)

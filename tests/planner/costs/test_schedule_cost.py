@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pytest
 
+from planner.costs.layer_arrays import per_weight_byte
 from planner.files.cluster import Cluster, make_cluster
+from planner.files.profile import load_profile
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import (
     CostInputs,
@@ -24,6 +27,7 @@ from planner.costs.schedule_cost import (
 from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
 
 REL = 1e-12
+REPO = Path(__file__).resolve().parents[3]
 
 
 def prefix(values: Sequence[float]) -> np.ndarray:
@@ -429,6 +433,27 @@ def test_each_stage_steps_its_own_weights_and_a_copy_of_a_shared_one() -> None:
     first, second = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
     assert first.step_s == pytest.approx(3e9 * 1e-11, rel=REL)
     assert second.step_s == pytest.approx((2e9 + 2e9) * 1e-11, rel=REL)  # its layers and the tied copy
+
+
+def test_the_optimizer_step_also_pays_per_parameter_tensor_a_tied_copy_included() -> None:
+    # layers of 3, 1 and 2 tensors (the last also uses layer 0's tied weight): 20 us per tensor on top of per byte
+    arrays = dataclasses.replace(layers([0.1, 0.1, 0.1], params=[3e9, 1e9, 1e9], shared=((0, (2,), 2e9),)),
+                                 param_tensors=prefix([3, 1, 2]))
+    inputs = CostInputs(arrays, flat(2), "1f1b", 2, step_s_per_byte=1e-11, step_s_per_tensor=2e-5)
+    first, second = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert first.step_s == pytest.approx(3e9 * 1e-11 + 3 * 2e-5, rel=REL)
+    assert second.step_s == pytest.approx(4e9 * 1e-11 + (1 + 2 + 1) * 2e-5, rel=REL)  # + the tied copy
+
+
+def test_the_profiles_step_splits_into_per_tensor_and_per_byte_rates() -> None:
+    profile = dataclasses.replace(load_profile(REPO / "profiles" / "mlp.json"), optimizer_step_ms={"adam": 10.0},
+                                  optimizer_step_per_tensor_ms={"adam": 0.5})
+    tensors, total = sum(profile.param_tensors), profile.total_param_bytes
+    per_byte, _, _, per_tensor = per_weight_byte(profile, "adam")
+    assert per_tensor == pytest.approx(0.5e-3, rel=REL)
+    assert per_byte == pytest.approx((10.0 - 0.5 * tensors) / 1000.0 / total, rel=REL)
+    older = dataclasses.replace(profile, param_tensors=())  # before tensors were counted: all per byte
+    assert per_weight_byte(older, "adam")[::3] == pytest.approx((10.0 / 1000.0 / total, 0.0), rel=REL)
 
 
 def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations() -> None:

@@ -44,7 +44,8 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
 
 
 def test_workspace_round_trips_and_a_count_other_than_the_layers_is_refused(tmp_path: Path) -> None:
-    profile = dataclasses.replace(_profile(), workspace_bytes=(10, 20, 30))
+    profile = dataclasses.replace(_profile(), workspace_bytes=(10, 20, 30), param_tensors=(1, 2, 0),
+                                  optimizer_step_per_tensor_ms={"adam": 0.02})
     assert load_profile(profile.save(tmp_path / "w.json")) == profile
     path = _rewrite(tmp_path, workspace_bytes=[10, 20])
     with pytest.raises(FileFormatError, match="2 workspace_bytes for 3 layers"):

@@ -47,6 +47,8 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
     assert profile.peak_memory_method == "live-tensors"
     assert len(profile.workspace_bytes) == profile.num_layers and all(w >= 0 for w in profile.workspace_bytes)
+    assert set(profile.optimizer_step_per_tensor_ms) == {"sgd", "adam"}
+    assert all(0 < ms < profile.optimizer_step_ms[name] for name, ms in profile.optimizer_step_per_tensor_ms.items())
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
 
@@ -61,6 +63,8 @@ def test_gpt_records_the_tied_embedding_once(profiles: dict[str, Profile]) -> No
     assert profile.layers[-1].param_bytes == 0
     model = load_model_file(EXAMPLES / "gpt.py").build_model()
     assert profile.total_param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert sum(profile.param_tensors) == len(list(model.parameters()))  # the tied one once
+    assert profile.param_tensors[0] == 1 and profile.param_tensors[-1] == 0
 
 
 def test_gpt_head_holds_the_largest_backward_workspace_and_no_block_holds_the_tied_gradient(
