@@ -110,6 +110,8 @@ def _runtime_one_way_s(links: Links | None, peer: int, nbytes: int, trials: int,
             start = time.perf_counter()
             links.send(peer, buffer, with_structure=False)
             links.mailbox.take(("bounce", nbytes, trial), links.check)
+            if device.type == "cuda":  # under NCCL a receive's wait only orders the stream: wait for the data
+                torch.cuda.synchronize(device)
             times.append((time.perf_counter() - start) / 2.0)
         else:
             value, _ = links.mailbox.take(("bounce", nbytes, trial), links.check)

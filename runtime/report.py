@@ -29,8 +29,9 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   sender thread may resume tens of ms after its message arrived (the receiver's op that needed it
   had long started), which says nothing of the link; `send_ms` is the total per step, timed the
   same way; `allreduce_ms`/`allreduce_each_ms` include waiting for the slowest replica (and the
-  tied weights' all-reduce before the step, for the last stage holding them to get there: predicted
-  as the plan's `allreduce_ms + tied_allreduce_ms`); `step_ms` is the optimizer step alone; pipedream's
+  tied weights' all-reduce before the step, for the last stage holding them to get there); the
+  prediction per step is the plan's `allreduce_ms` per replica all-reduce plus `tied_allreduce_ms`
+  (`_allreduces_per_step`); `step_ms` is the optimizer step alone; pipedream's
   `idle_ms` includes each train_step's fill and drain.
 - `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its
   `Engine.memory_step` (the second `train_step` with an optimizer, whose state the first created;
@@ -59,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from planner.files.fileformat import write_versioned_json
-from planner.files.plan import Plan
+from planner.files.plan import Plan, StagePlan
 from planner.profiling.conditions import current_conditions
 from planner.files.run_report import (
     RUN_REPORT_FORMAT, RUN_REPORT_VERSION, RankPlacement, RunReport, RunReportError, StageMeasurement,
@@ -213,8 +214,10 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         ranks=tuple(RankPlacement(t.rank, t.stage, t.replica, t.hostname) for t in traces),
         measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
         predicted_samples_per_s=predicted.samples_per_s,
-        predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms, s.allreduce_ms + s.tied_allreduce_ms,
-                                        s.step_ms, float(s.memory_bytes)) for i, s in enumerate(plan.stages)),
+        predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms,
+                                        _allreduces_per_step(plan, s, microbatches) * s.allreduce_ms
+                                        + s.tied_allreduce_ms, s.step_ms, float(s.memory_bytes))
+                        for i, s in enumerate(plan.stages)),
         losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
         notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
         meta=dict(meta or {}), memory_method=", ".join(methods),
@@ -287,6 +290,14 @@ def _events(traces: Sequence[RankTrace], ops: dict[tuple[int, int], list[OpTime]
                          -1 if op.peer is None else op.peer, op.start_s + offset, op.end_s + offset))
     events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
     return events.reset_index(drop=True)
+
+
+def _allreduces_per_step(plan: Plan, stage: StagePlan, microbatches: int) -> float:
+    """How many replica all-reduces each of a stage's ranks runs per train_step: none unreplicated, one
+    in a flush schedule, one per microbatch it takes in pipedream (m / r on average)."""
+    if stage.replicas <= 1:
+        return 0.0
+    return microbatches / stage.replicas if plan.schedule == "pipedream" else 1.0
 
 
 def _durations_ms(ops: dict[tuple[int, int], list[OpTime]], ranks: Iterable[int], steps: Iterable[int],

@@ -10,8 +10,9 @@ clock for every process of a machine). `clock_offset_s()` turns them into wall-c
   `torch.distributed.send` to the return of its last (the compute thread only queues the value);
 - `recv_activation`, `recv_gradient`: the compute thread waiting for the message (zero long when
   it had already arrived);
-- `allreduce`: the replicas' gradient all-reduce, as the compute thread waits for it;
-- `step`: the tied parameters' all-reduce and the optimizer step.
+- `allreduce`: the replicas' gradient all-reduce, as the compute thread waits for it; and, with
+  microbatch -1 before the step, the all-reduce of weights tied across stages;
+- `step`: the optimizer step.
 """
 
 from __future__ import annotations

@@ -97,13 +97,14 @@ class StageMeasurement:
     busy_ms: float
     idle_ms: float
     idle_fraction: float
-    peak_memory_bytes: float = 0.0  # the most any replica needed in its first step (0: not measured)
+    peak_memory_bytes: float = 0.0  # the most any replica needed in its memory step (0: not measured)
 
 
 @dataclass(frozen=True)
 class StagePrediction:
-    """What the plan predicted for one stage (ms): per microbatch compute and transfer, all-reduce,
-    optimizer step (0 in reports from before it was predicted)."""
+    """What the plan predicted for one stage (ms): per microbatch compute and transfer; per step the
+    all-reduces (the replicas' and the tied weights' before the step; in reports before 2026-11-25,
+    one replica all-reduce) and the optimizer step (0 in reports from before it was predicted)."""
 
     compute_ms: float
     comm_ms: float
@@ -329,8 +330,8 @@ def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes]) -> T
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:
     """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
     `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
-    `stage i all-reduce (ms)` (per all-reduce), `stage i step (ms)` (the optimizer step; the tied
-    parameters' all-reduce before it counts as an all-reduce), `stage i peak memory (MB)` (the plan's memory per device against
+    `stage i all-reduce (ms/step)` (the replicas' and the tied weights' all-reduces of a step, waits
+    included), `stage i step (ms)` (the optimizer step), `stage i peak memory (MB)` (the plan's memory per device against
     the most a replica needed in the step it was measured; NaN when not measured) and `stage i idle (share)`;
     columns `predicted`,
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
@@ -346,7 +347,7 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
         rows += [
             (f"stage {index} compute (ms/microbatch)", expected.compute_ms, found.compute_ms),
             (f"stage {index} comm (ms/microbatch)", expected.comm_ms, found.comm_ms),
-            (f"stage {index} all-reduce (ms)", expected.allreduce_ms, found.allreduce_each_ms),
+            (f"stage {index} all-reduce (ms/step)", expected.allreduce_ms, found.allreduce_ms),
             (f"stage {index} step (ms)", expected.step_ms, found.step_ms),
             (f"stage {index} peak memory (MB)", expected.peak_memory_bytes / 1e6,
              found.peak_memory_bytes / 1e6 if found.peak_memory_bytes else math.nan),

@@ -63,7 +63,8 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
     backwards: dict[tuple[int, int], int] = {}  # (rank, iteration) -> backwards run
     tied_ranks = [rank for rank, program in programs.items() if stage_times[program.stage].tied_s > 0]
-    tied_waiting: dict[int, dict[int, float]] = {}  # iteration -> rank -> when it reached its step
+    tied_waiting: dict[int, dict[int, float]] = {}  # n-th step -> rank -> when it reached it
+    steps_taken = dict.fromkeys(programs, 0)  # steps each rank has run (pipedream: one per microbatch)
     rows: list[tuple] = []
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
@@ -120,7 +121,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     if schedule.name == "pipedream":  # the compute thread steps while the all-reduce
                         at = free_at[rank]  # runs on its channel (its result applies when both are done)
                     if times.tied_s > 0:  # tied weights: every rank holding a copy sums their gradients first
-                        arrived = tied_waiting.setdefault(action.iteration, {})
+                        arrived = tied_waiting.setdefault(steps_taken[rank], {})
                         arrived[rank] = at
                         if len(arrived) < len(tied_ranks):
                             break
@@ -129,6 +130,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                         at = start + times.tied_s
                     rows.append(base + (at, at + times.step_s))
                     free_at[rank] = at + times.step_s
+                    steps_taken[rank] += 1
                 position[rank] += 1
                 progress = True
     stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]

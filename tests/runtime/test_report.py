@@ -27,7 +27,7 @@ from planner.simulation.plan_simulation import plan_cost_inputs
 from planner.files.plan import Plan, StagePlan
 from planner.simulation.plan_simulation import simulate
 from planner.files.profile import Profile, load_profile
-from planner.files.run_report import RunReportError, load_run_report
+from planner.files.run_report import RunReportError, comparison_table, load_run_report
 from planner.costs.schedule_cost import first_ranks, samples_per_s, stage_costs
 from planner.files.timeline import COLUMNS
 from planner.schedules.schedule import SEND_ACTIVATION, SEND_GRADIENT
@@ -323,6 +323,8 @@ def test_a_run_that_went_as_simulated_measures_what_was_predicted(mlp: Profile, 
         assert found["comm_ms"] == pytest.approx(stage.comm_ms, rel=1e-6)
         assert found["allreduce_each_ms"] == pytest.approx(stage.allreduce_ms, rel=1e-6)
         assert (found["allreduce_ms"] > 0) == (stage.replicas > 1)
+        if stage.replicas > 1:  # per step: one all-reduce (flush) or one per microbatch a replica takes
+            assert found["allreduce_ms"] == pytest.approx(body["predicted"]["stages"][index]["allreduce_ms"], rel=1e-6)
         if schedule != "pipedream":  # the simulator's idle share: not computing nor all-reducing
             assert found["idle_fraction"] == pytest.approx(float(bubbles[list(stage.ranks)].mean()), rel=1e-6)
     def ordered(rows: list[list[Any]]) -> list[list[Any]]:
@@ -437,8 +439,20 @@ def check_engine_report(report: Any) -> None:
     assert events["end_s"].max() * 1000.0 <= step_ms + 1.0  # a transfer may end just after its sender's step
 
 
-if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+def test_a_replicated_stage_holding_a_tied_weight_measures_both_its_all_reduces_as_predicted() -> None:
+    gpt = load_profile(REPO / "profiles" / "gpt.json")
+    plan = partition(gpt, make_cluster(8, 4, ("10GB/s", "1GB/s"), memory="100MB"), schedule="1f1b", microbatches=8)
+    tied = [index for index, stage in enumerate(plan.stages) if stage.tied_allreduce_ms > 0]
+    assert tied == [0, len(plan.stages) - 1] and plan.stages[-1].replicas > 1  # the embedding and the head
+    report = build_run_report(plan, replay_timeline(simulate(plan, gpt), 3), batch_size=8 * plan.microbatch_size,
+                              losses=[])
+    body, table = report.to_dict(), comparison_table(report)
+    for index in tied:
+        assert table.loc[f"stage {index} all-reduce (ms/step)", "ratio"] == pytest.approx(1.0, rel=1e-6)
+        found, expected = body["measured"]["stages"][index], body["predicted"]["stages"][index]
+        replica_ms = plan.stages[index].allreduce_ms if plan.stages[index].replicas > 1 else 0.0
+        assert expected["allreduce_ms"] == pytest.approx(replica_ms + plan.stages[index].tied_allreduce_ms)
+        assert found["allreduce_ms"] == pytest.approx(expected["allreduce_ms"], rel=1e-6)  # replicas, then tie
 
 
 def test_a_boundary_transfer_is_the_median_so_a_sender_thread_resuming_late_does_not_count() -> None:
@@ -447,3 +461,7 @@ def test_a_boundary_transfer_is_the_median_so_a_sender_thread_resuming_late_does
     late = [OpTime(1, SEND_GRADIENT, 0, 0, 0, 50.0, 50.04)]
     ops = {(0, 1): sends, (1, 1): late}
     assert _boundary_transfer_ms(ops, [[0], [1]], [1]) == pytest.approx([0.5])
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

@@ -152,7 +152,7 @@ def test_comparison_table_finds_the_true_factors(report: RunReport, plan: Plan, 
         assert table.loc[f"stage {index} compute (ms/microbatch)", "ratio"] == pytest.approx(
             (factor * stage.compute_ms + extra) / (stage.compute_ms + extra))
         assert table.loc[f"stage {index} comm (ms/microbatch)", "ratio"] == pytest.approx(1.0)
-        assert math.isnan(table.loc[f"stage {index} all-reduce (ms)", "ratio"])  # nothing to all-reduce: 0 / 0
+        assert math.isnan(table.loc[f"stage {index} all-reduce (ms/step)", "ratio"])  # nothing to all-reduce: 0 / 0
         assert table.loc[f"stage {index} step (ms)", "predicted"] == stage.step_ms
         measured_idle = table.loc[f"stage {index} idle (share)", "measured"]
         assert measured_idle == pytest.approx(float(truth.bubble_fraction()[index]))
