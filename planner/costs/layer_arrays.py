@@ -109,6 +109,28 @@ class LayerArrays:
         parameter it uses whose first user lies outside it."""
         return float(self.pair_weight_bytes(np.array([start]), np.array([stop]))[0])
 
+    def stage_replicated_bytes(self, start: int, stop: int) -> float:
+        """The bytes a stage's replicas all-reduce: `stage_weight_bytes` less the shared parameters whose
+        users it does not all hold (those are summed with the other stages' copies instead)."""
+        return float(self.pair_replicated_bytes(np.array([start]), np.array([stop]))[0])
+
+    def pair_replicated_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """`stage_replicated_bytes` of many stages at once."""
+        found = self.pair_weight_bytes(starts, stops)
+        for first, others, nbytes in self.shared:
+            held = [(starts <= layer) & (layer < stops) for layer in (first, *others)]
+            some, every = np.logical_or.reduce(held), np.logical_and.reduce(held)
+            found = found - np.where(some & ~every, nbytes, 0.0)
+        return found
+
+    def unshared_param_bytes(self) -> np.ndarray:
+        """`param_bytes` without the shared parameters (a prefix sum): a lower bound of every stage's
+        weights and of what its replicas all-reduce."""
+        own = np.diff(self.param_bytes).copy()
+        for first, _, nbytes in self.shared:
+            own[first] -= nbytes
+        return np.concatenate([[0.0], np.cumsum(own)])
+
     def stage_tensor_count(self, start: int, stop: int) -> float:
         """Parameter tensors a stage [start, stop) holds, shared copies included (as `stage_weight_bytes`)."""
         return float(self.pair_tensor_counts(np.array([start]), np.array([stop]))[0])

@@ -22,8 +22,9 @@ For stage s = layers [i, j) with r replicas on ranks [p, p + r), recompute q in 
     F = sigma sum fwd,  B = sigma sum bwd,  t = F + B + q F       (one microbatch, one device)
     c_in  = lat(p-1, p) + sigma cut_bytes[i-1] / bw(p-1, p)          (0 for the first stage)
     c_out = lat(p+r-1, p+r) + sigma cut_bytes[j-1] / bw(p+r-1, p+r)  (0 for the last stage)
-    ar = 2 (r - 1) (W / (r bw) + lat), bw and lat of the span p..p+r-1
-                                 (ring all-reduce of the stage's weights W: 2 (r - 1) messages of W / r)
+    ar = 2 (r - 1) (W' / (r bw) + lat), bw and lat of the span p..p+r-1
+                                 (ring all-reduce of the stage's weights W' but those tied to other
+                                 stages, which `tied_allreduce_s` sums: 2 (r - 1) messages of W' / r)
 
 bw and lat are the cluster's bandwidth (bytes/s) and latency (s per message) of the innermost
 level holding both ranks (`link_bandwidth`, `link_latency`).
@@ -277,7 +278,8 @@ def stage_cost(
     comm_out = float(transfer_s(sigma * arrays.cut_after(stop), *link_terms(cluster, last_rank, last_rank + 1),
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
-    allreduce = float(allreduce_s(weights, replicas, *link_terms(cluster, first_rank, last_rank)))
+    allreduce = float(allreduce_s(arrays.stage_replicated_bytes(start, stop), replicas,
+                                  *link_terms(cluster, first_rank, last_rank)))
     step = float(step_terms(inputs, weights, arrays.stage_tensor_count(start, stop)))
     accumulate = float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
@@ -305,10 +307,13 @@ def tied_allreduce_s(inputs: CostInputs, stages: list[Stage]) -> list[float]:
     """Per stage, seconds of summing the gradients of tied weights across the stages using them, before
     the optimizer step: for each shared parameter of S bytes used by g ranks of two or more stages, a
     ring all-reduce 2 (g - 1)(S / (g bw) + lat) over the slowest link among them (`allreduce_s`), for
-    each of those stages; 0 where a stage holds no tied copy. The closed form Q leaves it out (it
-    depends on where the other users are); the simulator plays it, every holder waiting for all."""
+    each of those stages; 0 where a stage holds no tied copy, and under pipedream (each stage steps
+    on its own there: the engine refuses weights tied across stages). The closed form Q leaves it
+    out (it depends on where the other users are); the simulator plays it, every holder waiting for all."""
     ranks = first_ranks(inputs, stages)
     found = [0.0] * len(stages)
+    if inputs.schedule == "pipedream":
+        return found
     for first, others, nbytes in inputs.arrays.shared:
         holders = [index for index, (start, stop, _, _) in enumerate(stages)
                    if any(start <= layer < stop for layer in (first, *others))]

@@ -25,6 +25,7 @@ class Pairs:
         self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weights = weights
+        self.replicated = arrays.pair_replicated_bytes(starts, stops)  # what the replicas all-reduce
         self.tensors = arrays.pair_tensor_counts(starts, stops)  # parameter tensors, shared copies included
         saved = arrays.saved_bytes
         self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])

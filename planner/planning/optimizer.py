@@ -89,7 +89,7 @@ class _Evaluator:
         cluster = inputs.cluster
         comm_in = transfer_s(p.cut_in[pair], *link_terms(cluster, first - 1, first), p.starts[pair] > 0)
         comm_out = transfer_s(p.cut_out[pair], *link_terms(cluster, last, last + 1), p.stops[pair] < p.num_layers)
-        allreduce = allreduce_s(p.weights[pair], replicas, *link_terms(cluster, first, last))
+        allreduce = allreduce_s(p.replicated[pair], replicas, *link_terms(cluster, first, last))
         _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce,
                               step_terms(inputs, p.weights[pair], p.tensors[pair]),
                               accumulate_terms(inputs, p.weights[pair]))
@@ -115,7 +115,7 @@ class _Evaluator:
         top = self.top
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         comm = self.outer_comm[pair]
-        a = 2.0 * p.weights[pair] / top
+        a = 2.0 * p.replicated[pair] / top
         lowest = np.full(len(pair), 2.0 * group)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             if inputs.schedule == "pipedream":
@@ -184,7 +184,7 @@ class _Evaluator:
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
         p = self.pairs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)  # every link is outermost
+        allreduce = allreduce_s(p.replicated[pair], replicas, self.top, self.top_latency)  # every link is outermost
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]),

@@ -75,10 +75,11 @@ class GroupCombos:
     stage's sums and the combination's three bandwidths (in, out, all-reduce) alone.
 
     Stops worth evaluating. With t(i, j) = T[j] - T[i] (T: prefix sums of sigma times) and
-    W_own(i, j) = P[j] - P[i] <= W(i, j) (P: prefix sums of parameter bytes; W adds copies of
-    shared parameters, never fewer bytes), every combination's Q is at least a prefix difference:
+    W_own(i, j) = P[j] - P[i] <= W'(i, j) <= W(i, j) (P: prefix sums of the bytes of parameters no
+    other layer shares; W' what the replicas all-reduce, W what the stage steps: they add shared
+    parameters, never fewer bytes), every combination's Q is at least a prefix difference:
 
-        flush:     Q = turns_k max(t, c_in, c_out) + share_k W / bw_k >= turns_k t + share_k W_own / bw_k
+        flush:     Q = turns_k max(t, c_in, c_out) + share_k W' / bw_k >= turns_k t + share_k W_own / bw_k
         pipedream: Q = max(t + ar, c_in, c_out) / r_k >= (t + share_k W_own / bw_k) / r_k
 
     i.e. Q <= beta needs G_k[j] - G_k[i] <= m_k beta, G_k = a_k T + w_k P (a_k = turns_k, m_k = 1
@@ -155,7 +156,8 @@ class GroupCombos:
         self._whole_group_q: np.ndarray | None = None  # Q on a whole inner group, computed when first needed
         self._time = inputs.scale * inputs.arrays.compute_s
         copies_add = all(nbytes >= 0 for _, _, nbytes in inputs.arrays.shared)
-        self._weight = inputs.arrays.param_bytes if copies_add else np.zeros(n + 1)
+        # a lower bound of both what a stage steps and what its replicas all-reduce
+        self._weight = inputs.arrays.unshared_param_bytes() if copies_add else np.zeros(n + 1)
         self._step_tensors = inputs.step_s_per_tensor * inputs.arrays.param_tensors  # own tensors (copies add)
         self._held: Candidates | None = None
         self._ranges: dict[bool, _RangeColumns | None] = {}
@@ -179,7 +181,7 @@ class GroupCombos:
         compute = p.both[pair]
         comm_in = transfer_s(p.cut_in[pair], self.bw_in[column], self.lat_in[column], p.starts[pair] > 0)
         comm_out = transfer_s(p.cut_out[pair], self.bw_out[column], self.lat_out[column], p.stops[pair] < p.num_layers)
-        allreduce = allreduce_s(p.weights[pair], self.replicas[column], self.bw_allreduce[column],
+        allreduce = allreduce_s(p.replicated[pair], self.replicas[column], self.bw_allreduce[column],
                                 self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
                           comm_out, allreduce, step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
@@ -188,7 +190,7 @@ class GroupCombos:
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""
         p, comm = self.pairs, self.outer_comm[pair]
-        allreduce = allreduce_s(p.weights[pair], replicas, self.top, self.top_latency)
+        allreduce = allreduce_s(p.replicated[pair], replicas, self.top, self.top_latency)
         return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]))[1]
 
@@ -415,7 +417,7 @@ class _RangeColumns:
             middle = (low[active] + high[active] + 1) // 2
             at, c = starts[active], column[active]
             pair = p.offsets[at] + middle - at - 1
-            allreduce = allreduce_s(p.weights[pair], self.replicas[c], self.bw_allreduce[c], self.lat_allreduce[c])
+            allreduce = allreduce_s(p.replicated[pair], self.replicas[c], self.bw_allreduce[c], self.lat_allreduce[c])
             step = step_terms(combos.inputs, p.weights[pair], p.tensors[pair])
             fits = (p.both[pair] + allreduce + step) / self.replicas[c] <= bound
             low[active] = np.where(fits, middle, low[active])

@@ -173,16 +173,18 @@ def test_pipedream_allreduce_every_microbatch(replicas: int) -> None:
     assert objective_s(inputs, [(0, 1, replicas, False)]) == pytest.approx((t + allreduce) / replicas, rel=REL)
 
 
-def test_allreduce_includes_a_copy_of_a_shared_parameter() -> None:
+def test_a_weight_tied_across_stages_is_summed_over_all_its_holders_not_among_each_stages_replicas() -> None:
     # layer 0 owns a 2 GB tied weight that layer 2 also uses: a stage holding layer 2 (not 0) holds a copy
     arrays = layers([0.1, 0.1, 0.1], params=[3e9, 1e9, 1e9], shared=((0, (2,), 2e9),))
     inputs = CostInputs(arrays, flat(4, "10GB/s"), "gpipe", 1)
     costs = stage_costs(inputs, [(0, 1, 2, False), (1, 3, 2, False)])
-    assert costs[0].allreduce_s == pytest.approx(2 * 0.5 * 3e9 / 1e10, rel=REL)
-    assert costs[1].allreduce_s == pytest.approx(2 * 0.5 * (2e9 + 2e9) / 1e10, rel=REL)
-    # one stage holding both users: no extra copy
+    # the replicas all-reduce the rest (the engine sums the tied weight in one group of all 4 ranks)
+    assert costs[0].allreduce_s == pytest.approx(2 * 0.5 * 1e9 / 1e10, rel=REL)
+    assert costs[1].allreduce_s == pytest.approx(2 * 0.5 * 2e9 / 1e10, rel=REL)  # layers 1 and 2's own
+    assert [cost.tied_s for cost in costs] == pytest.approx([2 * 3 * 2e9 / (4 * 1e10)] * 2, rel=REL)
+    # one stage holding both users: the tied weight is an ordinary one of its replicas
     whole = stage_costs(inputs, [(0, 3, 2, False)])[0]
-    assert whole.allreduce_s == pytest.approx(2 * 0.5 * 5e9 / 1e10, rel=REL)
+    assert whole.allreduce_s == pytest.approx(2 * 0.5 * 5e9 / 1e10, rel=REL) and whole.tied_s == 0.0
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
