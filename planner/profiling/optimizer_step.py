@@ -57,14 +57,7 @@ def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: 
         state = tuple(tensor for values in optimizer.state.values() for tensor in values.values()
                       if isinstance(tensor, torch.Tensor))
         scratch[name] = extra_memory_of(optimizer.step, model, state, device)
-        times = []
-        for _ in range(max(iters, 1)):
-            start = clock.mark()
-            optimizer.step()
-            end = clock.mark()
-            clock.synchronize()
-            times.append(clock.elapsed_ms(start, end))
-        found[name] = statistics.median(times)
+        found[name] = _median_step_ms(optimizer, clock, iters)
         del optimizer
         per_tensor[name] = _step_ms_per_tensor(name, clock, iters, device)
     return found, scratch, per_tensor
@@ -82,6 +75,11 @@ def _step_ms_per_tensor(name: str, clock: Clock, iters: int, device: torch.devic
         parameter.grad = torch.ones_like(parameter)
     optimizer = make_optimizer(name, parameters, lr=1e-9)
     optimizer.step()
+    return _median_step_ms(optimizer, clock, iters) / PER_TENSOR_PROBE
+
+
+def _median_step_ms(optimizer: torch.optim.Optimizer, clock: Clock, iters: int) -> float:
+    """The median ms of `optimizer.step()` over `iters` steps (its state already made)."""
     times = []
     for _ in range(max(iters, 1)):
         start = clock.mark()
@@ -89,4 +87,4 @@ def _step_ms_per_tensor(name: str, clock: Clock, iters: int, device: torch.devic
         end = clock.mark()
         clock.synchronize()
         times.append(clock.elapsed_ms(start, end))
-    return statistics.median(times) / PER_TENSOR_PROBE
+    return statistics.median(times)
