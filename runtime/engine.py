@@ -366,7 +366,7 @@ class Engine:
             self._mailbox.put(("gradient structure", key), gradient_structure(structure))
         self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
-    def _step(self, ops: list[OpTime] | None = None, step: int = 0, iteration: int = 0) -> float:
+    def _step(self, ops: list[OpTime], step: int, iteration: int) -> float:
         """Sum tied parameters' gradients across their stages, then step the optimizer (if any); returns
         when the step began (`perf_counter`). The tied all-reduce, if any, goes into `ops` as an ALLREDUCE
         op of microbatch -1 (it waits for every stage holding the tie)."""
@@ -374,8 +374,7 @@ class Engine:
             start = time.perf_counter()
             for parameter, group in self._gradients.tied:
                 self._all_reduce([parameter], group)
-            if ops is not None:
-                ops.append(OpTime(step, ALLREDUCE, iteration, -1, None, start, time.perf_counter()))
+            ops.append(OpTime(step, ALLREDUCE, iteration, -1, None, start, time.perf_counter()))
         began = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.step()

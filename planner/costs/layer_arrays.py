@@ -95,12 +95,11 @@ class LayerArrays:
         """The most any layer of a stage [start, stop) holds during its backward beyond saved activations."""
         return float(np.max(self.workspace_bytes[start:stop]))
 
-    def pair_workspace_bytes(self, starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """`stage_workspace_bytes` of every stage of `stage_pairs` (ordered by start, then stop): running
-        maxima from each start."""
-        n = self.num_layers
-        found = np.empty(len(starts))
-        for start in range(n):
+    def pair_workspace_bytes(self, offsets: np.ndarray) -> np.ndarray:
+        """`stage_workspace_bytes` of every stage of `stage_pairs` (ordered by start, then stop; `offsets`
+        as it returns them): running maxima from each start."""
+        found = np.empty(int(offsets[-1]))
+        for start in range(self.num_layers):
             found[offsets[start]:offsets[start + 1]] = np.maximum.accumulate(self.workspace_bytes[start:])
         return found
 

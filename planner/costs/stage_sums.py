@@ -29,4 +29,4 @@ class Pairs:
         self.tensors = arrays.pair_tensor_counts(starts, stops)  # parameter tensors, shared copies included
         saved = arrays.saved_bytes
         self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
-        self.workspace = sigma * arrays.pair_workspace_bytes(starts, self.offsets)
+        self.workspace = sigma * arrays.pair_workspace_bytes(self.offsets)

@@ -94,6 +94,13 @@ class _LiveStorageMode(TorchDispatchMode):
         self.excess_peak = self.excess()
 
 
+def _resident(model: torch.nn.Module, present: tuple[torch.Tensor, ...]) -> dict[int, int]:
+    """The storages there before the work (pointer -> bytes): the model's parameters, buffers and
+    gradients, and the `present` tensors."""
+    existing = [*model.parameters(), *model.buffers(), *present]
+    return _storages(existing + [p.grad for p in model.parameters() if p.grad is not None])
+
+
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Distinct storages of `tensors`: pointer -> bytes."""
     storages = [t.untyped_storage() for t in tensors]
@@ -143,9 +150,7 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
         work()
         torch.cuda.synchronize(device)
         return start, int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
-    existing = [*model.parameters(), *model.buffers(), *present]
-    existing += [p.grad for p in model.parameters() if p.grad is not None]
-    resident = _storages(existing)
+    resident = _resident(model, present)
     mode = _LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
     with mode:
         work()
@@ -166,9 +171,7 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
     for parameter in made:
         parameter.grad = torch.zeros_like(parameter)
     try:
-        existing = [*model.parameters(), *model.buffers(), *present]
-        existing += [p.grad for p in model.parameters() if p.grad is not None]
-        resident = _storages(existing)
+        resident = _resident(model, present)
         mode = _LiveStorageMode(set(resident), sum(resident.values()))
         workspace = [0] * len(layers)
         sequence_starts: list[int | None] = [None] * len(layers)
