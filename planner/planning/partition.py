@@ -13,6 +13,7 @@ from planner.costs.pipedream_cost import (
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
+from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
@@ -80,6 +81,8 @@ class _Candidate:
     samples_per_s: float
     data_parallel_s: float  # one stage on every device, simulated the same way
     data_parallel_fits: bool
+    exhaustive: bool = True  # the final choice proved no plan simulates faster (`simulated_choice`)
+    simulated: int = 1  # plans the final choice simulated
 
 
 def _choose(
@@ -119,7 +122,7 @@ def _choose(
         else:
             found = _auto_microbatches(lambda count: run(schedule, count))
         if found is not None:
-            results.append(found)
+            results.append(_final_choice(found, straight, recompute, size))
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
     best = max(result.samples_per_s for result in results)
@@ -136,6 +139,19 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
     if not straight and fits and data_parallel < iteration:
         solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
     return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
+
+
+def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int) -> _Candidate:
+    """The plan the simulator finds fastest for the candidate's schedule and microbatches
+    (`simulated_choice.best_simulated`), seeded with the candidate's plan and data parallelism when it fits."""
+    inputs = found.inputs
+    everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    seeds = [list(found.solution.stages)] + ([everywhere] if not straight and found.data_parallel_fits else [])
+    choice = best_simulated(inputs, seeds, straight, recompute)
+    chosen = Solution(choice.stages, objective_s(inputs, list(choice.stages)))
+    iteration = predicted_iteration_s(inputs, list(choice.stages))
+    return replace(found, solution=chosen, iteration_s=iteration, samples_per_s=samples_per_s(inputs, iteration, size),
+                   exhaustive=choice.exhaustive, simulated=choice.simulated)
 
 
 def _auto_microbatches(run) -> _Candidate | None:
@@ -193,8 +209,13 @@ def _planner_plan(
     if flush:
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
                      "iteration_ms is one flushed iteration")
+    proof = ("no other plan simulates faster" if chosen.exhaustive else
+             "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated run "
+             "may not reach)"
+             if not flush else "the search stopped at its cap before proving that no other plan simulates faster")
     notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
-                 f"closed form the optimizer minimised says {closed_form * 1000:.4g} ms")
+                 f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
+                 f"simulated, chosen among the plans a lower bound could not rule out: {proof}")
     if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch. Weights update after every "

@@ -67,10 +67,15 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     steps_taken = dict.fromkeys(programs, 0)  # steps each rank has run (pipedream: one per microbatch)
     rows: list[tuple] = []
 
+    links: dict[tuple[int, int], tuple[float, float]] = {}  # (low rank, high rank) -> (bandwidth, latency)
+
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
         if cluster is None:
             return 0.0
-        return float(message_s(action_bytes, *link_terms(cluster, min(source, target), max(source, target))))
+        pair = (min(source, target), max(source, target))
+        if pair not in links:
+            links[pair] = tuple(float(value) for value in link_terms(cluster, *pair))
+        return float(message_s(action_bytes, *links[pair]))
 
     progress = True
     while progress:

@@ -1,0 +1,331 @@
+"""The optimizer's final choice under the simulator: plans in order of a lower bound on their simulated time (pure).
+
+The dynamic program (`optimizer.optimize`) minimises the closed form of `schedule_cost`, which leaves
+out what only a whole plan decides: transfers during fill and drain, the all-reduce of tied weights,
+gpipe's separate forward and backward phases, 1F1B's warm-up overlap, pipedream's round trips. Plans
+state the simulated time, so the plan to choose is the one the simulator finds fastest.
+`best_simulated` finds it by best-first search over plans built from the last stage backwards,
+ordered by a lower bound on their simulated time, simulating each complete plan, until no plan left
+can beat the best simulated one (then the choice is exact: `exhaustive`) or a cap on the work is hit
+(the best simulated so far, never worse than the plans it was seeded with).
+
+Lower bound (seconds) of stage s = layers [i, j) with r replicas, n = ceil(m / r) microbatches on its
+busiest replica, k of them in flight (`schedule.in_flight`), terms t = f + b, c_in, c_out, ar, opt, acc
+of `schedule_cost.stage_cost`, F = sigma fwd_s[i] and B = sigma (compute_s[i] - fwd_s[i]) the forward
+and backward of the layers before it, and D the round trip of one microbatch from the stage's output
+back to it (the later stages' t and twice their input messages), so that a loop is L = t + D:
+
+    flush:     LB(s) = F + max(n t + (n - 1) acc + max(ar + opt, B), n c_in + B, n c_out + B)
+               LB(s) = F + B + 2 c_in + ceil(n / k) L
+    pipedream: LB(s) = max(t + opt, L / k) / r
+
+(flush: the busiest replica cannot start before its first microbatch's forward through the layers
+before it, runs n forwards and backwards, or sends n messages on one channel, and after that either
+all-reduces and steps or waits for the backwards before it; a replica starts microbatch q + k only after
+the backward of q, so its microbatches form chains of ceil(n / k) loops; pipedream: the steady state of
+a replica's compute, and of its k microbatches in flight, each needing a loop.) A flush plan also
+takes at least one microbatch's round trip T = sum_s t(s) + 2 sum of the boundary transfers.
+
+Straight plans (one device per stage; m microbatches) add flow-shop bounds (`_path_bound`):
+gpipe T + (m - 1)(max_s f_s + max_s b_s + acc), 1f1b T + (m - 1)(b_s + acc) + (m - k_s) f_s per stage,
+and for the layers before a partial plan, T + (m - 1) h with h the least bottleneck any split of them
+onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program).
+
+A partial plan's bound is the largest of its stages' (and of these for the layers before it, whose
+stages are not chosen yet: their sums spread over the devices left, their largest layer): adding
+stages never lowers it, so the search can prune on it, and the smallest bound left when the search
+stops bounds every plan it did not simulate (`SimulatedChoice.lower_bound_s`).
+
+pipedream's simulated time is measured on a window of a finite run (`Timeline.iteration_s`), which can
+end before the pipeline settles into its steady state and so read below the steady-state bounds above:
+for pipedream the search is a heuristic that proves nothing (`exhaustive` False, lower bound 0).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.costs.schedule_cost import (
+    CostInputs,
+    Stage,
+    accumulate_terms,
+    allreduce_s,
+    link_terms,
+    memory_terms,
+    placement_ok,
+    plan_fits,
+    step_terms,
+    transfer_s,
+)
+from planner.planning.bound_search import TIE
+from planner.schedules.schedule import in_flight
+from planner.simulation.simulator import SimulationTooLongError, simulate_stages
+
+MAX_SIMULATIONS = 48  # complete plans simulated per search, beyond the seeds
+MAX_EXPANSIONS = 400  # partial plans extended per search
+PREFIX_TABLE_CELLS = 4e7  # the straight prefix bound's table (devices x layers^2) is built up to this size
+
+_Partial = tuple[float, int, int, int, float, tuple[float, float], tuple[Stage, ...]]
+
+
+@dataclass(frozen=True)
+class SimulatedChoice:
+    """The chosen plan, its simulated seconds (iteration, or per microbatch for pipedream), whether the
+    search proved no plan simulates faster (`exhaustive`), and how many plans it simulated."""
+
+    stages: tuple[Stage, ...]
+    simulated_s: float
+    exhaustive: bool
+    simulated: int
+    lower_bound_s: float  # no plan simulates faster than this (= simulated_s when exhaustive; 0 for pipedream)
+
+    @property
+    def gap(self) -> float:
+        """How much faster the best plan could still be: simulated_s / lower_bound_s (1.0 when exhaustive,
+        inf when nothing is proven)."""
+        return self.simulated_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+
+
+def simulated_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """What a plan states as its time: the simulated iteration (flush) or steady-state time per
+    microbatch (pipedream); inf when a pipedream plan's replica counts make simulation too long."""
+    try:
+        return simulate_stages(inputs, stages).iteration_s()
+    except SimulationTooLongError:
+        return math.inf
+
+
+def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool, allow_recompute: bool,
+                   max_simulations: int = MAX_SIMULATIONS, max_expansions: int = MAX_EXPANSIONS) -> SimulatedChoice:
+    """The plan of least simulated time among every plan the optimizer may return (contiguous stages,
+    replicas unless `straight`, recompute where allowed and a memory limit is set, within memory and
+    the placement rule), by the module docstring's search; `seeds` (plans that fit, e.g. the dynamic
+    program's) are simulated first. Ties within a relative TIE go to the fewest devices."""
+    best: tuple[float, int, tuple[Stage, ...]] | None = None
+    simulations = 0
+
+    def consider(stages: tuple[Stage, ...]) -> None:
+        nonlocal best, simulations
+        value = simulated_s(inputs, list(stages))
+        simulations += 1
+        devices = sum(stage.replicas for stage in stages)
+        if best is None or value < best[0] * (1.0 - TIE) or (value <= best[0] * (1.0 + TIE) and devices < best[1]):
+            best = (value, devices, stages)
+
+    for seed in seeds:
+        consider(tuple(Stage(*stage) for stage in seed))
+    assert best is not None, "best_simulated needs at least one seed plan"
+    seeded = simulations
+    bounds = _StageBounds(inputs, straight, allow_recompute)
+    order = itertools.count()
+    # (bound, order, start of the partial plan, its devices, its round trip, its peaks (f, b), its stages)
+    root: _Partial = (0.0, next(order), inputs.arrays.num_layers, 0, 0.0, (0.0, 0.0), ())
+    heap: list[_Partial] = [root]
+    expansions, exhaustive = 0, False
+    while heap:
+        partial = heapq.heappop(heap)
+        bound, _, stop, downstream, trip, peaks, stages = partial
+        if bound > best[0] * (1.0 + TIE):
+            exhaustive = True
+            break
+        if stop == 0:
+            if simulations - seeded >= max_simulations:
+                heapq.heappush(heap, partial)
+                break
+            if plan_fits(inputs, list(stages)):
+                consider(stages)
+            continue
+        if expansions >= max_expansions:
+            heapq.heappush(heap, partial)
+            break
+        expansions += 1
+        for start, replicas, recompute, child_bound, child_trip, child_peaks in bounds.children(
+                stop, downstream, bound, trip, peaks, best[0] * (1.0 + TIE)):
+            heapq.heappush(heap, (child_bound, next(order), start, downstream + replicas, child_trip, child_peaks,
+                                  (Stage(start, stop, replicas, recompute),) + stages))
+    else:
+        exhaustive = True
+    lower = best[0] if exhaustive else min(best[0], heap[0][0])
+    if inputs.schedule == "pipedream":  # the bounds hold for the steady state, not for the simulator's window
+        exhaustive, lower = False, 0.0
+    return SimulatedChoice(best[2], best[0], exhaustive, simulations, lower)
+
+
+class _StageBounds:
+    """The module docstring's lower bounds of every stage ending at a layer, element-wise over its start."""
+
+    def __init__(self, inputs: CostInputs, straight: bool, allow_recompute: bool) -> None:
+        self.inputs, self.straight = inputs, straight
+        self.options = (False, True) if allow_recompute and inputs.memory_bytes is not None else (False,)
+        arrays, sigma = inputs.arrays, inputs.scale
+        self.fwd_before = sigma * arrays.fwd_s
+        self.bwd_before = sigma * (arrays.compute_s - arrays.fwd_s)
+        self.compute_before = sigma * arrays.compute_s
+        self.cut = sigma * np.concatenate([arrays.cut_bytes, [0.0]])
+        layer_fwd, layer_both = sigma * np.diff(arrays.fwd_s), sigma * np.diff(arrays.compute_s)
+        # the largest single layer's forward, backward and both among layers [0, i), at index i
+        self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before = (
+            np.concatenate([[0.0], np.maximum.accumulate(values)])
+            for values in (layer_fwd, layer_both - layer_fwd, layer_both))
+        self.prefix_table = self._build_prefix_table() if straight else None
+
+    def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
+                 limit: float) -> list[tuple[int, int, bool, float, float, tuple[float, float]]]:
+        """(start, replicas, recompute, bound, round trip so far, peaks) of every stage [start, stop) that can go
+        before a partial plan starting at `stop` on `downstream` devices, fits and whose bound is at most `limit`;
+        peaks are the partial plan's largest forward and backward (with accumulation) per stage and message."""
+        inputs, arrays, sigma = self.inputs, self.inputs.arrays, self.inputs.scale
+        devices = inputs.cluster.num_devices
+        starts = np.arange(stop)
+        layers = arrays.num_layers
+        fwd = sigma * (arrays.fwd_s[stop] - arrays.fwd_s[starts])
+        both = sigma * (arrays.compute_s[stop] - arrays.compute_s[starts])
+        stops = np.full(stop, stop)
+        weights = arrays.pair_weight_bytes(starts, stops)
+        replicated = arrays.pair_replicated_bytes(starts, stops)
+        tensors = arrays.pair_tensor_counts(starts, stops)
+        saved = np.zeros(stop) if arrays.saved_bytes is None else sigma * (arrays.saved_bytes[stop] - arrays.saved_bytes[starts])
+        workspace = sigma * np.maximum.accumulate(arrays.workspace_bytes[:stop][::-1])[::-1]
+        cut_in = np.where(starts > 0, self.cut[starts - 1], 0.0)
+        entering = np.where(starts > 0, cut_in, sigma * inputs.input_bytes)
+        found = []
+        for replicas in range(1, (1 if self.straight else devices - downstream) + 1):
+            first = devices - downstream - replicas
+            if first < 0 or not bool(placement_ok(inputs.cluster, first, replicas)):
+                continue
+            last = first + replicas - 1
+            comm_in = transfer_s(cut_in, *link_terms(inputs.cluster, first - 1, first), starts > 0)
+            comm_out = float(transfer_s(self.cut[stop - 1], *link_terms(inputs.cluster, last, last + 1), stop < layers))
+            allreduce = allreduce_s(replicated, replicas, *link_terms(inputs.cluster, first, last))
+            step = step_terms(inputs, weights, tensors)
+            accumulate = accumulate_terms(inputs, weights)
+            for recompute in self.options:
+                compute = both + (fwd if recompute else 0.0)
+                memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
+                                      workspace)[4]
+                loop = compute + trip  # from the stage's forward of a microbatch to the end of its backward
+                flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
+                if inputs.schedule == "pipedream":
+                    stage_bound = np.maximum(compute + step, loop / flights) / replicas
+                    child_trip = trip + compute + 2.0 * comm_in
+                    child_bound = np.maximum(bound, stage_bound)
+                else:
+                    turns = -(-inputs.microbatches // replicas)
+                    backward = compute - fwd
+                    before_bwd = self.bwd_before[starts]
+                    busy = np.maximum(turns * compute + (turns - 1) * accumulate,  # every op of the busiest replica
+                                      turns * fwd + (turns - flights) * backward + trip + backward)  # its last microbatch
+                    channels = turns * np.maximum(comm_in, comm_out) + before_bwd
+                    stage_bound = self.fwd_before[starts] + np.maximum(busy + np.maximum(allreduce + step, before_bwd),
+                                                                       channels)
+                    child_trip = trip + compute + 2.0 * comm_in
+                    chain = self.compute_before[starts] + 2.0 * comm_in + -(-turns // int(flights)) * loop
+                    child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain,
+                                                     child_trip + self.compute_before[starts]])
+                left = devices - downstream - replicas  # for the layers before the stage
+                prefix = self._prefix_peaks(starts, left)
+                count = 1 if inputs.schedule == "pipedream" else inputs.microbatches
+                child_bound = np.maximum(child_bound, count * (prefix[2] if self.straight else prefix[3]))
+                peak_fwd = np.maximum.reduce([np.full(stop, peaks[0]), fwd, comm_in, np.full(stop, comm_out)])
+                peak_bwd = np.maximum.reduce([np.full(stop, peaks[1]), compute - fwd + accumulate, comm_in,
+                                              np.full(stop, comm_out)])
+                if self.straight:
+                    turns = self.prefix_turns(first, starts)
+                    round_trip = child_trip + self.compute_before[starts]
+                    most = min(left + downstream + replicas, inputs.microbatches)  # in flight at the first stage
+                    if inputs.schedule == "pipedream":
+                        child_bound = np.maximum.reduce([child_bound, turns, round_trip / (left + downstream + replicas)])
+                    else:
+                        child_bound = np.maximum.reduce([
+                            child_bound, round_trip + _times(inputs.microbatches - 1, turns),
+                            -(-inputs.microbatches // most) * round_trip,
+                            self._path_bound(round_trip, fwd, compute - fwd + accumulate, flights, peak_fwd, peak_bwd,
+                                             prefix, left + downstream + replicas)])
+                ok = child_bound <= limit
+                if inputs.memory_bytes is not None:
+                    ok &= memory <= inputs.memory_bytes
+                for start in np.flatnonzero(ok):
+                    found.append((int(start), replicas, recompute, float(child_bound[start]), float(child_trip[start]),
+                                  (float(peak_fwd[start]), float(peak_bwd[start]))))
+        return found
+
+    def _prefix_peaks(self, starts: np.ndarray, left: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Lower bounds on the largest forward, backward and both of one stage among layers [0, start) on `left`
+        devices, unreplicated (a stage holds whole layers, and `left` stages share the sums), and on a device's
+        share of the forward and backward of one microbatch through them (replicas allowed); inf where layers
+        are left without devices, 0 where no layer is."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            def share(before: np.ndarray, largest: np.ndarray | None) -> np.ndarray:
+                each = before[starts] / left if left > 0 else np.full(len(starts), np.inf)
+                if largest is not None:
+                    each = np.maximum(each, largest[starts])
+                return np.where(starts > 0, each, 0.0)
+
+            return (share(self.fwd_before, self.layer_fwd_before), share(self.bwd_before, self.layer_bwd_before),
+                    share(self.compute_before, self.layer_both_before), share(self.compute_before, None))
+
+    def _path_bound(self, round_trip: np.ndarray, fwd: np.ndarray, backward: np.ndarray, flights: int,
+                    peak_fwd: np.ndarray, peak_bwd: np.ndarray, prefix: tuple[np.ndarray, ...],
+                    devices_most: int) -> np.ndarray:
+        """Lower bounds of a straight flush plan (every stage one device) from one microbatch's round trip T
+        plus m - 1 more turns of a bottleneck, m microbatches, b including accumulation:
+
+            gpipe: T + (m - 1) (max_s f_s + max_s b_s)   (every forward precedes the last stage's first
+                   backward: a flow shop of m equal jobs forwards, then one backwards)
+            1f1b:  T + (m - 1) b_s + (m - k_s) f_s        (stage s holding k_s in flight runs its other
+                   m - k_s forwards and all m backwards after the first microbatch's round trip reaches it)
+
+        with the layers before the stage bounded by `prefix` (k_s at most the devices from there on)."""
+        m = self.inputs.microbatches
+        prefix_fwd, prefix_bwd, prefix_both, _ = prefix
+        if self.inputs.schedule == "gpipe":
+            return round_trip + _times(m - 1, np.maximum(peak_fwd, prefix_fwd) + np.maximum(peak_bwd, prefix_bwd))
+        stage = round_trip + _times(m - 1, backward) + _times(max(m - int(flights), 0), fwd)
+        before = round_trip + np.maximum(_times(m - 1, prefix_bwd), _times(max(m - min(m, devices_most), 0), prefix_both))
+        return np.maximum(stage, before)
+
+    def prefix_turns(self, first: int, starts: np.ndarray) -> np.ndarray:
+        """A lower bound on the bottleneck u of the layers [0, start) when they are split into straight stages
+        on the ranks before `first` (one stage per rank, ending at rank first - 1): the least over such splits
+        of the largest u over their stages, with u = max(b, c_in) for 1f1b, max(f + b, 2 c_in) for gpipe
+        and max(f + b, c_in) for pipedream (c_in: the message into the stage from the rank before it).
+        Dynamic program over ranks: h_r(j) = min_i max(u_r(i, j), h_{r-1}(i)), h_r(0) = 0. 0 without a table."""
+        if self.prefix_table is None:
+            return np.zeros(len(starts))
+        return self.prefix_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
+
+    def _build_prefix_table(self) -> np.ndarray | None:
+        """h_{r-1} of `prefix_turns` for every first rank r (row r) and prefix end j (column j); None when the
+        table would pass PREFIX_TABLE_CELLS."""
+        inputs, layers = self.inputs, self.inputs.arrays.num_layers
+        devices = inputs.cluster.num_devices
+        if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
+            return None
+        sigma = inputs.scale
+        busy = sigma * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule == "1f1b" else 0.0))
+        stage = busy[None, :] - busy[:, None]  # [i, j]: layers [i, j)
+        stage[np.tril_indices(layers + 1)] = np.inf
+        links = 2.0 if inputs.schedule == "gpipe" else 1.0
+        table = np.full((devices + 1, layers + 1), np.inf)
+        table[0, 0] = 0.0  # row r: ends on rank r - 1; row 0: no rank, no layers
+        previous = table[0]
+        cuts = np.concatenate([[0.0], self.cut[:layers - 1]])  # into layer i from layer i - 1
+        for rank in range(devices):
+            message = links * transfer_s(cuts, *link_terms(inputs.cluster, max(rank - 1, 0), rank),
+                                         np.arange(layers) > 0) if rank > 0 else np.where(np.arange(layers) > 0, np.inf, 0.0)
+            turns = np.maximum(stage[:layers], message[:, None])
+            row = np.min(np.maximum(turns, previous[:layers, None]), axis=0)
+            row[0] = 0.0
+            table[rank + 1] = row
+            previous = row
+        return table
+
+
+def _times(count: int, values: np.ndarray) -> np.ndarray:
+    """count x values, with 0 (not nan) where count is 0 and a value inf."""
+    return count * values if count > 0 else np.zeros_like(values)

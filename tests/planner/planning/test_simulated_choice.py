@@ -1,0 +1,87 @@
+"""The final choice under the simulator against brute force: simulating every plan on small random inputs."""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
+from planner.files.cluster import Cluster, make_cluster
+from planner.planning.optimizer import optimize
+from planner.planning.simulated_choice import best_simulated, simulated_s
+from planner.schedules.schedule import SCHEDULES
+from tests.planner.layer_strategies import layer_arrays
+from tests.planner.planning.test_optimizer import clusters, every_plan
+
+TIE = 1e-9
+
+
+def brute_force(inputs: CostInputs, straight: bool, allow_recompute: bool) -> tuple[float, int]:
+    """(least simulated time over every plan that fits, fewest devices among plans within TIE of it)."""
+    recompute = allow_recompute and inputs.memory_bytes is not None
+    found = [(simulated_s(inputs, list(plan)), sum(stage[2] for stage in plan))
+             for plan in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute)
+             if plan_fits(inputs, list(plan))]
+    best = min(value for value, _ in found)
+    return best, min(devices for value, devices in found if value <= best * (1 + TIE))
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(
+    arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(SCHEDULES), microbatches=st.integers(1, 6),
+    memory=st.sampled_from([None, None, 2e9, 4e9]), step_s_per_byte=st.sampled_from([0.0, 1e-11, 2.5e-10]),
+    accumulate_s_per_byte=st.sampled_from([0.0, 1e-10]), straight=st.booleans(), allow_recompute=st.booleans(),
+)
+def test_choice_matches_brute_force_under_the_simulator(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None,
+    step_s_per_byte: float, accumulate_s_per_byte: float, straight: bool, allow_recompute: bool,
+) -> None:
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory, step_s_per_byte=step_s_per_byte,
+                        accumulate_s_per_byte=accumulate_s_per_byte)
+    if not any(plan_fits(inputs, list(plan)) for plan in every_plan(arrays.num_layers, cluster.num_devices, straight,
+                                                                      allow_recompute and memory is not None)):
+        return  # nothing fits: the optimizer raises (tested in test_optimizer)
+    seed = optimize(inputs, straight, allow_recompute)
+    choice = best_simulated(inputs, [list(seed.stages)], straight, allow_recompute, math.inf, math.inf)
+    best, fewest = brute_force(inputs, straight, allow_recompute)
+    assert plan_fits(inputs, list(choice.stages))
+    assert choice.simulated_s == simulated_s(inputs, list(choice.stages))
+    assert choice.simulated_s <= simulated_s(inputs, list(seed.stages))
+    if schedule == "pipedream":  # a heuristic there (the module docstring): it proves nothing
+        assert not choice.exhaustive and choice.lower_bound_s == 0.0
+        return
+    assert choice.exhaustive
+    assert choice.simulated_s == pytest.approx(best, rel=TIE, abs=1e-12)
+    assert sum(stage.replicas for stage in choice.stages) == fewest
+    capped = best_simulated(inputs, [list(seed.stages)], straight, allow_recompute, 1, 3)
+    # what a capped search certifies holds: no plan simulates faster than its lower bound
+    assert capped.lower_bound_s <= best * (1 + TIE) + 1e-12 <= capped.simulated_s * (1 + 2 * TIE) + 2e-12
+
+
+def test_finds_what_the_closed_form_misses() -> None:
+    # three layers of 10 ms, 2 devices, 11 ms per message: the closed form leaves the fill and drain transfers out
+    # and splits 1 | 2 layers (30 + 20 ms against 30 + 30 for one stage); simulated, the split pays 2 x 11 ms more
+    arrays = LayerArrays(compute_s=np.array([0.0, 0.01, 0.02, 0.03]), param_bytes=np.zeros(4),
+                         cut_bytes=np.array([1e6, 1e6, 0.0]), fwd_s=np.array([0.0, 0.004, 0.008, 0.012]))
+    inputs = CostInputs(arrays, make_cluster(2, None, [1e9], latencies=[0.01]), "1f1b", 2)
+    seed = optimize(inputs, straight=True)
+    choice = best_simulated(inputs, [list(seed.stages)], straight=True, allow_recompute=False)
+    assert choice.exhaustive
+    assert simulated_s(inputs, list(choice.stages)) < simulated_s(inputs, list(seed.stages))
+    assert choice.stages == (Stage(0, 3, 1, False),)
+
+
+def test_a_capped_search_keeps_the_best_seed() -> None:
+    arrays = LayerArrays(compute_s=np.cumsum([0.0] + [0.01] * 6), param_bytes=np.zeros(7),
+                         cut_bytes=np.array([1e6] * 5 + [0.0]), fwd_s=np.cumsum([0.0] + [0.004] * 6))
+    inputs = CostInputs(arrays, make_cluster(4, None, [1e10]), "gpipe", 4)
+    seed = [Stage(0, 3, 1, False), Stage(3, 6, 1, False)]
+    choice = best_simulated(inputs, [seed], straight=True, allow_recompute=False, max_simulations=0,
+                            max_expansions=0)
+    assert not choice.exhaustive
+    assert choice.stages == tuple(seed) and choice.simulated == 1
