@@ -79,6 +79,9 @@ def profile(
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),
     iters: int = typer.Option(10, help="Measured steps; times are medians over them."),
+    min_seconds: float = typer.Option(
+        1.0, "--min-seconds", help="Measure more steps than --iters when they take less than this (seconds).",
+    ),
     threads: Optional[int] = typer.Option(
         None, help="CPU threads (default on CPU: cores / 2, what `planner train` gives each of 2 processes)."
     ),
@@ -99,8 +102,8 @@ def profile(
         from planner.profiling.profiler import ProfileSettings, profile_model
 
         settings = ProfileSettings(
-            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, threads=threads,
-            depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
+            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, min_seconds=min_seconds,
+            threads=threads, depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
         )
         settings.check()  # option mistakes are reported before the model file is imported
         model_file_ = load_model_file(model_file)

@@ -43,6 +43,7 @@ class ProfileSettings:
     dtype: str = "float32"
     warmup: int = 3
     iters: int = 10
+    min_seconds: float = 0.0  # timing runs more than `iters` steps if they take less (`timing.time_layers`)
     threads: int | None = None
     depth: int | None = None
     split_points: tuple[str, ...] = ()
@@ -53,6 +54,8 @@ class ProfileSettings:
             raise ProfileError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.iters < 1:
             raise ProfileError(f"--iters must be at least 1, got {self.iters}")
+        if not self.min_seconds >= 0:
+            raise ProfileError(f"--min-seconds must be 0 or more, got {self.min_seconds}")
         if self.warmup < 0:
             raise ProfileError(f"--warmup must be 0 or more, got {self.warmup}")
         if self.threads is not None and self.threads < 1:
@@ -187,7 +190,7 @@ def _measure(
     report("memory", 1, 1)
     times = _phase(model_file, "timing layers", lambda: time_layers(
         layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
-        progress=lambda done, total: report("timing", done, total),
+        progress=lambda done, total: report("timing", done, total), min_seconds=settings.min_seconds,
     ))
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
@@ -215,7 +218,8 @@ def _measure(
         peak_memory_method=peak_method, input_bytes=sum(tensor_nbytes(t) for t in inputs),
         shared_params=shared,
         settings={
-            "warmup": settings.warmup, "iters": settings.iters, "depth": settings.depth,
+            "warmup": settings.warmup, "iters": settings.iters, "min_seconds": settings.min_seconds,
+            "depth": settings.depth,
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
             "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
         },

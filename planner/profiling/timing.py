@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ import torch
 
 from planner.profiling.layers import Layer
 from planner.profiling.layer_tracker import LayerTracker
+
+MAX_ITERS_FACTOR = 20  # `min_seconds` runs at most this many times the measured iterations asked for
 
 
 class Clock(Protocol):
@@ -216,8 +219,11 @@ def time_layers(
     warmup: int,
     iters: int,
     progress: Callable[[int, int], None] | None = None,
+    min_seconds: float = 0.0,
 ) -> StepTimes:
-    """Median per-layer forward/backward ms and median uninstrumented step ms over `iters` steps.
+    """Median per-layer forward/backward ms and median uninstrumented step ms over `iters` steps, or more:
+    as many as fill `min_seconds` at the first measured iteration's pace (at most MAX_ITERS_FACTOR x iters),
+    since medians of a few short steps move by several percent from one run to the next.
 
     Every iteration runs a plain and an instrumented step, alternating which goes first, so that
     both see the same machine (a burst of load elsewhere hits both alike). `warmup` iterations come
@@ -257,7 +263,9 @@ def time_layers(
         return _segment_ms(clock, _fill_forward(step.fwd_marks)), step.backward_ms(backward_start, backward_end)
 
     total = warmup + iters
-    for iteration in range(total):
+    iteration = 0
+    while iteration < total:
+        began = time.perf_counter()
         if iteration < warmup:  # one step each warms what both kinds of step run
             if iteration % 2 == 0:
                 measured()
@@ -273,8 +281,12 @@ def time_layers(
             step_samples.append(step_ms)
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)
+            if iteration == warmup and min_seconds > 0:  # the first measured iteration sets the pace
+                pace_s = max(time.perf_counter() - began, 1e-9)
+                total = warmup + min(max(iters, math.ceil(min_seconds / pace_s)), MAX_ITERS_FACTOR * iters)
+        iteration += 1
         if progress is not None:
-            progress(iteration + 1, total)
+            progress(iteration, total)
     fwd_ms = [statistics.median(column) for column in zip(*fwd_samples)]
     bwd_ms = [statistics.median(column) for column in zip(*bwd_samples)]
     step_ms = statistics.median(step_samples)

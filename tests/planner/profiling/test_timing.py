@@ -119,3 +119,25 @@ def test_a_layer_whose_input_needs_no_gradient_still_gets_its_backward() -> None
 def test_a_layer_that_never_began_takes_zero_forward_time() -> None:
     # forward marks in time order: layer 1 never began, so it takes layer 2's start
     assert _fill_forward([0.0, None, 5.0, 9.0]) == [0.0, 5.0, 5.0, 9.0]
+
+
+def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
+    # one iteration (a plain and an instrumented step) takes about 2 x 10 ms: 0.2 s needs about 10 of them
+    model = nn.Sequential(_SleepLayer(0.003, 0.002))
+    x = torch.randn(4, 8)
+    layers = find_layers(model, lambda: model(x))
+    seen: list[tuple[int, int]] = []
+
+    def run(min_seconds: float, iters: int) -> None:
+        seen.clear()
+        time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), HostClock(), warmup=1,
+                    iters=iters, progress=lambda done, total: seen.append((done, total)), min_seconds=min_seconds)
+
+    run(0.0, 2)
+    assert seen[-1] == (3, 3)  # the floor is off: warm-up + iters
+    run(0.2, 2)
+    done, total = seen[-1]
+    assert done == total and 1 + 5 <= total <= 1 + 20  # about 10 measured, well past the 2 asked for
+    assert [step for step, _ in seen] == list(range(1, total + 1))
+    run(60.0, 2)
+    assert seen[-1] == (1 + 2 * 20, 1 + 2 * 20)  # never more than MAX_ITERS_FACTOR x iters
