@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from planner.planning.baselines import baseline_plans
@@ -149,7 +150,8 @@ def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int)
     seeds = [list(found.solution.stages)] + ([everywhere] if not straight and found.data_parallel_fits else [])
     choice = best_simulated(inputs, seeds, straight, recompute)
     chosen = Solution(choice.stages, objective_s(inputs, list(choice.stages)))
-    iteration = predicted_iteration_s(inputs, list(choice.stages))
+    # the search simulated the chosen plan already; inf only where no pipedream simulation was possible
+    iteration = choice.simulated_s if math.isfinite(choice.simulated_s) else chosen.objective_s
     return replace(found, solution=chosen, iteration_s=iteration, samples_per_s=samples_per_s(inputs, iteration, size),
                    exhaustive=choice.exhaustive, simulated=choice.simulated)
 
