@@ -1,0 +1,414 @@
+"""Splits a pipeline stage's backward into B (input gradients now) and W (weight gradients later).
+
+Zero-bubble schedules (Qi et al., ICLR 2024) run a stage's backward in two parts: B computes the
+gradients of the stage's *inputs* (the previous stage waits for them), W computes the gradients of
+the stage's *weights* later, in what would otherwise be a bubble. `backward_inputs` is B,
+`backward_weights` is W; B then W gives the same input gradients and parameter `.grad` as one plain
+`torch.autograd.backward(outputs, grad_outputs)`, and W computes no gradient that B computed.
+
+How. The autograd graph is walked from the outputs' gradient edges (`node.next_functions`).
+A node that lies on a path to an input's gradient edge is a *B node*: `torch.autograd.grad`
+with the inputs as targets runs exactly those nodes, and each computes only the outputs that lead
+to an input (a linear's backward skips its weight's matmul). The other nodes that lead to a
+parameter are *W nodes*; their subgraphs hold no B node. A B node with a W child is a
+*boundary*: during B a pre-hook records the gradients arriving at it. W then runs in two phases:
+
+1. each boundary runs again from its recorded gradients, with the gradients flowing into its
+   W children (the *frontier* edges) as the only targets, so it computes only those outputs
+   (the weight matmul, not the input one) and no other node runs. Boundaries are batched into one
+   `torch.autograd.grad` call when no child of one leads to a frontier edge of the batch (a chain of
+   layers needs one call per layer: a B child that leads to a captured edge would run again and
+   count its gradients twice);
+2. one `torch.autograd.grad` call runs every W node, from the frontier gradients of phase 1 and
+   from the outputs that do not depend on any input, to the parameters; the results are added to
+   `.grad` as AccumulateGrad would.
+
+A W node that a child of its own boundary also leads to (a parameter used directly by two layers,
+e.g. a shared Linear's bias) cannot be separated that way; such a node is *promoted*: B targets it
+like an input (its few incoming gradients, a bias sum, are then computed in B) and W starts there.
+With no inputs (the first stage, whose inputs are data) B computes nothing and W is the whole
+backward.
+
+Limits. A custom `torch.autograd.Function` cannot tell which of its outputs a graph task needs
+(`ctx.needs_input_grad` is fixed at forward), so one that is a boundary computes all its gradients
+in B and again in W. Saved tensors of B nodes that are not boundaries stay until the caller drops
+the graph (the outputs); W releases those of the nodes it runs. Hooks registered on parameters
+with `register_post_accumulate_grad_hook` do not run (W does not go through AccumulateGrad); tensor
+hooks do. The `grad_outputs` must not be modified in place before W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from planner.errors import PlannerError
+
+__all__ = ["PendingWeights", "backward_inputs", "backward_weights"]
+
+_Edge = tuple[int, int]  # (node index in _Graph, input number of that node)
+
+
+@dataclass(eq=False)
+class _WeightCall:
+    """Phase 1 of W for a batch of boundaries: their recorded gradients to their frontier edges."""
+
+    roots: list[GradientEdge]
+    grads: list[torch.Tensor]
+    captures: list[GradientEdge]
+    keys: list[_Edge]  # the frontier edge each capture is, to sum captures over calls
+
+
+@dataclass(eq=False)
+class PendingWeights:
+    """What W (`backward_weights`) still needs after B (`backward_inputs`); opaque to callers.
+
+    Holds the recorded gradients and edges of the graph until W runs; W empties it.
+    `boundaries`, `calls` and `promoted` count boundary nodes, phase-1 calls and promoted nodes.
+    """
+
+    weight_calls: list[_WeightCall] = field(default_factory=list, repr=False)
+    roots: dict[_Edge, tuple[GradientEdge, torch.Tensor]] = field(default_factory=dict, repr=False)
+    params: list[torch.Tensor] = field(default_factory=list, repr=False)
+    foreign_storages: set[int] = field(default_factory=set, repr=False)
+    boundaries: int = 0
+    calls: int = 0
+    promoted: int = 0
+    done: bool = False
+
+
+class _Graph:
+    """The autograd graph reachable from some gradient edges, with nodes numbered.
+
+    Holds the Python objects of the nodes, so that a node met twice is the same object.
+    """
+
+    def __init__(self, roots: Sequence[GradientEdge]) -> None:
+        self.nodes: list[Node] = []
+        self.index: dict[int, int] = {}
+        self.children: list[list[_Edge]] = []
+        self.slots: list[set[int]] = []  # the input numbers by which edges (roots included) enter each node
+        self.order: list[int] = []  # post-order: every node after all its children
+        for root in roots:
+            known = self.index.get(id(root.node))
+            if known is not None:
+                self.slots[known].add(root.output_nr)
+                continue
+            start = self._add(root.node)
+            self.slots[start].add(root.output_nr)
+            stack = [(start, iter(root.node.next_functions))]
+            while stack:
+                parent, remaining = stack[-1]
+                for child, slot in remaining:
+                    if child is None:
+                        continue
+                    known = self.index.get(id(child))
+                    new = known is None
+                    if known is None:
+                        known = self._add(child)
+                    self.children[parent].append((known, slot))
+                    self.slots[known].add(slot)
+                    if new:
+                        stack.append((known, iter(child.next_functions)))
+                        break
+                else:
+                    stack.pop()
+                    self.order.append(parent)
+
+    def _add(self, node: Node) -> int:
+        number = len(self.nodes)
+        self.index[id(node)] = number
+        self.nodes.append(node)
+        self.children.append([])
+        self.slots.append(set())
+        return number
+
+    def find(self, node: Node) -> int | None:
+        """The number of `node`, None if it is not in the graph."""
+        return self.index.get(id(node))
+
+
+@dataclass
+class _Split:
+    """Which nodes run in B, which are boundaries, and how W batches them."""
+
+    in_b: list[bool]
+    in_p: list[bool]
+    frontier: dict[int, int]  # W node with a B parent -> its bit
+    groups: list[list[int]]  # boundaries, batched for phase 1
+
+
+def _classify(graph: _Graph, targets: set[int], param_nodes: set[int]) -> tuple[_Split, set[int]]:
+    """Splits the graph for the given target nodes; returns the split and the nodes to promote."""
+    count = len(graph.nodes)
+    in_b = [False] * count  # leads (by at least one edge) to a target: runs in B
+    in_p = [False] * count  # is or leads to a parameter's AccumulateGrad
+    for node in graph.order:
+        for child, _ in graph.children[node]:
+            if child in targets or in_b[child]:
+                in_b[node] = True
+            if in_p[child]:
+                in_p[node] = True
+        if node in param_nodes:
+            in_p[node] = True
+    frontier: dict[int, int] = {}
+    boundaries: list[int] = []
+    for node in graph.order:
+        if not in_b[node]:
+            continue
+        is_boundary = False
+        for child, _ in graph.children[node]:
+            if not in_b[child] and in_p[child] and child not in targets:
+                frontier.setdefault(child, len(frontier))
+                is_boundary = True
+        if is_boundary:
+            boundaries.append(node)
+    # below[n]: bits of the frontier nodes reachable from n by at least one edge
+    below = [0] * count
+    for node in graph.order:
+        bits = 0
+        for child, _ in graph.children[node]:
+            bits |= below[child]
+            if child in frontier:
+                bits |= 1 << frontier[child]
+        below[node] = bits
+    promote: set[int] = set()
+    masks: dict[int, tuple[int, int]] = {}  # boundary -> (reached by its children, its frontier)
+    for node in boundaries:
+        reached = 0
+        own = 0
+        for child, _ in graph.children[node]:
+            reached |= below[child]
+            if child in frontier:
+                own |= 1 << frontier[child]
+        masks[node] = (reached, own)
+        if reached & own:
+            promote.update(child for child, bit in frontier.items() if (reached & own) >> bit & 1)
+    groups: list[tuple[int, int, list[int]]] = []
+    for node in reversed(boundaries):  # from the outputs down: first fit
+        reached, own = masks[node]
+        for position, (group_reached, group_own, members) in enumerate(groups):
+            if not (group_reached | reached) & (group_own | own):
+                groups[position] = (group_reached | reached, group_own | own, members + [node])
+                break
+        else:
+            groups.append((reached, own, [node]))
+    return _Split(in_b, in_p, frontier, [members for _, _, members in groups]), promote
+
+
+def _check_grad(position: int, output: object, grad: object) -> None:
+    """Raises PlannerError unless `output` is a tensor and `grad` None or a tensor of its shape."""
+    if not isinstance(output, torch.Tensor):
+        raise PlannerError(f"backward_inputs: outputs[{position}] is a {type(output).__name__}, not a tensor")
+    if grad is not None and not isinstance(grad, torch.Tensor):
+        raise PlannerError(f"backward_inputs: grad_outputs[{position}] is a {type(grad).__name__}, "
+                           "not a tensor or None")
+    if isinstance(grad, torch.Tensor) and grad.shape != output.shape:
+        raise PlannerError(f"backward_inputs: grad_outputs[{position}] has shape {tuple(grad.shape)} "
+                           f"but outputs[{position}] has shape {tuple(output.shape)}")
+
+
+def _roots(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (output, gradient) pairs to differentiate: skips None gradients and constant outputs."""
+    if len(outputs) != len(grad_outputs):
+        raise PlannerError(f"backward_inputs: {len(outputs)} outputs but {len(grad_outputs)} grad_outputs")
+    pairs = []
+    for position, (output, grad) in enumerate(zip(outputs, grad_outputs)):
+        _check_grad(position, output, grad)
+        if grad is None and len(outputs) == 1 and output.numel() == 1:
+            grad = torch.ones_like(output)  # one scalar loss: d loss / d loss = 1
+        if grad is None or not output.requires_grad:
+            continue
+        pairs.append((output, grad))
+    return pairs
+
+
+def _params(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that require grad, each once; raises PlannerError for a non-leaf."""
+    chosen: dict[int, torch.Tensor] = {}
+    for position, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise PlannerError(f"backward_inputs: params[{position}] is a {type(param).__name__}, not a tensor")
+        if not param.requires_grad:
+            continue  # frozen: plain backward leaves its .grad alone too
+        if param.grad_fn is not None:
+            raise PlannerError(f"backward_inputs: params[{position}] (shape {tuple(param.shape)}) is not a leaf "
+                               f"(it was computed by {param.grad_fn.name()}); pass the parameters themselves")
+        chosen.setdefault(id(param), param)
+    return list(chosen.values())
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """An id of the memory a strided tensor lives in (0 for other layouts)."""
+    if tensor.layout != torch.strided:
+        return 0
+    return tensor.untyped_storage().data_ptr()
+
+
+def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None],
+                    inputs: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter]
+                    ) -> tuple[list[torch.Tensor | None], PendingWeights]:
+    """B: the gradients of `inputs` (None for an input the outputs do not depend on), without computing
+    any parameter gradient; what the parameters' gradients still need is returned (the graph is kept).
+
+    `outputs` pairs with `grad_outputs`; a pair whose gradient is None or whose output does not require
+    grad is skipped, except one scalar output with gradient None (a loss), which gets ones. An input
+    that does not require grad gets None. `params` are the stage's parameters; frozen ones are ignored.
+    Writes no `.grad`, neither of the parameters nor of the inputs. Pass the result to
+    `backward_weights` (W) exactly once.
+    """
+    pairs = _roots(outputs, grad_outputs)
+    chosen = _params(params)
+    input_grads: list[torch.Tensor | None] = [None] * len(inputs)
+    for position, tensor in enumerate(inputs):
+        if not isinstance(tensor, torch.Tensor):
+            raise PlannerError(f"backward_inputs: inputs[{position}] is a {type(tensor).__name__}, not a tensor")
+    wanted = [position for position, tensor in enumerate(inputs) if tensor.requires_grad]
+    pending = PendingWeights(params=chosen)
+    pending.foreign_storages = {_storage(grad) for _, grad in pairs}
+    if not pairs:
+        return input_grads, pending
+    root_edges = [get_gradient_edge(output) for output, _ in pairs]
+    if not wanted:  # the first stage: W is the whole backward
+        for number, (edge, (_, grad)) in enumerate(zip(root_edges, pairs)):
+            pending.roots[(-1, number)] = (edge, grad)
+        return input_grads, pending
+
+    graph = _Graph(root_edges)
+    param_nodes = {number for number in (graph.find(get_gradient_edge(param).node) for param in chosen)
+                   if number is not None}
+    input_edges = [get_gradient_edge(inputs[position]) for position in wanted]
+    targets = {number for number in (graph.find(edge.node) for edge in input_edges) if number is not None}
+    promoted: set[int] = set()
+    while True:
+        split, promote = _classify(graph, targets | promoted, param_nodes)
+        if not promote:
+            break
+        promoted |= promote
+    # a promoted node that now leads to another target runs in B like any B node: nothing to capture
+    promoted = {node for node in promoted if not split.in_b[node]}
+    promoted_edges = [(node, slot) for node in sorted(promoted) for slot in sorted(graph.slots[node])]
+
+    recorded: dict[int, tuple[torch.Tensor | None, ...]] = {}
+    boundaries = [node for group in split.groups for node in group]
+    handles = []
+    try:
+        for node in boundaries:
+            handles.append(graph.nodes[node].register_prehook(
+                lambda grads, node=node: recorded.__setitem__(node, tuple(grads))))
+        captured = torch.autograd.grad(
+            [output for output, _ in pairs],
+            [inputs[position] for position in wanted]
+            + [GradientEdge(graph.nodes[node], slot) for node, slot in promoted_edges],
+            [grad for _, grad in pairs], retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for position, grad in zip(wanted, captured):
+        input_grads[position] = grad
+
+    # W roots: outputs that lead to parameters but to no input, and the targets (inputs, promoted
+    # nodes) that W nodes hang from, with the gradients B captured for them
+    def add_root(key: _Edge, grad: torch.Tensor) -> None:
+        if key in pending.roots:
+            edge, earlier = pending.roots[key]
+            pending.roots[key] = (edge, earlier + grad)
+        else:
+            pending.roots[key] = (GradientEdge(graph.nodes[key[0]], key[1]), grad)
+
+    all_targets = targets | promoted
+    for root, (_, grad) in zip(root_edges, pairs):
+        node = graph.find(root.node)
+        assert node is not None
+        if not split.in_b[node] and split.in_p[node] and node not in all_targets:
+            add_root((node, root.output_nr), grad)
+    target_grads: dict[_Edge, torch.Tensor | None] = {}
+    for edge, grad in zip(input_edges, captured):
+        node = graph.find(edge.node)
+        if node is not None and not split.in_b[node] and split.in_p[node]:
+            target_grads[(node, edge.output_nr)] = grad  # the same edge twice: the same gradient
+            if grad is not None:
+                pending.foreign_storages.add(_storage(grad))  # the caller holds it too
+    target_grads.update(zip(promoted_edges, captured[len(wanted):]))
+    for key, grad in target_grads.items():
+        if grad is not None:
+            add_root(key, grad)
+
+    for group in split.groups:
+        call = _WeightCall([], [], [], [])
+        for node in group:
+            if node not in recorded:
+                raise PlannerError(f"backward_inputs: the boundary node {graph.nodes[node].name()} did not run "
+                                   "in B; the autograd graph changed during backward")
+            for slot, grad in enumerate(recorded[node]):
+                if grad is not None:
+                    call.roots.append(GradientEdge(graph.nodes[node], slot))
+                    call.grads.append(grad)
+            for child, slot in graph.children[node]:
+                if child in split.frontier and (child, slot) not in call.keys:
+                    call.keys.append((child, slot))
+                    call.captures.append(GradientEdge(graph.nodes[child], slot))
+        if call.roots and call.captures:
+            pending.weight_calls.append(call)
+    pending.boundaries = len(boundaries)
+    pending.calls = len(pending.weight_calls)
+    pending.promoted = len(promoted)
+    return input_grads, pending
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
+    """Adds `grad` into `param.grad` as AccumulateGrad does; copies a gradient that others may hold."""
+    with torch.no_grad():
+        if param.grad is None:
+            if grad.layout == torch.strided and (_storage(grad) in taken or grad.stride() != param.stride()):
+                grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
+            taken.add(_storage(grad))
+            param.grad = grad
+        elif param.grad.layout != torch.strided:
+            param.grad = param.grad + grad
+        else:
+            param.grad.add_(grad)
+
+
+def backward_weights(pending: PendingWeights) -> None:
+    """W: add the parameters' gradients to their `.grad` (as loss.backward() would: accumulate when .grad
+    exists) and free the graph.
+
+    Runs the boundaries again for their weight-side gradients only, then every node that leads only to
+    parameters, once. Raises PlannerError when `pending` was already used.
+    """
+    if not isinstance(pending, PendingWeights):
+        raise PlannerError(f"backward_weights: expected the PendingWeights of backward_inputs, "
+                           f"got a {type(pending).__name__}")
+    if pending.done:
+        raise PlannerError(f"backward_weights: this PendingWeights (id {id(pending):#x}) was already used; "
+                           "W runs once per backward_inputs")
+    pending.done = True
+    try:
+        roots = pending.roots
+        for call in pending.weight_calls:
+            grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
+            for key, edge, grad in zip(call.keys, call.captures, grads):
+                if grad is None:
+                    continue
+                if key in roots:
+                    roots[key] = (roots[key][0], roots[key][1] + grad)
+                else:
+                    roots[key] = (edge, grad)
+        if roots and pending.params:
+            edges = [edge for edge, _ in roots.values()]
+            grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in roots.values()],
+                                        allow_unused=True)
+            taken = set(pending.foreign_storages)
+            for param, grad in zip(pending.params, grads):
+                if grad is not None:
+                    _accumulate(param, grad, taken)
+    finally:
+        pending.weight_calls = []
+        pending.roots = {}
+        pending.params = []
+        pending.foreign_storages = set()
