@@ -31,11 +31,15 @@ def plan_html(plan: Plan) -> str:
 
 
 def profile_html(profile: Profile) -> str:
-    """The profile's layer table (ms per mini-batch, bytes in binary units) under its summary."""
+    """The profile's layer table (ms per mini-batch, bytes in binary units; `bwd_input_ms` only where
+    measured) under its summary."""
     frame = profile.to_dataframe()
     for column in ("output_bytes", "cut_bytes", "param_bytes", "saved_bytes"):
         frame[column] = frame[column].map(format_bytes)
-    frame[["fwd_ms", "bwd_ms"]] = frame[["fwd_ms", "bwd_ms"]].round(4)
+    if frame["bwd_input_ms"].isna().all():  # not measured (older and imported profiles)
+        frame = frame.drop(columns="bwd_input_ms")
+    times = [column for column in ("fwd_ms", "bwd_ms", "bwd_input_ms") if column in frame]
+    frame[times] = frame[times].astype(float).round(4)
     table = frame.to_html(max_rows=MAX_PROFILE_ROWS)
     return _titled(f"{profile.model_name}: {profile.num_layers} layers", table, profile_summary(profile))
 

@@ -41,7 +41,7 @@ def calibration_ratios(plan: Plan, report: RunReport, plan_path: str = "<plan>")
 
 def calibrate_profile(profile: Profile, plan: Plan, report: RunReport, plan_path: str = "<plan>",
                       profile_path: str = "<profile>") -> Profile:
-    """`profile` with each stage's layers' fwd_ms and bwd_ms multiplied by that stage's ratio
+    """`profile` with each stage's layers' fwd_ms, bwd_ms and bwd_input_ms multiplied by that stage's ratio
     measured / predicted compute_ms (`calibration_ratios`); everything else kept, and
     `settings["calibrations"]` extended with the report, plan and ratios. Afterwards the cost
     model's compute time of each of the plan's stages equals the measured one (it is linear in the
@@ -61,7 +61,8 @@ def calibrate_profile(profile: Profile, plan: Plan, report: RunReport, plan_path
     factors = [1.0] * profile.num_layers
     for stage, ratio in zip(plan.stages, ratios):
         factors[stage.start:stage.stop] = [ratio] * (stage.stop - stage.start)
-    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * factor, bwd_ms=layer.bwd_ms * factor)
+    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * factor, bwd_ms=layer.bwd_ms * factor,
+                                       bwd_input_ms=None if layer.bwd_input_ms is None else layer.bwd_input_ms * factor)
                    for layer, factor in zip(profile.layers, factors))
     record = {"report": report.source, "plan": plan_path, "stages": [[s.start, s.stop] for s in plan.stages],
               "ratios": list(ratios)}

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "pipeline-planner/profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: layers may hold `bwd_input_ms`; version-1 files load with it None
 
 LAYER_COLUMNS = (
-    "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes",
+    "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes", "bwd_input_ms",
 )
 
 
@@ -40,6 +40,12 @@ class LayerProfile:
       is counted once, at the first layer that uses it (see `Profile.shared_params`).
     - `saved_bytes`: bytes autograd saves for backward inside the layer (activation memory held
       per in-flight micro-batch); parameters are not counted.
+    - `bwd_input_ms`: the part of `bwd_ms` that computes the gradients of the layer's inputs
+      (zero-bubble schedules' B), in ms per mini-batch, 0 <= bwd_input_ms <= bwd_ms: bwd_ms times
+      the median ratio of the layer's backward with every parameter frozen to its backward in a
+      normal step (`planner.profiling.timing.time_input_gradients`); 0 for a layer whose input
+      needs no gradient (the first layer fed by data). None: not measured (version-1 files,
+      PipeDream imports). The weights' part is `bwd_weight_ms`.
     """
 
     name: str
@@ -50,6 +56,13 @@ class LayerProfile:
     cut_bytes: int
     param_bytes: int
     saved_bytes: int
+    bwd_input_ms: float | None = None
+
+    @property
+    def bwd_weight_ms(self) -> float | None:
+        """The part of `bwd_ms` that computes the weights' gradients (zero-bubble schedules' W),
+        ms per mini-batch: `bwd_ms - bwd_input_ms`; None where `bwd_input_ms` was not measured."""
+        return None if self.bwd_input_ms is None else self.bwd_ms - self.bwd_input_ms
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,14 @@ class Profile:
         return sum(layer.bwd_ms for layer in self.layers)
 
     @property
+    def total_bwd_input_ms(self) -> float | None:
+        """Sum of the layers' input-gradient times (`LayerProfile.bwd_input_ms`), ms per mini-batch;
+        None unless every layer has one."""
+        if any(layer.bwd_input_ms is None for layer in self.layers):
+            return None
+        return sum(layer.bwd_input_ms or 0.0 for layer in self.layers)
+
+    @property
     def total_param_bytes(self) -> int:
         """Bytes of all parameters, shared ones counted once."""
         return sum(layer.param_bytes for layer in self.layers)
@@ -147,8 +168,14 @@ class Profile:
         return profile_html(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """The file body (without the format header); inverse of `from_dict`."""
-        return dataclasses.asdict(self)
+        """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
+        `bwd_input_ms` (None) is left out, so that a profile without it has the same body, and the
+        same digest (`planner.files.plan.profile_digest`), as when it was a version-1 file."""
+        body = dataclasses.asdict(self)
+        for row in body["layers"]:
+            if row["bwd_input_ms"] is None:
+                del row["bwd_input_ms"]
+        return body
 
     @classmethod
     def from_dict(cls, body: dict[str, Any], source_path: str = "<dict>") -> "Profile":
@@ -160,6 +187,7 @@ class Profile:
                     fwd_ms=float(row["fwd_ms"]), bwd_ms=float(row["bwd_ms"]),
                     output_bytes=int(row["output_bytes"]), cut_bytes=int(row["cut_bytes"]),
                     param_bytes=int(row["param_bytes"]), saved_bytes=int(row["saved_bytes"]),
+                    bwd_input_ms=None if row.get("bwd_input_ms") is None else float(row["bwd_input_ms"]),
                 )
                 for row in body["layers"]
             )
@@ -195,11 +223,12 @@ class Profile:
         return profile
 
     def save(self, path: str | Path) -> Path:
-        """Write the profile as versioned JSON (atomically); returns the path."""
+        """Write the profile as versioned JSON, version `PROFILE_VERSION` (atomically); returns the path."""
         return write_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION, self.to_dict())
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read a profile file; refuses other formats and newer versions with a FileFormatError."""
+    """Read a profile file of version 1..PROFILE_VERSION; refuses other formats and newer versions
+    with a FileFormatError."""
     document = read_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION)
     return Profile.from_dict(document, source_path=str(path))

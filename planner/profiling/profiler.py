@@ -25,7 +25,7 @@ from planner.profiling.model_file import (
 )
 from planner.files.profile import LayerProfile, Profile, SharedParam
 from planner.profiling.tensors import tensor_nbytes
-from planner.profiling.timing import clock_for, time_layers
+from planner.profiling.timing import INPUT_GRADIENT_ITERS, clock_for, time_input_gradients, time_layers
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
@@ -132,7 +132,7 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     """Measure every layer of the model in `model_file` as `settings` say; see `Profile` for fields.
 
     `progress(phase, done, total)` is called as work advances (phases: "check", "layers",
-    "dataflow", "memory", "timing").
+    "dataflow", "memory", "timing", "timing input gradients").
     """
     settings.check()
     device = resolve_device(settings.device)
@@ -192,6 +192,13 @@ def _measure(
         layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
         progress=lambda done, total: report("timing", done, total), min_seconds=settings.min_seconds,
     ))
+    # a few pairs of steps, more for fast models (a quarter of --min-seconds): ~10-20% more profiling time
+    input_iters = min(settings.iters, INPUT_GRADIENT_ITERS)
+    bwd_input_ms = _phase(model_file, "timing input gradients", lambda: time_input_gradients(
+        layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), times.bwd_ms, input_iters,
+        progress=lambda done, total: report("timing input gradients", done, total),
+        min_seconds=settings.min_seconds / 4,
+    ))
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
@@ -205,7 +212,7 @@ def _measure(
         LayerProfile(
             name=layer.name, kind=layer.kind, fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
             output_bytes=dataflow.output_bytes[i], cut_bytes=dataflow.cut_bytes[i],
-            param_bytes=param_bytes[i], saved_bytes=dataflow.saved_bytes[i],
+            param_bytes=param_bytes[i], saved_bytes=dataflow.saved_bytes[i], bwd_input_ms=bwd_input_ms[i],
         )
         for i, layer in enumerate(layers)
     )

@@ -17,6 +17,16 @@ are scaled by one factor so that they add up to `step_ms x median(instrumented_k
 the per-pair ratio cancels the machine's drift, which medians of each kind alone do not, and
 a sum of medians falls short of the median sum when the noise is skewed. What remains is the
 instrumentation's own cost, a few microseconds per layer and per autograd node.
+
+Input gradients (`time_input_gradients`): the part of each layer's backward that computes the
+gradients of its inputs (zero-bubble schedules' B; the rest, the weights' gradients, is W). Steps
+in which every parameter has `requires_grad=False` make autograd compute only the chain of
+activation gradients; they are timed with the same node pre-hooks. A layer output that needs a
+gradient in a normal step but none with frozen weights (its inputs are data: an embedding of token
+ids) is replaced by a copy of a grad-requiring leaf, so that the graph reaches back to it as it
+does to a pipeline stage's received input: the layers after it still compute their input
+gradients, and a layer whose own input needs no gradient (the first layer fed by data) gets ~0.
+Outputs that need no gradient in a normal step either (masks, rotary tables) are left alone.
 """
 
 from __future__ import annotations
@@ -28,14 +38,17 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
+
+from torch.utils import _pytree as pytree
 
 from planner.profiling.layers import Layer
 from planner.profiling.layer_tracker import LayerTracker
 
 MAX_ITERS_FACTOR = 20  # `min_seconds` runs at most this many times the measured iterations asked for
+INPUT_GRADIENT_ITERS = 5  # pairs of steps `time_input_gradients` measures at least (ratios within a pair are steady)
 
 
 class Clock(Protocol):
@@ -154,20 +167,78 @@ def backward_nodes(loss: torch.Tensor, sequence_starts: Sequence[int | None]) ->
             for node in _graph_nodes(loss.grad_fn) if node._sequence_nr() < forward_end]
 
 
-class _InstrumentedStep:
-    """Hooks that mark forward layer starts and the start of every backward node during one step."""
+OutputFlags = list[tuple[bool, ...] | None]  # per layer: which tensors of its output need a gradient
 
-    def __init__(self, layers: Sequence[Layer], clock: Clock) -> None:
+
+def needs_grad_flags(output: Any) -> tuple[bool, ...]:
+    """For each leaf of `output` in `tree_flatten` order: a tensor that needs a gradient."""
+    return tuple(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_flatten(output)[0])
+
+
+def requiring_grad(output: Any, flags: Sequence[bool]) -> Any:
+    """`output` with each floating-point tensor that `flags` (from `needs_grad_flags` in a normal step)
+    says needs a gradient, but now needs none, replaced by a copy of a leaf that does: a copy, so
+    that in-place operations on it stay legal and the original keeps its flag. Tensors that needed
+    no gradient in a normal step either (masks, rotary tables) stay as they are, so that no
+    gradient a normal backward skips is computed. Returns `output` itself if nothing changed."""
+    leaves, spec = pytree.tree_flatten(output)
+    if len(leaves) != len(flags):
+        return output
+    changed = [
+        leaf.detach().requires_grad_().clone()
+        if needed and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not leaf.requires_grad
+        else leaf
+        for leaf, needed in zip(leaves, flags)
+    ]
+    if all(new is old for new, old in zip(changed, leaves)):
+        return output
+    return pytree.tree_unflatten(changed, spec)
+
+
+class _InstrumentedStep:
+    """Hooks that mark forward layer starts and the start of every backward node during one step.
+
+    For `time_input_gradients`: `record_outputs` notes in `output_flags` which tensors of each layer's
+    output need a gradient (`needs_grad_flags`); `replace_outputs`, such flags from a normal step,
+    has the tensors they flag that need no gradient now (parameters frozen) replaced by ones that do
+    (`requiring_grad`).
+    """
+
+    def __init__(self, layers: Sequence[Layer], clock: Clock, record_outputs: bool = False,
+                 replace_outputs: OutputFlags | None = None) -> None:
         self.clock = clock
         self.num_layers = len(layers)
         self.fwd_marks: list[Any] = [None] * (self.num_layers + 1)
         self.sequence_starts: list[int | None] = [None] * self.num_layers
         self.bwd_events: list[tuple[int, Any]] = []  # (layer, mark) at each backward node's start
-        self.tracker = LayerTracker(layers, on_enter=self._enter)
+        self.output_flags: OutputFlags = [None] * self.num_layers
+        self._replace = replace_outputs
+        watch = record_outputs or replace_outputs is not None
+        self.tracker = LayerTracker(layers, on_enter=self._enter, on_exit=self._exit if watch else None)
+        self._exiting: int | None = None  # the layer whose first call the tracker has just seen return
+        # registered after the tracker's hooks, so each runs right after the tracker's on the same call
+        self._leaf_handles = [layer.module.register_forward_hook(self._leaf_hook(index))
+                              for index, layer in enumerate(layers)] if self._replace is not None else []
 
     def _enter(self, index: int, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         self.fwd_marks[index] = self.clock.mark()
         self.sequence_starts[index] = sequence_nr()
+
+    def _exit(self, index: int, output: Any) -> None:
+        if self._replace is None:
+            self.output_flags[index] = needs_grad_flags(output)
+        else:
+            self._exiting = index
+
+    def _leaf_hook(self, index: int) -> Callable[..., Any]:
+        def hook(_module: Any, _args: Any, output: Any) -> Any:
+            flags = self._replace[index] if self._replace is not None and self._exiting == index else None
+            self._exiting = None
+            if not flags:
+                return None
+            replaced = requiring_grad(output, flags)
+            return None if replaced is output else replaced
+        return hook
 
     def hook_backward(self, loss: torch.Tensor) -> None:
         """Give every node of the loss's graph a pre-hook that records its layer and the time."""
@@ -195,6 +266,36 @@ class _InstrumentedStep:
     def remove(self) -> None:
         """Remove the forward hooks (node hooks go with their graph)."""
         self.tracker.remove()
+        for handle in self._leaf_handles:
+            handle.remove()
+        self._leaf_handles.clear()
+
+
+def _instrumented_ms(
+    layers: Sequence[Layer], run_step: Callable[[], torch.Tensor], after_step: Callable[[], None], clock: Clock,
+    record_outputs: bool = False, replace_outputs: OutputFlags | None = None,
+) -> tuple[list[float], list[float], OutputFlags]:
+    """One instrumented step (`_InstrumentedStep`, which takes the last two arguments): per-layer
+    forward and backward ms, unscaled, and the output flags recorded. A loss that needs no gradient
+    (nothing to differentiate) gives no backward time."""
+    step = _InstrumentedStep(layers, clock, record_outputs, replace_outputs)
+    try:
+        with _gc_paused():
+            step.fwd_marks[0] = clock.mark()
+            loss = run_step()
+            step.fwd_marks[-1] = clock.mark()
+            step.hook_backward(loss)
+            backward_start = clock.mark()
+            if loss.requires_grad:
+                loss.backward()
+            backward_end = clock.mark()
+            del loss
+    finally:
+        step.remove()
+    clock.synchronize()
+    after_step()
+    forward_ms = _segment_ms(clock, _fill_forward(step.fwd_marks))
+    return forward_ms, step.backward_ms(backward_start, backward_end), step.output_flags
 
 
 def _fill_forward(marks: list[Any]) -> list[Any]:
@@ -209,6 +310,12 @@ def _fill_forward(marks: list[Any]) -> list[Any]:
 def _segment_ms(clock: Clock, marks: list[Any]) -> list[float]:
     """Durations between consecutive marks, clamped at 0."""
     return [max(0.0, clock.elapsed_ms(start, end)) for start, end in zip(marks, marks[1:])]
+
+
+def _measured_iterations(iters: int, min_seconds: float, pace_s: float) -> int:
+    """How many iterations to measure: `iters`, or as many as fill `min_seconds` at `pace_s` seconds
+    each (the first one's time), at most MAX_ITERS_FACTOR x iters."""
+    return min(max(iters, math.ceil(min_seconds / max(pace_s, 1e-9))), MAX_ITERS_FACTOR * iters)
 
 
 def time_layers(
@@ -245,22 +352,8 @@ def time_layers(
         return clock.elapsed_ms(start, end)
 
     def measured() -> tuple[list[float], list[float]]:
-        step = _InstrumentedStep(layers, clock)
-        try:
-            with _gc_paused():
-                step.fwd_marks[0] = clock.mark()
-                loss = run_step()
-                step.fwd_marks[-1] = clock.mark()
-                step.hook_backward(loss)
-                backward_start = clock.mark()
-                loss.backward()
-                backward_end = clock.mark()
-                del loss
-        finally:
-            step.remove()
-        clock.synchronize()
-        after_step()
-        return _segment_ms(clock, _fill_forward(step.fwd_marks)), step.backward_ms(backward_start, backward_end)
+        fwd, bwd, _ = _instrumented_ms(layers, run_step, after_step, clock)
+        return fwd, bwd
 
     total = warmup + iters
     iteration = 0
@@ -282,8 +375,7 @@ def time_layers(
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)
             if iteration == warmup and min_seconds > 0:  # the first measured iteration sets the pace
-                pace_s = max(time.perf_counter() - began, 1e-9)
-                total = warmup + min(max(iters, math.ceil(min_seconds / pace_s)), MAX_ITERS_FACTOR * iters)
+                total = warmup + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
         iteration += 1
         if progress is not None:
             progress(iteration, total)
@@ -304,3 +396,78 @@ def time_layers(
         step_ms=step_ms,
         instrumented_ratio=ratio,
     )
+
+
+@contextlib.contextmanager
+def frozen(parameters: Iterable[torch.Tensor]) -> Any:
+    """Every parameter with `requires_grad=False` for the duration; each gets its own flag back
+    afterwards, also on error."""
+    flags = [(parameter, parameter.requires_grad) for parameter in parameters]
+    try:
+        for parameter, _ in flags:
+            parameter.requires_grad_(False)
+        yield
+    finally:
+        for parameter, flag in flags:
+            parameter.requires_grad_(flag)
+
+
+def time_input_gradients(
+    layers: Sequence[Layer],
+    run_step: Callable[[], torch.Tensor],
+    after_step: Callable[[], None],
+    clock: Clock,
+    parameters: Iterable[torch.Tensor],
+    bwd_ms: Sequence[float],
+    iters: int = INPUT_GRADIENT_ITERS,
+    progress: Callable[[int, int], None] | None = None,
+    min_seconds: float = 0.0,
+) -> list[float]:
+    """Per layer, the ms of `bwd_ms[i]` (from `time_layers`) that computing its inputs' gradients takes
+    (see the module docstring): `bwd_input_ms[i] = bwd_ms[i] x median_k(input_k[i] / full_k[i])`,
+    clamped to [0, bwd_ms[i]]; a layer whose backward took no time gets 0.
+
+    Each of `iters` iterations (or more, while they take less than `min_seconds`, as in
+    `time_layers`) pairs an instrumented step with `parameters` frozen (input_k: its per-layer
+    backward; every flag is restored after it, also on error) with a normal instrumented step
+    (full_k), alternating which goes first. A warm-up iteration comes first: a normal step that
+    records which layer outputs need a gradient, and a frozen one. `after_step` runs after every
+    step; `progress(done, total)` after every iteration.
+
+    Why ratios within pairs rather than the frozen steps' own medians times `time_layers`'s scale
+    factor: these steps come after `time_layers`'s, and the machine's speed drifts by several
+    percent over seconds, which a ratio of two steps run back to back cancels (as `time_layers`'s
+    own factor does for its pairs). Multiplying by `bwd_ms` puts the result in its units, that
+    factor included, and `bwd_ms[i] - bwd_input_ms[i]` is the weights' part.
+    """
+    parameters = list(parameters)
+    output_flags: OutputFlags = [None] * len(layers)  # set by the warm-up's normal step
+
+    def input_only() -> list[float]:
+        with frozen(parameters):
+            return _instrumented_ms(layers, run_step, after_step, clock, replace_outputs=output_flags)[1]
+
+    def full() -> list[float]:
+        return _instrumented_ms(layers, run_step, after_step, clock)[1]
+
+    shares: list[list[float]] = []
+    total = 1 + iters
+    iteration = 0
+    while iteration < total:
+        began = time.perf_counter()
+        if iteration == 0:  # warm-up: which outputs need a gradient, and the frozen step's first run
+            output_flags[:] = _instrumented_ms(layers, run_step, after_step, clock, record_outputs=True)[2]
+            input_only()
+        else:
+            if iteration % 2 == 0:
+                inputs, whole = input_only(), full()
+            else:
+                whole, inputs = full(), input_only()
+            shares.append([part / all_ms if all_ms > 0 else 0.0 for part, all_ms in zip(inputs, whole)])
+            if iteration == 1 and min_seconds > 0:
+                total = 1 + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
+        iteration += 1
+        if progress is not None:
+            progress(iteration, total)
+    medians = [statistics.median(column) for column in zip(*shares)] if shares else [0.0] * len(bwd_ms)
+    return [ms * min(max(share, 0.0), 1.0) for ms, share in zip(bwd_ms, medians)]

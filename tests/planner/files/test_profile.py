@@ -1,4 +1,5 @@
-"""The profile file: exact round trip, table columns, and refusal of other formats and versions."""
+"""The profile file: exact round trip, table columns, older versions, and refusal of other formats
+and newer versions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 
 from planner.errors import FileFormatError
 from planner.files.plan import profile_digest
+from planner.display.tables import profile_table
 from planner.files.profile import (
     LAYER_COLUMNS,
     PROFILE_FORMAT,
+    PROFILE_VERSION,
     LayerProfile,
     Profile,
     SharedParam,
@@ -40,7 +43,8 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     path = profile.save(tmp_path / "sub" / "toy.json")
     assert load_profile(path) == profile
     document = json.loads(path.read_text())
-    assert document["format"] == PROFILE_FORMAT and document["version"] == 1 and "planner_version" in document
+    assert document["format"] == PROFILE_FORMAT and document["version"] == PROFILE_VERSION == 2
+    assert "planner_version" in document
 
 
 def test_workspace_round_trips_and_a_count_other_than_the_layers_is_refused(tmp_path: Path) -> None:
@@ -59,10 +63,56 @@ def test_the_workspace_enters_the_digest_only_where_it_was_measured() -> None:
 
 
 def test_dataframe_has_the_layer_columns_in_execution_order() -> None:
-    frame = _profile().to_dataframe()
-    assert list(frame.columns) == list(LAYER_COLUMNS)
+    frame = _measured().to_dataframe()
+    assert list(frame.columns) == list(LAYER_COLUMNS) and "bwd_input_ms" in LAYER_COLUMNS
     assert list(frame["name"]) == ["h.0", "h.1", "h.2"]
     assert frame["param_bytes"].tolist() == [0, 4096, 8192]
+    assert frame["bwd_input_ms"].tolist() == [0.0, 0.125, 0.25]
+
+
+def _measured() -> Profile:
+    """`_profile()` with each layer's input-gradient time measured."""
+    profile = _profile()
+    layers = tuple(dataclasses.replace(layer, bwd_input_ms=share * layer.bwd_ms)
+                   for layer, share in zip(profile.layers, (0.0, 0.375, 0.75)))
+    return dataclasses.replace(profile, layers=layers)
+
+
+def test_input_gradient_times_round_trip_and_give_the_weights_part(tmp_path: Path) -> None:
+    profile = _measured()
+    assert load_profile(profile.save(tmp_path / "m.json")) == profile
+    layer = profile.layers[2]
+    assert layer.bwd_input_ms == pytest.approx(0.25) and layer.bwd_weight_ms == pytest.approx(1 / 3 - 0.25)
+    assert profile.total_bwd_input_ms == pytest.approx(0.375)
+    assert _profile().layers[0].bwd_weight_ms is None and _profile().total_bwd_input_ms is None
+    assert profile_digest(profile) != profile_digest(_profile())
+
+
+def test_a_version_1_file_loads_without_input_gradient_times(tmp_path: Path) -> None:
+    body = dataclasses.asdict(_profile())  # what version 1 wrote: layers without bwd_input_ms
+    for row in body["layers"]:
+        del row["bwd_input_ms"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "planner_version": "0.1.0", **body}))
+    profile = load_profile(path)
+    assert profile == _profile() and all(layer.bwd_input_ms is None for layer in profile.layers)
+    # saved again as version 2, its layers stay as they were: plans made with it keep their digest
+    document = json.loads(profile.save(tmp_path / "again.json").read_text())
+    assert document["version"] == 2 and document["layers"] == list(body["layers"])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[3] / "profiles").glob("*.json")),
+                         ids=lambda path: path.name)
+def test_the_shipped_profiles_still_load(path: Path) -> None:
+    profile = load_profile(path)
+    assert profile.num_layers > 0 and all(layer.bwd_input_ms is None for layer in profile.layers)
+
+
+def test_tables_show_the_input_gradient_share_only_where_measured() -> None:
+    columns = [column.header for column in profile_table(_measured()).columns]
+    assert columns[columns.index("bwd ms") + 1] == "in-grad"
+    assert "in-grad" not in [column.header for column in profile_table(_profile()).columns]
+    assert "bwd_input_ms" in _measured()._repr_html_() and "bwd_input_ms" not in _profile()._repr_html_()
 
 
 def _rewrite(tmp_path: Path, **changes: object) -> Path:
@@ -81,7 +131,7 @@ def test_another_format_is_refused_with_what_was_found(tmp_path: Path) -> None:
 
 def test_a_newer_version_is_refused_with_what_is_supported(tmp_path: Path) -> None:
     path = _rewrite(tmp_path, version=7)
-    with pytest.raises(FileFormatError, match=r"version 7 is newer than this planner supports \(1\.\.1\)"):
+    with pytest.raises(FileFormatError, match=r"version 7 is newer than this planner supports \(1\.\.2\)"):
         load_profile(path)
 
 

@@ -49,6 +49,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert len(profile.workspace_bytes) == profile.num_layers and all(w >= 0 for w in profile.workspace_bytes)
     assert set(profile.optimizer_step_per_tensor_ms) == {"sgd", "adam"}
     assert all(0 < ms < profile.optimizer_step_ms[name] for name, ms in profile.optimizer_step_per_tensor_ms.items())
+    assert all(layer.bwd_input_ms is not None and 0 <= layer.bwd_input_ms <= layer.bwd_ms for layer in profile.layers)
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
 
@@ -86,3 +87,14 @@ def test_gpt_head_is_the_heaviest_layer(profiles: dict[str, Profile]) -> None:
     profile = profiles["gpt"]
     times = [layer.fwd_ms + layer.bwd_ms for layer in profile.layers]
     assert times.index(max(times)) == [layer.name for layer in profile.layers].index("lm_head")
+
+
+def test_linear_layers_spend_part_of_their_backward_on_their_input_gradients(profiles: dict[str, Profile]) -> None:
+    linears = [layer for layer in profiles["mlp"].layers if layer.kind == "Linear"]
+    middle = linears[1:-1]
+    # the input gradient's matrix product is as large as the weight gradient's: about half
+    assert all(0.15 < layer.bwd_input_ms / layer.bwd_ms < 0.85 for layer in middle)
+    # the first layer's input is the data: its backward computes (almost) only weight gradients
+    assert linears[0].bwd_input_ms < 0.5 * min(layer.bwd_input_ms for layer in middle)
+    embedding = profiles["gpt"].layers[0]
+    assert embedding.kind == "Embedding" and embedding.bwd_input_ms < 0.5 * embedding.bwd_ms

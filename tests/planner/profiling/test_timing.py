@@ -1,16 +1,26 @@
-"""Per-layer timing: forward and backward time land on the right layer, functional ops included."""
+"""Per-layer timing: forward and backward time land on the right layer, functional ops included;
+the input-gradient part of each layer's backward."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections import namedtuple
+from typing import Any, Callable
 
 import pytest
 import torch
 from torch import nn
 
 from planner.profiling.layers import find_layers
-from planner.profiling.timing import HostClock, _fill_forward, time_layers
+from planner.profiling.timing import (
+    HostClock,
+    _fill_forward,
+    frozen,
+    needs_grad_flags,
+    requiring_grad,
+    time_input_gradients,
+    time_layers,
+)
 
 TOLERANCE_MS = 4.0  # sleeps overshoot by scheduler latency; python hooks add microseconds
 
@@ -141,3 +151,193 @@ def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
     assert [step for step, _ in seen] == list(range(1, total + 1))
     run(60.0, 2)
     assert seen[-1] == (1 + 2 * 20, 1 + 2 * 20)  # never more than MAX_ITERS_FACTOR x iters
+
+
+# Input gradients ---------------------------------------------------------------------------------
+
+
+class _SplitSleep(torch.autograd.Function):
+    """x * w whose backward sleeps `input_s` if x needs a gradient and `weight_s` if w does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, input_s: float, weight_s: float) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.input_s, ctx.weight_s = input_s, weight_s
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            time.sleep(ctx.input_s)
+            grad_x = grad * w
+        if ctx.needs_input_grad[1]:
+            time.sleep(ctx.weight_s)
+            grad_w = (grad * x).sum().reshape(1)
+        return grad_x, grad_w, None, None
+
+
+class _SplitLayer(nn.Module):
+    def __init__(self, input_s: float, weight_s: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.input_s, self.weight_s = input_s, weight_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitSleep.apply(x, self.w, self.input_s, self.weight_s)
+
+
+def _input_gradients(model: nn.Module, x: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     iters: int = 3) -> tuple[list[float], list[float]]:
+    """(bwd_ms, bwd_input_ms) of `model` on `x`."""
+    loss = loss or (lambda out: out.float().sum())
+    layers = find_layers(model, lambda: model(x))
+    run_step, after_step = (lambda: loss(model(x))), (lambda: model.zero_grad(set_to_none=True))
+    times = time_layers(layers, run_step, after_step, HostClock(), warmup=1, iters=iters)
+    return times.bwd_ms, time_input_gradients(layers, run_step, after_step, HostClock(), model.parameters(),
+                                              times.bwd_ms, iters=iters)
+
+
+def test_the_input_gradients_are_the_part_of_the_backward_with_frozen_weights() -> None:
+    model = nn.Sequential(_SplitLayer(0.010, 0.020), _SplitLayer(0.005, 0.015), _SplitLayer(0.010, 0.005))
+    bwd_ms, bwd_input_ms = _input_gradients(model, torch.randn(4, 8))  # the data needs no gradient
+    # the first layer's input is data: it has no input gradient to compute, whatever it would cost
+    assert bwd_input_ms == pytest.approx([0, 5, 10], abs=TOLERANCE_MS)
+    weights_ms = [whole - part for whole, part in zip(bwd_ms, bwd_input_ms)]
+    assert weights_ms == pytest.approx([20, 15, 5], abs=2 * TOLERANCE_MS)  # two sleeps' overshoot
+    assert all(0 <= part <= whole for part, whole in zip(bwd_input_ms, bwd_ms))
+
+
+def test_a_linear_mlp_splits_its_middle_layers_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 512), nn.Linear(512, 256))
+    bwd_ms, bwd_input_ms = _input_gradients(model, torch.randn(64, 256), iters=5)
+    assert 0 < bwd_input_ms[1] < bwd_ms[1]
+    assert 0 < bwd_input_ms[2] < bwd_ms[2]
+    assert bwd_input_ms[0] < bwd_input_ms[1]  # the first layer, fed by data, has (almost) none
+    assert [p.requires_grad for p in model.parameters()] == [True] * 6
+
+
+class _Tokens(nn.Module):
+    """Token ids into an embedding (its output needs no gradient once frozen), then an in-place ReLU
+    and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.embed(ids)))
+
+
+def test_layers_after_one_whose_output_needs_no_gradient_still_get_their_input_gradients() -> None:
+    model = _Tokens()
+    model.head.bias.requires_grad_(False)  # an already frozen parameter stays frozen
+    ids = torch.randint(0, 100, (16, 32))
+    bwd_ms, bwd_input_ms = _input_gradients(model, ids)
+    assert bwd_input_ms[2] > 0 and bwd_input_ms[2] <= bwd_ms[2]
+    assert bwd_input_ms[0] <= bwd_ms[0]
+    assert [p.requires_grad for p in model.parameters()] == [True, True, False]
+
+
+def test_an_output_that_is_the_input_itself_is_not_changed() -> None:
+    model = nn.Sequential(nn.Identity(), nn.Linear(8, 8))  # the first layer returns the data tensor
+    x = torch.randn(4, 8)
+    _input_gradients(model, x)
+    assert not x.requires_grad and x.grad is None
+
+
+def test_outputs_that_needed_a_gradient_in_a_normal_step_are_replaced_by_ones_that_do() -> None:
+    pair = namedtuple("pair", "a b")
+    weight = torch.ones(2, requires_grad=True)
+    data, ids, table = torch.randn(2), torch.arange(3), torch.randn(2)
+
+    def layer_output(x: torch.Tensor) -> tuple[Any, ...]:  # a rotary-like table never needs a gradient
+        return (x * weight, [ids, table], {"x": x * weight}, pair(x * weight, 1), "text")
+
+    flags = needs_grad_flags(layer_output(data))
+    assert flags == (True, False, False, True, True, False, False)
+    with torch.no_grad():  # as with frozen weights: nothing needs a gradient
+        output = layer_output(data)
+    found = requiring_grad(output, flags)
+    assert found[0].requires_grad and found[0].grad_fn is not None  # a copy: in-place operations stay legal
+    assert found[1][0] is ids and found[1][1] is table and not table.requires_grad
+    assert found[2]["x"].requires_grad and isinstance(found[3], pair) and found[3].a.requires_grad
+    assert found[3].b == 1 and found[4] == "text"
+    assert not output[0].requires_grad  # the original keeps its flag
+    needs = (weight * 2, ids)
+    assert requiring_grad(needs, needs_grad_flags(needs)) is needs  # nothing to change
+
+
+def test_frozen_gives_every_parameter_its_flag_back_even_on_error() -> None:
+    model = nn.Linear(4, 4)
+    model.bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="boom"):
+        with frozen(model.parameters()):
+            assert not any(p.requires_grad for p in model.parameters())
+            raise RuntimeError("boom")
+    assert [p.requires_grad for p in model.parameters()] == [True, False]
+
+
+def test_an_error_in_a_frozen_step_restores_the_flags() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    layers = find_layers(model, lambda: model(x))
+
+    def run_step() -> torch.Tensor:
+        if not model[0].weight.requires_grad:
+            raise ValueError("frozen step fails")
+        return model(x).sum()
+
+    with pytest.raises(ValueError, match="frozen step fails"):
+        time_input_gradients(layers, run_step, lambda: None, HostClock(), model.parameters(), [1.0, 1.0])
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any(layer.module._forward_hooks or layer.module._forward_pre_hooks for layer in layers)  # removed
+
+
+def test_input_gradient_steps_are_measured_until_min_seconds_have_passed() -> None:
+    model = nn.Sequential(_SplitLayer(0.002, 0.002))
+    x = torch.randn(4, 8)
+    layers = find_layers(model, lambda: model(x))
+    seen: list[tuple[int, int]] = []
+    time_input_gradients(layers, lambda: model(x).sum(), lambda: None, HostClock(), model.parameters(), [4.0],
+                         iters=2, progress=lambda done, total: seen.append((done, total)), min_seconds=0.15)
+    done, total = seen[-1]
+    assert done == total and 1 + 4 <= total <= 1 + 2 * 20  # a pair takes a few ms: well past the 2 asked for
+    assert [step for step, _ in seen] == list(range(1, total + 1))
+
+
+class _Rotary(nn.Module):
+    """A table from positions, no parameters: its output never needs a gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[-1], dtype=x.dtype).sin().expand_as(x)
+
+
+class _UsesTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _SplitLayer(0.0, 0.005)
+        self.table = _Rotary()
+        self.second = _SplitLayer(0.005, 0.005)
+        self.table_needs_grad: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        table = self.table(h)  # as the next layer sees it, after every hook
+        self.table_needs_grad.append(table.requires_grad)
+        return self.second(h * table)
+
+
+def test_outputs_that_need_no_gradient_in_a_normal_step_get_none_when_frozen() -> None:
+    model = _UsesTable()
+    layers = find_layers(model, lambda: model(torch.randn(4, 8)))
+    x = torch.randn(4, 8)
+    model.table_needs_grad.clear()
+    bwd_input_ms = time_input_gradients(layers, lambda: model(x).sum(), lambda: None, HostClock(),
+                                        model.parameters(), [5.0, 0.0, 10.0], iters=1)
+    assert len(model.table_needs_grad) == 4 and not any(model.table_needs_grad)  # in no step
+    assert bwd_input_ms == pytest.approx([0, 0, 5], abs=TOLERANCE_MS)
