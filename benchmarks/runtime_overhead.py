@@ -7,9 +7,10 @@ thread per process, SGD (lr 1e-3); every measured step is a whole training step:
 backward, gradient sums and the optimizer step. Three parts, each side by side in one run:
 
 1. Two processes under torchrun (gloo), the model split in two at `transformer.h.6`
-   (`runtime.stages.split_model`): torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
-   on manual PipelineStages of the same split modules, against `runtime.engine.Engine` with
-   "gpipe" and "1f1b". Rounds interleave the runners (the order rotates each round); each step is
+   (`runtime.stages.split_model`): torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+   ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1) on manual PipelineStages of the same
+   split modules, against `runtime.engine.Engine` with "gpipe", "1f1b" and "zb-h1", and zb-h1's
+   time over 1f1b's on each side. Rounds interleave the runners (the order rotates each round); each step is
    timed between two barriers; medians and ratios are reported. pipelining does not sum the
    gradients of a parameter held by several stages (the tied `lm_head.weight` /
    `transformer.wte.weight`): the benchmark all-reduces that gradient itself after each
@@ -71,7 +72,7 @@ LR = 1e-3
 MODEL_SEED = 0
 BATCH_SEED = 1000
 PING_BYTES = 4 * 2**20
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[torch.Tensor, torch.Tensor], "float | None"]
@@ -282,15 +283,19 @@ def sum_tied_gradients(world: World, parameters: list[nn.Parameter]) -> None:
 
 def pipelining_runner(world: World, source: ModelFile, schedule: str, microbatches: int) -> StepFn:
     """torch.distributed.pipelining on this rank's stage of the split at SPLIT, plus the tied sum and SGD."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
     stages = split_model(fresh_model(source), [SPLIT])
     module = stages[world.rank]
     # no input_args/output_args: the stage infers shapes from the first step's microbatch
     stage = PipelineStage(module, world.rank, len(stages), torch.device("cpu"))
-    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    # scale_grads (default True) divides gradients by the microbatch count: mean-loss semantics
-    runner = kind(stage, n_microbatches=microbatches, loss_fn=source.loss_fn)
+    # scale_grads (default True) divides gradients by the microbatch count: mean-loss semantics; zb-h1 is the
+    # zero-bubble class on one stage per rank (it takes a list of the rank's stages)
+    if schedule == "zb-h1":
+        runner: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=microbatches, loss_fn=source.loss_fn)
+    else:
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        runner = kind(stage, n_microbatches=microbatches, loss_fn=source.loss_fn)
     optimizer = sgd(module.parameters())
     tied = tied_parameters(stages, world.rank)
     first, last = world.rank == 0, world.rank == len(stages) - 1
@@ -581,6 +586,11 @@ def report(args: argparse.Namespace, results: dict[str, Any], in_process: list[d
         ratio = round_ratio(steps[theirs], steps[ours])
         print(f"   {schedule:9s} {times[theirs]:10.1f} {times[ours]:8.1f} {ratio:6.2f}")
         summary.append((f"engine / pipelining throughput, {schedule}", f"{ratio:.2f}"))
+    for split, whole in (("engine zb-h1", "engine 1f1b"), ("pipelining zb-h1", "pipelining 1f1b")):
+        if split in steps and whole in steps:
+            ratio = round_ratio(steps[split], steps[whole])
+            print(f"   {split} / {whole.split()[-1]} time: {ratio:.2f} (B and W apart, W deferred into the bubbles)")
+            summary.append((f"{split} / {whole} time", f"{ratio:.2f}"))
     for name, failure in results["failures"].items():
         print(f"   {name} FAILED in {failure}; its medians cover the rounds before")
     if "exit_note" in results:

@@ -57,8 +57,8 @@ from torch import nn
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    ALLREDUCE, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, Action, Schedule, ScheduleError, build_schedule,
-    check_channel_order,
+    ALLREDUCE, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, SPLIT_BACKWARD_SCHEDULES, Action, Schedule,
+    ScheduleError, build_schedule, check_channel_order,
 )
 from runtime.export_split import ShapeGuard
 from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
@@ -73,7 +73,7 @@ from runtime.trace import OpTime
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
-ENGINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
+ENGINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Key = tuple[int, int]  # (iteration, microbatch)
 
@@ -121,7 +121,8 @@ class Engine:
     """This rank's part of a pipeline run over torch.distributed; see the module docstring.
 
     `stages`: every stage of the model (`build_stages` / `split_model`; this rank keeps its own);
-    `schedule`: "gpipe", "1f1b" or "pipedream"; `stage_ranks[s]`: the ranks of stage s (replica
+    `schedule`: "gpipe", "1f1b", "zb-h1" (its B and W apart: `StageRunner`'s split_backward) or
+    "pipedream"; `stage_ranks[s]`: the ranks of stage s (replica
     k at index k; default one rank per stage, in order); `microbatches` per `train_step`;
     `checkpoint`: per stage (or one bool), recompute the forward in the backward; `optimizer`:
     makes this stage's optimizer from its parameters (required for pipedream; without one, a
@@ -153,6 +154,9 @@ class Engine:
         flags = [bool(checkpoint)] * count if checkpoint is None or isinstance(checkpoint, bool) else list(checkpoint)
         if len(flags) != count:
             raise EngineError(f"checkpoint needs one flag per stage ({count}), got {len(flags)}")
+        if schedule in SPLIT_BACKWARD_SCHEDULES and any(flags):
+            raise EngineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
+                              "stages do not have: plan without recompute, or use gpipe or 1f1b")
         self.schedule: Schedule = build_schedule(schedule, [len(group) for group in ranks], microbatches,
                                                  stage_ranks=ranks)
         _check_message_order(self.schedule)
@@ -169,7 +173,8 @@ class Engine:
         self.module = stages[self.stage].to(self.device)
         self.runner = StageRunner(self.module, self.device, last=self.stage == count - 1,
                                   loss_fn=loss_fn or default_loss, checkpoint=flags[self.stage],
-                                  stash_weights=schedule == "pipedream")
+                                  stash_weights=schedule == "pipedream",
+                                  split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
         self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
         self.failure_timeout_s, self.timeout_s = failure_timeout_s, timeout_s
         links = _make_links(self.schedule)

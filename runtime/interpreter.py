@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SENDS, STEP, Action,
+    ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SENDS, STEP, WEIGHT, Action,
 )
 from runtime.stage_runner import StageRunner
 
@@ -65,6 +65,8 @@ def run_program(actions: Sequence[Action], runner: StageRunner, transport: Trans
             grads = runner.backward(key)
             if grads is not None:
                 outgoing[key] = grads
+        elif action.op == WEIGHT:
+            runner.backward_weight(key)
         elif action.op == ALLREDUCE:
             transport.all_reduce(action)
         elif action.op == STEP:

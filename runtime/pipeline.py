@@ -41,7 +41,9 @@ from torch import nn
 
 from planner.errors import PlannerError
 from planner.profiling.model_file import default_loss
-from planner.schedules.schedule import RECV_ACTIVATION, SEND_ACTIVATION, Action, RankProgram, build_schedule
+from planner.schedules.schedule import (
+    RECV_ACTIVATION, SEND_ACTIVATION, SPLIT_BACKWARD_SCHEDULES, Action, RankProgram, build_schedule,
+)
 from runtime.export_split import ShapeGuard
 from runtime.interpreter import UnknownActionError, run_program
 from runtime.nested import split_minibatch
@@ -50,7 +52,7 @@ from runtime.stages import StageSplitError, Stages, build_stages
 
 __all__ = ["Pipeline", "PipelineError", "IN_PROCESS_SCHEDULES"]
 
-IN_PROCESS_SCHEDULES = ("gpipe", "1f1b")
+IN_PROCESS_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 _STOP = object()  # in a worker's inbox: exit the thread
 _ABORT = object()  # in a step's queue: another stage failed, stop waiting
@@ -186,7 +188,7 @@ def _check_schedule(name: str) -> None:
     if name == "pipedream":
         raise PipelineError(
             "the pipedream schedule (no flush, weight stashing, an optimizer step after every backward) "
-            "needs the distributed engine; the in-process pipeline runs gpipe or 1f1b")
+            "needs the distributed engine; the in-process pipeline runs gpipe, 1f1b or zb-h1")
     if name not in IN_PROCESS_SCHEDULES:
         raise PipelineError(f"unknown schedule {name!r}; the in-process pipeline runs "
                             f"{' or '.join(IN_PROCESS_SCHEDULES)}")
@@ -196,7 +198,7 @@ class Pipeline:
     """Trains `stages` as one pipeline in this process: one worker thread per stage; see the module docstring.
 
     `stages`: the model's stages in order (one replica each); `devices`: one per stage (default:
-    all "cpu"; several stages may share a device); `schedule`: "gpipe" or "1f1b" (with a flush);
+    all "cpu"; several stages may share a device); `schedule`: "gpipe", "1f1b" or "zb-h1" (with a flush);
     `microbatches` per `train_step`; `checkpoint`: per stage (or one bool for all), recompute its
     forward during the backward instead of keeping its activations; `loss_fn(output, target)`:
     a mean over the batch (default `planner.profiling.model_file.default_loss`).
@@ -233,7 +235,11 @@ class Pipeline:
         self._replies: queue.Queue = queue.Queue()
         programs = {program.stage: program for program in self.schedule.programs}
         # every runner first: one that cannot be built leaves no thread of an earlier stage running
-        runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index])
+        if schedule in SPLIT_BACKWARD_SCHEDULES and any(checkpoint):
+            raise PipelineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
+                                "stages do not have: pass no checkpoint flags, or use gpipe or 1f1b")
+        runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index],
+                               split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
                    for index, (stage, device) in enumerate(zip(stages, self.devices))]
         self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
         self._workers = [_Worker(index, runner, programs[index], self._replies) for index, runner in enumerate(runners)]

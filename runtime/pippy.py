@@ -5,8 +5,9 @@
 cannot trace: not torch.distributed.pipelining's own `pipeline()`, which fails on models whose
 export lifts buffers and constants, such as Llama's rotary tables), wraps this rank's stage in a manual
 `torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
-(`planner.files.export.PIPPY_SCHEDULE_CLASSES`). The plan must be exportable
-(`planner.files.export.data_parallel_degree`): gpipe or 1f1b, every stage on R ranks. Pipeline k is
+(`planner.files.export.PIPPY_SCHEDULE_CLASSES`; zb-h1 runs as `ScheduleInterleavedZeroBubble` on one
+stage per rank). The plan must be exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b
+or zb-h1, every stage on R ranks. Pipeline k is
 `[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
 share of each mini-batch (`PippyPipeline.shard`).
 
@@ -39,10 +40,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from planner.files.export import ExportError, pippy_export
+from planner.files.export import PIPPY_MULTI_STAGE_CLASSES, ExportError, pippy_export
 from planner.profiling.model_file import LossFn, default_loss
 from planner.files.plan import Plan
 from runtime.engine import init_distributed
@@ -53,7 +54,8 @@ from runtime.stages import Stages, build_stages, describe_boundaries
 
 __all__ = ["PippyError", "PippyPipeline", "build"]
 
-_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
+_SCHEDULES: dict[str, type[_PipelineSchedule]] = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B,
+                                                   "ScheduleInterleavedZeroBubble": ScheduleInterleavedZeroBubble}
 
 
 class PippyError(PipelineError):
@@ -67,7 +69,7 @@ class PippyPipeline:
     class on it; `stage_index`, `replica` (this rank's pipeline), `replicas` (R).
     """
 
-    def __init__(self, stage: PipelineStage, schedule: PipelineScheduleSingle, replica: int, replicas: int,
+    def __init__(self, stage: PipelineStage, schedule: _PipelineSchedule, replica: int, replicas: int,
                  gradients: GradientGroups, device: torch.device) -> None:
         self.stage = stage
         self.schedule = schedule
@@ -166,7 +168,9 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     # stage s of this pipeline lives on its group's rank of settings.ranks[replica][s] (new_group sorts ranks)
     stage.stage_index_to_group_rank = {
         s: (r if group is None else dist.get_group_rank(group, r)) for s, r in enumerate(settings.ranks[replica])}
-    schedule = _SCHEDULES[settings.schedule_class](stage, n_microbatches=settings.n_microbatches,
+    # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule)
+    stages_arg = [stage] if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else stage
+    schedule = _SCHEDULES[settings.schedule_class](stages_arg, n_microbatches=settings.n_microbatches,
                                                    loss_fn=loss_fn or default_loss, scale_grads=True)
     gradients = make_gradient_groups(settings.stage_ranks, stages.shared, stage_index, module)
     return PippyPipeline(stage, schedule, replica, settings.replicas, gradients, chosen)

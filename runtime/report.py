@@ -67,7 +67,7 @@ from planner.files.run_report import (
     StagePrediction,
 )
 from planner.schedules.schedule import (
-    ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, SENDS, STEP,
+    ALLREDUCE, BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SEND_GRADIENT, SENDS, STEP, WEIGHT,
 )
 from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
@@ -325,6 +325,7 @@ def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int
     ranks, per-step totals averaged over (rank, step) pairs."""
     forwards = _durations_ms(ops, ranks, steps, (FORWARD,))
     backwards = _durations_ms(ops, ranks, steps, (BACKWARD,))
+    weights = _durations_ms(ops, ranks, steps, (WEIGHT,))  # zero-bubble schedules: a microbatch's W, after its B
     reductions = _durations_ms(ops, ranks, steps, (ALLREDUCE,))
     pairs = [(rank, step) for rank in ranks for step in steps]
 
@@ -332,10 +333,11 @@ def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int
         """Mean over (rank, step) of the total ms of `kinds`."""
         return statistics.fmean(sum(_durations_ms(ops, [rank], [step], kinds)) for rank, step in pairs)
 
-    busy = [sum(_durations_ms(ops, [rank], [step], (FORWARD, BACKWARD, ALLREDUCE, STEP))) for rank, step in pairs]
+    busy = [sum(_durations_ms(ops, [rank], [step], (FORWARD, BACKWARD, WEIGHT, ALLREDUCE, STEP)))
+            for rank, step in pairs]
     idle = statistics.fmean(step_s[step] * 1000.0 - spent for (_, step), spent in zip(pairs, busy))
     forward_ms = statistics.fmean(forwards) if forwards else 0.0
-    backward_ms = statistics.fmean(backwards) if backwards else 0.0
+    backward_ms = (statistics.fmean(backwards) if backwards else 0.0) + (statistics.fmean(weights) if weights else 0.0)
     transfer_in = boundaries[index - 1] if index > 0 else 0.0
     transfer_out = boundaries[index] if index < len(boundaries) else 0.0
     return StageMeasurement(

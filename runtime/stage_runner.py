@@ -8,6 +8,10 @@ needs, between `forward(key)` and `backward(key)`:
 - `checkpoint`: only the stage's inputs and the random stream state the forward started from;
   the forward runs under `torch.no_grad()` and the backward runs it again with grad (same
   dropout masks), then puts batch-norm buffers back as the first forward left them;
+- `split_backward` (zero-bubble schedules): `backward(key)` is B, the gradients of the received
+  inputs only (`planner.profiling.backward_split.backward_inputs`), and `backward_weight(key)` is W,
+  the parameters' gradients, later; between them the microbatch's graph is kept. A first stage
+  (inputs that are data) has no input gradient: its B does nothing and its W the whole backward.
 - `stash_weights` (PipeDream's weight stashing): the forward runs on a copy of the parameters
   taken at that moment (`torch.func.functional_call`), so optimizer steps between a
   microbatch's forward and its backward do not change the weights its backward differentiates;
@@ -26,6 +30,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
+from planner.profiling.backward_split import PendingWeights, backward_inputs, backward_weights
 from runtime.nested import map_tensors, tensors
 from runtime.rng import RandomStream
 from runtime.stages import stage_args
@@ -69,20 +74,25 @@ class StageRunner:
     """Forward and backward of one stage on `device`; see the module docstring.
 
     `last`: the stage computes the loss; `checkpoint`: recompute the forward in the backward;
-    `stash_weights`: each forward runs on its own copy of the parameters.
+    `stash_weights`: each forward runs on its own copy of the parameters; `split_backward`: `backward`
+    computes input gradients only and `backward_weight` the parameters' (not with the other two).
     """
 
     def __init__(self, module: nn.Module, device: torch.device, *, last: bool, loss_fn: LossFn,
-                 checkpoint: bool = False, stash_weights: bool = False) -> None:
+                 checkpoint: bool = False, stash_weights: bool = False, split_backward: bool = False) -> None:
+        if split_backward and (checkpoint or stash_weights):
+            raise ValueError("split_backward runs neither with checkpoint nor with stash_weights")
         self.module, self.device, self.last, self.loss_fn = module, device, last, loss_fn
-        self.checkpoint, self.stash_weights = checkpoint, stash_weights
+        self.checkpoint, self.stash_weights, self.split_backward = checkpoint, stash_weights, split_backward
         self.stream = RandomStream(device)
         self.micro: dict[Hashable, _Micro] = {}
+        self.pending: dict[Hashable, PendingWeights] = {}  # split_backward: W still to run, per microbatch
         self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
 
     def reset(self, seed: int | None = None) -> None:
         """Forget every microbatch and loss; the random stream starts again from `seed` (if given)."""
         self.micro.clear()
+        self.pending.clear()
         self.losses.clear()
         if seed is not None:
             self.stream.reseed(seed)
@@ -142,6 +152,8 @@ class StageRunner:
                 self.losses[key] = float(output.detach())
         else:
             output, state.output = state.output, None
+        if self.split_backward:
+            return self._backward_inputs(key, state, output)
         if self.last:
             output.backward()
         else:
@@ -158,6 +170,28 @@ class StageRunner:
         if not state.received:
             return None
         return [_grad_or_zeros(leaf) if leaf.requires_grad else None for leaf in tensors(state.args)]
+
+    def backward_weight(self, key: Hashable) -> None:
+        """W of microbatch `key` (split_backward): its parameters' gradients add to their `.grad`; forgets it."""
+        backward_weights(self.pending.pop(key))
+
+    def _backward_inputs(self, key: Hashable, state: _Micro, output: Any) -> list[torch.Tensor | None] | None:
+        """B of a split backward: the received inputs' gradients (as `backward` returns them), W kept for later."""
+        if self.last:
+            outputs, grads = [output], [None]
+        else:
+            pairs = [(tensor, grad) for tensor, grad in zip(tensors(output), state.grads or [])
+                     if grad is not None and tensor.requires_grad]
+            outputs, grads = [tensor for tensor, _ in pairs], [grad for _, grad in pairs]
+        leaves = [leaf for leaf in tensors(state.args) if leaf.requires_grad] if state.received else []
+        found, self.pending[key] = backward_inputs(outputs, grads, leaves,
+                                                   [p for p in self.module.parameters() if p.requires_grad])
+        if not state.received:
+            return None
+        by_leaf = dict(zip(map(id, leaves), found))
+        return [None if not leaf.requires_grad else
+                (by_leaf.get(id(leaf)) if by_leaf.get(id(leaf)) is not None else torch.zeros_like(leaf))
+                for leaf in tensors(state.args)]
 
     def _call(self, state: _Micro, fresh: bool) -> Any:
         """The stage on the microbatch's arguments (on clones of them if `fresh`), on its stashed weights if any."""

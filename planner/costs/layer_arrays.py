@@ -10,6 +10,7 @@ import numpy as np
 from planner.files.profile import Profile
 
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
+ASSUMED_WEIGHT_SHARE = 0.5  # W / backward where the profile did not measure input gradients (a linear layer's dW ~ dX)
 
 
 def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float, float]:
@@ -43,7 +44,9 @@ class LayerArrays:
     stage holding one of the other layers holds a copy too; `workspace_bytes[k]`: bytes layer k's
     backward holds beyond saved activations (not a prefix sum; None: all zero); `param_tensors`:
     parameter tensors, a prefix sum counted as `param_bytes` (None: all zero; a shared one's copy
-    counts 1).
+    counts 1). `weight_s`: the weight-gradient part (W) of each layer's backward, seconds, a prefix
+    sum: backward - input-gradient part where the profile measured it (`bwd_input_ms`), else
+    ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured.
     """
 
     compute_s: np.ndarray
@@ -54,6 +57,8 @@ class LayerArrays:
     fwd_s: np.ndarray | None = None
     workspace_bytes: np.ndarray | None = None
     param_tensors: np.ndarray | None = None
+    weight_s: np.ndarray | None = None
+    weight_measured: bool = False
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
@@ -62,6 +67,8 @@ class LayerArrays:
             object.__setattr__(self, "workspace_bytes", np.zeros(len(self.cut_bytes)))
         if self.param_tensors is None:
             object.__setattr__(self, "param_tensors", np.zeros_like(self.param_bytes))
+        if self.weight_s is None:
+            object.__setattr__(self, "weight_s", ASSUMED_WEIGHT_SHARE * (self.compute_s - self.fwd_s))
 
     @property
     def num_layers(self) -> int:
@@ -75,6 +82,11 @@ class LayerArrays:
         forward = np.array([layer.fwd_ms / 1000.0 for layer in profile.layers])
         params = np.array([float(layer.param_bytes) for layer in profile.layers])
         saved = np.array([float(layer.saved_bytes) for layer in profile.layers])
+        inputs_ms = [getattr(layer, "bwd_input_ms", None) for layer in profile.layers]
+        measured = all(ms is not None for ms in inputs_ms)
+        weight = np.array([(layer.bwd_ms - min(max(ms, 0.0), layer.bwd_ms) if measured
+                            else ASSUMED_WEIGHT_SHARE * layer.bwd_ms) / 1000.0
+                           for layer, ms in zip(profile.layers, inputs_ms)])
         return cls(
             compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
             param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
@@ -85,6 +97,7 @@ class LayerArrays:
             workspace_bytes=np.array([float(nbytes) for nbytes in profile.workspace_bytes]) if profile.workspace_bytes
             else None,
             param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
+            weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
         )
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:

@@ -44,6 +44,12 @@ Transfers run on their own channel (one per direction), overlapped with compute.
   this is GPipe's and 1F1B's (m + S - 1)(f + b); for one stage on r replicas it is data
   parallelism's ceil(m / r) t + ar. Transfers during fill and drain (latency included) are not counted,
   nor is the all-reduce of tied weights across stages (`tied_allreduce_s`); the simulator plays both.
+- `zb-h1` (flush; each backward split into B and W, `schedules.schedule`): W(s) = sigma x the stage's
+  layers' weight-gradient times (`LayerArrays.weight_s`); a microbatch's trip leaves the W's out:
+      iteration = sum_s (t(s) - W(s)) + max_s [Q(s) + W(s)]
+  with Q as for the flush schedules (and no recompute). It does not credit the W's that fill the
+  drain (the simulator does); on equal stages it reads (p - 1)(F + B) for the bubble, against
+  the schedule's (p - 1)(F + B - W) and 1f1b's (p - 1)(F + B + W).
 - `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
       Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
@@ -53,6 +59,8 @@ plus one microbatch's sigma saved_bytes rebuilt during its backward) and n micro
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
+    zb-h1: n = min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)), P the cluster's devices (a microbatch
+           is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
     memory = W (2 + k) + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
@@ -71,7 +79,7 @@ import numpy as np
 
 from planner.files.cluster import Cluster
 from planner.costs.layer_arrays import LayerArrays
-from planner.schedules.schedule import ArrayOrInt, in_flight
+from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight
 
 ArrayOrFloat = Union[float, np.ndarray]
 ArrayOrBool = Union[bool, np.ndarray]
@@ -194,11 +202,13 @@ def allreduce_s(weight_bytes: ArrayOrFloat, replicas: ArrayOrInt, bandwidth_Bps:
 
 def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s: ArrayOrFloat,
                comm_in_s: ArrayOrFloat, comm_out_s: ArrayOrFloat, allreduce: ArrayOrFloat,
-               step: ArrayOrFloat = 0.0, accumulate: ArrayOrFloat = 0.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+               step: ArrayOrFloat = 0.0, accumulate: ArrayOrFloat = 0.0,
+               weight: ArrayOrFloat = 0.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(period, Q) in seconds, with `step` the optimizer step (`step_terms`) and `accumulate` adding
     one microbatch's gradients into the stage's (`accumulate_terms`). Flush schedules: period =
     max(t + acc, c_in, c_out) / r and Q = (ceil(m / r) - 1) max(t + acc, c_in, c_out) + ar + step
-    (a replica's microbatches after its first also accumulate); pipedream (a step per microbatch,
+    (a replica's microbatches after its first also accumulate), plus `weight` (W) for zero-bubble
+    schedules, whose round trip `fill_drain_s` leaves the W's out; pipedream (a step per microbatch,
     nothing to accumulate): period = Q = max(t + ar + step, c_in, c_out) / r."""
     r = np.asarray(replicas, dtype=float)
     if schedule == "pipedream":
@@ -206,7 +216,7 @@ def time_terms(schedule: str, microbatches: int, replicas: ArrayOrInt, compute_s
         return period, period
     busy = np.maximum(np.maximum(compute_s + accumulate, comm_in_s), comm_out_s)
     turns = -(-microbatches // np.asarray(replicas)) - 1
-    return busy / r, turns * busy + allreduce + step
+    return busy / r, turns * busy + allreduce + step + weight
 
 
 def accumulate_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrFloat:
@@ -231,8 +241,11 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
     bytes per parameter byte), memory = base + max(n held + rebuilt, scratch) with n = `in_flight`
     (the step runs when the activations are gone); pipedream keeps n weight versions (base - W,
-    held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma."""
-    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here)
+    held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
+    zb-h1's in-flight count grows with the devices before the stage too: it is counted as if the plan used
+    every device of the cluster (exact for such plans, an upper bound for plans on fewer), so that a
+    stage's memory depends only on the stages after it, as the optimizer builds plans."""
+    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, inputs.cluster.num_devices)
     base = weight_bytes * (2 + inputs.optimizer_copies)
     held = np.where(recompute, entering_bytes, saved_bytes)
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
@@ -261,6 +274,7 @@ class StageCost:
     scratch_bytes: float = 0.0  # held by the optimizer step beyond weights, gradients and state
     accumulate_s: float = 0.0  # acc: added to each backward after a replica's first in an iteration
     tied_s: float = 0.0  # the all-reduce of tied weights across stages before the step (`tied_allreduce_s`)
+    weight_s: float = 0.0  # zero-bubble schedules: W, the part of t - fwd_s that computes weight gradients
 
 
 def stage_cost(
@@ -278,19 +292,31 @@ def stage_cost(
     comm_out = float(transfer_s(sigma * arrays.cut_after(stop), *link_terms(cluster, last_rank, last_rank + 1),
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
+    weight = float(weight_terms(inputs, start, stop))
     allreduce = float(allreduce_s(arrays.stage_replicated_bytes(start, stop), replicas,
                                   *link_terms(cluster, first_rank, last_rank)))
     step = float(step_terms(inputs, weights, arrays.stage_tensor_count(start, stop)))
     accumulate = float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
-                                                           comm_in, comm_out, allreduce, step, accumulate))
+                                                           comm_in, comm_out, allreduce, step, accumulate, weight))
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
-                     scratch, accumulate)
+                     scratch, accumulate, weight_s=weight)
+
+
+def weight_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
+    """W of stages [start, stop) under a zero-bubble schedule, seconds per microbatch: sigma x their layers'
+    weight-gradient parts (`LayerArrays.weight_s`); 0 under other schedules. Element-wise. (The engine's
+    first stage has no input gradient to send, so it runs its whole backward as W: the same work, and with
+    no deferral on the first stage, at the same place.)"""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return np.zeros(np.shape(starts)) if np.ndim(starts) else 0.0
+    weight_s = inputs.arrays.weight_s
+    return inputs.scale * (weight_s[stops] - weight_s[starts])
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
@@ -328,10 +354,13 @@ def tied_allreduce_s(inputs: CostInputs, stages: list[Stage]) -> list[float]:
 
 
 def fill_drain_s(inputs: CostInputs, stages: list[Stage]) -> float:
-    """sum_s t(s): one microbatch through every stage and back, seconds (0 for pipedream)."""
+    """sum_s t(s): one microbatch through every stage and back, seconds (0 for pipedream); zero-bubble
+    schedules leave out the W's (the gradient goes back after B; `time_terms` counts the stage's own W)."""
     if inputs.schedule == "pipedream":
         return 0.0
     total = inputs.scale * float(inputs.arrays.compute_s[-1])
+    if inputs.schedule in SPLIT_BACKWARD_SCHEDULES:
+        total -= inputs.scale * float(inputs.arrays.weight_s[-1])
     recomputed = sum(
         inputs.scale * float(inputs.arrays.fwd_s[stop] - inputs.arrays.fwd_s[start])
         for start, stop, _, recompute in stages if recompute

@@ -27,7 +27,7 @@ from planner.errors import PlannerError
 from planner.files.fileformat import write_atomically
 from planner.files.plan import Plan
 from planner.files.profile import Profile
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
+from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP, WEIGHT
 from planner.files.timeline import Timeline
 from planner.units import format_bytes
 
@@ -39,11 +39,12 @@ MAX_NAME_CHARS = 18  # layer names longer than this are cut in the middle with a
 LABEL_FONT_PT = 7.0  # microbatch numbers on Gantt boxes
 LIMIT_COLOR = "tab:red"
 OP_COLORS = {
-    FORWARD: "#4c72b0", BACKWARD: "#dd8452", ALLREDUCE: "#8172b3", STEP: "#222222",
+    FORWARD: "#4c72b0", BACKWARD: "#dd8452", WEIGHT: "#ccb974", ALLREDUCE: "#8172b3", STEP: "#222222",
     SEND_ACTIVATION: "#55a868", SEND_GRADIENT: "#c44e52",
 }
 OP_LABELS = {
-    FORWARD: "forward", BACKWARD: "backward", ALLREDUCE: "all-reduce", STEP: "optimizer step",
+    FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradients (W)", ALLREDUCE: "all-reduce",
+    STEP: "optimizer step",
     SEND_ACTIVATION: "send activation", SEND_GRADIENT: "send gradient",
 }
 # Gantt row of one rank, in row units (rank r spans [r, r + 1), top to bottom): compute ops, then
@@ -256,7 +257,7 @@ def _draw_gantt(fig: FigureBase, timeline: Timeline, communication: bool, span_m
     row = {rank: position for position, rank in enumerate(ranks)}
     makespan_ms = span_ms or timeline.makespan_s * 1000.0 or 1.0
     compute_lane = _COMPUTE_LANE_WITH_SENDS if communication else _COMPUTE_LANE
-    lanes = {FORWARD: compute_lane, BACKWARD: compute_lane, ALLREDUCE: compute_lane}
+    lanes = {FORWARD: compute_lane, BACKWARD: compute_lane, WEIGHT: compute_lane, ALLREDUCE: compute_lane}
     if communication:
         lanes.update(_SEND_LANES)
     # microbatch numbers where every number would fit: one rule for all boxes, so none has a label its twin lacks
@@ -290,7 +291,7 @@ def _draw_boxes(ax: Axes, events: pd.DataFrame, op: str, lane: tuple[float, floa
     """A box per event in its rank's `lane` (ms on x); forward and backward boxes wide enough for
     `label_chars` digits show their microbatch. Returns whether any box has a duration (worth a legend entry)."""
     height = lane[1] - lane[0]
-    numbered = op in (FORWARD, BACKWARD)
+    numbered = op in (FORWARD, BACKWARD, WEIGHT)
     for event in events.itertuples(index=False):
         start_ms, width_ms = event.start_s * 1000.0, (event.end_s - event.start_s) * 1000.0
         bottom = row[int(event.rank)] + lane[0]

@@ -9,8 +9,8 @@ from rich.table import Table
 
 from planner.planning.partition import BaselineResult
 from planner.files.plan import Plan
-from planner.files.profile import Profile
-from planner.schedules.schedule import BACKWARD, FORWARD
+from planner.files.profile import LayerProfile, Profile
+from planner.schedules.schedule import BACKWARD, FORWARD, WEIGHT
 from planner.files.timeline import Timeline
 from planner.units import format_bytes, format_ms
 
@@ -21,8 +21,10 @@ NARROW_COLUMNS = 110  # below this terminal width, tables leave out their least 
 
 
 def profile_table(profile: Profile, width: int | None = None) -> Table:
-    """One row per layer: times in ms per mini-batch, sizes in binary units (no `kind` when narrow)."""
+    """One row per layer: times in ms per mini-batch, sizes in binary units (no `kind` when narrow);
+    where measured, "in-grad": the share of `bwd ms` that computes the layer's input gradients."""
     with_kind = width is None or width >= NARROW_COLUMNS
+    with_input = any(layer.bwd_input_ms is not None for layer in profile.layers)
     batch = "?" if profile.batch_size is None else str(profile.batch_size)
     table = Table(
         title=f"{profile.model_name}: {profile.num_layers} layers on {profile.device_name} "
@@ -33,23 +35,34 @@ def profile_table(profile: Profile, width: int | None = None) -> Table:
     table.add_column("layer", overflow="fold", min_width=8)  # long names wrap, never lose their end
     if with_kind:
         table.add_column("kind", no_wrap=True, overflow="ellipsis", max_width=14)
-    for header in ("fwd ms", "bwd ms", "output", "cut", "params", "saved"):
+    for header in ("fwd ms", "bwd ms", *(["in-grad"] if with_input else []), "output", "cut", "params", "saved"):
         table.add_column(header, justify="right", no_wrap=True)
     shared_layers = {index for shared in profile.shared_params for index in shared.layers}
     for index, layer in enumerate(profile.layers):
         params = format_bytes(layer.param_bytes) + (" *" if index in shared_layers else "")
         kind = layer.kind
         cells = [str(index), layer.name] + ([kind] if with_kind else []) + [
-            format_ms(layer.fwd_ms), format_ms(layer.bwd_ms), format_bytes(layer.output_bytes),
+            format_ms(layer.fwd_ms), format_ms(layer.bwd_ms), *([input_share(layer)] if with_input else []),
+            format_bytes(layer.output_bytes),
             format_bytes(layer.cut_bytes), params, format_bytes(layer.saved_bytes),
         ]
         table.add_row(*cells)
     return table
 
 
+def input_share(layer: LayerProfile) -> str:
+    """The share of the layer's backward that computes its input gradients, e.g. '48%'; '' when
+    not measured or the backward took no time."""
+    if layer.bwd_input_ms is None or layer.bwd_ms <= 0:
+        return ""
+    return f"{layer.bwd_input_ms / layer.bwd_ms:.0%}"
+
+
 def profile_summary(profile: Profile) -> str:
     """Totals: layer sums against the measured step, parameters, peak memory, shared parameters."""
     layer_sum = profile.total_fwd_ms + profile.total_bwd_ms
+    bwd_input = profile.total_bwd_input_ms
+    inputs = "" if bwd_input is None else f" (input gradients {format_ms(bwd_input)} ms)"
     step = (
         f"measured step {format_ms(profile.step_ms)} ms" if profile.peak_memory_method != "unknown"
         else "imported: no measured step"
@@ -59,7 +72,7 @@ def profile_summary(profile: Profile) -> str:
         if profile.peak_memory_method != "unknown" else "peak memory unknown"
     )
     lines = [
-        f"layers: fwd {format_ms(profile.total_fwd_ms)} ms + bwd {format_ms(profile.total_bwd_ms)} ms "
+        f"layers: fwd {format_ms(profile.total_fwd_ms)} ms + bwd {format_ms(profile.total_bwd_ms)} ms{inputs} "
         f"= {format_ms(layer_sum)} ms; {step}",
         f"parameters {format_bytes(profile.total_param_bytes)}; {peak}",
     ]
@@ -142,7 +155,7 @@ def timeline_table(plan: Plan, timeline: Timeline) -> Table:
     for header in ("rank", "stage", "replica", "compute ms", "idle", "peak memory/GPU"):
         table.add_column(header, justify="right", no_wrap=True)
     events = timeline.events
-    compute = events[events["op"].isin((FORWARD, BACKWARD))]
+    compute = events[events["op"].isin((FORWARD, BACKWARD, WEIGHT))]
     busy_ms = (compute["end_s"] - compute["start_s"]).groupby(compute["rank"]).sum() * 1000.0
     bubbles = timeline.bubble_fraction()
     memory = timeline.memory().groupby("rank")["bytes"].max()

@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 TARGETS = ("pippy", "deepspeed")
-PIPPY_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+PIPPY_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble"}
+PIPPY_MULTI_STAGE_CLASSES = ("ScheduleInterleavedZeroBubble",)  # take a list of this rank's stages (here one)
 PIPPY_FORMAT = "pipeline-planner/pippy-export"
 DEEPSPEED_FORMAT = "pipeline-planner/deepspeed-export"
 EXPORT_VERSION = 1
@@ -110,6 +111,7 @@ class PippyExport:
             f"# The plan recomputes activations on stage(s) {recomputed}: pipelining does not; wrap those stages'\n"
             "# layers in torch.utils.checkpoint yourself, or expect more activation memory than planned.\n"
             if recomputed else "")
+        stages_arg = "[stage]" if self.schedule_class in PIPPY_MULTI_STAGE_CLASSES else "stage"
         return f'''"""torch.distributed.pipelining set-up for plan {self.plan_path} (model {self.model_name}).
 
 {self.num_stages} stages x {self.replicas} pipeline(s) = {self.world_size} processes; {self.schedule_class} with
@@ -155,7 +157,7 @@ def traced_route(model, example_microbatch, loss_fn, device):
     pipe = pipeline(model, mb_args=(example_microbatch,), split_spec=SPLIT_SPEC)
     stage = pipe.build_stage(stage_index, device, group=groups[replica] if len(PIPELINES) > 1 else None)
     # scale_grads=True (the default) divides gradients by N_MICROBATCHES: the mean loss of the pipeline's share
-    return stage, {self.schedule_class}(stage, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)
+    return stage, {self.schedule_class}({stages_arg}, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)
 
 
 def planner_route(model, example_microbatch, loss_fn, device):
@@ -321,7 +323,9 @@ class DeepSpeedExport:
             "",
             "5. Schedule and recomputation. DeepSpeed's pipeline engine runs its own synchronous 1F1B-style",
             "   schedule (TrainSchedule)"
-            + ("; the plan assumed gpipe, whose bubble is the same." if self.schedule == "gpipe" else "."),
+            + ("; the plan assumed gpipe, whose bubble is the same." if self.schedule == "gpipe" else
+               "; the plan assumed zb-h1, whose deferred weight gradients DeepSpeed does not run: expect 1F1B's\n"
+               "   bubble (`planner partition ... --schedule 1f1b` predicts it)." if self.schedule == "zb-h1" else "."),
         ]
         recomputed = [stage for stage, flag in enumerate(self.recompute) if flag]
         if recomputed:

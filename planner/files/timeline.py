@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 
 from planner.files.fileformat import write_atomically
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP
+from planner.schedules.schedule import (
+    ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, SPLIT_BACKWARD_SCHEDULES, STEP, WEIGHT,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,6 +42,7 @@ class StageTimes:
     scratch_bytes: float = 0.0  # held during each optimizer step
     accumulate_s: float = 0.0  # added to each backward after a rank's first of an iteration (flush schedules)
     tied_s: float = 0.0  # all-reduce of tied weights with the other stages holding them, before each step
+    weight_s: float = 0.0  # zero-bubble schedules: W, the weight-gradient part (backward_s is then B alone)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class Timeline:
     def bubble_fraction(self) -> pd.Series:
         """Per rank: the share of the makespan it spends not computing nor stepping the optimizer
         (nor, in flush schedules, all-reducing; pipedream's all-reduces overlap compute)."""
-        working = (FORWARD, BACKWARD, STEP) if self.schedule == "pipedream" else (FORWARD, BACKWARD, ALLREDUCE, STEP)
+        working = (FORWARD, BACKWARD, STEP) if self.schedule == "pipedream" else (FORWARD, BACKWARD, WEIGHT, ALLREDUCE, STEP)
         busy = self.events[self.events["op"].isin(working)]
         per_rank = (busy["end_s"] - busy["start_s"]).groupby(busy["rank"]).sum()
         ranks = sorted(self.events["rank"].unique())
@@ -90,15 +93,18 @@ class Timeline:
     def memory(self) -> pd.DataFrame:
         """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
         value holds from time_s until the rank's next row): base bytes, held bytes from each
-        forward to the end of its backward, rebuilt bytes during a backward, scratch bytes during
-        each optimizer step."""
+        forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph
+        until then), rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
         rows = []
-        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, STEP))]
+        compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
+        releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
         for (rank, stage), ops in compute.groupby(["rank", "stage"]):
             times = self.stage_times[int(stage)]
             changes = [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
-            for start, end in ops.loc[ops["op"] == BACKWARD, ["start_s", "end_s"]].itertuples(index=False):
-                changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - times.held_bytes)]
+            for op, start, end in ops.loc[ops["op"].isin((BACKWARD, WEIGHT)), ["op", "start_s", "end_s"]].itertuples(
+                    index=False):
+                freed = times.held_bytes if op == releasing else 0.0
+                changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - freed)]
             for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
                 if times.scratch_bytes > 0 and end > start:
                     changes += [(float(start), times.scratch_bytes), (float(end), -times.scratch_bytes)]

@@ -56,7 +56,7 @@ from planner.costs.schedule_cost import (
     time_terms,
     transfer_s,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.stage_sums import Pairs
 from planner.planning.unlimited_dp import GroupCombos, solve_unlimited
 
@@ -92,7 +92,7 @@ class _Evaluator:
         allreduce = allreduce_s(p.replicated[pair], replicas, *link_terms(cluster, first, last))
         _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce,
                               step_terms(inputs, p.weights[pair], p.tensors[pair]),
-                              accumulate_terms(inputs, p.weights[pair]))
+                              accumulate_terms(inputs, p.weights[pair]), p.weight[pair])
         return bound, self.memory(pair, replicas, recompute, downstream)
 
     def memory(self, pair: np.ndarray, replicas: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
@@ -188,7 +188,7 @@ class _Evaluator:
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
-                          accumulate_terms(self.inputs, p.weights[pair]))
+                          accumulate_terms(self.inputs, p.weights[pair]), p.weight[pair])
         ok = usable & (q <= bound) & (first_end - replicas >= 0)
         if self.inputs.memory_bytes is not None:
             ok &= self.memory(pair, replicas, recompute, downstream) <= self.inputs.memory_bytes
@@ -222,6 +222,11 @@ class _Evaluator:
             return by_count
         if inputs.schedule == "1f1b":
             return np.minimum(by_count, by_depth)
+        if inputs.schedule == "zb-h1":  # in flight min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)) >= min(.., P / r),
+            devices = float(inputs.cluster.num_devices)  # P the cluster's devices (`schedule_cost.memory_terms`)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                by_total = np.where(flights >= 1, np.ceil(devices / flights - 1e-9), np.inf)
+            return np.minimum(by_count, by_total)
         return by_depth
 
 
@@ -325,6 +330,13 @@ def _solve_front(
     return plans
 
 
+def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, ...]:
+    """The recompute flags a stage may take: both where allowed and a memory limit is set, except under
+    zero-bubble schedules (their W would need the recomputed activations kept from B on: not planned)."""
+    allowed = allow_recompute and inputs.memory_bytes is not None and inputs.schedule not in SPLIT_BACKWARD_SCHEDULES
+    return (False, True) if allowed else (False,)
+
+
 def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool = True) -> Solution:
     """The plan minimising `schedule_cost.objective_s` on at most the cluster's devices (module docstring)."""
     if inputs.schedule not in SCHEDULES:
@@ -335,7 +347,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         raise PlannerError("the profile has no layers")
     pairs = Pairs(inputs)
     evaluator = _Evaluator(inputs, pairs)
-    options = (False, True) if allow_recompute and inputs.memory_bytes is not None else (False,)
+    options = recompute_options(inputs, allow_recompute)
 
     def solve(bound: float, track_cost: bool = False) -> list[Stage] | None:
         return _solve(evaluator, bound, straight, options, track_cost)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
+from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
 )
@@ -28,12 +28,12 @@ from planner.costs.schedule_cost import (
     samples_per_s,
     stage_costs,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
-SCHEDULE_PREFERENCE = ("1f1b", "gpipe", "pipedream")  # on equal throughput: least memory first
+SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "gpipe", "pipedream")  # on equal throughput: least memory first
 AUTO_SCHEDULES = FLUSH_SCHEDULES  # `auto` never picks pipedream: stale weights change what training computes
 
 
@@ -47,7 +47,7 @@ def partition(
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
     With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
     state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
-    (gpipe or 1f1b; pipedream only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
+    (gpipe, 1f1b or zb-h1; pipedream only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
     throughput. The plan may use fewer devices than the cluster has; its notes then say so.
     """
     if cost_model not in COST_MODELS:
@@ -213,8 +213,10 @@ def _planner_plan(
                      "iteration_ms is one flushed iteration")
     proof = ("no other plan simulates faster" if chosen.exhaustive else
              "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated run "
-             "may not reach)"
-             if not flush else "the search stopped at its cap before proving that no other plan simulates faster")
+             "may not reach)" if not flush else
+             "for zb-h1 the search is a heuristic (its bounds count every W on the round trip)"
+             if inputs.schedule == "zb-h1" else
+             "the search stopped at its cap before proving that no other plan simulates faster")
     notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
                  f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
                  f"simulated, chosen among the plans a lower bound could not rule out: {proof}")
@@ -222,6 +224,12 @@ def _planner_plan(
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch. Weights update after every "
                      "microbatch and backwards use stale weights: training differs from synchronous SGD/Adam")
+    if inputs.schedule in SPLIT_BACKWARD_SCHEDULES:
+        notes.append(f"{inputs.schedule}: each backward split into B (input gradients, sent back at once) and W (weight "
+                     "gradients, deferred into the bubbles); a microbatch's activations live until its W")
+        if not inputs.arrays.weight_measured:
+            notes.append("the profile did not measure input-gradient times (bwd_input_ms; made before it did, or "
+                         f"imported): W is assumed {ASSUMED_WEIGHT_SHARE:.0%} of each backward; profile again to measure it")
     if size != (profile.batch_size or 1):
         notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
     if any(stage.recompute for stage in stages):

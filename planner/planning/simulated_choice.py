@@ -37,8 +37,9 @@ stages never lowers it, so the search can prune on it, and the smallest bound le
 stops bounds every plan it did not simulate (`SimulatedChoice.lower_bound_s`).
 
 pipedream's simulated time is measured on a window of a finite run (`Timeline.iteration_s`), which can
-end before the pipeline settles into its steady state and so read below the steady-state bounds above:
-for pipedream the search is a heuristic that proves nothing (`exhaustive` False, lower bound 0).
+end before the pipeline settles into its steady state and so read below the steady-state bounds above;
+zb-h1 sends a gradient back after B and runs W later, so its round trips are shorter than the t's
+above count: for both the search is a heuristic that proves nothing (`exhaustive` False, lower bound 0).
 """
 
 from __future__ import annotations
@@ -63,12 +64,17 @@ from planner.costs.schedule_cost import (
     transfer_s,
 )
 from planner.planning.bound_search import TIE
-from planner.schedules.schedule import in_flight
+from planner.planning.optimizer import recompute_options
+from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, in_flight
 from planner.simulation.simulator import SimulationTooLongError, simulate_stages
 
 MAX_SIMULATIONS = 48  # complete plans simulated per search, beyond the seeds
 MAX_EXPANSIONS = 400  # partial plans extended per search
 PREFIX_TABLE_CELLS = 4e7  # the straight prefix bound's table (devices x layers^2) is built up to this size
+
+# schedules whose simulated time the bounds do not bound: pipedream (they hold for the steady state, not for the
+# simulator's window)
+HEURISTIC_SCHEDULES = ("pipedream",)
 
 _Partial = tuple[float, int, int, int, float, tuple[float, float], tuple[Stage, ...]]
 
@@ -151,7 +157,7 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
     else:
         exhaustive = True
     lower = best[0] if exhaustive else min(best[0], heap[0][0])
-    if inputs.schedule == "pipedream":  # the bounds hold for the steady state, not for the simulator's window
+    if inputs.schedule in HEURISTIC_SCHEDULES:
         exhaustive, lower = False, 0.0
     return SimulatedChoice(best[2], best[0], exhaustive, simulations, lower)
 
@@ -161,13 +167,18 @@ class _StageBounds:
 
     def __init__(self, inputs: CostInputs, straight: bool, allow_recompute: bool) -> None:
         self.inputs, self.straight = inputs, straight
-        self.options = (False, True) if allow_recompute and inputs.memory_bytes is not None else (False,)
+        self.options = recompute_options(inputs, allow_recompute)
         arrays, sigma = inputs.arrays, inputs.scale
+        self.split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES
+        # zero-bubble schedules: a microbatch's trip and the chains of ops below count B alone (W runs later,
+        # off the trip); `weight` is 0 elsewhere, so `backward` below is the whole backward there
+        weight = sigma * arrays.weight_s if self.split else np.zeros_like(arrays.compute_s)
+        self.weight = weight
         self.fwd_before = sigma * arrays.fwd_s
-        self.bwd_before = sigma * (arrays.compute_s - arrays.fwd_s)
-        self.compute_before = sigma * arrays.compute_s
+        self.bwd_before = sigma * (arrays.compute_s - arrays.fwd_s) - weight
+        self.compute_before = sigma * arrays.compute_s - weight
         self.cut = sigma * np.concatenate([arrays.cut_bytes, [0.0]])
-        layer_fwd, layer_both = sigma * np.diff(arrays.fwd_s), sigma * np.diff(arrays.compute_s)
+        layer_fwd, layer_both = sigma * np.diff(arrays.fwd_s), sigma * np.diff(arrays.compute_s) - np.diff(weight)
         # the largest single layer's forward, backward and both among layers [0, i), at index i
         self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before = (
             np.concatenate([[0.0], np.maximum.accumulate(values)])
@@ -204,27 +215,33 @@ class _StageBounds:
             allreduce = allreduce_s(replicated, replicas, *link_terms(inputs.cluster, first, last))
             step = step_terms(inputs, weights, tensors)
             accumulate = accumulate_terms(inputs, weights)
+            weight = self.weight[stop] - self.weight[starts]  # W (0 but for zero-bubble schedules)
             for recompute in self.options:
                 compute = both + (fwd if recompute else 0.0)
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
                                       workspace)[4]
-                loop = compute + trip  # from the stage's forward of a microbatch to the end of its backward
-                flights = in_flight(inputs.schedule, inputs.microbatches, replicas, replicas + downstream)
+                loop = compute - weight + trip  # from the stage's forward of a microbatch to the end of its B
+                # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
+                flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,
+                                    replicas + downstream)
                 if inputs.schedule == "pipedream":
                     stage_bound = np.maximum(compute + step, loop / flights) / replicas
                     child_trip = trip + compute + 2.0 * comm_in
                     child_bound = np.maximum(bound, stage_bound)
                 else:
                     turns = -(-inputs.microbatches // replicas)
-                    backward = compute - fwd
+                    backward = compute - fwd - weight
                     before_bwd = self.bwd_before[starts]
                     busy = np.maximum(turns * compute + (turns - 1) * accumulate,  # every op of the busiest replica
-                                      turns * fwd + (turns - flights) * backward + trip + backward)  # its last microbatch
+                                      turns * fwd + (turns - flights) * backward + trip + backward  # its last
+                                      + weight)  # microbatch (zero-bubble: and that one's W, after its B)
                     channels = turns * np.maximum(comm_in, comm_out) + before_bwd
-                    stage_bound = self.fwd_before[starts] + np.maximum(busy + np.maximum(allreduce + step, before_bwd),
-                                                                       channels)
-                    child_trip = trip + compute + 2.0 * comm_in
-                    chain = self.compute_before[starts] + 2.0 * comm_in + -(-turns // int(flights)) * loop
+                    # after its last op, the replica all-reduces and steps, or (its last op a backward) the stages
+                    # before it run theirs; a zero-bubble replica's last op is a W, after which only the first holds
+                    after = allreduce + step if self.split else np.maximum(allreduce + step, before_bwd)
+                    stage_bound = self.fwd_before[starts] + np.maximum(busy + after, channels)
+                    child_trip = trip + compute - weight + 2.0 * comm_in
+                    chain = self.compute_before[starts] + 2.0 * comm_in + -(-turns // int(flights)) * loop + weight
                     child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain,
                                                      child_trip + self.compute_before[starts]])
                 left = devices - downstream - replicas  # for the layers before the stage
@@ -232,8 +249,8 @@ class _StageBounds:
                 count = 1 if inputs.schedule == "pipedream" else inputs.microbatches
                 child_bound = np.maximum(child_bound, count * (prefix[2] if self.straight else prefix[3]))
                 peak_fwd = np.maximum.reduce([np.full(stop, peaks[0]), fwd, comm_in, np.full(stop, comm_out)])
-                peak_bwd = np.maximum.reduce([np.full(stop, peaks[1]), compute - fwd + accumulate, comm_in,
-                                              np.full(stop, comm_out)])
+                own_bwd = compute - fwd - weight + (0.0 if self.split else accumulate)  # (W accumulates, not B)
+                peak_bwd = np.maximum.reduce([np.full(stop, peaks[1]), own_bwd, comm_in, np.full(stop, comm_out)])
                 if self.straight:
                     turns = self.prefix_turns(first, starts)
                     round_trip = child_trip + self.compute_before[starts]
@@ -244,7 +261,7 @@ class _StageBounds:
                         child_bound = np.maximum.reduce([
                             child_bound, round_trip + _times(inputs.microbatches - 1, turns),
                             -(-inputs.microbatches // most) * round_trip,
-                            self._path_bound(round_trip, fwd, compute - fwd + accumulate, flights, peak_fwd, peak_bwd,
+                            self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd,
                                              prefix, left + downstream + replicas)])
                 ok = child_bound <= limit
                 if inputs.memory_bytes is not None:
@@ -307,7 +324,9 @@ class _StageBounds:
         if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
             return None
         sigma = inputs.scale
-        busy = sigma * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule == "1f1b" else 0.0))
+        # u = b (1f1b), B alone (zb-h1, whose W's may wait past the flow), f + b (gpipe, pipedream)
+        busy = sigma * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule in ("1f1b", "zb-h1") else 0.0))
+        busy = busy - self.weight
         stage = busy[None, :] - busy[:, None]  # [i, j]: layers [i, j)
         stage[np.tril_indices(layers + 1)] = np.inf
         links = 2.0 if inputs.schedule == "gpipe" else 1.0

@@ -185,7 +185,7 @@ class GroupCombos:
                                 self.lat_allreduce[column])
         return time_terms(self.inputs.schedule, self.inputs.microbatches, self.replicas[column], compute, comm_in,
                           comm_out, allreduce, step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
-                          accumulate_terms(self.inputs, p.weights[pair]))[1]
+                          accumulate_terms(self.inputs, p.weights[pair]), p.weight[pair])[1]
 
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""

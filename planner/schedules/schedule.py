@@ -1,4 +1,4 @@
-"""Schedules as data: per rank, the ordered actions of gpipe, 1f1b and pipedream, and their validator (pure).
+"""Schedules as data: per rank, the ordered actions of gpipe, 1f1b, zb-h1 and pipedream, and their validator (pure).
 
 One representation serves the simulator, the plots and the runtime. A `Schedule` holds one
 `RankProgram` per rank: the rank's stage, replica and its `Action`s in the order the rank
@@ -8,13 +8,22 @@ Actions: `forward` / `backward` of a microbatch on the rank's stage; `send_activ
 `recv_activation` (after / before a forward, between stage s and s + 1); `send_gradient` /
 `recv_gradient` (after / before a backward, between stage s + 1 and s); `allreduce` of the
 stage's gradients among its replicas (a collective: every replica takes part); `step` (the
-optimizer update). Sends never block; receives wait for their send; an all-reduce waits for
-every replica of its stage.
+optimizer update); `weight`: the weight-gradient part of a backward that a zero-bubble schedule
+runs later (there `backward` computes only the gradients of the stage's inputs). Sends never
+block; receives wait for their send; an all-reduce waits for every replica of its stage.
 
 - `gpipe`, per iteration: every forward, then every backward (same order), all-reduce, step.
 - `1f1b`, per iteration: n - 1 forwards, then one forward and one backward in turn, then the
   remaining backwards, all-reduce, step; n = min(own microbatches, ceil(D / r)) in flight, D the
   devices of this stage and every later one (`in_flight`).
+- `zb-h1` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1f1b's order of forwards
+  and backwards, the backward split into B (`backward`: the inputs' gradients, sent at once) and
+  W (`weight`: the weights' gradients). Replicas of later stages defer their W's more: stage s
+  (one device each) runs W of its k-th microbatch after B of its (k + s)-th and the s W's left
+  after its last B, where the earlier stages wait for their gradients (`weight_deferral`). With
+  equal F, B and W that is the paper's bubble (p - 1)(F + B - W), a third of 1f1b's. Memory: a
+  microbatch is held from its forward to its W (autograd keeps the graph until then): 1f1b's n
+  plus the d deferred, which is p on every stage (1f1b's first stage's).
 - `pipedream`: the 1f1b order over every iteration's microbatches without a flush, with an
   all-reduce (replicated stages) and a step after every backward (weight stashing keeps each
   backward on its forward's weights); the microbatches must divide evenly among each stage's
@@ -32,18 +41,20 @@ from planner.errors import PlannerError
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
-FLUSH_SCHEDULES = ("gpipe", "1f1b")  # an all-reduce and step once per iteration
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # an all-reduce and step once per iteration
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # `backward` is B (input gradients) and `weight` W (weight gradients)
 ArrayOrInt = Union[int, "np.ndarray"]
 
 FORWARD, BACKWARD = "forward", "backward"
 SEND_ACTIVATION, RECV_ACTIVATION = "send_activation", "recv_activation"
 SEND_GRADIENT, RECV_GRADIENT = "send_gradient", "recv_gradient"
 ALLREDUCE, STEP = "allreduce", "step"
-OPS = (FORWARD, BACKWARD, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT, ALLREDUCE, STEP)
+WEIGHT = "weight"
+OPS = (FORWARD, BACKWARD, WEIGHT, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT, ALLREDUCE, STEP)
 SENDS = (SEND_ACTIVATION, SEND_GRADIENT)
 RECEIVES = (RECV_ACTIVATION, RECV_GRADIENT)
-_SHORT = {FORWARD: "F", BACKWARD: "B", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRADIENT: "sg",
+_SHORT = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRADIENT: "sg",
           RECV_GRADIENT: "rg", ALLREDUCE: "AR", STEP: "S"}
 
 
@@ -55,19 +66,32 @@ class ScheduleError(PlannerError):
         super().__init__(f"rank {rank}, action {step}: {problem}\n{grid}")
 
 
-def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
+def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_from_here: ArrayOrInt,
+              devices_total: ArrayOrInt | None = None) -> ArrayOrInt:
     """Microbatches in flight per replica of a stage with `replicas` replicas and `devices_from_here` devices in it
-    and every later stage: gpipe ceil(m / r), 1f1b min(ceil(m / r), ceil(D / r)), pipedream ceil(D / r);
-    element-wise on arrays."""
+    and every later stage: gpipe ceil(m / r), 1f1b n = min(ceil(m / r), ceil(D / r)), pipedream ceil(D / r),
+    zb-h1 min(ceil(m / r), n + `weight_deferral`) (held from forward to W); `devices_total`: the devices
+    of every stage (zb-h1 only; None: D); element-wise on arrays."""
     per_replica = -(-microbatches // replicas)
     through = -(-devices_from_here // replicas)
     if schedule == "gpipe":
         return per_replica
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         import numpy as np  # only for the optimizer's arrays: schedules of plans need no numpy
 
-        return np.minimum(per_replica, through)
+        n = np.minimum(per_replica, through)
+        if schedule == "1f1b":
+            return n
+        total = devices_from_here if devices_total is None else devices_total
+        return np.minimum(per_replica, n + weight_deferral(replicas, devices_from_here, total))
     return through
+
+
+def weight_deferral(replicas: ArrayOrInt, devices_from_here: ArrayOrInt, devices_total: ArrayOrInt) -> ArrayOrInt:
+    """zb-h1: how many microbatches a replica's W's trail its B's, d = ceil((P - D) / r) with P the devices of
+    every stage and D those of this stage and the later ones (unreplicated: the stage's index s), so that
+    every stage holds about as many microbatches as 1f1b's first stage (n + d = P for one device per stage)."""
+    return -(-(devices_total - devices_from_here) // replicas)
 
 
 def pipedream_microbatches(replicas: Sequence[int], at_least: int) -> int:
@@ -166,14 +190,15 @@ def build_schedule(
     programs = []
     for stage, group in enumerate(ranks):
         downstream = sum(len(later) for later in ranks[stage:])
+        deferral = int(weight_deferral(len(group), downstream, len(every)))
         for replica, rank in enumerate(group):
-            actions = _program(skeleton, stage, replica, downstream)
+            actions = _program(skeleton, stage, replica, downstream, deferral)
             programs.append(RankProgram(rank, stage, replica, tuple(actions)))
     programs.sort(key=lambda program: program.rank)
     return Schedule(name, microbatches, iterations, ranks, tuple(programs))
 
 
-def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: int) -> list[Action]:
+def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: int, deferral: int) -> list[Action]:
     """The ordered actions of one replica of one stage."""
     replicas, m = len(schedule.stage_ranks[stage]), schedule.microbatches
     last = stage == schedule.num_stages - 1
@@ -184,6 +209,9 @@ def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: in
         if not last:
             steps.append(Action(SEND_ACTIVATION, stage, i, schedule.owner(stage + 1, i), iteration))
         return steps
+
+    def weight(i: int, iteration: int) -> list[Action]:
+        return [Action(WEIGHT, stage, i, -1, iteration)]
 
     def backward(i: int, iteration: int) -> list[Action]:
         steps = [] if last else [Action(RECV_GRADIENT, stage, i, schedule.owner(stage + 1, i), iteration)]
@@ -200,10 +228,13 @@ def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: in
     actions: list[Action] = []
     for iteration in range(schedule.iterations):
         mine = [(i, iteration) for i in range(replica, m, replicas)]
+        flights = int(in_flight("1f1b", m, replicas, devices_from_here))
         if schedule.name == "gpipe":
             actions += [a for i, it in mine for a in forward(i, it)] + [a for i, it in mine for a in backward(i, it)]
+        elif schedule.name == "zb-h1":
+            actions += _zero_bubble_h1(mine, flights, deferral, forward, backward, weight)
         else:
-            actions += _one_f_one_b(mine, int(in_flight("1f1b", m, replicas, devices_from_here)), forward, backward)
+            actions += _one_f_one_b(mine, flights, forward, backward)
         actions += _update(stage, replicas, iteration)
     return actions
 
@@ -219,6 +250,22 @@ def _one_f_one_b(mine: list[tuple[int, int]], flights: int, forward, backward) -
     return actions
 
 
+def _zero_bubble_h1(mine: list[tuple[int, int]], flights: int, deferral: int, forward, backward,
+                    weight) -> list[Action]:
+    """1f1b's order of forwards and backwards (B), each W `deferral` microbatches after its B: W of the k-th
+    right after B of the (k + deferral)-th (and its gradient's send), the last `deferral` W's after the last B."""
+    deferral = min(deferral, len(mine))
+    done = 0
+
+    def backward_then_weight(i: int, iteration: int) -> list[Action]:
+        nonlocal done
+        done += 1
+        return backward(i, iteration) + (weight(*mine[done - 1 - deferral]) if done > deferral else [])
+
+    actions = _one_f_one_b(mine, flights, forward, backward_then_weight)
+    return actions + [a for i, it in mine[len(mine) - deferral:] for a in weight(i, it)]
+
+
 def _update(stage: int, replicas: int, iteration: int) -> list[Action]:
     """All-reduce among the stage's replicas (if several), then the optimizer step."""
     steps = [Action(ALLREDUCE, stage, -1, -1, iteration)] if replicas > 1 else []
@@ -227,7 +274,8 @@ def _update(stage: int, replicas: int, iteration: int) -> list[Action]:
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError at the first broken rule: every microbatch of every stage forward then
-    backward exactly once per iteration on its owner, every receive matched by a send, and the
+    backward exactly once per iteration on its owner (and, in zero-bubble schedules, W once after its
+    backward and before the iteration's all-reduce and step; W nowhere else), every receive matched by a send, and the
     programs run to the end (sends buffered, receives and all-reduces wait) without deadlock."""
     for program in schedule.programs:
         _check_program(schedule, program)
@@ -260,13 +308,15 @@ def check_channel_order(schedule: Schedule) -> None:
 def _check_program(schedule: Schedule, program: RankProgram) -> None:
     seen_forward: set[tuple[int, int]] = set()
     seen_backward: set[tuple[int, int]] = set()
+    seen_weight: set[tuple[int, int]] = set()
+    split = schedule.name in SPLIT_BACKWARD_SCHEDULES
 
     def fail(problem: str, index: int) -> None:
         raise ScheduleError(problem, program.rank, index, schedule.grid({program.rank: index}))
 
     for index, action in enumerate(program.actions):
         key = (action.iteration, action.microbatch)
-        if action.op in (FORWARD, BACKWARD, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT):
+        if action.op in (FORWARD, BACKWARD, WEIGHT, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT):
             if action.stage != program.stage or schedule.owner(action.stage, action.microbatch) != program.rank:
                 fail(f"{action.short()} of stage {action.stage} does not belong to this rank", index)
         if action.op == FORWARD:
@@ -279,6 +329,19 @@ def _check_program(schedule: Schedule, program: RankProgram) -> None:
             if key in seen_backward:
                 fail(f"backward of microbatch {action.microbatch} runs twice", index)
             seen_backward.add(key)
+        elif action.op == WEIGHT:
+            if not split:
+                fail(f"{schedule.name} runs whole backwards: W of microbatch {action.microbatch} has no place in it",
+                     index)
+            if key not in seen_backward:
+                fail(f"W of microbatch {action.microbatch} before its backward (B)", index)
+            if key in seen_weight:
+                fail(f"W of microbatch {action.microbatch} runs twice", index)
+            seen_weight.add(key)
+        elif action.op in (ALLREDUCE, STEP) and split and seen_backward - seen_weight:
+            pending = sorted(seen_backward - seen_weight)[0]
+            fail(f"{action.short()} before W of microbatch {pending[1]}: the weights' gradients are not complete",
+                 index)
     expected = {(i // schedule.microbatches if schedule.name == "pipedream" else it,
                  i) for it in range(schedule.iterations) for i in _owned(schedule, program, it)}
     extra = sorted(seen_forward - expected)
@@ -290,6 +353,9 @@ def _check_program(schedule: Schedule, program: RankProgram) -> None:
     if missing:
         fail(f"microbatch {missing[0][1]} (iteration {missing[0][0]}) never runs its backward",
              len(program.actions) - 1)
+    missing = sorted(expected - seen_weight) if split else []
+    if missing:
+        fail(f"microbatch {missing[0][1]} (iteration {missing[0][0]}) never runs its W", len(program.actions) - 1)
 
 
 def _owned(schedule: Schedule, program: RankProgram, iteration: int) -> list[int]:

@@ -41,7 +41,9 @@ from planner.schedules.schedule import (
     SEND_ACTIVATION,
     SEND_GRADIENT,
     SENDS,
+    SPLIT_BACKWARD_SCHEDULES,
     STEP,
+    WEIGHT,
     Schedule,
     build_schedule,
     pipedream_microbatches,
@@ -66,6 +68,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     tied_waiting: dict[int, dict[int, float]] = {}  # n-th step -> rank -> when it reached it
     steps_taken = dict.fromkeys(programs, 0)  # steps each rank has run (pipedream: one per microbatch)
     rows: list[tuple] = []
+    accumulating = WEIGHT if schedule.name in SPLIT_BACKWARD_SCHEDULES else BACKWARD  # the op adding into .grad
 
     links: dict[tuple[int, int], tuple[float, float]] = {}  # (low rank, high rank) -> (bandwidth, latency)
 
@@ -85,9 +88,9 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                 action = program.actions[position[rank]]
                 times = stage_times[action.stage]
                 base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
-                if action.op in (FORWARD, BACKWARD):
-                    duration = times.forward_s if action.op == FORWARD else times.backward_s
-                    if action.op == BACKWARD and schedule.name != "pipedream":  # after this rank's first backward
+                if action.op in (FORWARD, BACKWARD, WEIGHT):
+                    duration = {FORWARD: times.forward_s, BACKWARD: times.backward_s, WEIGHT: times.weight_s}[action.op]
+                    if action.op == accumulating and schedule.name != "pipedream":  # after this rank's first
                         done = backwards.get((rank, action.iteration), 0)  # of the iteration, it accumulates
                         backwards[(rank, action.iteration)] = done + 1
                         duration += times.accumulate_s if done else 0.0
@@ -152,11 +155,11 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
     result = []
     for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages))):
         result.append(StageTimes(
-            forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s, allreduce_s=cost.allreduce_s,
+            forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s - cost.weight_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
             step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
-            tied_s=cost.tied_s,
+            tied_s=cost.tied_s, weight_s=cost.weight_s,
         ))
     return tuple(result)
 

@@ -47,15 +47,18 @@ CASES = {
     2: [case("gpt-1f1b", "gpt", ["transformer.h.6"], [[0], [1]], "1f1b"),
         case("gpt-gpipe", "gpt", ["transformer.h.6"], [[0], [1]], "gpipe", steps=1),
         case("mlp-checkpoint", "mlp", ["6"], [[0], [1]], "1f1b", checkpoint=True),
-        case("mlp-pipedream", "mlp", ["6"], [[0], [1]], "pipedream", microbatches=8, batch=16, lr=0.05)],
+        case("mlp-pipedream", "mlp", ["6"], [[0], [1]], "pipedream", microbatches=8, batch=16, lr=0.05),
+        case("gpt-zb-h1", "gpt", ["transformer.h.6"], [[0], [1]], "zb-h1")],
     3: [case("mlp-2-1-gpipe", "mlp", ["6"], [[0, 1], [2]], "gpipe"),
         case("mlp-2-1-1f1b-checkpoint", "mlp", ["6"], [[0, 1], [2]], "1f1b", checkpoint=[True, False]),
         case("gpt-1-2-1f1b", "gpt", ["transformer.h.6"], [[0], [1, 2]], "1f1b", steps=1),
         case("mlp-plan-2-1-checkpoint", "mlp", [], [[0, 1], [2]], "1f1b", plan="mlp-2-1.plan.json"),
-        case("mlp-1-2-pipedream", "mlp", ["6"], [[0], [1, 2]], "pipedream", microbatches=8, batch=16, lr=0.05)],
+        case("mlp-1-2-pipedream", "mlp", ["6"], [[0], [1, 2]], "pipedream", microbatches=8, batch=16, lr=0.05),
+        case("mlp-2-1-zb-h1", "mlp", ["6"], [[0, 1], [2]], "zb-h1")],
     4: [case("gpt-4-1f1b", "gpt", GPT4, [[0], [1], [2], [3]], "1f1b", steps=1),
         case("gpt-4-gpipe-checkpoint", "gpt", GPT4, [[0], [1], [2], [3]], "gpipe", steps=1, checkpoint=True),
-        case("mlp-2-2-1f1b", "mlp", ["6"], [[0, 1], [2, 3]], "1f1b")],
+        case("mlp-2-2-1f1b", "mlp", ["6"], [[0, 1], [2, 3]], "1f1b"),
+        case("gpt-4-zb-h1", "gpt", GPT4, [[0], [1], [2], [3]], "zb-h1", steps=1)],
 }
 FLUSH = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] != "pipedream"]
 PIPEDREAM = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] == "pipedream"]

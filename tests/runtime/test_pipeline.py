@@ -69,7 +69,7 @@ def pipeline_step(name: str, model: nn.Module, inputs: tuple[torch.Tensor, ...],
         return pipe.train_step(inputs, target)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])
 def test_gradients_and_sgd_step_equal_single_device_training(name: str, stages: int, schedule: str) -> None:
@@ -356,10 +356,12 @@ def test_from_plan_trains_transformers_models_as_one_device_would(model_name: st
 @pytest.mark.parametrize("model_name, plan_stages, schedule", [
     ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "1f1b"),
     ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "gpipe"),
+    ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "zb-h1"),
+    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "zb-h1"),
 ])
 def test_from_plan_trains_transformers_models_as_one_device_would_under_the_other_schedule(
         model_name: str, plan_stages: list[str], schedule: str) -> None:
-    """The test above with the schedules swapped: each model under gpipe and 1f1b."""
+    """The test above with the schedules swapped: each model under gpipe and 1f1b, and under zb-h1 (B and W apart)."""
     test_from_plan_trains_transformers_models_as_one_device_would(model_name, plan_stages, schedule)
 
 

@@ -43,6 +43,7 @@ def replicated_plan() -> Plan:
 
 PLANS = {"mlp-1f1b": ("mlp", lambda: two_stage_plan("mlp", "1f1b")),
          "gpt-gpipe": ("gpt", lambda: two_stage_plan("gpt", "gpipe")),
+         "gpt-zb-h1": ("gpt", lambda: two_stage_plan("gpt", "zb-h1")),
          "mlp-1x2-1f1b": ("mlp", replicated_plan)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import math
 from pathlib import Path
 from typing import Sequence
@@ -13,7 +14,7 @@ import pytest
 from planner.costs.layer_arrays import per_weight_byte
 from planner.files.cluster import Cluster, make_cluster
 from planner.files.profile import load_profile
-from planner.costs.layer_arrays import LayerArrays
+from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, LayerArrays
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
@@ -25,6 +26,8 @@ from planner.costs.schedule_cost import (
     tied_allreduce_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+
+WHOLE_BACKWARD = ("gpipe", "1f1b")  # flush schedules whose backward is one op
 
 REL = 1e-12
 REPO = Path(__file__).resolve().parents[3]
@@ -72,7 +75,7 @@ def one_layer_per_stage(num_layers: int, replicas: int = 1) -> list[Stage]:
 # ---- objectives ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+@pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 def test_flush_equal_stages_is_m_plus_s_minus_one_times_f_plus_b(schedule: str, m: int) -> None:
     f, b = 0.25, 0.5
@@ -89,7 +92,7 @@ def test_pipedream_equal_stages_is_one_stage_time(m: int) -> None:
     assert objective_s(inputs, one_layer_per_stage(4)) == pytest.approx(f + b, rel=REL)
 
 
-@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+@pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
 def test_flush_unequal_stages_sum_plus_busiest(schedule: str) -> None:
     # stages of 0.1, 0.4, 0.2 s: fill/drain 0.7 s, then the 0.4 s stage takes m - 1 more periods
     arrays = layers([0.1, 0.4, 0.2], fwd=[0.05, 0.1, 0.1])
@@ -106,7 +109,33 @@ def test_scale_multiplies_times_not_weights() -> None:
     assert objective_s(inputs, [(0, 1, 2, False)]) == pytest.approx(t + 2 * t / 2 + allreduce, rel=REL)
 
 
-@pytest.mark.parametrize("schedule", FLUSH_SCHEDULES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_zb_h1_round_trip_leaves_the_w_out(m: int) -> None:
+    # B = b - W per stage; W = ASSUMED_WEIGHT_SHARE x b when the arrays give no split: the trip 4 (f + B),
+    # then the busiest stage's m - 1 more microbatches and its own W
+    f, b = 0.25, 0.5
+    arrays = layers([f + b] * 4, fwd=[f] * 4)
+    inputs = CostInputs(arrays, flat(4), "zb-h1", m)
+    w = ASSUMED_WEIGHT_SHARE * b
+    assert objective_s(inputs, one_layer_per_stage(4)) == pytest.approx(4 * (f + b - w) + (m - 1) * (f + b) + w,
+                                                                          rel=REL)
+    assert stage_costs(inputs, one_layer_per_stage(4))[2].weight_s == pytest.approx(w, rel=REL)
+    assert stage_costs(replace(inputs, schedule="1f1b"), one_layer_per_stage(4))[2].weight_s == 0.0
+
+
+def test_zb_h1_holds_as_many_microbatches_as_the_first_stage_of_1f1b() -> None:
+    # 4 straight stages, 8 microbatches, 1 byte saved each: 1f1b holds 4, 3, 2, 1; zb-h1 4 on every stage
+    # (counted as if the plan used all the cluster's devices: 3 stages on a 4-device cluster hold 4 too)
+    arrays = layers([1.0] * 4, fwd=[0.3] * 4, saved=[1.0] * 4)
+    for schedule, held in (("1f1b", [4, 3, 2, 1]), ("zb-h1", [4, 4, 4, 4])):
+        costs = stage_costs(CostInputs(arrays, flat(4), schedule, 8, optimizer_copies=0), one_layer_per_stage(4))
+        assert [cost.memory_bytes for cost in costs] == pytest.approx(held, rel=REL)
+    three = [(0, 2, 1, False), (2, 3, 1, False), (3, 4, 1, False)]
+    costs = stage_costs(CostInputs(arrays, flat(4), "zb-h1", 8, optimizer_copies=0), three)
+    assert [cost.memory_bytes for cost in costs] == pytest.approx([8, 4, 4], rel=REL)
+
+
+@pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
 def test_flush_recompute_adds_forward_to_stage_and_fill_drain(schedule: str) -> None:
     f, b, m = 0.25, 0.5, 4
     arrays = layers([f + b] * 4, fwd=[f] * 4)
@@ -195,7 +224,8 @@ def test_transfers_bound_a_stage_when_slower_than_compute(schedule: str) -> None
     costs = stage_costs(inputs, one_layer_per_stage(2))
     assert costs[0].comm_in_s == 0.0 and costs[0].comm_out_s == pytest.approx(2.0, rel=REL)
     assert costs[1].comm_in_s == pytest.approx(2.0, rel=REL) and costs[1].comm_out_s == 0.0
-    expected = 2.0 if schedule == "pipedream" else 1.0 + 2 * 2.0
+    w = ASSUMED_WEIGHT_SHARE * 0.375 if schedule == "zb-h1" else 0.0  # zb-h1: the trip leaves the W's out
+    expected = 2.0 if schedule == "pipedream" else 1.0 - 2 * w + 2 * 2.0 + w
     assert objective_s(inputs, one_layer_per_stage(2)) == pytest.approx(expected, rel=REL)
 
 

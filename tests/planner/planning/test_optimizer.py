@@ -15,7 +15,7 @@ from tests.planner.layer_strategies import layer_arrays
 from planner.costs.layer_arrays import LayerArrays
 from planner.errors import InfeasiblePlanError
 from planner.planning.optimizer import Solution, optimize
-from planner.schedules.schedule import SCHEDULES
+from planner.schedules.schedule import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
 
 TIE = 1e-9  # objectives within this relative distance of the optimum count as optimal
@@ -55,10 +55,12 @@ def every_plan(num_layers: int, devices: int, straight: bool, allow_recompute: b
 
 
 def score_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> list[Scored]:
-    """Every plan that obeys the placement rule (memory ignored), scored by the cost model."""
+    """Every plan that obeys the placement rule (memory ignored), scored by the cost model (recompute where the
+    schedule allows it: not under zb-h1)."""
     unlimited = replace(inputs, memory_bytes=None)
     scored = []
-    for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, allow_recompute):
+    recompute = allow_recompute and inputs.schedule not in SPLIT_BACKWARD_SCHEDULES
+    for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
         if plan_fits(unlimited, list(stages)):
             peak = max(cost.memory_bytes for cost in stage_costs(unlimited, list(stages)))
             scored.append(Scored(stages, objective_s(unlimited, list(stages)), peak))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
 from planner.files.cluster import Cluster, make_cluster
-from planner.planning.optimizer import optimize
+from planner.planning.optimizer import optimize, recompute_options
 from planner.planning.simulated_choice import best_simulated, simulated_s
 from planner.schedules.schedule import SCHEDULES
 from tests.planner.layer_strategies import layer_arrays
@@ -22,7 +22,7 @@ TIE = 1e-9
 
 def brute_force(inputs: CostInputs, straight: bool, allow_recompute: bool) -> tuple[float, int]:
     """(least simulated time over every plan that fits, fewest devices among plans within TIE of it)."""
-    recompute = allow_recompute and inputs.memory_bytes is not None
+    recompute = True in recompute_options(inputs, allow_recompute)
     found = [(simulated_s(inputs, list(plan)), sum(stage[2] for stage in plan))
              for plan in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute)
              if plan_fits(inputs, list(plan))]
@@ -44,7 +44,7 @@ def test_choice_matches_brute_force_under_the_simulator(
     inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory, step_s_per_byte=step_s_per_byte,
                         accumulate_s_per_byte=accumulate_s_per_byte)
     if not any(plan_fits(inputs, list(plan)) for plan in every_plan(arrays.num_layers, cluster.num_devices, straight,
-                                                                      allow_recompute and memory is not None)):
+                                                                      True in recompute_options(inputs, allow_recompute))):
         return  # nothing fits: the optimizer raises (tested in test_optimizer)
     seed = optimize(inputs, straight, allow_recompute)
     choice = best_simulated(inputs, [list(seed.stages)], straight, allow_recompute, math.inf, math.inf)

@@ -92,8 +92,10 @@ def test_gpt_head_is_the_heaviest_layer(profiles: dict[str, Profile]) -> None:
 def test_linear_layers_spend_part_of_their_backward_on_their_input_gradients(profiles: dict[str, Profile]) -> None:
     linears = [layer for layer in profiles["mlp"].layers if layer.kind == "Linear"]
     middle = linears[1:-1]
-    # the input gradient's matrix product is as large as the weight gradient's: about half
-    assert all(0.15 < layer.bwd_input_ms / layer.bwd_ms < 0.85 for layer in middle)
+    # the input gradient's matrix product is as large as the weight gradient's: about half (over the middle
+    # layers together: one layer's ratio, a median of 5 pairs of ~1 ms steps, swings on a busy 2-core machine)
+    share = sum(layer.bwd_input_ms for layer in middle) / sum(layer.bwd_ms for layer in middle)
+    assert 0.2 < share < 0.8
     # the first layer's input is the data: its backward computes (almost) only weight gradients
     assert linears[0].bwd_input_ms < 0.5 * min(layer.bwd_input_ms for layer in middle)
     embedding = profiles["gpt"].layers[0]

@@ -22,6 +22,7 @@ from planner.schedules.schedule import (
     SEND_ACTIVATION,
     SEND_GRADIENT,
     STEP,
+    WEIGHT,
     Action,
     RankProgram,
     Schedule,
@@ -468,3 +469,54 @@ def test_pipedream_microbatches_are_whole_rounds_of_every_replica(replicas: list
                                                                   expected: int) -> None:
     assert pipedream_microbatches(replicas, at_least) == expected
 
+
+
+# 7. zb-h1: the backward split into B and W, W deferred by the stage's place
+
+
+@pytest.mark.parametrize("replicas", REPLICA_LISTS)
+@pytest.mark.parametrize("microbatches", (1, 4, 8))
+def test_zb_h1_is_1f1b_with_a_w_after_each_b(replicas: list[int], microbatches: int) -> None:
+    """Without its W's, each zb-h1 program is the 1f1b program; each W follows its own B, and the step follows every W."""
+    split, plain = build_schedule("zb-h1", replicas, microbatches), build_schedule("1f1b", replicas, microbatches)
+    validate(split)
+    for ours, theirs in zip(split.programs, plain.programs):
+        assert [a for a in ours.actions if a.op != WEIGHT] == list(theirs.actions)
+        assert sorted(work(ours, WEIGHT)) == sorted(work(ours, BACKWARD))
+        for it, mb in work(ours, WEIGHT):
+            assert index_of(ours.actions, WEIGHT, mb) > index_of(ours.actions, BACKWARD, mb)
+        weights = [k for k, a in enumerate(ours.actions) if a.op == WEIGHT]
+        assert all(k < index_of(ours.actions, STEP, -1) for k in weights)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (3, 7), (2, 2)])
+def test_zb_h1_stage_s_runs_w_of_k_after_b_of_k_plus_s(stages: int, microbatches: int) -> None:
+    """Straight pipeline: stage s runs W of microbatch k right after B of k + s (and its send), then its last s W's."""
+    schedule = build_schedule("zb-h1", [1] * stages, microbatches)
+    for program in schedule.programs:
+        deferral, actions = min(program.stage, microbatches), program.actions
+        for k in range(microbatches - deferral):
+            after = index_of(actions, BACKWARD, k + deferral) + (2 if program.stage > 0 else 1)  # B, its send
+            assert (actions[after].op, actions[after].microbatch) == (WEIGHT, k)
+        ops = [a.op for a in actions if a.op in (BACKWARD, WEIGHT)]
+        last_b = len(ops) - 1 - ops[::-1].index(BACKWARD)
+        assert ops[last_b + 1:] == [WEIGHT] * min(deferral + 1, microbatches)  # the one placed after it, the tail
+
+
+def test_validator_catches_w_out_of_place() -> None:
+    """A W before its B, a W missing or after the step, and a W in 1f1b are each named."""
+    schedule = build_schedule("zb-h1", [1, 1], 2)
+    actions = actions_of(schedule, 1)
+    w, b = index_of(actions, WEIGHT, 0), index_of(actions, BACKWARD, 0)
+    early = actions[:b] + [actions[w]] + [a for k, a in enumerate(actions[b:], b) if k != w]
+    missing = [a for k, a in enumerate(actions) if k != w]
+    late = missing + [actions[w]]
+    for broken, problem in ((early, "W of microbatch 0 before its backward"),
+                            (missing, "S before W of microbatch 0"), (late, "S before W of microbatch 0")):
+        with pytest.raises(ScheduleError, match=problem):
+            validate(with_actions(schedule, 1, broken))
+    plain = build_schedule("1f1b", [1, 1], 2)
+    extra = actions_of(plain, 1)
+    extra.insert(index_of(extra, BACKWARD, 0) + 1, Action(WEIGHT, 1, 0))
+    with pytest.raises(ScheduleError, match="runs whole backwards"):
+        validate(with_actions(plain, 1, extra))

@@ -27,6 +27,24 @@ def test_flush_with_equal_stages_takes_m_plus_p_minus_1_times_f_plus_b(name: str
     assert timeline.iteration_s() == pytest.approx((microbatches + stages - 1) * (F + B))
 
 
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 7)])
+def test_zb_h1_with_equal_f_b_w_has_a_third_of_1f1bs_bubble(stages: int, microbatches: int) -> None:
+    """With F = B = W (m >= p), zb-h1 takes m (F + B + W) + (p - 1)(F + B - W) (Qi et al.): bubble (p - 1) F,
+    against 1f1b's (p - 1)(F + B + W)."""
+    times = [StageTimes(F, F, 0.0, 0.0, weight_s=F) for _ in range(stages)]
+    timeline = simulate_schedule(build_schedule("zb-h1", [1] * stages, microbatches), times)
+    assert timeline.iteration_s() == pytest.approx(3 * microbatches * F + (stages - 1) * F)
+    whole = simulate_schedule(build_schedule("1f1b", [1] * stages, microbatches), equal_stages(stages))
+    assert whole.iteration_s() - 3 * microbatches * F == pytest.approx(3 * (stages - 1) * F)
+
+
+def test_zb_h1_holds_a_microbatch_until_its_w() -> None:
+    """Every stage of a 4-stage zb-h1 pipeline holds 4 microbatches at its peak (1f1b: 4, 3, 2, 1)."""
+    times = [StageTimes(F, F, 0.0, 0.0, held_bytes=1.0, weight_s=F) for _ in range(4)]
+    timeline = simulate_schedule(build_schedule("zb-h1", [1] * 4, 8), times)
+    assert list(timeline.peak_memory()) == [pytest.approx(4.0)] * 4
+
+
 def test_iterations_repeat_the_flushed_iteration() -> None:
     """Three flushed iterations take three times one, and iteration_s reports one."""
     one = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5), equal_stages(3))
