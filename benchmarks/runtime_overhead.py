@@ -586,10 +586,12 @@ def report(args: argparse.Namespace, results: dict[str, Any], in_process: list[d
         ratio = round_ratio(steps[theirs], steps[ours])
         print(f"   {schedule:9s} {times[theirs]:10.1f} {times[ours]:8.1f} {ratio:6.2f}")
         summary.append((f"engine / pipelining throughput, {schedule}", f"{ratio:.2f}"))
-    for split, whole in (("engine zb-h1", "engine 1f1b"), ("pipelining zb-h1", "pipelining 1f1b")):
+    for split, whole in (("engine zb-h1", "engine 1f1b"), ("pipelining zb-h1", "pipelining 1f1b"),
+                         ("engine plan zb-h1", "engine plan 1f1b")):
         if split in steps and whole in steps:
             ratio = round_ratio(steps[split], steps[whole])
-            print(f"   {split} / {whole.split()[-1]} time: {ratio:.2f} (B and W apart, W deferred into the bubbles)")
+            print(f"   {split} / {whole.split()[-1]} time: {ratio:.2f} (B and W apart, W deferred into the bubbles"
+                  f"{'; the plan split of part 2' if 'plan' in split else ''})")
             summary.append((f"{split} / {whole} time", f"{ratio:.2f}"))
     for name, failure in results["failures"].items():
         print(f"   {name} FAILED in {failure}; its medians cover the rounds before")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from planner.files.profile import Profile
+from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
 
 OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter byte (Adam: 2 moments; SGD: momentum)
 ASSUMED_WEIGHT_SHARE = 0.5  # W / backward where the profile did not measure input gradients (a linear layer's dW ~ dX)
@@ -46,7 +48,9 @@ class LayerArrays:
     parameter tensors, a prefix sum counted as `param_bytes` (None: all zero; a shared one's copy
     counts 1). `weight_s`: the weight-gradient part (W) of each layer's backward, seconds, a prefix
     sum: backward - input-gradient part where the profile measured it (`bwd_input_ms`), else
-    ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured.
+    ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured;
+    `split_backward_ratio`: a backward run as B then W over one run whole (`Profile.split_backward_ratio`;
+    1.0 where not measured), which `for_schedule` applies to the zero-bubble schedules' backwards.
     """
 
     compute_s: np.ndarray
@@ -59,6 +63,7 @@ class LayerArrays:
     param_tensors: np.ndarray | None = None
     weight_s: np.ndarray | None = None
     weight_measured: bool = False
+    split_backward_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
@@ -98,7 +103,18 @@ class LayerArrays:
             else None,
             param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
+            split_backward_ratio=float(getattr(profile, "split_backward_ratio", None) or 1.0),
         )
+
+    def for_schedule(self, schedule: str) -> "LayerArrays":
+        """These arrays as `schedule` runs the layers: under a zero-bubble schedule every backward, B and W
+        alike, takes `split_backward_ratio` times its time (backward_s' = r (compute_s - fwd_s), weight_s' =
+        r weight_s); the same arrays otherwise."""
+        if schedule not in SPLIT_BACKWARD_SCHEDULES or self.split_backward_ratio == 1.0:
+            return self
+        ratio = self.split_backward_ratio
+        return dataclasses.replace(self, compute_s=self.fwd_s + ratio * (self.compute_s - self.fwd_s),
+                                   weight_s=ratio * self.weight_s)
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
         """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "pipeline-planner/profile"
-PROFILE_VERSION = 2  # 2: layers may hold `bwd_input_ms`; version-1 files load with it None
+PROFILE_VERSION = 2  # 2: layers may hold `bwd_input_ms`, the profile `split_backward_ratio`; version 1 loads them None
 
 LAYER_COLUMNS = (
     "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes", "bwd_input_ms",
@@ -95,6 +95,12 @@ class Profile:
     `workspace_bytes[i]`: the most bytes live while layer i's backward runs beyond weights, their
     gradients, the batch and the saved activations (gradients between layers, temporaries;
     `planner.profiling.memory.measure_workspace`). Empty or 0 in older and imported profiles.
+    `split_backward_ratio`: how much longer a backward takes run as zero-bubble schedules' B then W
+    (`planner.profiling.backward_split`) than run whole: the median over pairs of steps of
+    split_k / plain_k, each the backward of the whole model after its first layer (that layer's
+    outputs received as a pipeline stage's input; `planner.profiling.timing.time_split_backward`);
+    as measured, so noise can put it slightly below 1. None: not measured (older files, PipeDream
+    imports).
     """
 
     model_name: str
@@ -119,6 +125,7 @@ class Profile:
     workspace_bytes: tuple[int, ...] = ()
     optimizer_step_per_tensor_ms: dict[str, float] = field(default_factory=dict)
     param_tensors: tuple[int, ...] = ()
+    split_backward_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "param_tensors"):
@@ -169,12 +176,15 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
-        `bwd_input_ms` (None) is left out, so that a profile without it has the same body, and the
-        same digest (`planner.files.plan.profile_digest`), as when it was a version-1 file."""
+        `bwd_input_ms` and an unmeasured `split_backward_ratio` (None) are left out, so that a profile
+        without them has the same body, and the same digest (`planner.files.plan.profile_digest`), as
+        when it was made before they were measured."""
         body = dataclasses.asdict(self)
         for row in body["layers"]:
             if row["bwd_input_ms"] is None:
                 del row["bwd_input_ms"]
+        if body["split_backward_ratio"] is None:
+            del body["split_backward_ratio"]
         return body
 
     @classmethod
@@ -215,6 +225,8 @@ class Profile:
                 optimizer_step_per_tensor_ms={str(name): float(ms) for name, ms
                                               in body.get("optimizer_step_per_tensor_ms", {}).items()},
                 param_tensors=tuple(int(count) for count in body.get("param_tensors", ())),
+                split_backward_ratio=None if body.get("split_backward_ratio") is None
+                else float(body["split_backward_ratio"]),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

@@ -105,7 +105,7 @@ def _choose(
                 inputs = replace(found.inputs, schedule=schedule)
                 solved[key] = _simulated_candidate(inputs, found.solution, straight, size)
                 return solved[key]
-            inputs = replace(base, schedule=schedule, microbatches=count)
+            inputs = replace(base, schedule=schedule, microbatches=count, arrays=base.arrays.for_schedule(schedule))
             try:
                 solution = optimize(inputs, straight, recompute)
             except InfeasiblePlanError as exc:

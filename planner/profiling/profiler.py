@@ -25,7 +25,13 @@ from planner.profiling.model_file import (
 )
 from planner.files.profile import LayerProfile, Profile, SharedParam
 from planner.profiling.tensors import tensor_nbytes
-from planner.profiling.timing import INPUT_GRADIENT_ITERS, clock_for, time_input_gradients, time_layers
+from planner.profiling.timing import (
+    INPUT_GRADIENT_ITERS,
+    clock_for,
+    time_input_gradients,
+    time_layers,
+    time_split_backward,
+)
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
@@ -132,7 +138,7 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     """Measure every layer of the model in `model_file` as `settings` say; see `Profile` for fields.
 
     `progress(phase, done, total)` is called as work advances (phases: "check", "layers",
-    "dataflow", "memory", "timing", "timing input gradients").
+    "dataflow", "memory", "timing", "timing input gradients", "timing the split backward").
     """
     settings.check()
     device = resolve_device(settings.device)
@@ -199,6 +205,12 @@ def _measure(
         progress=lambda done, total: report("timing input gradients", done, total),
         min_seconds=settings.min_seconds / 4,
     ))
+    # B + W against a plain backward (zero-bubble schedules' extra cost): as many pairs, or a quarter of --min-seconds
+    split_backward_ratio = _phase(model_file, "timing the split backward", lambda: time_split_backward(
+        layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), input_iters,
+        progress=lambda done, total: report("timing the split backward", done, total),
+        min_seconds=settings.min_seconds / 4,
+    ))
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
@@ -232,7 +244,7 @@ def _measure(
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
-        param_tensors=tuple(param_tensors),
+        param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
     )
 
 

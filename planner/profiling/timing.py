@@ -27,6 +27,12 @@ ids) is replaced by a copy of a grad-requiring leaf, so that the graph reaches b
 does to a pipeline stage's received input: the layers after it still compute their input
 gradients, and a layer whose own input needs no gradient (the first layer fed by data) gets ~0.
 Outputs that need no gradient in a normal step either (masks, rotary tables) are left alone.
+
+Split backward (`time_split_backward`): how much longer the backward takes when run as B then W
+(`planner.profiling.backward_split`: more autograd calls, boundary nodes run twice, products in
+another order) than run whole, as one ratio for the model: pairs of steps whose forward cuts the
+graph after the first layer (its outputs replaced by grad-requiring leaves, as a stage's received
+input), one differentiated by `backward_inputs` + `backward_weights`, the other by `loss.backward()`.
 """
 
 from __future__ import annotations
@@ -38,14 +44,17 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import torch
 
 from torch.utils import _pytree as pytree
 
+from planner.profiling.backward_split import backward_inputs, backward_weights
 from planner.profiling.layers import Layer
 from planner.profiling.layer_tracker import LayerTracker
+
+T = TypeVar("T")
 
 MAX_ITERS_FACTOR = 20  # `min_seconds` runs at most this many times the measured iterations asked for
 INPUT_GRADIENT_ITERS = 5  # pairs of steps `time_input_gradients` measures at least (ratios within a pair are steady)
@@ -175,18 +184,30 @@ def needs_grad_flags(output: Any) -> tuple[bool, ...]:
     return tuple(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_flatten(output)[0])
 
 
-def requiring_grad(output: Any, flags: Sequence[bool]) -> Any:
+def requiring_grad(output: Any, flags: Sequence[bool], cut: bool = False,
+                   new_leaves: list[torch.Tensor] | None = None) -> Any:
     """`output` with each floating-point tensor that `flags` (from `needs_grad_flags` in a normal step)
     says needs a gradient, but now needs none, replaced by a copy of a leaf that does: a copy, so
     that in-place operations on it stay legal and the original keeps its flag. Tensors that needed
     no gradient in a normal step either (masks, rotary tables) stay as they are, so that no
-    gradient a normal backward skips is computed. Returns `output` itself if nothing changed."""
+    gradient a normal backward skips is computed. Returns `output` itself if nothing changed.
+
+    `cut`: those that need a gradient now are replaced too, so that the graph before them is cut off
+    as before a pipeline stage's received input. `new_leaves`: a list that gets each new leaf (the
+    tensors whose gradients are such a stage's input gradients)."""
     leaves, spec = pytree.tree_flatten(output)
     if len(leaves) != len(flags):
         return output
+
+    def leaf_copy(tensor: torch.Tensor) -> torch.Tensor:
+        leaf = tensor.detach().requires_grad_()
+        if new_leaves is not None:
+            new_leaves.append(leaf)
+        return leaf.clone()
+
     changed = [
-        leaf.detach().requires_grad_().clone()
-        if needed and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not leaf.requires_grad
+        leaf_copy(leaf)
+        if needed and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and (cut or not leaf.requires_grad)
         else leaf
         for leaf, needed in zip(leaves, flags)
     ]
@@ -412,6 +433,34 @@ def frozen(parameters: Iterable[torch.Tensor]) -> Any:
             parameter.requires_grad_(flag)
 
 
+def _paired_iterations(
+    warm_up: Callable[[], bool], pair: Callable[[int], T], iters: int,
+    progress: Callable[[int, int], None] | None, min_seconds: float,
+) -> list[T]:
+    """The iteration rule of `time_input_gradients` and `time_split_backward`: `warm_up()` once (not
+    counted; returning False stops there, with nothing measured), then `pair(k)` for k = 1, 2, ...
+    `iters` times, or more while they take less than `min_seconds` at the first pair's pace (at most
+    MAX_ITERS_FACTOR x iters, `_measured_iterations`); `pair(k)` alternates which of its two steps goes
+    first by k's parity. `progress(done, total)` after every iteration, the warm-up included. Returns
+    the pairs' results."""
+    results: list[T] = []
+    total = 1 + iters
+    iteration = 0
+    while iteration < total:
+        began = time.perf_counter()
+        if iteration == 0:
+            if not warm_up():
+                total = 1
+        else:
+            results.append(pair(iteration))
+            if iteration == 1 and min_seconds > 0:
+                total = 1 + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
+        iteration += 1
+        if progress is not None:
+            progress(iteration, total)
+    return results
+
+
 def time_input_gradients(
     layers: Sequence[Layer],
     run_step: Callable[[], torch.Tensor],
@@ -450,24 +499,116 @@ def time_input_gradients(
     def full() -> list[float]:
         return _instrumented_ms(layers, run_step, after_step, clock)[1]
 
-    shares: list[list[float]] = []
-    total = 1 + iters
-    iteration = 0
-    while iteration < total:
-        began = time.perf_counter()
-        if iteration == 0:  # warm-up: which outputs need a gradient, and the frozen step's first run
-            output_flags[:] = _instrumented_ms(layers, run_step, after_step, clock, record_outputs=True)[2]
-            input_only()
+    def warm_up() -> bool:  # which outputs need a gradient, and the frozen step's first run
+        output_flags[:] = _instrumented_ms(layers, run_step, after_step, clock, record_outputs=True)[2]
+        input_only()
+        return True
+
+    def pair(iteration: int) -> list[float]:
+        if iteration % 2 == 0:
+            inputs, whole = input_only(), full()
         else:
-            if iteration % 2 == 0:
-                inputs, whole = input_only(), full()
-            else:
-                whole, inputs = full(), input_only()
-            shares.append([part / all_ms if all_ms > 0 else 0.0 for part, all_ms in zip(inputs, whole)])
-            if iteration == 1 and min_seconds > 0:
-                total = 1 + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
-        iteration += 1
-        if progress is not None:
-            progress(iteration, total)
+            whole, inputs = full(), input_only()
+        return [part / all_ms if all_ms > 0 else 0.0 for part, all_ms in zip(inputs, whole)]
+
+    shares = _paired_iterations(warm_up, pair, iters, progress, min_seconds)
     medians = [statistics.median(column) for column in zip(*shares)] if shares else [0.0] * len(bwd_ms)
     return [ms * min(max(share, 0.0), 1.0) for ms, share in zip(bwd_ms, medians)]
+
+
+class _StageInput:
+    """A forward hook on a layer's module that, at its first call in a step, replaces the floating-point
+    tensors of its output that need a gradient by copies of grad-requiring leaves (`requiring_grad` with
+    `cut`): the layers after it run as a pipeline stage that received them. `leaves`: this step's new
+    leaves. Call `reset()` before each step and `remove()` when done."""
+
+    def __init__(self, layer: Layer) -> None:
+        self.leaves: list[torch.Tensor] = []
+        self._called = False
+        self._handle = layer.module.register_forward_hook(self._hook)
+
+    def reset(self) -> None:
+        """Forget the previous step's leaves: the next call replaces again."""
+        self.leaves = []
+        self._called = False
+
+    def remove(self) -> None:
+        """Remove the hook."""
+        self._handle.remove()
+
+    def _hook(self, _module: Any, _args: Any, output: Any) -> Any:
+        if self._called:
+            return None
+        self._called = True
+        replaced = requiring_grad(output, needs_grad_flags(output), cut=True, new_leaves=self.leaves)
+        return None if replaced is output else replaced
+
+
+def time_split_backward(
+    layers: Sequence[Layer],
+    run_step: Callable[[], torch.Tensor],
+    after_step: Callable[[], None],
+    clock: Clock,
+    parameters: Iterable[torch.Tensor],
+    iters: int = INPUT_GRADIENT_ITERS,
+    progress: Callable[[int, int], None] | None = None,
+    min_seconds: float = 0.0,
+) -> float:
+    """How much longer a backward takes split into B and W (`planner.profiling.backward_split`) than
+    run whole: `split_backward_ratio = median_k(split_k / plain_k)` over pairs of steps.
+
+    Every step runs the forward with the first layer's floating-point outputs that need a gradient
+    replaced by copies of grad-requiring leaves (`_StageInput`), so that the layers after it form a
+    stage that received them, as every stage after a pipeline's first does. Then the split step runs
+    `backward_inputs([loss], [None], leaves, parameters)` and `backward_weights`; the plain step
+    `loss.backward()`: both differentiate the same graph, so the ratio is the split's own cost (more
+    autograd calls, boundary nodes run twice, products in another order). Only the backward is
+    timed, from after the loss until the graph and gradients of the step are dropped, with `clock`.
+    Pairs alternate which step goes first; one warm-up pair, then `iters` pairs or more while they
+    take less than `min_seconds` (`_paired_iterations`, as `time_input_gradients`); `after_step` runs
+    after every step, `progress(done, total)` after every pair. The ratio is reported as measured,
+    not clamped: noise can put it slightly below 1. A model of one layer, or whose first layer
+    returns nothing that needs a gradient (nothing to replace), gives 1.0.
+    """
+    if len(layers) < 2:
+        return 1.0
+    parameters = [parameter for parameter in parameters if parameter.requires_grad]
+    stage = _StageInput(layers[0])
+
+    def backward_ms(split: bool) -> tuple[float, bool]:
+        """One step: its backward's ms, and whether the first layer's output was replaced."""
+        stage.reset()
+        with _gc_paused():
+            loss = run_step()
+            start = clock.mark()
+            replaced = bool(stage.leaves) and loss.requires_grad
+            if replaced and split:
+                grads, pending = backward_inputs([loss], [None], stage.leaves, parameters)
+                backward_weights(pending)
+                del grads, pending
+            elif replaced:
+                loss.backward()
+            del loss
+            stage.reset()  # the leaves and their gradients go with the graph, inside the timed part
+            end = clock.mark()
+        clock.synchronize()
+        after_step()
+        return clock.elapsed_ms(start, end), replaced
+
+    def warm_up() -> bool:
+        _, replaced = backward_ms(split=True)
+        return replaced and backward_ms(split=False)[1]
+
+    def pair(iteration: int) -> float:
+        if iteration % 2 == 0:
+            split, plain = backward_ms(split=True)[0], backward_ms(split=False)[0]
+        else:
+            plain, split = backward_ms(split=False)[0], backward_ms(split=True)[0]
+        return split / plain if plain > 0 else math.nan
+
+    try:
+        ratios = [ratio for ratio in _paired_iterations(warm_up, pair, iters, progress, min_seconds)
+                  if not math.isnan(ratio)]
+    finally:
+        stage.remove()
+    return statistics.median(ratios) if ratios else 1.0

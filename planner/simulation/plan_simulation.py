@@ -20,7 +20,7 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
     profiled = profile.batch_size or 1
     memory = plan.cluster.memory_bytes
     return CostInputs(
-        LayerArrays.from_profile(profile), plan.cluster, plan.schedule, plan.microbatches or 1,
+        LayerArrays.from_profile(profile).for_schedule(plan.schedule), plan.cluster, plan.schedule, plan.microbatches or 1,
         (plan.microbatch_size or profiled) / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
         *per_weight_byte(profile, optimizer or plan.optimizer),

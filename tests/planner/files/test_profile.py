@@ -62,6 +62,26 @@ def test_the_workspace_enters_the_digest_only_where_it_was_measured() -> None:
     assert profile_digest(dataclasses.replace(older, workspace_bytes=(1, 2, 3))) != profile_digest(older)
 
 
+def test_the_split_backward_ratio_round_trips_and_is_left_out_where_not_measured(tmp_path: Path) -> None:
+    profile = dataclasses.replace(_profile(), split_backward_ratio=1.2345678901234567)
+    path = profile.save(tmp_path / "s.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["split_backward_ratio"] == profile.split_backward_ratio
+    document = json.loads(_profile().save(tmp_path / "none.json").read_text())
+    assert "split_backward_ratio" not in document  # an unmeasured one keeps the body, and the digest, of before
+    assert _profile().split_backward_ratio is None and "split_backward_ratio" not in _profile().to_dict()
+
+
+def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
+    body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
+    del body["split_backward_ratio"]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
+    profile = load_profile(path)
+    assert profile == _measured() and profile.split_backward_ratio is None
+    assert profile.to_dict() == body
+
+
 def test_dataframe_has_the_layer_columns_in_execution_order() -> None:
     frame = _measured().to_dataframe()
     assert list(frame.columns) == list(LAYER_COLUMNS) and "bwd_input_ms" in LAYER_COLUMNS
@@ -92,10 +112,12 @@ def test_a_version_1_file_loads_without_input_gradient_times(tmp_path: Path) -> 
     body = dataclasses.asdict(_profile())  # what version 1 wrote: layers without bwd_input_ms
     for row in body["layers"]:
         del row["bwd_input_ms"]
+    del body["split_backward_ratio"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
     assert profile == _profile() and all(layer.bwd_input_ms is None for layer in profile.layers)
+    assert profile.split_backward_ratio is None
     # saved again as version 2, its layers stay as they were: plans made with it keep their digest
     document = json.loads(profile.save(tmp_path / "again.json").read_text())
     assert document["version"] == 2 and document["layers"] == list(body["layers"])
@@ -106,6 +128,7 @@ def test_a_version_1_file_loads_without_input_gradient_times(tmp_path: Path) -> 
 def test_the_shipped_profiles_still_load(path: Path) -> None:
     profile = load_profile(path)
     assert profile.num_layers > 0 and all(layer.bwd_input_ms is None for layer in profile.layers)
+    assert profile.split_backward_ratio is None
 
 
 def test_tables_show_the_input_gradient_share_only_where_measured() -> None:

@@ -1,5 +1,5 @@
 """Per-layer timing: forward and backward time land on the right layer, functional ops included;
-the input-gradient part of each layer's backward."""
+the input-gradient part of each layer's backward; the split backward's cost."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from planner.profiling.timing import (
     requiring_grad,
     time_input_gradients,
     time_layers,
+    time_split_backward,
 )
 
 TOLERANCE_MS = 4.0  # sleeps overshoot by scheduler latency; python hooks add microseconds
@@ -341,3 +342,49 @@ def test_outputs_that_need_no_gradient_in_a_normal_step_get_none_when_frozen() -
                                         model.parameters(), [5.0, 0.0, 10.0], iters=1)
     assert len(model.table_needs_grad) == 4 and not any(model.table_needs_grad)  # in no step
     assert bwd_input_ms == pytest.approx([0, 0, 5], abs=TOLERANCE_MS)
+
+
+# Split backward ------------------------------------------------------------------------------------
+
+
+def _split_ratio(model: nn.Module, x: torch.Tensor, iters: int = 3) -> float:
+    layers = find_layers(model, lambda: model(x))
+    ratio = time_split_backward(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True),
+                                HostClock(), model.parameters(), iters=iters)
+    assert not any(layer.module._forward_hooks for layer in layers)  # removed
+    return ratio
+
+
+def test_the_split_backward_ratio_of_a_linear_mlp_is_measured() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.Linear(128, 16))
+    ratio = _split_ratio(model, torch.randn(32, 64))
+    assert 0 < ratio < 10  # B + W costs somewhat more than one backward; not bounded tightly (noise)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # after_step ran
+
+
+def test_the_split_backward_times_the_layers_after_the_first_split_into_b_and_w() -> None:
+    # a custom Function computes all its gradients whenever it runs, so B runs layers 1 and 2 whole and W
+    # runs them again: twice the plain backward. The first layer, cut off as a stage's input would be, and
+    # its 30 ms weight gradient count in neither (uncut: (40 + 30) / (20 + 30) = 1.4).
+    model = nn.Sequential(_SplitLayer(0.0, 0.030), _SplitLayer(0.005, 0.005), _SplitLayer(0.005, 0.005))
+    assert 1.7 < _split_ratio(model, torch.randn(4, 8)) < 2.3
+
+
+def test_the_split_backward_ratio_is_one_with_one_layer_or_nothing_to_cut() -> None:
+    assert _split_ratio(nn.Sequential(nn.Linear(8, 8)), torch.randn(4, 8)) == 1.0
+    x = torch.randn(4, 8)
+    assert _split_ratio(nn.Sequential(nn.Identity(), nn.Linear(8, 8)), x) == 1.0  # returns the data itself
+    assert not x.requires_grad and x.grad is None
+
+
+def test_cut_replaces_outputs_that_need_a_gradient_by_copies_of_new_leaves() -> None:
+    weight = torch.ones(2, requires_grad=True)
+    output = (torch.randn(2) * weight, torch.arange(3), torch.randn(2))
+    leaves: list[torch.Tensor] = []
+    found = requiring_grad(output, needs_grad_flags(output), cut=True, new_leaves=leaves)
+    assert found[1] is output[1] and found[2] is output[2]  # no gradient needed: left alone
+    (leaf,) = leaves
+    assert leaf.is_leaf and leaf.requires_grad and torch.equal(leaf, output[0])
+    found[0].sum().backward()  # the graph ends at the leaf (a copy of it, so in-place operations stay legal)
+    assert torch.equal(leaf.grad, torch.ones(2)) and weight.grad is None
