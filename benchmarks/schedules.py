@@ -19,6 +19,7 @@ measures the engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import tempfile
 from pathlib import Path
@@ -52,7 +53,7 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
           f"{'measured' if all(layer.bwd_input_ms is not None for layer in profile.layers) else 'assumed 50%'}")
     print(f"   {'schedule':9s} {'iteration ms':>12s} {'/ 1f1b':>7s} {'bubble':>7s} {'peak MB':>8s}  stages (layers)")
     found = {}
-    for schedule in (*FLUSH_SCHEDULES, "auto"):
+    for schedule in ("1f1b", *(name for name in FLUSH_SCHEDULES if name != "1f1b"), "auto"):
         plan = partition(profile, cluster, straight=True, schedule=schedule, microbatches=microbatches,
                          microbatch_size=microbatch_size)
         found[schedule] = plan
@@ -60,6 +61,14 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
         ratio = plan.predicted.iteration_ms / found["1f1b"].predicted.iteration_ms
         print(f"   {name:9s} {plan.predicted.iteration_ms:12.1f} {ratio:7.3f} {plan.predicted.bubble_fraction:7.1%} "
               f"{plan.predicted.peak_memory_bytes / 1e6:8.1f}  {[(s.start, s.stop) for s in plan.stages]}")
+    if profile.split_backward_ratio not in (None, 1.0):  # the same without the split's own cost
+        free = partition(dataclasses.replace(profile, split_backward_ratio=None), cluster, straight=True,
+                         schedule="zb-h1", microbatches=microbatches, microbatch_size=microbatch_size)
+        ratio = free.predicted.iteration_ms / found["1f1b"].predicted.iteration_ms
+        print(f"   {'zb-h1*':9s} {free.predicted.iteration_ms:12.1f} {ratio:7.3f} {free.predicted.bubble_fraction:7.1%} "
+              f"{free.predicted.peak_memory_bytes / 1e6:8.1f}  {[(s.start, s.stop) for s in free.stages]}")
+        print(f"   (zb-h1*: if B then W cost no more than one backward; this profile measured them "
+              f"{profile.split_backward_ratio:.2f}x, which zb-h1's row counts)")
     best = min(FLUSH_SCHEDULES, key=lambda schedule: found[schedule].predicted.iteration_ms)
     print(f"   fastest: {best}; auto picked {found['auto'].schedule}")
 

@@ -148,6 +148,20 @@ def plan_figure(plan: Plan, profile: Profile, timeline: Timeline) -> Figure:
     return fig
 
 
+def schedules_figure(timelines: Sequence[Timeline]) -> Figure:
+    """Gantt charts of several timelines (e.g. one plan per schedule) stacked on one time axis, the
+    longest setting its span, so that their lengths and bubbles compare at a glance."""
+    if not timelines:
+        raise PlannerError("schedules_figure needs at least one timeline")
+    heights = [_gantt_height(timeline, False) for timeline in timelines]
+    fig = InlineFigure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
+    span_ms = max(timeline.makespan_s for timeline in timelines) * 1000.0
+    panels = fig.subfigures(len(timelines), 1, height_ratios=heights) if len(timelines) > 1 else [fig]
+    for panel, timeline in zip(panels, timelines):
+        _draw_gantt(panel, timeline, False, span_ms)
+    return fig
+
+
 def timeline_figure(timeline: Timeline, communication: bool = False, limit_bytes: float | None = None) -> Figure:
     """The Gantt chart (sends too with `communication`) over the memory per device, in one image."""
     heights = [_gantt_height(timeline, communication), MEMORY_HEIGHT_IN]

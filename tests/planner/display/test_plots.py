@@ -26,12 +26,13 @@ from planner.display.plots import (
     _format_rate,
     gantt_figure,
     memory_figure,
+    schedules_figure,
     partition_figure,
     plan_figure,
     scaling_figure,
 )
 from planner.files.profile import Profile, load_profile
-from planner.schedules.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT
+from planner.schedules.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, WEIGHT
 from planner.files.timeline import Timeline
 from planner.units import format_bytes
 
@@ -307,3 +308,20 @@ def test_figures_show_in_jupyter_without_pyplot() -> None:
     plan = partition(profile, make_cluster(2, None, ["10GB/s"]))
     png = partition_figure(plan, profile)._repr_png_()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_schedules_figure_stacks_gantt_charts_on_one_time_axis(gpt: Profile) -> None:
+    """zb-h1's W boxes are drawn apart (their own colour and legend entry); both panels span the longer run."""
+    plans = [partition(gpt, make_cluster(4), straight=True, schedule=name, microbatches=8) for name in ("1f1b", "zb-h1")]
+    timelines = [simulate(plan, gpt) for plan in plans]
+    fig = schedules_figure(timelines)
+    axes = fig.axes
+    assert len(axes) == 2
+    span = max(timeline.makespan_s for timeline in timelines) * 1000.0
+    assert [ax.get_xlim()[1] for ax in axes] == [pytest.approx(span * 1.01)] * 2
+    weights = timelines[1].events[timelines[1].events["op"] == WEIGHT]
+    assert len(weights) == 4 * 8
+    assert len([patch for patch in axes[1].patches if patch.get_gid() == WEIGHT]) == len(weights)
+    assert not [patch for patch in axes[0].patches if patch.get_gid() == WEIGHT]
+    assert "weight gradients (W)" in {text.get_text() for text in axes[1].get_legend().get_texts()}
+    assert_real_png(fig)
