@@ -187,7 +187,8 @@ def partition_command(
     ),
     no_recompute: bool = typer.Option(False, "--no-recompute", help="Never recompute activations."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
-    compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model."),
+    compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model, "
+                                 "and the best plan of each other schedule."),
     out: Optional[Path] = typer.Option(
         None, "--out", "-o", help="Plan file (default plans/<model>-<N>gpu[-straight].json)."
     ),
@@ -199,7 +200,7 @@ def partition_command(
         from planner.display.tables import comparison_table, plan_table
         from planner.files.cluster import assumed_links, load_cluster, make_cluster
         from planner.files.profile import load_profile
-        from planner.planning.partition import compare_baselines, partition
+        from planner.planning.partition import compare_baselines, compare_schedules, partition
 
         flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--latency": latency,
                  "--memory": memory}
@@ -232,7 +233,8 @@ def partition_command(
         console = _console()
         console.print(plan_table(plan, console.width))
         if compare:
-            console.print(comparison_table(plan, compare_baselines(profile, plan, optimizer)))
+            others = compare_schedules(profile, plan, recompute=not no_recompute)
+            console.print(comparison_table(plan, others + compare_baselines(profile, plan, optimizer)))
         console.print(f"wrote {path}")
 
     _run(debug, action)

@@ -127,9 +127,10 @@ def plan_summary(plan: Plan) -> str:
 
 
 def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
-    """The plan against baselines under the same cost model and schedule: time and the plan's speedup."""
-    table = Table(title=f"{plan.profile.name}: the plan against common splits ({plan.cost_model} cost model, "
-                        f"{plan.schedule} schedule)", **_COMPACT)
+    """The plan against baselines (other schedules' best plans, `compare_schedules`, named "best <schedule>"; common
+    splits under the same cost model and schedule): time and the plan's speedup."""
+    table = Table(title=f"{plan.profile.name}: the plan against other schedules' best plans and common splits "
+                        f"({plan.cost_model} cost model, {plan.schedule} schedule for the splits)", **_COMPACT)
     unit = "ms per microbatch" if plan.microbatches is None else "iteration ms"
     for header, justify in (("plan", "left"), ("replicas per stage", "left"), ("GPUs", "right"),
                             (unit, "right"), ("memory/GPU", "right"), ("its time / optimized", "right")):

@@ -356,6 +356,27 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None
     return results
 
 
+def compare_schedules(profile: Profile, plan: Plan, recompute: bool = True) -> list[BaselineResult]:
+    """The best plan of each other synchronous schedule for the plan's profile, cluster, microbatches,
+    microbatch size, straightness and optimizer (`partition` with that schedule), named "best <schedule>";
+    a schedule with no plan that fits is left out. Empty for pipedream and the pipedream cost model."""
+    if plan.cost_model != "planner" or plan.schedule not in FLUSH_SCHEDULES:
+        return []
+    found = []
+    for schedule in FLUSH_SCHEDULES:
+        if schedule == plan.schedule:
+            continue
+        try:
+            other = partition(profile, plan.cluster, straight=plan.straight, optimizer=plan.optimizer,
+                              schedule=schedule, microbatches=plan.microbatches or 1,
+                              microbatch_size=plan.microbatch_size, recompute=recompute)
+        except InfeasiblePlanError:
+            continue
+        found.append(BaselineResult(f"best {schedule}", tuple((s.start, s.stop, s.replicas) for s in other.stages),
+                                    other.predicted.iteration_ms / 1000.0, other.predicted.peak_memory_bytes))
+    return found
+
+
 def predicted_iteration_s(inputs: CostInputs, stages: list[Stage]) -> float:
     """What a plan's `iteration_ms` states (seconds): the simulated iteration (flush schedules) or
     steady-state time per microbatch (pipedream) of `stages`; the closed form `objective_s` when

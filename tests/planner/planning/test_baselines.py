@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from planner.planning.baselines import balanced_stages, uniform_stages
 from planner.cli import app
 from planner.files.cluster import make_cluster
-from planner.planning.partition import compare_baselines, partition
+from planner.files.plan import load_plan
+from planner.planning.partition import compare_baselines, compare_schedules, partition
+from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.files.profile import load_profile
 
 GPT_PROFILE = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
@@ -59,3 +61,18 @@ def test_cli_compare_prints_every_baseline(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     for name in ("optimized", "uniform", "parameters", "time", "data-parallel"):
         assert name in result.stdout
+    chosen = load_plan(tmp_path / "p.json").schedule
+    for schedule in FLUSH_SCHEDULES:  # and the best plan of each other schedule
+        assert (f"best {schedule}" in result.stdout) == (schedule != chosen)
+
+
+def test_each_other_schedule_s_best_plan_is_its_own_partition() -> None:
+    profile = load_profile(GPT_PROFILE)
+    plan = partition(profile, make_cluster(4), straight=True, schedule="1f1b", microbatches=8)
+    others = {result.name: result for result in compare_schedules(profile, plan)}
+    assert sorted(others) == ["best gpipe", "best zb-h1"]
+    zero_bubble = partition(profile, make_cluster(4), straight=True, schedule="zb-h1", microbatches=8)
+    assert others["best zb-h1"].iteration_s * 1000.0 == pytest.approx(zero_bubble.predicted.iteration_ms)
+    assert others["best zb-h1"].stages == tuple((s.start, s.stop, s.replicas) for s in zero_bubble.stages)
+    pipedream = partition(profile, make_cluster(4), schedule="pipedream")
+    assert compare_schedules(profile, pipedream) == []
