@@ -180,8 +180,9 @@ def partition_command(
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
-    schedule: str = typer.Option("auto", help="auto (the fastest of gpipe and 1f1b), gpipe, 1f1b, or pipedream (asynchronous: stale weights)."),
-    microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b, or auto."),
+    schedule: str = typer.Option("auto", help="auto (the fastest of gpipe, 1f1b and zb-h1), gpipe, 1f1b, zb-h1 (zero bubble: "
+                                 "backward split into input and weight gradients), or pipedream (asynchronous: stale weights)."),
+    microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b/zb-h1, or auto."),
     microbatch_size: Optional[int] = typer.Option(
         None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."
     ),
@@ -280,7 +281,7 @@ def show(
 def simulate_command(
     plan_file: str = typer.Argument(..., help="A plan written by `planner partition`."),
     profile_file: Optional[str] = PROFILE_OPTION,
-    iterations: int = typer.Option(1, "--iterations", "-n", help="Flushed iterations to simulate (gpipe, 1f1b)."),
+    iterations: int = typer.Option(1, "--iterations", "-n", help="Flushed iterations to simulate (gpipe, 1f1b, zb-h1)."),
     trace: Optional[Path] = typer.Option(
         None, "--trace", help="Write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)."
     ),
@@ -374,7 +375,7 @@ def calibrate(
 
 @app.command("export")
 def export_command(
-    plan_file: str = typer.Argument(..., help="A plan written by `planner partition` (gpipe or 1f1b)."),
+    plan_file: str = typer.Argument(..., help="A plan written by `planner partition` (gpipe, 1f1b or zb-h1)."),
     to: str = typer.Option(..., "--to", help="pippy (torch.distributed.pipelining) or deepspeed."),
     profile_file: Optional[str] = PROFILE_OPTION,
     out: Optional[Path] = typer.Option(

@@ -11,7 +11,8 @@ tuple of tensors.
 
 DeepSpeed runs every stage on D = world size / S ranks (its pipe x data topology puts stage s on
 ranks s*D .. s*D + D - 1) and one synchronous 1F1B schedule, so a plan must have equal replicas
-on every stage and a gpipe or 1f1b schedule (`DeepSpeedPlanError` otherwise). Gradients of a
+on every stage and a synchronous schedule (`DeepSpeedPlanError` otherwise; a zb-h1 plan runs as
+DeepSpeed's 1F1B, without its split backward, so its predicted time does not hold there). Gradients of a
 parameter several stages use (`stages.shared`, e.g. a tied embedding and head) are summed over
 the ranks of those stages in each data-parallel replica: the module answers DeepSpeed's
 `get_tied_weights_and_groups()`, which the pipe engine all-reduces before its data-parallel

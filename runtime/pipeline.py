@@ -1,4 +1,4 @@
-"""In-process pipeline: one worker thread per stage walks its rank program of a gpipe or 1f1b schedule.
+"""In-process pipeline: one worker thread per stage walks its rank program of a gpipe, 1f1b or zb-h1 schedule.
 
 `Pipeline(stages, devices, schedule, microbatches, checkpoint, loss_fn)` runs the stages of one
 model (`runtime.stages.build_stages` / `split_model`) on `devices`, one worker thread per stage.
@@ -229,15 +229,15 @@ class Pipeline:
         self.microbatches = microbatches
         self.checkpoint = tuple(checkpoint)
         self.loss_fn: LossFn = loss_fn or default_loss
+        if schedule in SPLIT_BACKWARD_SCHEDULES and any(checkpoint):
+            raise PipelineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
+                                "stages do not have: pass no checkpoint flags, or use gpipe or 1f1b")
         self._check_shared_devices()
         for stage, device in zip(stages, self.devices):
             stage.to(device)
         self._replies: queue.Queue = queue.Queue()
         programs = {program.stage: program for program in self.schedule.programs}
         # every runner first: one that cannot be built leaves no thread of an earlier stage running
-        if schedule in SPLIT_BACKWARD_SCHEDULES and any(checkpoint):
-            raise PipelineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
-                                "stages do not have: pass no checkpoint flags, or use gpipe or 1f1b")
         runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index],
                                split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
                    for index, (stage, device) in enumerate(zip(stages, self.devices))]

@@ -40,8 +40,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from planner.files.export import PIPPY_MULTI_STAGE_CLASSES, ExportError, pippy_export
 from planner.profiling.model_file import LossFn, default_loss
@@ -54,8 +53,7 @@ from runtime.stages import Stages, build_stages, describe_boundaries
 
 __all__ = ["PippyError", "PippyPipeline", "build"]
 
-_SCHEDULES: dict[str, type[_PipelineSchedule]] = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B,
-                                                   "ScheduleInterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+_SCHEDULES: dict[str, Any] = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
 
 
 class PippyError(PipelineError):
@@ -69,7 +67,7 @@ class PippyPipeline:
     class on it; `stage_index`, `replica` (this rank's pipeline), `replicas` (R).
     """
 
-    def __init__(self, stage: PipelineStage, schedule: _PipelineSchedule, replica: int, replicas: int,
+    def __init__(self, stage: PipelineStage, schedule: Any, replica: int, replicas: int,
                  gradients: GradientGroups, device: torch.device) -> None:
         self.stage = stage
         self.schedule = schedule
@@ -170,10 +168,22 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
         s: (r if group is None else dist.get_group_rank(group, r)) for s, r in enumerate(settings.ranks[replica])}
     # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule)
     stages_arg = [stage] if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else stage
-    schedule = _SCHEDULES[settings.schedule_class](stages_arg, n_microbatches=settings.n_microbatches,
-                                                   loss_fn=loss_fn or default_loss, scale_grads=True)
+    schedule = _schedule_class(settings.schedule_class)(stages_arg, n_microbatches=settings.n_microbatches,
+                                                        loss_fn=loss_fn or default_loss, scale_grads=True)
     gradients = make_gradient_groups(settings.stage_ranks, stages.shared, stage_index, module)
     return PippyPipeline(stage, schedule, replica, settings.replicas, gradients, chosen)
+
+
+def _schedule_class(name: str) -> Any:
+    """torch.distributed.pipelining's schedule class `name`; PippyError naming the torch version where this torch
+    lacks it (the zero-bubble classes came after the gpipe and 1F1B ones)."""
+    import torch.distributed.pipelining as pipelining
+
+    found = _SCHEDULES.get(name) or getattr(pipelining, name, None)
+    if found is None:
+        raise PippyError(f"torch {torch.__version__} has no torch.distributed.pipelining.{name}: upgrade torch, or run "
+                         "this plan with runtime.engine.Engine")
+    return found
 
 
 def _pipeline_groups(pipelines: Sequence[Sequence[int]]) -> list[Any]:

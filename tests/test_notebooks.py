@@ -23,7 +23,7 @@ NOTEBOOK = REPO / "notebooks" / "plan_visualization.ipynb"
 CELL_TIMEOUT_S = 180  # per cell; the whole notebook takes about 25 s on 2 CPU cores
 # plan.plot, timeline.plot, partition_figure, memory_figure, one gantt_figure per schedule (3), scaling_figure
 EXPECTED_IMAGES = 8
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
 
 
 def _execute(notebook: Any, working_dir: Path) -> Any:

@@ -49,8 +49,9 @@ class LayerArrays:
     counts 1). `weight_s`: the weight-gradient part (W) of each layer's backward, seconds, a prefix
     sum: backward - input-gradient part where the profile measured it (`bwd_input_ms`), else
     ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured;
-    `split_backward_ratio`: a backward run as B then W over one run whole (`Profile.split_backward_ratio`;
-    1.0 where not measured), which `for_schedule` applies to the zero-bubble schedules' backwards.
+    `split_backward_ratio`: a backward run as B then W over one run whole (`Profile.split_backward_ratio`,
+    at least 1: below is noise; 1.0 where not measured), which `for_schedule` applies to the zero-bubble
+    schedules' backwards.
     """
 
     compute_s: np.ndarray
@@ -64,6 +65,7 @@ class LayerArrays:
     weight_s: np.ndarray | None = None
     weight_measured: bool = False
     split_backward_ratio: float = 1.0
+    split_applied: float = 1.0  # the ratio the backward times carry now (`for_schedule`)
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
@@ -103,18 +105,20 @@ class LayerArrays:
             else None,
             param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
-            split_backward_ratio=float(getattr(profile, "split_backward_ratio", None) or 1.0),
+            split_backward_ratio=max(1.0, float(getattr(profile, "split_backward_ratio", None) or 1.0)),
         )
 
     def for_schedule(self, schedule: str) -> "LayerArrays":
         """These arrays as `schedule` runs the layers: under a zero-bubble schedule every backward, B and W
-        alike, takes `split_backward_ratio` times its time (backward_s' = r (compute_s - fwd_s), weight_s' =
-        r weight_s); the same arrays otherwise."""
-        if schedule not in SPLIT_BACKWARD_SCHEDULES or self.split_backward_ratio == 1.0:
+        alike, takes `split_backward_ratio` times its time; under the others its whole time (backward_s' =
+        f (compute_s - fwd_s), weight_s' = f weight_s with f the wanted ratio over the one applied now).
+        The same arrays where nothing changes."""
+        wanted = self.split_backward_ratio if schedule in SPLIT_BACKWARD_SCHEDULES else 1.0
+        factor = wanted / self.split_applied
+        if factor == 1.0:
             return self
-        ratio = self.split_backward_ratio
-        return dataclasses.replace(self, compute_s=self.fwd_s + ratio * (self.compute_s - self.fwd_s),
-                                   weight_s=ratio * self.weight_s)
+        return dataclasses.replace(self, compute_s=self.fwd_s + factor * (self.compute_s - self.fwd_s),
+                                   weight_s=factor * self.weight_s, split_applied=wanted)
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
         """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""

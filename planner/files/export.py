@@ -1,6 +1,6 @@
 """Exports of a plan to other pipeline runtimes: torch.distributed.pipelining ("pippy") and DeepSpeed.
 
-Both take only synchronous plans (gpipe, 1f1b) whose stages all have the same number of
+Both take only synchronous plans (gpipe, 1f1b, zb-h1; DeepSpeed runs zb-h1 as its 1F1B) whose stages all have the same number of
 replicas R: torch.distributed.pipelining runs on a pipeline x data-parallel mesh of S stages by
 R pipelines, DeepSpeed takes the data-parallel degree as world size / S. A plan's mini-batch is
 `microbatches` microbatches, microbatch i on replica i mod R, so each of the R pipelines runs
@@ -385,10 +385,25 @@ def data_parallel_degree(plan: Plan, target: str, source: str = "<plan>") -> int
     return count
 
 
+def _whole_rounds(microbatches: int, stages: int) -> bool:
+    """Whether torch's zero-bubble schedule class accepts `microbatches` on `stages` stages: they split into
+    max(1, microbatches // stages) equal rounds."""
+    return microbatches % max(1, microbatches // stages) == 0
+
+
 def pippy_export(plan: Plan, source: str = "<plan>") -> PippyExport:
     """torch.distributed.pipelining settings for `plan` (see `PippyExport`); ExportError as `data_parallel_degree`."""
     replicas = data_parallel_degree(plan, "pippy", source)
     microbatches = plan.microbatches or 1
+    per_pipeline, stages = microbatches // replicas, len(plan.stages)
+    if plan.schedule == "zb-h1" and not _whole_rounds(per_pipeline, stages):
+        fit = next(count for count in range(per_pipeline + 1, per_pipeline + 2 * stages + 2)
+                   if _whole_rounds(count, stages))
+        raise ExportError(
+            source, f"torch's ScheduleInterleavedZeroBubble cuts a step into max(1, n // stages) equal rounds: "
+                    f"{per_pipeline} microbatches per pipeline on {stages} stages make {per_pipeline // stages}, "
+                    "which do not divide them",
+            f"re-plan with --microbatches {fit * replicas}, or run this plan with runtime.engine.Engine")
     return PippyExport(
         plan_path=source, model_name=plan.profile.name,
         split_spec={stage.first_layer: "SplitPoint.BEGINNING" for stage in plan.stages[1:]},

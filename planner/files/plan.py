@@ -6,7 +6,7 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
   `partition`, "" when it was not given); `digest` is the SHA-256 of
   the profile's canonical JSON body (`profile_digest`), so a plan is never applied to another.
 - `cluster`: `Cluster.to_dict()`; `cost_model`: "planner" (`schedule_cost`) or "pipedream"
-  (`pipedream_cost`); `schedule`: gpipe, 1f1b or pipedream; `microbatches` per iteration (None for
+  (`pipedream_cost`); `schedule`: gpipe, 1f1b, zb-h1 or pipedream; `microbatches` per iteration (None for
   the asynchronous schedule, which has no flush); `microbatch_size` (samples; None when the
   profile does not know its batch size); `straight`.
 - `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),

@@ -126,7 +126,8 @@ class _Evaluator:
                 need = np.maximum(need, self._memory_replicas(pair, recompute, downstream))
             else:
                 need = np.maximum(lowest, self._memory_replicas(pair, recompute, downstream))
-                need = self._flush_fixed_point(np.maximum(compute, comm), a, need, bound, group)
+                # (zero-bubble Q adds the stage's own W: the fixed point solves for what is left of the bound)
+                need = self._flush_fixed_point(np.maximum(compute, comm), a, need, bound - p.weight[pair], group)
             need = np.ceil(np.minimum(need, 4.0 * _NONE) / group - 1e-9) * group  # a multiple of M
         need = np.where(np.isfinite(need) & (need <= inputs.cluster.num_devices), need, _NONE).astype(np.int64)
         # the closed forms round: take the one below if it still works, else this one, else the one above
@@ -153,7 +154,7 @@ class _Evaluator:
         return np.where(ok.any(axis=1), counts[np.argmax(ok, axis=1)], _NONE).astype(np.int64)
 
     def _flush_fixed_point(
-        self, busy: np.ndarray, a: np.ndarray, lowest: np.ndarray, bound: float, group: int
+        self, busy: np.ndarray, a: np.ndarray, lowest: np.ndarray, bound: float | np.ndarray, group: int
     ) -> np.ndarray:
         """Fewest r (multiple of M, >= lowest) with (ceil(m / r) - 1) busy + a (1 - 1/r) <= bound.
 

@@ -47,7 +47,8 @@ def partition(
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
     With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
     state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
-    (gpipe, 1f1b or zb-h1; pipedream only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
+    (gpipe, 1f1b or zb-h1, the last only if the profile measured its split backward's cost; pipedream only
+    when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
     throughput. The plan may use fewer devices than the cluster has; its notes then say so.
     """
     if cost_model not in COST_MODELS:
@@ -70,8 +71,17 @@ def partition(
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
         *per_weight_byte(profile, optimizer),
     )
-    chosen = _choose(base, AUTO_SCHEDULES if schedule == AUTO else (schedule,), microbatches, straight, recompute, size)
-    return _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
+    schedules = AUTO_SCHEDULES if schedule == AUTO else (schedule,)
+    unmeasured = schedule == AUTO and profile.split_backward_ratio is None
+    if unmeasured:  # a zero-bubble plan's gain could be all the split's unknown cost: not chosen blind
+        schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
+    chosen = _choose(base, schedules, microbatches, straight, recompute, size)
+    plan = _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
+    if unmeasured:
+        plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
+                                "measure what splitting a backward costs (split_backward_ratio; made before it did, or "
+                                "imported); profile again, or name the schedule")
+    return plan
 
 
 @dataclass(frozen=True)
@@ -98,14 +108,16 @@ def _choose(
     def run(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
         if key not in solved:
-            twin = "1f1b" if schedule == "gpipe" and base.memory_bytes is None else None
-            if twin is not None and (twin, count) in solved and solved[(twin, count)] is not None:
-                # without a memory limit gpipe and 1f1b have the same objective and the same best plan
-                found = solved[(twin, count)]
-                inputs = replace(found.inputs, schedule=schedule)
-                solved[key] = _simulated_candidate(inputs, found.solution, straight, size)
-                return solved[key]
             inputs = replace(base, schedule=schedule, microbatches=count, arrays=base.arrays.for_schedule(schedule))
+            twin = solved.get(("1f1b", count)) if schedule in ("gpipe", "zb-h1") else None
+            # without a memory limit gpipe and 1f1b have the same objective and the same best plan; zb-h1 starts
+            # from 1f1b's plan where it fits (the final choice then searches zb-h1's plans under the simulator:
+            # its own dynamic program doubled the time of `--schedule auto` for nothing it found better)
+            if twin is not None and (schedule == "zb-h1" or base.memory_bytes is None) and \
+                    plan_fits(inputs, list(twin.solution.stages)):
+                solution = Solution(twin.solution.stages, objective_s(inputs, list(twin.solution.stages)))
+                solved[key] = _simulated_candidate(inputs, solution, straight, size)
+                return solved[key]
             try:
                 solution = optimize(inputs, straight, recompute)
             except InfeasiblePlanError as exc:
@@ -136,8 +148,11 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
     iteration = predicted_iteration_s(inputs, list(solution.stages))
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
     fits = plan_fits(inputs, everywhere)
-    data_parallel = iteration if list(solution.stages) == everywhere else predicted_iteration_s(inputs, everywhere)
-    if not straight and fits and data_parallel < iteration:
+    split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES  # data parallelism splits no backward: judged as 1f1b
+    whole = replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b")) if split else inputs
+    data_parallel = (iteration if list(solution.stages) == everywhere and not split
+                     else predicted_iteration_s(whole, everywhere))
+    if not straight and not split and fits and data_parallel < iteration:
         solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
     return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
 
@@ -189,7 +204,7 @@ def _planner_plan(
     flush = inputs.schedule in FLUSH_SCHEDULES
     per_iteration = inputs.microbatches if flush else 1
     busy_s = per_iteration * sum(cost.compute_s for cost in costs)
-    single_s = per_iteration * inputs.scale * float(inputs.arrays.compute_s[-1])
+    single_s = per_iteration * inputs.scale * float(inputs.arrays.for_schedule("1f1b").compute_s[-1])  # whole backwards
     devices = inputs.cluster.num_devices
     data_parallel = chosen.data_parallel_s
     predicted = Prediction(
@@ -214,8 +229,6 @@ def _planner_plan(
     proof = ("no other plan simulates faster" if chosen.exhaustive else
              "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated run "
              "may not reach)" if not flush else
-             "for zb-h1 the search is a heuristic (its bounds count every W on the round trip)"
-             if inputs.schedule == "zb-h1" else
              "the search stopped at its cap before proving that no other plan simulates faster")
     notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
                  f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "

@@ -36,10 +36,13 @@ stages are not chosen yet: their sums spread over the devices left, their larges
 stages never lowers it, so the search can prune on it, and the smallest bound left when the search
 stops bounds every plan it did not simulate (`SimulatedChoice.lower_bound_s`).
 
-pipedream's simulated time is measured on a window of a finite run (`Timeline.iteration_s`), which can
-end before the pipeline settles into its steady state and so read below the steady-state bounds above;
-zb-h1 sends a gradient back after B and runs W later, so its round trips are shorter than the t's
-above count: for both the search is a heuristic that proves nothing (`exhaustive` False, lower bound 0).
+zb-h1 sends a gradient back after B and runs W later: in its bounds a round trip and the chains of
+loops count B alone (t - W), each stage's own W where it must come (after its last B, side by side
+with the trip back), and the flow-shop bound b_s = B_s (with the forwards' 1f1b order); the brute-force
+test covers it as the other flush schedules. pipedream's simulated time is measured on a window of a
+finite run (`Timeline.iteration_s`), which can end before the pipeline settles into its steady state
+and so read below the steady-state bounds above: for pipedream the search is a heuristic that proves
+nothing (`exhaustive` False, lower bound 0).
 """
 
 from __future__ import annotations
@@ -241,7 +244,9 @@ class _StageBounds:
                     after = allreduce + step if self.split else np.maximum(allreduce + step, before_bwd)
                     stage_bound = self.fwd_before[starts] + np.maximum(busy + after, channels)
                     child_trip = trip + compute - weight + 2.0 * comm_in
-                    chain = self.compute_before[starts] + 2.0 * comm_in + -(-turns // int(flights)) * loop + weight
+                    # the chain's last B, then (side by side) its W here and the trip back through the stages before
+                    chain = (self.fwd_before[starts] + comm_in + -(-turns // int(flights)) * loop
+                             + np.maximum(weight, comm_in + self.bwd_before[starts]))
                     child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain,
                                                      child_trip + self.compute_before[starts]])
                 left = devices - downstream - replicas  # for the layers before the stage

@@ -36,5 +36,10 @@ def test_zero_bubble_schedules_scale_every_backward_by_the_split_ratio() -> None
     assert split.fwd_s == pytest.approx(arrays.fwd_s)
     assert split.compute_s - split.fwd_s == pytest.approx(1.25 * (arrays.compute_s - arrays.fwd_s))
     assert split.weight_s == pytest.approx(1.25 * arrays.weight_s)
+    back = split.for_schedule("1f1b")  # a whole backward again (data parallelism, one device)
+    assert back.compute_s == pytest.approx(arrays.compute_s) and back.weight_s == pytest.approx(arrays.weight_s)
+    assert split.for_schedule("zb-h1") is split
     unmeasured = LayerArrays.from_profile(profile)  # no ratio in the profile: 1, the same arrays
     assert unmeasured.split_backward_ratio == 1.0 and unmeasured.for_schedule("zb-h1") is unmeasured
+    noisy = LayerArrays.from_profile(dataclasses.replace(profile, split_backward_ratio=0.97))
+    assert noisy.split_backward_ratio == 1.0  # a split cannot cost less than a whole backward: noise

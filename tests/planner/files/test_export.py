@@ -119,6 +119,16 @@ def test_microbatches_that_do_not_split_over_the_pipelines_are_refused() -> None
         pippy_export(plan)
 
 
+def test_zb_h1_maps_to_the_zero_bubble_class_and_needs_whole_rounds() -> None:
+    plan = dataclasses.replace(straight_plan("mlp", 2), schedule="zb-h1", microbatches=8)
+    three = dataclasses.replace(plan, stages=plan.stages + (plan.stages[-1],))  # only the counts matter here
+    export = pippy_export(plan)
+    assert (export.schedule_class, export.n_microbatches) == ("ScheduleInterleavedZeroBubble", 8)
+    assert "ScheduleInterleavedZeroBubble([stage]" in export.snippet()
+    with pytest.raises(ExportError, match="7 microbatches per pipeline on 3 stages make 2.*--microbatches 8"):
+        pippy_export(dataclasses.replace(three, microbatches=7))
+
+
 def test_gpipe_maps_to_schedule_gpipe() -> None:
     assert pippy_export(straight_plan("mlp", 2, schedule="gpipe")).schedule_class == "ScheduleGPipe"
 
