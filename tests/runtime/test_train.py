@@ -115,7 +115,9 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("plans")
-    made = {"mlp-1-1": mlp_plan(), "mlp-2-1": mlp_plan((2, 1), split=4),
+    # the 2-1 plan runs zb-h1: a resumed job under another plan and another schedule (B and W apart) follows the
+    # uninterrupted 1f1b run's losses
+    made = {"mlp-1-1": mlp_plan(), "mlp-2-1": dataclasses.replace(mlp_plan((2, 1), split=4), schedule="zb-h1"),
             "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True)}
     return {name: plan.save(folder / f"{name}.json") for name, plan in made.items()}
 
@@ -184,8 +186,9 @@ def test_killed_job_resumes_with_the_same_losses(plans: dict[str, Path], uninter
 
 @pytest.mark.slow
 def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
-    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 plan cut elsewhere:
-    the weights and SGD momentum are re-split by name, so the losses follow the uninterrupted run."""
+    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 zb-h1 plan cut elsewhere (through
+    `runtime.train`, as `planner train` runs it): the weights and SGD momentum are re-split by name, so the
+    losses follow the uninterrupted 1f1b run."""
     folder = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted / "checkpoints" / "step-00000006", folder / "step-00000006")
     resumed = run(3, "examples/mlp.py", "--plan", str(plans["mlp-2-1"]), "--steps", "8", "--microbatch-size",
