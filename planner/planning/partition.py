@@ -361,11 +361,14 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None
             for name, stages in found.items()
         ]
     inputs = plan_cost_inputs(profile, plan, optimizer)
+    # one stage splits no backward: under a zero-bubble schedule, data parallelism is judged as 1f1b runs it
+    whole = replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"))
     results = []
     for name, stages in found.items():
         flagged = [(start, stop, replicas, False) for start, stop, replicas in stages]
-        peak = max(cost.memory_bytes for cost in stage_costs(inputs, flagged))
-        results.append(BaselineResult(name, tuple(stages), predicted_iteration_s(inputs, flagged), int(peak)))
+        judged = whole if len(flagged) == 1 and inputs.schedule in SPLIT_BACKWARD_SCHEDULES else inputs
+        peak = max(cost.memory_bytes for cost in stage_costs(judged, flagged))
+        results.append(BaselineResult(name, tuple(stages), predicted_iteration_s(judged, flagged), int(peak)))
     return results
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from pathlib import Path
 
@@ -76,3 +78,14 @@ def test_each_other_schedule_s_best_plan_is_its_own_partition() -> None:
     assert others["best zb-h1"].stages == tuple((s.start, s.stop, s.replicas) for s in zero_bubble.stages)
     pipedream = partition(profile, make_cluster(4), schedule="pipedream")
     assert compare_schedules(profile, pipedream) == []
+
+
+def test_data_parallelism_under_a_zero_bubble_plan_is_judged_with_whole_backwards() -> None:
+    """One stage splits no backward: the baseline reads the same under zb-h1 as under 1f1b, whatever the split costs."""
+    profile = dataclasses.replace(load_profile(GPT_PROFILE), split_backward_ratio=1.5)
+    plans = {name: partition(profile, make_cluster(4), straight=True, schedule=name, microbatches=8)
+             for name in ("1f1b", "zb-h1")}
+    found = {name: next(b for b in compare_baselines(profile, plan) if b.name == "data-parallel")
+             for name, plan in plans.items()}
+    assert found["zb-h1"].iteration_s == pytest.approx(found["1f1b"].iteration_s)
+    assert found["zb-h1"].peak_memory_bytes == found["1f1b"].peak_memory_bytes
