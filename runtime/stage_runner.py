@@ -60,9 +60,9 @@ def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved.requires_grad_(moved.is_floating_point() or moved.is_complex())
 
 
-def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
-    """The leaf's gradient, or zeros if the stage did not use it (receivers expect one tensor per float input)."""
-    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
+    """`grad`, or zeros like `leaf` if the stage did not use it (receivers expect one tensor per float input)."""
+    return grad if grad is not None else torch.zeros_like(leaf)
 
 
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,16 +152,12 @@ class StageRunner:
                 self.losses[key] = float(output.detach())
         else:
             output, state.output = state.output, None
+        roots, grads = self._roots(state, output)
         if self.split_backward:
-            return self._backward_inputs(key, state, output)
-        if self.last:
-            output.backward()
-        else:
-            pairs = [(tensor, grad) for tensor, grad in zip(tensors(output), state.grads or [])
-                     if grad is not None and tensor.requires_grad]
-            if pairs:
-                torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
-        del output
+            return self._backward_inputs(key, state, roots, grads)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        del output, roots
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
@@ -169,29 +165,31 @@ class StageRunner:
             self._add_stashed_grads(state.weights)
         if not state.received:
             return None
-        return [_grad_or_zeros(leaf) if leaf.requires_grad else None for leaf in tensors(state.args)]
+        return [_or_zeros(leaf.grad, leaf) if leaf.requires_grad else None for leaf in tensors(state.args)]
 
     def backward_weight(self, key: Hashable) -> None:
         """W of microbatch `key` (split_backward): its parameters' gradients add to their `.grad`; forgets it."""
         backward_weights(self.pending.pop(key))
 
-    def _backward_inputs(self, key: Hashable, state: _Micro, output: Any) -> list[torch.Tensor | None] | None:
-        """B of a split backward: the received inputs' gradients (as `backward` returns them), W kept for later."""
+    def _roots(self, state: _Micro, output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Where a backward starts, with the gradients it starts from: the loss (last stage; None: ones),
+        else each output that requires grad and got a gradient back."""
         if self.last:
-            outputs, grads = [output], [None]
-        else:
-            pairs = [(tensor, grad) for tensor, grad in zip(tensors(output), state.grads or [])
-                     if grad is not None and tensor.requires_grad]
-            outputs, grads = [tensor for tensor, _ in pairs], [grad for _, grad in pairs]
+            return [output], [None]
+        pairs = [(tensor, grad) for tensor, grad in zip(tensors(output), state.grads or [])
+                 if grad is not None and tensor.requires_grad]
+        return [tensor for tensor, _ in pairs], [grad for _, grad in pairs]
+
+    def _backward_inputs(self, key: Hashable, state: _Micro, roots: list[torch.Tensor],
+                         grads: list[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
+        """B of a split backward: the received inputs' gradients (as `backward` returns them), W kept for later."""
         leaves = [leaf for leaf in tensors(state.args) if leaf.requires_grad] if state.received else []
-        found, self.pending[key] = backward_inputs(outputs, grads, leaves,
+        found, self.pending[key] = backward_inputs(roots, grads, leaves,
                                                    [p for p in self.module.parameters() if p.requires_grad])
         if not state.received:
             return None
-        by_leaf = dict(zip(map(id, leaves), found))
-        return [None if not leaf.requires_grad else
-                (by_leaf.get(id(leaf)) if by_leaf.get(id(leaf)) is not None else torch.zeros_like(leaf))
-                for leaf in tensors(state.args)]
+        by_leaf = {id(leaf): grad for leaf, grad in zip(leaves, found)}
+        return [None if not leaf.requires_grad else _or_zeros(by_leaf[id(leaf)], leaf) for leaf in tensors(state.args)]
 
     def _call(self, state: _Micro, fresh: bool) -> Any:
         """The stage on the microbatch's arguments (on clones of them if `fresh`), on its stashed weights if any."""

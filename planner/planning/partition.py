@@ -148,13 +148,21 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
     iteration = predicted_iteration_s(inputs, list(solution.stages))
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
     fits = plan_fits(inputs, everywhere)
-    split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES  # data parallelism splits no backward: judged as 1f1b
-    whole = replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b")) if split else inputs
+    split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES
+    whole = _one_stage_inputs(inputs)
     data_parallel = (iteration if list(solution.stages) == everywhere and not split
                      else predicted_iteration_s(whole, everywhere))
     if not straight and not split and fits and data_parallel < iteration:
         solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
     return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
+
+
+def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
+    """The inputs that judge a one-stage plan (data parallelism): one stage splits no backward, so under a
+    zero-bubble schedule it runs as 1f1b does, whole backwards; the same inputs under the other schedules."""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return inputs
+    return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"))
 
 
 def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int) -> _Candidate:
@@ -361,12 +369,11 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None
             for name, stages in found.items()
         ]
     inputs = plan_cost_inputs(profile, plan, optimizer)
-    # one stage splits no backward: under a zero-bubble schedule, data parallelism is judged as 1f1b runs it
-    whole = replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"))
+    whole = _one_stage_inputs(inputs)
     results = []
     for name, stages in found.items():
         flagged = [(start, stop, replicas, False) for start, stop, replicas in stages]
-        judged = whole if len(flagged) == 1 and inputs.schedule in SPLIT_BACKWARD_SCHEDULES else inputs
+        judged = whole if len(flagged) == 1 else inputs
         peak = max(cost.memory_bytes for cost in stage_costs(judged, flagged))
         results.append(BaselineResult(name, tuple(stages), predicted_iteration_s(judged, flagged), int(peak)))
     return results
