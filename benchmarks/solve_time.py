@@ -1,11 +1,15 @@
 """Optimizer solve times: every PipeDream profile for 4 to 64 GPUs, and a 1,000-layer profile on 1,024.
 
-    python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles] [--cost-model pipedream|planner]
+    python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles] [--cost-model pipedream|planner|auto]
 
 `pipedream`: PipeDream's cost model on a flat cluster at 10 GB/s, with and without replication.
 `planner`: the planner's cost model (1f1b with 8 microbatches, and pipedream) on a flat cluster
 at 100 GB/s and on 8 GPUs per node (100 GB/s within, 10 GB/s between nodes). Prints one line per
 solve and the slowest; targets: each PipeDream profile under 1 s, the synthetic profile under 10 s.
+`auto`: the whole search of `planner partition --schedule auto --microbatches auto` (`partition`: every
+synchronous schedule, microbatch count and recompute, then the simulated final choice), without a memory
+limit, flat and 8 per node at 300 GB/s within and 25 GB/s between nodes; targets: under 1 s for profiles
+of at most 200 layers, under 3 s for nasnetalarge (1,250 layers) on 16 GPUs at 8 per node.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 from planner.files.cluster import make_cluster
 from planner.costs.layer_arrays import LayerArrays
 from planner.planning.optimizer import optimize
+from planner.planning.partition import partition
 from planner.files.pipedream import import_pipedream
 from planner.planning.pipedream_optimizer import optimize_pipedream
 from planner.costs.schedule_cost import CostInputs
@@ -59,8 +64,11 @@ def main() -> None:
     """Solve every case and print its time, objective and GPUs used."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=Path, default=REPO.parent / "shared" / "pipedream-profiles")
-    parser.add_argument("--cost-model", choices=("pipedream", "planner"), default="pipedream")
+    parser.add_argument("--cost-model", choices=("pipedream", "planner", "auto"), default="pipedream")
     args = parser.parse_args()
+    if args.cost_model == "auto":
+        auto_main(args.profiles)
+        return
     if args.cost_model == "planner":
         planner_main(args.profiles)
         return
@@ -104,6 +112,32 @@ def planner_main(profiles: Path) -> None:
         seconds, objective, used = timed_planner(arrays, 1024, per_node, "1f1b")
         print(f"synthetic 1000 layers, 1024 GPUs, {'flat' if per_node is None else '8/node'}, 1f1b: {seconds:.2f} s "
               f"(target < 10 s), objective {objective * 1000:.3f} ms on {used} GPUs", flush=True)
+
+
+def auto_main(profiles: Path) -> None:
+    """`partition` with --schedule auto --microbatches auto on every PipeDream profile, 4 to 64 GPUs."""
+    slowest: dict[str, tuple[float, str]] = {}
+    for graph in sorted(profiles.glob("*.txt")):
+        profile = import_pipedream(graph)
+        group = "at most 200 layers" if profile.num_layers <= 200 else f"{graph.stem} ({profile.num_layers} layers)"
+        for gpus in (4, 8, 16, 32, 64):
+            for per_node in (None, 8):
+                if per_node is not None and per_node >= gpus:
+                    continue
+                cluster = make_cluster(gpus, per_node, ["300GB/s", "25GB/s"])
+                start = time.perf_counter()
+                plan = partition(profile, cluster)
+                seconds = time.perf_counter() - start
+                shape = "flat" if per_node is None else f"{per_node}/node"
+                case = f"{graph.stem} {gpus} {shape}"
+                if seconds > slowest.get(group, (0.0, ""))[0]:
+                    slowest[group] = (seconds, case)
+                print(f"{graph.stem:14s} layers {profile.num_layers:5d} gpus {gpus:3d} {shape:7s} {seconds:7.3f} s  "
+                      f"{plan.schedule} x {plan.microbatches}, {len(plan.stages)} stages on "
+                      f"{plan.predicted.devices_used} GPUs, {plan.predicted.iteration_ms:.1f} ms", flush=True)
+    for group, (seconds, case) in slowest.items():
+        target = "1 s" if group.startswith("at most") else "3 s"
+        print(f"slowest auto search, {group}: {seconds:.3f} s ({case}; target < {target})")
 
 
 if __name__ == "__main__":

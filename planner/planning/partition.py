@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
@@ -133,7 +136,9 @@ def _choose(
         elif microbatches != AUTO:
             found = run(schedule, int(microbatches))
         else:
-            found = _auto_microbatches(lambda count: run(schedule, count))
+            found = _auto_microbatches(
+                lambda count: run(schedule, count),
+                lambda count: throughput_ceiling(replace(base, schedule=schedule, microbatches=count), size))
         if found is not None:
             results.append(_final_choice(found, straight, recompute, size))
     if not results:
@@ -179,13 +184,59 @@ def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int)
                    exhaustive=choice.exhaustive, simulated=choice.simulated)
 
 
-def _auto_microbatches(run) -> _Candidate | None:
-    """The fewest of MICROBATCH_CHOICES within AUTO_MICROBATCH_SHARE of the best throughput among them."""
-    found = [candidate for candidate in (run(count) for count in MICROBATCH_CHOICES) if candidate is not None]
-    if not found:
-        return None
-    best = max(candidate.samples_per_s for candidate in found)
-    return next(c for c in found if c.samples_per_s >= AUTO_MICROBATCH_SHARE * best)
+def _auto_microbatches(run: Callable[[int], _Candidate | None], upper: Callable[[int], float]) -> _Candidate | None:
+    """The fewest of MICROBATCH_CHOICES within AUTO_MICROBATCH_SHARE of the best throughput among them.
+
+    `run(count)` plans one count (None: nothing fits); `upper(count)` bounds its throughput from above
+    (`throughput_ceiling`). The answer is the one that planning every count would give, found by
+    planning only the counts the bounds cannot settle: with `found` the best throughput planned so far
+    and `best` the most any count can reach (max of `found` and the unplanned counts' ceilings), a count
+    is ruled out when its throughput (or ceiling) is below SHARE x `found`, and chosen when it is the
+    first not ruled out and its throughput is at least SHARE x `best`. Otherwise the unplanned count
+    of highest ceiling is planned next (it settles `best`), or the undecided count itself.
+    """
+    planned: dict[int, _Candidate | None] = {}
+    ceiling = {count: upper(count) for count in MICROBATCH_CHOICES}
+    while True:
+        reached = [c.samples_per_s for c in planned.values() if c is not None]
+        found = max(reached, default=0.0)
+        unplanned = [count for count in MICROBATCH_CHOICES if count not in planned]
+        best = max([found] + [ceiling[count] for count in unplanned])
+        if not unplanned and not reached:
+            return None
+        undecided = None
+        for count in MICROBATCH_CHOICES:
+            if count in planned:
+                candidate = planned[count]
+                if candidate is None or candidate.samples_per_s < AUTO_MICROBATCH_SHARE * found:
+                    continue
+                if candidate.samples_per_s >= AUTO_MICROBATCH_SHARE * best:
+                    return candidate
+            elif ceiling[count] < AUTO_MICROBATCH_SHARE * found:
+                continue
+            undecided = count
+            break
+        if undecided is None:  # every count ruled out: only when none fits
+            return None
+        if undecided in planned or not reached:  # settle `best` first: plan the highest ceiling
+            undecided = max(unplanned, key=lambda count: (ceiling[count], -count))
+        planned[undecided] = run(undecided)
+
+
+def throughput_ceiling(inputs: CostInputs, microbatch_size: int) -> float:
+    """An upper bound of the samples/s any plan of `inputs` (a flush schedule) simulates, from
+    iteration >= sigma max(m T / D, path): every microbatch passes every layer once on one device
+    (T: forward + whole backward of all layers, as 1f1b runs them; a split backward only takes
+    longer), so some device of the D is busy m T / D, and one microbatch's forward and backward
+    run one after another (path = T; under a zero-bubble schedule only its forwards are sure to, as
+    W's leave the path). inf where some layer's time is negative (no bound)."""
+    arrays = inputs.arrays.for_schedule("1f1b")
+    if np.any(np.diff(arrays.compute_s) < 0) or np.any(np.diff(arrays.fwd_s) < 0):
+        return math.inf
+    total = float(arrays.compute_s[-1])
+    path = float(arrays.fwd_s[-1]) if inputs.schedule in SPLIT_BACKWARD_SCHEDULES else total
+    lowest = inputs.scale * max(inputs.microbatches * total / inputs.cluster.num_devices, path)
+    return samples_per_s(inputs, lowest, microbatch_size)
 
 
 def _planner_plan(

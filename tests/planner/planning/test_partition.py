@@ -7,16 +7,24 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from planner.cli import app
 from planner.files.cluster import make_cluster
-from planner.planning.partition import partition
+from planner.costs.schedule_cost import CostInputs, Stage, samples_per_s
+from planner.planning.partition import (
+    AUTO_MICROBATCH_SHARE, MICROBATCH_CHOICES, _auto_microbatches, partition, predicted_iteration_s,
+    throughput_ceiling,
+)
 from planner.files.pipedream import import_pipedream
 from planner.files.plan import PlanProfileMismatchError, load_plan
 from planner.files.profile import Profile, load_profile
+from tests.planner.layer_strategies import layer_arrays
 
 PIPEDREAM_DIR = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles"
 PIPEDREAM_FILES = sorted(PIPEDREAM_DIR.glob("*.txt")) if PIPEDREAM_DIR.is_dir() else []
@@ -236,3 +244,56 @@ def test_auto_schedule_is_synchronous_even_where_pipedream_is_faster() -> None:
     assert auto.schedule in ("gpipe", "1f1b")
     assert asked.schedule == "pipedream" and asked.predicted.samples_per_s > auto.predicted.samples_per_s
     assert any("stale weights" in note for note in asked.notes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.floats(0.5, 100.0)), min_size=len(MICROBATCH_CHOICES),
+                max_size=len(MICROBATCH_CHOICES)),
+       st.lists(st.sampled_from([0.0, 0.01, 0.05, 0.3, 2.0, math.inf]), min_size=len(MICROBATCH_CHOICES),
+                max_size=len(MICROBATCH_CHOICES)))
+def test_auto_microbatches_chooses_what_planning_every_count_chooses(
+        throughputs: list[float | None], slack: list[float]) -> None:
+    """The count `--microbatches auto` picks, planning only the counts its ceilings cannot settle, is the
+    one planning every count picks (the fewest within 5% of the best); ceilings at or above each
+    count's throughput (`slack` above it, equal included), any pattern of counts that do not fit."""
+    candidates = {count: None if value is None else SimpleNamespace(samples_per_s=value, count=count)
+                  for count, value in zip(MICROBATCH_CHOICES, throughputs)}
+    ceilings = {count: (100.0 if value is None else value) * (1.0 + extra)
+                for count, value, extra in zip(MICROBATCH_CHOICES, throughputs, slack)}
+    planned: list[int] = []
+
+    def run(count: int) -> SimpleNamespace | None:
+        assert count not in planned, "a count was planned twice"
+        planned.append(count)
+        return candidates[count]
+
+    found = [candidate for candidate in candidates.values() if candidate is not None]
+    expected = None
+    if found:
+        best = max(candidate.samples_per_s for candidate in found)
+        expected = next(c for c in found if c.samples_per_s >= AUTO_MICROBATCH_SHARE * best)
+    assert _auto_microbatches(run, ceilings.__getitem__) is expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layer_arrays(), st.integers(1, 4), st.sampled_from(["gpipe", "1f1b", "zb-h1"]),
+       st.sampled_from([1, 2, 3, 8]), st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([1.0, 1.5]),
+       st.data())
+def test_throughput_ceiling_bounds_every_simulated_plan(arrays, gpus: int, schedule: str, microbatches: int,
+                                                         scale: float, ratio: float, data: st.DataObject) -> None:
+    """No plan simulates more samples/s than `throughput_ceiling` (any cut, replicas and recompute, a
+    split backward's cost included), so `--microbatches auto` may skip counts whose ceiling is low."""
+    arrays = dataclasses.replace(arrays, split_backward_ratio=ratio).for_schedule(schedule)
+    n = arrays.num_layers
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=min(n - 1, gpus - 1))) if n > 1 else [])
+    bounds = [0, *cuts, n]
+    stages = len(bounds) - 1
+    replicas = data.draw(st.lists(st.integers(1, gpus), min_size=stages, max_size=stages).filter(
+        lambda counts: sum(counts) <= gpus))
+    recompute = schedule != "zb-h1" and data.draw(st.booleans())
+    plan = [Stage(start, stop, r, recompute) for start, stop, r in zip(bounds, bounds[1:], replicas)]
+    inputs = CostInputs(arrays, make_cluster(gpus, None, ["10GB/s"]), schedule, microbatches, scale, 1e6,
+                        step_s_per_byte=1e-10)
+    ceiling = throughput_ceiling(inputs, 4)
+    simulated = samples_per_s(inputs, predicted_iteration_s(inputs, plan), 4)
+    assert simulated <= ceiling * (1.0 + 1e-9)
