@@ -51,7 +51,10 @@ class LayerArrays:
     ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured;
     `split_backward_ratio`: a backward run as B then W over one run whole (`Profile.split_backward_ratio`,
     at least 1: below is noise; 1.0 where not measured), which `for_schedule` applies to the zero-bubble
-    schedules' backwards.
+    schedules' backwards. `deferred_bytes`: what a zero-bubble schedule keeps per microbatch from a B to
+    its W beyond saved activations, a prefix sum (`Profile.deferred_bytes`; where not measured, each layer
+    after the first is assumed to keep its output's size, one recorded gradient; None: all zero);
+    `deferred_measured`: whether the profile measured it.
     """
 
     compute_s: np.ndarray
@@ -66,6 +69,8 @@ class LayerArrays:
     weight_measured: bool = False
     split_backward_ratio: float = 1.0
     split_applied: float = 1.0  # the ratio the backward times carry now (`for_schedule`)
+    deferred_bytes: np.ndarray | None = None
+    deferred_measured: bool = False
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
@@ -76,6 +81,8 @@ class LayerArrays:
             object.__setattr__(self, "param_tensors", np.zeros_like(self.param_bytes))
         if self.weight_s is None:
             object.__setattr__(self, "weight_s", ASSUMED_WEIGHT_SHARE * (self.compute_s - self.fwd_s))
+        if self.deferred_bytes is None:
+            object.__setattr__(self, "deferred_bytes", np.zeros_like(self.compute_s))
 
     @property
     def num_layers(self) -> int:
@@ -94,6 +101,9 @@ class LayerArrays:
         weight = np.array([(layer.bwd_ms - min(max(ms, 0.0), layer.bwd_ms) if measured
                             else ASSUMED_WEIGHT_SHARE * layer.bwd_ms) / 1000.0
                            for layer, ms in zip(profile.layers, inputs_ms)])
+        deferred_measured = bool(getattr(profile, "deferred_bytes", ()))
+        deferred = (np.array(profile.deferred_bytes, dtype=float) if deferred_measured
+                    else np.array([0.0] + [float(layer.output_bytes) for layer in profile.layers[1:]]))
         return cls(
             compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
             param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
@@ -106,6 +116,7 @@ class LayerArrays:
             param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
             split_backward_ratio=max(1.0, float(getattr(profile, "split_backward_ratio", None) or 1.0)),
+            deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]), deferred_measured=deferred_measured,
         )
 
     def for_schedule(self, schedule: str) -> "LayerArrays":

@@ -62,6 +62,8 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
     zb-h1: n = min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)), P the cluster's devices (a microbatch
            is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
     memory = W (2 + k) + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
+           (zb-h1: + min(d + 1, ceil(m / r)) g inside the max, g = sigma deferred_bytes of the stage's layers, the
+           gradients a microbatch keeps from its B to its W, 0 on the first stage; d = ceil((P - D) / r))
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
     the saved activations (gradients between layers, temporaries such as a loss's gradient over a
@@ -79,7 +81,7 @@ import numpy as np
 
 from planner.files.cluster import Cluster
 from planner.costs.layer_arrays import LayerArrays
-from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight
+from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight, weight_deferral
 
 ArrayOrFloat = Union[float, np.ndarray]
 ArrayOrBool = Union[bool, np.ndarray]
@@ -234,7 +236,8 @@ def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrF
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
                  saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat, recompute: ArrayOrBool,
-                 workspace_bytes: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
+                 workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0,
+                 ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k), held = a per
     microbatch in flight (the bytes entering the stage when recomputing), rebuilt = what a backward
     holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
@@ -244,15 +247,31 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
     zb-h1's in-flight count grows with the devices before the stage too: it is counted as if the plan used
     every device of the cluster (exact for such plans, an upper bound for plans on fewer), so that a
-    stage's memory depends only on the stages after it, as the optimizer builds plans."""
-    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, inputs.cluster.num_devices)
+    stage's memory depends only on the stages after it, as the optimizer builds plans. Under zb-h1 a
+    microbatch between its B and its W also keeps `deferred_bytes` (g, the gradients W starts from; 0 for a
+    first stage): right after the B of microbatch k + d, the d + 1 microbatches k .. k + d keep theirs
+    (d = `weight_deferral`), so memory = base + max(n held + min(d + 1, ceil(m / r)) g + rebuilt, scratch).
+    `deferred_bytes` is already scaled by sigma."""
+    total = inputs.cluster.num_devices
+    flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, total)
     base = weight_bytes * (2 + inputs.optimizer_copies)
     held = np.where(recompute, entering_bytes, saved_bytes)
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
     rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
     scratch = inputs.scratch_per_byte * weight_bytes
-    return base, held, rebuilt, scratch, base + np.maximum(flights * held + rebuilt, scratch)
+    deferred = deferred_count(inputs, replicas, devices_from_here) * deferred_bytes
+    return base, held, rebuilt, scratch, base + np.maximum(flights * held + deferred + rebuilt, scratch)
+
+
+def deferred_count(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
+    """How many microbatches' deferred gradients a replica keeps at once (`memory_terms`): under zb-h1
+    min(d + 1, ceil(m / r)), d = `weight_deferral` with the cluster's devices as every stage's; 0 under the
+    schedules that do not split the backward."""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return np.zeros(np.shape(replicas), dtype=np.int64) if np.ndim(replicas) else 0
+    deferral = weight_deferral(replicas, devices_from_here, inputs.cluster.num_devices)
+    return np.minimum(deferral + 1, -(-inputs.microbatches // replicas))
 
 
 @dataclass(frozen=True)
@@ -266,7 +285,7 @@ class StageCost:
     allreduce_s: float
     period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
     bound_s: float  # Q(s): what the plan's max is taken over
-    memory_bytes: float  # base_bytes + in_flight * held_bytes + rebuilt_bytes
+    memory_bytes: float  # base_bytes + in_flight * held_bytes (+ deferred) + rebuilt_bytes
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # held during a backward on top: its workspace (+ activations rebuilt when recomputing)
@@ -275,6 +294,7 @@ class StageCost:
     accumulate_s: float = 0.0  # acc: added to each backward after a replica's first in an iteration
     tied_s: float = 0.0  # the all-reduce of tied weights across stages before the step (`tied_allreduce_s`)
     weight_s: float = 0.0  # zero-bubble schedules: W, the part of t - fwd_s that computes weight gradients
+    deferred_bytes: float = 0.0  # zero-bubble schedules: kept per microbatch from its B to its W (`memory_terms`)
 
 
 def stage_cost(
@@ -302,10 +322,11 @@ def stage_cost(
     saved = sigma * arrays.stage_saved_bytes(start, stop)
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
+    deferred = float(deferred_terms(inputs, start, stop))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
-        inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace))
+        inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
-                     scratch, accumulate, weight_s=weight)
+                     scratch, accumulate, weight_s=weight, deferred_bytes=deferred)
 
 
 def weight_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
@@ -317,6 +338,16 @@ def weight_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> A
         return np.zeros(np.shape(starts)) if np.ndim(starts) else 0.0
     weight_s = inputs.arrays.weight_s
     return inputs.scale * (weight_s[stops] - weight_s[starts])
+
+
+def deferred_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
+    """g of stages [start, stop) under a zero-bubble schedule, bytes per microbatch: sigma x what their layers
+    keep from a B to its W (`LayerArrays.deferred_bytes`); 0 for a first stage (its inputs are data: its B
+    computes nothing and its W, the whole backward, runs at once) and under other schedules. Element-wise."""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return np.zeros(np.shape(starts)) if np.ndim(starts) else 0.0
+    deferred = inputs.arrays.deferred_bytes
+    return np.where(np.asarray(starts) > 0, inputs.scale * (deferred[stops] - deferred[starts]), 0.0)
 
 
 def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:

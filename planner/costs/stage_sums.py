@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.costs.layer_arrays import stage_pairs
-from planner.costs.schedule_cost import CostInputs, weight_terms
+from planner.costs.schedule_cost import CostInputs, deferred_terms, weight_terms
 
 
 class Pairs:
@@ -20,6 +20,7 @@ class Pairs:
         self.fwd = sigma * (arrays.fwd_s[stops] - arrays.fwd_s[starts])
         self.both = sigma * (arrays.compute_s[stops] - arrays.compute_s[starts])
         self.weight = weight_terms(inputs, starts, stops)  # W (zero-bubble schedules; else 0)
+        self.deferred = deferred_terms(inputs, starts, stops)  # kept from B to W (zero-bubble schedules; else 0)
         cut = np.concatenate([arrays.cut_bytes, [0.0]]) * sigma
         self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
         self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)

@@ -101,6 +101,10 @@ class Profile:
     outputs received as a pipeline stage's input; `planner.profiling.timing.time_split_backward`);
     as measured, so noise can put it slightly below 1. None: not measured (older files, PipeDream
     imports).
+    `deferred_bytes[i]`: what a zero-bubble schedule keeps for layer i from a microbatch's B to its W
+    beyond the saved activations (the gradients recorded at its boundary nodes), bytes per mini-batch
+    (`planner.profiling.deferred_memory.measure_deferred_bytes`); 0 for the first layer. Empty: not
+    measured (older files, PipeDream imports).
     """
 
     model_name: str
@@ -126,9 +130,10 @@ class Profile:
     optimizer_step_per_tensor_ms: dict[str, float] = field(default_factory=dict)
     param_tensors: tuple[int, ...] = ()
     split_backward_ratio: float | None = None
+    deferred_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("workspace_bytes", "param_tensors"):
+        for name in ("workspace_bytes", "param_tensors", "deferred_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
@@ -176,7 +181,7 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
-        `bwd_input_ms` and an unmeasured `split_backward_ratio` (None) are left out, so that a profile
+        `bwd_input_ms`, an unmeasured `split_backward_ratio` (None) and empty `deferred_bytes` are left out, so that a profile
         without them has the same body, and the same digest (`planner.files.plan.profile_digest`), as
         when it was made before they were measured."""
         body = dataclasses.asdict(self)
@@ -185,6 +190,8 @@ class Profile:
                 del row["bwd_input_ms"]
         if body["split_backward_ratio"] is None:
             del body["split_backward_ratio"]
+        if not body["deferred_bytes"]:
+            del body["deferred_bytes"]
         return body
 
     @classmethod
@@ -227,6 +234,7 @@ class Profile:
                 param_tensors=tuple(int(count) for count in body.get("param_tensors", ())),
                 split_backward_ratio=None if body.get("split_backward_ratio") is None
                 else float(body["split_backward_ratio"]),
+                deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

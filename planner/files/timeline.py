@@ -43,6 +43,7 @@ class StageTimes:
     accumulate_s: float = 0.0  # added to each backward after a rank's first of an iteration (flush schedules)
     tied_s: float = 0.0  # all-reduce of tied weights with the other stages holding them, before each step
     weight_s: float = 0.0  # zero-bubble schedules: W, the weight-gradient part (backward_s is then B alone)
+    deferred_bytes: float = 0.0  # zero-bubble schedules: kept per microbatch from the end of its B to the end of its W
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class Timeline:
         """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
         value holds from time_s until the rank's next row): base bytes, held bytes from each
         forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph
-        until then), rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
+        until then, and deferred bytes from the end of its B to the end of its W: the gradients W starts
+        from), rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
         rows = []
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
@@ -104,6 +106,8 @@ class Timeline:
             for op, start, end in ops.loc[ops["op"].isin((BACKWARD, WEIGHT)), ["op", "start_s", "end_s"]].itertuples(
                     index=False):
                 freed = times.held_bytes if op == releasing else 0.0
+                if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
+                    freed += times.deferred_bytes if op == WEIGHT else -times.deferred_bytes
                 changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - freed)]
             for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
                 if times.scratch_bytes > 0 and end > start:

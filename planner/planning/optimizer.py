@@ -99,7 +99,7 @@ class _Evaluator:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
-                            p.entering[pair], recompute, p.workspace[pair])[4]
+                            p.entering[pair], recompute, p.workspace[pair], p.deferred[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -197,7 +197,8 @@ class _Evaluator:
 
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """Lower bound on replicas from memory: n(r) microbatches in flight must fit, and so must the
-        optimizer step's scratch (see schedule_cost); inf where nothing fits."""
+        optimizer step's scratch (see schedule_cost); inf where nothing fits. zb-h1's deferred gradients
+        are left out (less memory: a lower bound still; `_outer_ok` checks the memory exactly)."""
         inputs, p = self.inputs, self.pairs
         if inputs.memory_bytes is None:
             return np.zeros(len(pair))

@@ -302,6 +302,10 @@ def _planner_plan(
         if not inputs.arrays.weight_measured:
             notes.append("the profile did not measure input-gradient times (bwd_input_ms; made before it did, or "
                          f"imported): W is assumed {ASSUMED_WEIGHT_SHARE:.0%} of each backward; profile again to measure it")
+        if not inputs.arrays.deferred_measured:
+            notes.append("the profile did not measure what a split backward keeps from B to W (deferred_bytes; made "
+                         "before it did, or imported): each layer is assumed to keep its output's size; profile again "
+                         "to measure it")
     if size != (profile.batch_size or 1):
         notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
     if any(stage.recompute for stage in stages):

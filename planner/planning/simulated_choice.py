@@ -59,6 +59,7 @@ from planner.costs.schedule_cost import (
     Stage,
     accumulate_terms,
     allreduce_s,
+    deferred_terms,
     link_terms,
     memory_terms,
     placement_ok,
@@ -205,6 +206,7 @@ class _StageBounds:
         tensors = arrays.pair_tensor_counts(starts, stops)
         saved = np.zeros(stop) if arrays.saved_bytes is None else sigma * (arrays.saved_bytes[stop] - arrays.saved_bytes[starts])
         workspace = sigma * np.maximum.accumulate(arrays.workspace_bytes[:stop][::-1])[::-1]
+        deferred = deferred_terms(inputs, starts, stops)
         cut_in = np.where(starts > 0, self.cut[starts - 1], 0.0)
         entering = np.where(starts > 0, cut_in, sigma * inputs.input_bytes)
         found = []
@@ -222,7 +224,7 @@ class _StageBounds:
             for recompute in self.options:
                 compute = both + (fwd if recompute else 0.0)
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
-                                      workspace)[4]
+                                      workspace, deferred)[4]
                 loop = compute - weight + trip  # from the stage's forward of a microbatch to the end of its B
                 # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
                 flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,

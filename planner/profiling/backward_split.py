@@ -47,7 +47,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from planner.errors import PlannerError
 
-__all__ = ["PendingWeights", "backward_inputs", "backward_weights"]
+__all__ = ["PendingWeights", "backward_inputs", "backward_weights", "held_gradients"]
 
 _Edge = tuple[int, int]  # (node index in _Graph, input number of that node)
 
@@ -358,6 +358,23 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
     pending.calls = len(pending.weight_calls)
     pending.promoted = len(promoted)
     return input_grads, pending
+
+
+def held_gradients(pending: PendingWeights) -> list[tuple[Node, torch.Tensor]]:
+    """The gradients `pending` keeps for W, each with the autograd node it enters (a boundary's recorded
+    gradients, the gradients of W's roots), each tensor once; those the caller holds anyway (the
+    `grad_outputs`, input gradients W also starts from) are left out. What a deferred W costs in memory
+    beyond the graph's saved tensors (`planner.profiling.deferred_memory`)."""
+    found: list[tuple[Node, torch.Tensor]] = []
+    seen = set(pending.foreign_storages)
+    pairs = [(edge.node, grad) for call in pending.weight_calls for edge, grad in zip(call.roots, call.grads)]
+    pairs += [(edge.node, grad) for edge, grad in pending.roots.values()]
+    for node, grad in pairs:
+        key = _storage(grad) or id(grad)
+        if key not in seen:
+            seen.add(key)
+            found.append((node, grad))
+    return found
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:

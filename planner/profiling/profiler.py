@@ -16,6 +16,7 @@ from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.profiling.layers import Layer, find_layers
+from planner.profiling.deferred_memory import measure_deferred_bytes
 from planner.profiling.memory import measure_peak_memory, measure_workspace
 from planner.profiling.model_file import (
     ModelFile,
@@ -211,6 +212,8 @@ def _measure(
         progress=lambda done, total: report("timing the split backward", done, total),
         min_seconds=settings.min_seconds / 4,
     ))
+    deferred = _phase(model_file, "measuring what a split backward keeps", lambda: measure_deferred_bytes(
+        layers, step.loss, step.zero_grad, model.parameters()))
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
@@ -245,6 +248,7 @@ def _measure(
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
         param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
+        deferred_bytes=tuple(deferred),
     )
 
 

@@ -516,7 +516,7 @@ def time_input_gradients(
     return [ms * min(max(share, 0.0), 1.0) for ms, share in zip(bwd_ms, medians)]
 
 
-class _StageInput:
+class StageInput:
     """A forward hook on a layer's module that, at its first call in a step, replaces the floating-point
     tensors of its output that need a gradient by copies of grad-requiring leaves (`requiring_grad` with
     `cut`): the layers after it run as a pipeline stage that received them. `leaves`: this step's new
@@ -558,7 +558,7 @@ def time_split_backward(
     run whole: `split_backward_ratio = median_k(split_k / plain_k)` over pairs of steps.
 
     Every step runs the forward with the first layer's floating-point outputs that need a gradient
-    replaced by copies of grad-requiring leaves (`_StageInput`), so that the layers after it form a
+    replaced by copies of grad-requiring leaves (`StageInput`), so that the layers after it form a
     stage that received them, as every stage after a pipeline's first does. Then the split step runs
     `backward_inputs([loss], [None], leaves, parameters)` and `backward_weights`; the plain step
     `loss.backward()`: both differentiate the same graph, so the ratio is the split's own cost (more
@@ -573,7 +573,7 @@ def time_split_backward(
     if len(layers) < 2:
         return 1.0
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
-    stage = _StageInput(layers[0])
+    stage = StageInput(layers[0])
 
     def backward_ms(split: bool) -> tuple[float, bool]:
         """One step: its backward's ms, and whether the first layer's output was replaced."""

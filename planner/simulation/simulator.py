@@ -18,7 +18,8 @@ the other holders before its step: when every holder rank has reached its step, 
 Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`).
 
 Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
-forward to the end of its backward, plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds): the
+forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
+its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds): the
 terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
 """
 
@@ -159,7 +160,7 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
             step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
-            tied_s=cost.tied_s, weight_s=cost.weight_s,
+            tied_s=cost.tied_s, weight_s=cost.weight_s, deferred_bytes=cost.deferred_bytes,
         ))
     return tuple(result)
 

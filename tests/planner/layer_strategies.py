@@ -11,7 +11,7 @@ from planner.costs.layer_arrays import LayerArrays
 @st.composite
 def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     """1-5 layers: compute 0-100 ms (forward a share of it), parameters, cuts, saved activations and
-    each backward's workspace, parameter tensors and weight-gradient share."""
+    each backward's workspace, parameter tensors, weight-gradient share and what a split backward keeps from B to W."""
     n = draw(st.integers(1, 5))
     # times from 1 us up (or exactly 0): subnormal floats would make "equal" meaningless; the
     # powers of two add exactly, so different plans tie exactly
@@ -23,6 +23,7 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     cuts = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7, 1e8, 4e8]), min_size=n, max_size=n))
     saved = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
     workspace = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
+    deferred = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))  # kept from B to W
     tensors = draw(st.lists(st.sampled_from([0, 1, 2, 40]), min_size=n, max_size=n))  # parameter tensors
     # the weight-gradient part (W) of each backward, a share of it (zero-bubble schedules)
     weight_shares = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n))
@@ -40,5 +41,6 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
         workspace_bytes=np.array(workspace),
         param_tensors=np.concatenate([[0.0], np.cumsum(tensors)]),
         weight_s=np.concatenate([[0.0], np.cumsum(weight)]),
+        deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]),
     )
 

@@ -26,6 +26,7 @@ from planner.costs.schedule_cost import (
     tied_allreduce_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+from planner.simulation.simulator import simulate_stages
 
 WHOLE_BACKWARD = ("gpipe", "1f1b")  # flush schedules whose backward is one op
 
@@ -133,6 +134,23 @@ def test_zb_h1_holds_as_many_microbatches_as_the_first_stage_of_1f1b() -> None:
     three = [(0, 2, 1, False), (2, 3, 1, False), (3, 4, 1, False)]
     costs = stage_costs(CostInputs(arrays, flat(4), "zb-h1", 8, optimizer_copies=0), three)
     assert [cost.memory_bytes for cost in costs] == pytest.approx([8, 4, 4], rel=REL)
+
+
+@pytest.mark.parametrize("m", [8, 2])
+def test_zb_h1_keeps_the_deferred_gradients_of_d_plus_1_microbatches(m: int) -> None:
+    """Stage s of a 4-stage zb-h1 pipeline keeps the gradients W starts from for min(s + 1, m) microbatches
+    (W of k runs after B of k + s), the first stage none (its W is its whole backward, run at once); the
+    simulated timeline peaks at the same bytes; other schedules keep none."""
+    arrays = dataclasses.replace(layers([1.0] * 4, fwd=[0.3] * 4, saved=[1.0] * 4),
+                                 deferred_bytes=prefix([100.0] * 4))
+    held = min(4, m)  # microbatches in flight on every stage
+    expected = [held] + [held + 100.0 * min(s + 1, m) for s in range(1, 4)]
+    inputs = CostInputs(arrays, flat(4), "zb-h1", m, optimizer_copies=0)
+    plan = one_layer_per_stage(4)
+    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx(expected, rel=REL)
+    assert list(simulate_stages(inputs, plan).peak_memory()) == pytest.approx(expected, rel=REL)
+    whole = stage_costs(dataclasses.replace(inputs, schedule="1f1b"), plan)
+    assert [cost.memory_bytes for cost in whole] == pytest.approx([min(4 - s, m) for s in range(4)], rel=REL)
 
 
 @pytest.mark.parametrize("schedule", WHOLE_BACKWARD)

@@ -72,9 +72,19 @@ def test_the_split_backward_ratio_round_trips_and_is_left_out_where_not_measured
     assert _profile().split_backward_ratio is None and "split_backward_ratio" not in _profile().to_dict()
 
 
+def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path: Path) -> None:
+    profile = dataclasses.replace(_profile(), deferred_bytes=tuple(range(7, 7 + _profile().num_layers)))
+    path = profile.save(tmp_path / "d.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["deferred_bytes"] == list(profile.deferred_bytes)
+    assert "deferred_bytes" not in _profile().to_dict()  # an unmeasured one keeps the digest of before
+    with pytest.raises(ValueError, match="deferred_bytes"):
+        dataclasses.replace(_profile(), deferred_bytes=(1,) * (_profile().num_layers + 1))
+
+
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
-    del body["split_backward_ratio"]
+    del body["split_backward_ratio"], body["deferred_bytes"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)

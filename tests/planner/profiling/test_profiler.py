@@ -51,6 +51,9 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert all(0 < ms < profile.optimizer_step_ms[name] for name, ms in profile.optimizer_step_per_tensor_ms.items())
     assert all(layer.bwd_input_ms is not None and 0 <= layer.bwd_input_ms <= layer.bwd_ms for layer in profile.layers)
     assert profile.split_backward_ratio is not None and profile.split_backward_ratio > 0
+    # a split backward keeps gradients for every weighted layer but the first (a stage's data input)
+    assert len(profile.deferred_bytes) == profile.num_layers and profile.deferred_bytes[0] == 0
+    assert all(nbytes > 0 for nbytes, layer in zip(profile.deferred_bytes[1:], profile.layers[1:]) if layer.param_bytes)
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
 

@@ -45,6 +45,17 @@ def test_zb_h1_holds_a_microbatch_until_its_w() -> None:
     assert list(timeline.peak_memory()) == [pytest.approx(4.0)] * 4
 
 
+def test_zb_h1_keeps_each_microbatchs_deferred_gradients_from_its_b_to_its_w() -> None:
+    """Stage s of a 4-stage zb-h1 pipeline runs W of k after B of k + s: s + 1 microbatches' deferred
+    gradients at its peak (m of them when m is fewer), on top of the 4 microbatches in flight."""
+    for microbatches in (8, 3):
+        times = [StageTimes(F, F, 0.0, 0.0, held_bytes=1.0, weight_s=F, deferred_bytes=100.0) for _ in range(4)]
+        timeline = simulate_schedule(build_schedule("zb-h1", [1] * 4, microbatches), times)
+        held = min(4, microbatches)
+        assert list(timeline.peak_memory()) == [pytest.approx(held + 100.0 * min(s + 1, microbatches))
+                                                for s in range(4)]
+
+
 def test_iterations_repeat_the_flushed_iteration() -> None:
     """Three flushed iterations take three times one, and iteration_s reports one."""
     one = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5), equal_stages(3))
