@@ -186,6 +186,10 @@ def partition_command(
     microbatch_size: Optional[int] = typer.Option(
         None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."
     ),
+    global_batch_size: Optional[int] = typer.Option(
+        None, "--global-batch-size", help="Samples per optimizer step that every plan trains (microbatch size x "
+        "microbatches; default: what the microbatches imply)."
+    ),
     no_recompute: bool = typer.Option(False, "--no-recompute", help="Never recompute activations."),
     straight: bool = typer.Option(False, "--straight", help="Forbid replicating stages."),
     compare: bool = typer.Option(False, "--compare", help="Also evaluate common splits under the same cost model, "
@@ -225,7 +229,8 @@ def partition_command(
         plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
                          profile_path=profile_file, schedule=schedule,
                          microbatches="auto" if count == "auto" else int(count),
-                         microbatch_size=microbatch_size, recompute=not no_recompute)
+                         microbatch_size=microbatch_size, recompute=not no_recompute,
+                         global_batch_size=global_batch_size)
         if cluster_file is None:
             assumed = assumed_links(cluster, bandwidth is not None, latency is not None)
             plan = plan.with_notes(assumed) if assumed else plan

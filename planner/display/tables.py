@@ -117,7 +117,8 @@ def plan_summary(plan: Plan) -> str:
     if plan.microbatches is None:
         timing = f"{p.iteration_ms:.4g} ms per microbatch (steady state, {plan.schedule} schedule)"
     else:
-        timing = f"iteration {p.iteration_ms:.4g} ms ({plan.schedule}, {plan.microbatches} microbatches)"
+        timing = (f"iteration {p.iteration_ms:.4g} ms ({plan.schedule}, {plan.microbatches} microbatches of "
+                  f"{plan.microbatch_size}: global batch {plan.global_batch_size})")
     lines = [
         f"{timing}; {p.samples_per_s:.4g} samples/s; GPUs idle {p.bubble_fraction:.1%} of the time",
         f"speedup {p.speedup_vs_single_device:.3g}x over one GPU, {p.speedup_vs_data_parallel:.3g}x over "

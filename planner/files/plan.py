@@ -8,7 +8,9 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
 - `cluster`: `Cluster.to_dict()`; `cost_model`: "planner" (`schedule_cost`) or "pipedream"
   (`pipedream_cost`); `schedule`: gpipe, 1f1b, zb-h1 or pipedream; `microbatches` per iteration (None for
   the asynchronous schedule, which has no flush); `microbatch_size` (samples; None when the
-  profile does not know its batch size); `straight`.
+  profile does not know its batch size); `global_batch_size` (samples per optimizer step,
+  microbatch_size x microbatches, in profiled mini-batches where the profile does not know its batch
+  size; None for pipedream: written for readers, derived again on load); `straight`.
 - `stages`: per stage, `layers` [start, stop) (indices into the profile's layer order),
   `first_layer`, `last_layer`, `replicas`, `ranks`, `recompute`, and predictions: `compute_ms`
   (forward + backward, plus the recomputed forward, of one microbatch on one device),
@@ -171,9 +173,19 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     optimizer: str = "adam"
 
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step: microbatch_size x microbatches for synchronous schedules (profiled
+        mini-batches where the profile does not know its batch size); None for pipedream (weights update
+        after every microbatch)."""
+        if self.microbatches is None or self.microbatch_size is None or self.schedule not in FLUSH_SCHEDULES:
+            return None
+        return self.microbatch_size * self.microbatches
+
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `plan_from_dict`."""
         body = dataclasses.asdict(self)
+        body["global_batch_size"] = self.global_batch_size
         body["cluster"] = self.cluster.to_dict()
         layout = {f.name for f in dataclasses.fields(StageLayout)}
         body["stages"] = [

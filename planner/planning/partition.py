@@ -35,6 +35,7 @@ from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWAR
 
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
+MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its divisors up to this
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "gpipe", "pipedream")  # on equal throughput: least memory first
 AUTO_SCHEDULES = FLUSH_SCHEDULES  # `auto` never picks pipedream: stale weights change what training computes
@@ -43,7 +44,7 @@ AUTO_SCHEDULES = FLUSH_SCHEDULES  # `auto` never picks pipedream: stale weights 
 def partition(
     profile: Profile, cluster: Cluster, cost_model: str = "planner", straight: bool = False,
     optimizer: str = "adam", profile_path: str = "", schedule: str = AUTO, microbatches: int | str = AUTO,
-    microbatch_size: int | None = None, recompute: bool = True,
+    microbatch_size: int | None = None, recompute: bool = True, global_batch_size: int | None = None,
 ) -> Plan:
     """The best plan for `profile` on `cluster` under `cost_model` (see `schedule_cost`, `pipedream_optimizer`).
 
@@ -53,6 +54,13 @@ def partition(
     (gpipe, 1f1b or zb-h1, the last only if the profile measured its split backward's cost; pipedream only
     when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
     throughput. The plan may use fewer devices than the cluster has; its notes then say so.
+
+    `global_batch_size` B fixes the samples per optimizer step of a synchronous schedule: every plan
+    considered trains B = microbatch size x microbatches (replicas share the microbatches), so plans are
+    compared at the batch the user trains with. With neither --microbatches nor --microbatch-size the
+    counts are B's divisors up to 128, each with microbatches of B / count samples (times scaled linearly
+    from the profiled batch); a fixed count or size fixes the other. Without it the microbatch size is
+    `microbatch_size` (default: the profiled batch) and the plan's global batch is what it implies.
     """
     if cost_model not in COST_MODELS:
         raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
@@ -68,9 +76,10 @@ def partition(
     if microbatch_size is not None and microbatch_size < 1:
         raise PlannerError(f"--microbatch-size must be at least 1, got {microbatch_size}")
     profiled = profile.batch_size or 1
-    size = microbatch_size or profiled
+    counts, size_of = _batch_shapes(schedule, microbatches, microbatch_size or profiled,
+                                    microbatch_size is not None, global_batch_size)
     base = CostInputs(
-        LayerArrays.from_profile(profile), cluster, "1f1b", 1, size / profiled, float(profile.input_bytes),
+        LayerArrays.from_profile(profile), cluster, "1f1b", 1, 1.0, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
         *per_weight_byte(profile, optimizer),
     )
@@ -78,13 +87,45 @@ def partition(
     unmeasured = schedule == AUTO and profile.split_backward_ratio is None
     if unmeasured:  # a zero-bubble plan's gain could be all the split's unknown cost: not chosen blind
         schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
-    chosen = _choose(base, schedules, microbatches, straight, recompute, size)
-    plan = _planner_plan(profile, chosen, size, straight, recompute, optimizer, profile_path)
+    chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled)
+    plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
                                 "measure what splitting a backward costs (split_backward_ratio; made before it did, or "
                                 "imported); profile again, or name the schedule")
     return plan
+
+
+def _batch_shapes(
+    schedule: str, microbatches: int | str, size: int, size_given: bool, global_batch_size: int | None,
+) -> tuple[tuple[int, ...], Callable[[int], int]]:
+    """The microbatch counts to consider and each one's microbatch size, samples (`partition` docstring);
+    PlannerError for a global batch that the given count or size does not divide, or pipedream's."""
+    fixed = (microbatches,) if microbatches != AUTO else MICROBATCH_CHOICES
+    if global_batch_size is None:
+        return fixed, lambda count: size
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise PlannerError(f"--global-batch-size must be a whole number of samples of at least 1, got "
+                           f"{global_batch_size!r}")
+    if schedule == "pipedream":
+        raise PlannerError("--global-batch-size fixes the samples per optimizer step of a synchronous schedule, but "
+                           "pipedream updates the weights after every microbatch; leave it out, or use --schedule auto, "
+                           f"{', '.join(FLUSH_SCHEDULES)}")
+    batch = global_batch_size
+    if size_given and batch % size:
+        raise PlannerError(f"--global-batch-size {batch} is not a whole number of microbatches of {size} samples "
+                           f"(--microbatch-size); give a multiple of {size}, or leave --microbatch-size out")
+    if microbatches != AUTO:
+        count = int(microbatches)
+        if batch % count or (size_given and batch != count * size):
+            wanted = f"{count} x {size} = {count * size}" if size_given else f"a multiple of {count}"
+            raise PlannerError(f"--global-batch-size {batch} is not {count} microbatches (--microbatches) of whole "
+                               f"samples; give {wanted}, or leave --microbatches out")
+        return (count,), lambda count: batch // count
+    if size_given:
+        return (batch // size,), lambda count: size
+    return tuple(count for count in range(1, min(batch, MAX_AUTO_MICROBATCHES) + 1) if batch % count == 0), \
+        lambda count: batch // count
 
 
 @dataclass(frozen=True)
@@ -95,23 +136,29 @@ class _Candidate:
     samples_per_s: float
     data_parallel_s: float  # one stage on every device, simulated the same way
     data_parallel_fits: bool
+    microbatch_size: int = 1  # samples
     exhaustive: bool = True  # the final choice proved no plan simulates faster (`simulated_choice`)
     simulated: int = 1  # plans the final choice simulated
 
 
 def _choose(
-    base: CostInputs, schedules: tuple[str, ...], microbatches: int | str, straight: bool, recompute: bool,
-    size: int,
+    base: CostInputs, schedules: tuple[str, ...], counts: tuple[int, ...], straight: bool, recompute: bool,
+    size_of: Callable[[int], int], profiled: int,
 ) -> _Candidate:
-    """The fastest (schedule, microbatch count) and its optimal plan; InfeasiblePlanError if none fits."""
+    """The fastest (schedule, microbatch count among `counts`, `size_of(count)` samples each, the profile's
+    times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits."""
     results: list[_Candidate] = []
     failures: list[InfeasiblePlanError] = []
     solved: dict[tuple[str, int], _Candidate | None] = {}
 
+    def inputs_for(schedule: str, count: int) -> CostInputs:
+        return replace(base, schedule=schedule, microbatches=count, scale=size_of(count) / profiled,
+                       arrays=base.arrays.for_schedule(schedule))
+
     def run(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
         if key not in solved:
-            inputs = replace(base, schedule=schedule, microbatches=count, arrays=base.arrays.for_schedule(schedule))
+            inputs = inputs_for(schedule, count)
             twin = solved.get(("1f1b", count)) if schedule in ("gpipe", "zb-h1") else None
             # without a memory limit gpipe and 1f1b have the same objective and the same best plan; zb-h1 starts
             # from 1f1b's plan where it fits (the final choice then searches zb-h1's plans under the simulator:
@@ -119,7 +166,7 @@ def _choose(
             if twin is not None and (schedule == "zb-h1" or base.memory_bytes is None) and \
                     plan_fits(inputs, list(twin.solution.stages)):
                 solution = Solution(twin.solution.stages, objective_s(inputs, list(twin.solution.stages)))
-                solved[key] = _simulated_candidate(inputs, solution, straight, size)
+                solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
                 return solved[key]
             try:
                 solution = optimize(inputs, straight, recompute)
@@ -127,20 +174,18 @@ def _choose(
                 failures.append(exc)
                 solved[key] = None
             else:
-                solved[key] = _simulated_candidate(inputs, solution, straight, size)
+                solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
         return solved[key]
 
     for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
         if schedule == "pipedream":
             found = run(schedule, 1)
-        elif microbatches != AUTO:
-            found = run(schedule, int(microbatches))
         else:
             found = _auto_microbatches(
-                lambda count: run(schedule, count),
-                lambda count: throughput_ceiling(replace(base, schedule=schedule, microbatches=count), size))
+                counts, lambda count: run(schedule, count),
+                lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
         if found is not None:
-            results.append(_final_choice(found, straight, recompute, size))
+            results.append(_final_choice(found, straight, recompute))
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
     best = max(result.samples_per_s for result in results)
@@ -159,7 +204,7 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
                      else predicted_iteration_s(whole, everywhere))
     if not straight and not split and fits and data_parallel < iteration:
         solution, iteration = Solution(tuple(everywhere), objective_s(inputs, everywhere)), data_parallel
-    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits)
+    return _Candidate(inputs, solution, iteration, samples_per_s(inputs, iteration, size), data_parallel, fits, size)
 
 
 def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
@@ -170,7 +215,7 @@ def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
     return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"))
 
 
-def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int) -> _Candidate:
+def _final_choice(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
     """The plan the simulator finds fastest for the candidate's schedule and microbatches
     (`simulated_choice.best_simulated`), seeded with the candidate's plan and data parallelism when it fits."""
     inputs = found.inputs
@@ -180,12 +225,15 @@ def _final_choice(found: _Candidate, straight: bool, recompute: bool, size: int)
     chosen = Solution(choice.stages, objective_s(inputs, list(choice.stages)))
     # the search simulated the chosen plan already; inf only where no pipedream simulation was possible
     iteration = choice.simulated_s if math.isfinite(choice.simulated_s) else chosen.objective_s
-    return replace(found, solution=chosen, iteration_s=iteration, samples_per_s=samples_per_s(inputs, iteration, size),
+    return replace(found, solution=chosen, iteration_s=iteration,
+                   samples_per_s=samples_per_s(inputs, iteration, found.microbatch_size),
                    exhaustive=choice.exhaustive, simulated=choice.simulated)
 
 
-def _auto_microbatches(run: Callable[[int], _Candidate | None], upper: Callable[[int], float]) -> _Candidate | None:
-    """The fewest of MICROBATCH_CHOICES within AUTO_MICROBATCH_SHARE of the best throughput among them.
+def _auto_microbatches(
+    counts: tuple[int, ...], run: Callable[[int], _Candidate | None], upper: Callable[[int], float],
+) -> _Candidate | None:
+    """The fewest of `counts` (ascending) within AUTO_MICROBATCH_SHARE of the best throughput among them.
 
     `run(count)` plans one count (None: nothing fits); `upper(count)` bounds its throughput from above
     (`throughput_ceiling`). The answer is the one that planning every count would give, found by
@@ -196,16 +244,16 @@ def _auto_microbatches(run: Callable[[int], _Candidate | None], upper: Callable[
     of highest ceiling is planned next (it settles `best`), or the undecided count itself.
     """
     planned: dict[int, _Candidate | None] = {}
-    ceiling = {count: upper(count) for count in MICROBATCH_CHOICES}
+    ceiling = {count: upper(count) for count in counts}
     while True:
         reached = [c.samples_per_s for c in planned.values() if c is not None]
         found = max(reached, default=0.0)
-        unplanned = [count for count in MICROBATCH_CHOICES if count not in planned]
+        unplanned = [count for count in counts if count not in planned]
         best = max([found] + [ceiling[count] for count in unplanned])
         if not unplanned and not reached:
             return None
         undecided = None
-        for count in MICROBATCH_CHOICES:
+        for count in counts:
             if count in planned:
                 candidate = planned[count]
                 if candidate is None or candidate.samples_per_s < AUTO_MICROBATCH_SHARE * found:
@@ -240,11 +288,11 @@ def throughput_ceiling(inputs: CostInputs, microbatch_size: int) -> float:
 
 
 def _planner_plan(
-    profile: Profile, chosen: _Candidate, size: int, straight: bool, recompute: bool, optimizer: str,
+    profile: Profile, chosen: _Candidate, straight: bool, recompute: bool, optimizer: str,
     profile_path: str,
 ) -> Plan:
     """A Plan with the planner cost model's per-stage terms and predictions."""
-    inputs, solution = chosen.inputs, chosen.solution
+    inputs, solution, size = chosen.inputs, chosen.solution, chosen.microbatch_size
     stages_list = list(solution.stages)
     costs = stage_costs(inputs, stages_list)
     ranks = first_ranks(inputs, stages_list)
@@ -283,8 +331,8 @@ def _planner_plan(
                      "with a plan you could not run")
     unit = "samples" if profile.batch_size else "profiled mini-batches"
     if flush:
-        notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration; "
-                     "iteration_ms is one flushed iteration")
+        notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration (a global "
+                     f"batch of {inputs.microbatches * size} per optimizer step); iteration_ms is one flushed iteration")
     proof = ("no other plan simulates faster" if chosen.exhaustive else
              "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated run "
              "may not reach)" if not flush else

@@ -109,6 +109,12 @@ def test_plan_round_trips_exactly(tmp_path: Path) -> None:
         (["--gpus", "4", "--bandwidth", "fast"], "cannot read bandwidth 'fast'"),
         (["--gpus", "4", "--cost-model", "magic"], "unknown cost model 'magic'"),
         ([], "give --gpus"),
+        (["--gpus", "4", "--global-batch-size", "60", "--microbatch-size", "8"], "give a multiple of 8"),
+        (["--gpus", "4", "--global-batch-size", "64", "--microbatches", "6"], "not 6 microbatches"),
+        (["--gpus", "4", "--global-batch-size", "64", "--microbatches", "4", "--microbatch-size", "8"],
+         "give 4 x 8 = 32"),
+        (["--gpus", "4", "--global-batch-size", "0"], "at least 1"),
+        (["--gpus", "4", "--global-batch-size", "64", "--schedule", "pipedream"], "pipedream updates the weights"),
     ],
 )
 def test_cli_partition_bad_values_are_one_line(tmp_path: Path, arguments: list[str], fragment: str) -> None:
@@ -272,7 +278,7 @@ def test_auto_microbatches_chooses_what_planning_every_count_chooses(
     if found:
         best = max(candidate.samples_per_s for candidate in found)
         expected = next(c for c in found if c.samples_per_s >= AUTO_MICROBATCH_SHARE * best)
-    assert _auto_microbatches(run, ceilings.__getitem__) is expected
+    assert _auto_microbatches(MICROBATCH_CHOICES, run, ceilings.__getitem__) is expected
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -297,3 +303,33 @@ def test_throughput_ceiling_bounds_every_simulated_plan(arrays, gpus: int, sched
     ceiling = throughput_ceiling(inputs, 4)
     simulated = samples_per_s(inputs, predicted_iteration_s(inputs, plan), 4)
     assert simulated <= ceiling * (1.0 + 1e-9)
+
+
+GPT = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_a_global_batch_is_what_every_plan_trains(gpus: int, tmp_path: Path) -> None:
+    """--global-batch-size B: the plan on any number of GPUs trains B samples per step (microbatch size x
+    microbatches), chosen as planning every divisor of B as a fixed count would choose (the fewest
+    microbatches within 5% of the best throughput), and the plan file says so."""
+    gpt = load_profile(GPT)
+    cluster = make_cluster(gpus, None, ["10GB/s"])
+    plan = partition(gpt, cluster, global_batch_size=32)
+    assert plan.global_batch_size == plan.microbatch_size * plan.microbatches == 32
+    each = {count: partition(gpt, cluster, microbatches=count, global_batch_size=32) for count in (1, 2, 4, 8, 16, 32)}
+    assert all(other.microbatch_size * count == 32 for count, other in each.items())
+    best = max(other.predicted.samples_per_s for other in each.values())
+    expected = next(count for count, other in each.items() if other.predicted.samples_per_s >= AUTO_MICROBATCH_SHARE * best)
+    assert plan.microbatches == expected
+    assert plan.predicted.samples_per_s == pytest.approx(each[expected].predicted.samples_per_s, rel=1e-12)
+    assert json.loads(plan.save(tmp_path / "p.json").read_text())["global_batch_size"] == 32
+
+
+def test_a_global_batch_with_a_fixed_microbatch_size_fixes_the_count() -> None:
+    gpt = load_profile(GPT)
+    plan = partition(gpt, make_cluster(4, None, ["10GB/s"]), straight=True, microbatch_size=8, global_batch_size=64)
+    assert (plan.microbatches, plan.microbatch_size, plan.global_batch_size) == (8, 8, 64)
+    without = partition(gpt, make_cluster(4, None, ["10GB/s"]), straight=True, microbatch_size=8, microbatches=8)
+    assert without.stages == plan.stages and without.predicted == plan.predicted
+    assert "a global batch of 64 per optimizer step" in " ".join(plan.notes)
