@@ -10,7 +10,8 @@
    and which schedule auto picks.
 2. Equal stages (F = B = W = 1 ms, no transfers) on p stages and m microbatches: each schedule's
    simulated bubble against its textbook formula: gpipe and 1f1b (p - 1)(F + B + W), zb-h1
-   (p - 1)(F + B - W) (Qi et al., ICLR 2024), over m (F + B + W) of work.
+   (p - 1)(F + B - W) (Qi et al., ICLR 2024), interleaved-1f1b with 2 chunks per rank (the same work
+   cut into 2p chunks) (p - 1)(F + B + W) / 2 (Narayanan et al., SC 2021), over m (F + B + W) of work.
 
 Everything here is simulated (planner/simulation): no training runs; `benchmarks/runtime_overhead.py`
 measures the engine.
@@ -30,11 +31,13 @@ from planner.files.timeline import StageTimes
 from planner.planning.partition import partition
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import ProfileSettings, profile_model
-from planner.schedules.schedule import FLUSH_SCHEDULES, build_schedule
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, build_schedule
 from planner.simulation.simulator import simulate_schedule
 
 REPO = Path(__file__).resolve().parents[1]
-TEXTBOOK_BUBBLE = {"gpipe": lambda p: 3 * (p - 1), "1f1b": lambda p: 3 * (p - 1), "zb-h1": lambda p: (p - 1)}
+TEXTBOOK_BUBBLE = {"gpipe": lambda p: 3 * (p - 1), "1f1b": lambda p: 3 * (p - 1), "zb-h1": lambda p: (p - 1),
+                   "interleaved-1f1b": lambda p: 3 * (p - 1) / CHUNKS}
+CHUNKS = 2  # interleaved-1f1b's chunks per rank in part 2
 
 
 def measured_profile(microbatch_size: int) -> Profile:
@@ -77,17 +80,18 @@ def textbook_bubbles() -> None:
     """Part 2: simulated bubbles of equal stages against the formulas."""
     print("2. equal stages, F = B = W = 1 ms, no transfers: simulated bubble (iteration - m (F + B + W)) "
           "against the textbook")
-    print(f"   {'p':>3s} {'m':>3s}  " + "  ".join(f"{name:>14s}" for name in FLUSH_SCHEDULES))
+    print(f"   {'p':>3s} {'m':>3s}  " + "  ".join(f"{name:>18s}" for name in TEXTBOOK_BUBBLE))
     for stages, microbatches in ((2, 4), (4, 8), (4, 16), (8, 16), (8, 32)):
         cells = []
-        for name in FLUSH_SCHEDULES:
-            split = name == "zb-h1"
-            times = [StageTimes(1e-3, (1 if split else 2) * 1e-3, 0.0, 0.0, weight_s=1e-3 if split else 0.0)
-                     for _ in range(stages)]
-            simulated = simulate_schedule(build_schedule(name, [1] * stages, microbatches), times).iteration_s()
+        for name in TEXTBOOK_BUBBLE:
+            split, chunks = name == "zb-h1", CHUNKS if name in CHUNKED_SCHEDULES else 1
+            times = [StageTimes(1e-3 / chunks, (1 if split else 2) * 1e-3 / chunks, 0.0, 0.0,
+                                weight_s=1e-3 if split else 0.0) for _ in range(stages * chunks)]
+            schedule = build_schedule(name, [1] * stages * chunks, microbatches, chunks=chunks)
+            simulated = simulate_schedule(schedule, times).iteration_s()
             bubble_ms = simulated * 1e3 - 3 * microbatches
             cells.append(f"{bubble_ms:5.1f} vs {TEXTBOOK_BUBBLE[name](stages):5.1f}")
-        print(f"   {stages:3d} {microbatches:3d}  " + "  ".join(f"{cell:>14s}" for cell in cells))
+        print(f"   {stages:3d} {microbatches:3d}  " + "  ".join(f"{cell:>18s}" for cell in cells))
 
 
 def main() -> None:

@@ -277,8 +277,10 @@ def _draw_gantt(fig: FigureBase, timeline: Timeline, communication: bool, span_m
     # microbatch numbers where every number would fit: one rule for all boxes, so none has a label its twin lacks
     label_chars = len(str(int(events["microbatch"].max()))) if len(events) else 1
     points_per_ms = _axes_width_in(fig) * 72.0 / makespan_ms
+    stages_of = _rank_stages(events)
+    chunk = {(rank, stage): index for rank, stages in stages_of.items() for index, stage in enumerate(stages)}
     drawn = [op for op, lane in lanes.items()
-             if _draw_boxes(ax, events[events["op"] == op], op, lane, row, points_per_ms, label_chars)]
+             if _draw_boxes(ax, events[events["op"] == op], op, lane, row, points_per_ms, label_chars, chunk)]
     steps = events[events["op"] == STEP]
     if len(steps):
         rows = steps["rank"].map(row).to_numpy(dtype=float)
@@ -287,23 +289,51 @@ def _draw_gantt(fig: FigureBase, timeline: Timeline, communication: bool, span_m
         drawn.append(STEP)
     ax.set_xlim(0, makespan_ms * 1.01)
     ax.set_ylim(len(ranks), 0)  # rank 0 on top
-    stage_of = events.groupby("rank")["stage"].first()
     shown = ranks[::_tick_step(len(ranks))]
     ax.set_yticks([row[rank] + (compute_lane[0] + compute_lane[1]) / 2 for rank in shown])
-    ax.set_yticklabels([f"rank {rank} (stage {int(stage_of[rank])})" for rank in shown])
+    ax.set_yticklabels([_rank_label(rank, stages_of[rank]) for rank in shown])
     ax.set_xlabel("time (ms)")
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     handles = [Line2D([], [], color=OP_COLORS[op], linewidth=1.5) if op == STEP else Patch(facecolor=OP_COLORS[op])
                for op in drawn]
-    _outside_legend(ax, handles, [OP_LABELS[op] for op in drawn])
+    labels = [OP_LABELS[op] for op in drawn]
+    chunks = max((len(stages) for stages in stages_of.values()), default=1)
+    if chunks > 1:  # a rank runs several chunks: later ones lighter
+        handles += [Patch(facecolor=_lighter(OP_COLORS[FORWARD], index, chunks)) for index in range(chunks)]
+        labels += [f"chunk {index} (forward)" for index in range(chunks)]
+    _outside_legend(ax, handles, labels)
     fig.suptitle(_timeline_title(timeline))
 
 
+def _rank_stages(events: pd.DataFrame) -> dict[int, list[int]]:
+    """The stages each rank runs in `events`, lowest first (several under a chunked schedule)."""
+    return {int(rank): sorted(int(stage) for stage in stages.unique())
+            for rank, stages in events.groupby("rank")["stage"]}
+
+
+def _rank_label(rank: int, stages: Sequence[int]) -> str:
+    """'rank 0 (stage 0)', or 'rank 0 (stages 0, 4)' for a rank running several chunks."""
+    if len(stages) == 1:
+        return f"rank {rank} (stage {stages[0]})"
+    return f"rank {rank} (stages {', '.join(str(stage) for stage in stages)})"
+
+
+def _lighter(color: str, chunk: int, chunks: int) -> str:
+    """`color` blended towards white for later chunks: chunk 0 as is, the last 55% white."""
+    if chunks <= 1 or chunk == 0:
+        return color
+    share = 0.55 * chunk / (chunks - 1)
+    rgb = np.array(tuple(int(color.lstrip("#")[k:k + 2], 16) for k in (0, 2, 4)), dtype=float) / 255.0
+    return to_hex(rgb + (1.0 - rgb) * share)
+
+
 def _draw_boxes(ax: Axes, events: pd.DataFrame, op: str, lane: tuple[float, float], row: dict[int, int],
-                points_per_ms: float, label_chars: int) -> bool:
-    """A box per event in its rank's `lane` (ms on x); forward and backward boxes wide enough for
-    `label_chars` digits show their microbatch. Returns whether any box has a duration (worth a legend entry)."""
+                points_per_ms: float, label_chars: int, chunk: dict[tuple[int, int], int]) -> bool:
+    """A box per event in its rank's `lane` (ms on x), lighter for a rank's later chunks (`chunk`: (rank,
+    stage) -> its index among the rank's stages); forward and backward boxes wide enough for `label_chars`
+    digits show their microbatch. Returns whether any box has a duration (worth a legend entry)."""
+    chunks = Counter(rank for rank, _ in chunk)
     height = lane[1] - lane[0]
     numbered = op in (FORWARD, BACKWARD, WEIGHT)
     for event in events.itertuples(index=False):
@@ -315,7 +345,9 @@ def _draw_boxes(ax: Axes, events: pd.DataFrame, op: str, lane: tuple[float, floa
             edge, linewidth = OP_COLORS[op], 0.6
         else:
             edge, linewidth = ("white", 0.4) if width_ms * points_per_ms >= 3.0 else ("none", 0.0)
-        ax.add_patch(Rectangle((start_ms, bottom), width_ms, height, facecolor=OP_COLORS[op], edgecolor=edge,
+        rank = int(event.rank)
+        face = _lighter(OP_COLORS[op], chunk.get((rank, int(event.stage)), 0), chunks[rank])
+        ax.add_patch(Rectangle((start_ms, bottom), width_ms, height, facecolor=face, edgecolor=edge,
                                linewidth=linewidth, gid=op))
         if numbered and width_ms * points_per_ms >= _label_width_pt(label_chars):
             ax.text(start_ms + width_ms / 2, bottom + height / 2, str(event.microbatch), ha="center", va="center",
@@ -330,12 +362,15 @@ def _draw_memory(fig: FigureBase, timeline: Timeline, limit_bytes: float | None)
     scale, unit = _memory_unit(max(float(memory["bytes"].max()) if len(memory) else 0.0, limit_bytes or 0.0))
     stages = sorted(int(stage) for stage in memory["stage"].unique())
     colors = _stage_colors(max(stages, default=-1) + 1)
+    stages_of = _rank_stages(timeline.events)
     for stage in stages:
         rank, times_s, values = _peak_rank_memory(memory, stage)
         # the last level holds until the end of the timeline
         times_ms = np.append(times_s * 1000.0, max(makespan_ms, float(times_s[-1]) * 1000.0))
+        label = (f"stage {stage} (rank {rank})" if len(stages_of[rank]) == 1
+                 else _rank_label(rank, stages_of[rank]))
         ax.step(times_ms, np.append(values, values[-1]) / scale, where="post", color=colors[stage], linewidth=1.6,
-                label=f"stage {stage} (rank {rank})")
+                label=label)
     _draw_limit(ax, limit_bytes, scale, unit)
     ax.set_xlim(0, (makespan_ms or 1.0) * 1.01)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.05)

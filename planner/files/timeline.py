@@ -92,37 +92,45 @@ class Timeline:
         return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).clip(lower=0.0).rename("bubble_fraction")
 
     def memory(self) -> pd.DataFrame:
-        """Memory per device over time: columns rank, stage, time_s, bytes (a step function: the
-        value holds from time_s until the rank's next row): base bytes, held bytes from each
-        forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph
-        until then, and deferred bytes from the end of its B to the end of its W: the gradients W starts
-        from), rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
+        """Memory per device over time: columns rank, stage (the device's first stage), time_s, bytes (a
+        step function: the value holds from time_s until the rank's next row): the base bytes of every
+        stage the device holds (several under a chunked schedule), held bytes from each forward to the end
+        of its backward (zero-bubble schedules: of its W, autograd keeps the graph until then, and deferred
+        bytes from the end of its B to the end of its W: the gradients W starts from), rebuilt bytes during
+        a backward (and a W), scratch bytes during each optimizer step."""
         rows = []
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
-        for (rank, stage), ops in compute.groupby(["rank", "stage"]):
-            times = self.stage_times[int(stage)]
-            changes = [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
-            for op, start, end in ops.loc[ops["op"].isin((BACKWARD, WEIGHT)), ["op", "start_s", "end_s"]].itertuples(
-                    index=False):
-                freed = times.held_bytes if op == releasing else 0.0
-                if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
-                    freed += times.deferred_bytes if op == WEIGHT else -times.deferred_bytes
-                changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - freed)]
-            for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
-                if times.scratch_bytes > 0 and end > start:
-                    changes += [(float(start), times.scratch_bytes), (float(end), -times.scratch_bytes)]
+        for rank, device in compute.groupby("rank"):
+            changes: list[tuple[float, float]] = []
+            level = 0.0
+            for stage, ops in device.groupby("stage"):
+                times = self.stage_times[int(stage)]
+                level += times.base_bytes
+                changes += [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
+                for op, start, end in ops.loc[ops["op"].isin((BACKWARD, WEIGHT)), ["op", "start_s", "end_s"]].itertuples(
+                        index=False):
+                    freed = times.held_bytes if op == releasing else 0.0
+                    if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
+                        freed += times.deferred_bytes if op == WEIGHT else -times.deferred_bytes
+                    changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - freed)]
+                for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
+                    if times.scratch_bytes > 0 and end > start:
+                        changes += [(float(start), times.scratch_bytes), (float(end), -times.scratch_bytes)]
             changes.sort(key=lambda change: (change[0], change[1]))  # frees before allocations at one instant
-            level = times.base_bytes
-            rows.append((int(rank), int(stage), 0.0, level))
+            first = int(device["stage"].min())
+            rows.append((int(rank), first, 0.0, level))
             for time_s, delta in changes:
                 level += delta
-                rows.append((int(rank), int(stage), time_s, level))
+                rows.append((int(rank), first, time_s, level))
         return pd.DataFrame(rows, columns=["rank", "stage", "time_s", "bytes"])
 
     def peak_memory(self) -> pd.Series:
-        """Per stage: the most bytes any of its devices holds at once."""
-        return self.memory().groupby("stage")["bytes"].max().rename("peak_bytes")
+        """Per stage: the most bytes any device holding it holds at once (all its stages together)."""
+        per_rank = self.memory().groupby("rank")["bytes"].max()
+        holders = self.events[["rank", "stage"]].drop_duplicates()
+        peaks = holders.assign(bytes=holders["rank"].map(per_rank)).groupby("stage")["bytes"].max()
+        return peaks.rename("peak_bytes").rename_axis("stage")
 
     def plot(self, communication: bool = False, limit_bytes: float | None = None) -> "Figure":
         """Jupyter: the Gantt chart over the memory per device (`plots.timeline_figure`)."""

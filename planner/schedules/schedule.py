@@ -24,6 +24,15 @@ block; receives wait for their send; an all-reduce waits for every replica of it
   equal F, B and W that is the paper's bubble (p - 1)(F + B - W), a third of 1f1b's. Memory: a
   microbatch is held from its forward to its W (autograd keeps the graph until then): 1f1b's n
   plus the d deferred, which is p on every stage (1f1b's first stage's).
+- `interleaved-1f1b` (Narayanan et al., SC 2021; Megatron-LM's virtual pipeline): the model cut into
+  p v stages, v chunks per rank placed round-robin (stage s on rank s mod p, so rank r holds stages
+  r, r + p, ..., r + (v - 1) p), one device per stage. Rank r runs its m v forwards and backwards in
+  1f1b fashion over "virtual microbatches": the k-th forward is microbatch (k div p v) p + k mod p of
+  chunk (k div p) mod v, the k-th backward the same microbatch of chunk v - 1 - (k div p) mod v;
+  (p - r - 1) 2 + (v - 1) p forwards run before the first backward. m must be a multiple of p. The
+  bubble is 1f1b's divided by v: (p - 1)(F + B) / v for a whole model's F and B per microbatch on
+  each of the p ranks, at the price of v times the messages; rank 0 holds (v - 1) p + 2 (p - 1) + 1
+  chunk-microbatches at its peak.
 - `pipedream`: the 1f1b order over every iteration's microbatches without a flush, with an
   all-reduce (replicated stages) and a step after every backward (weight stashing keeps each
   backward on its forward's weights); the microbatches must divide evenly among each stage's
@@ -41,8 +50,11 @@ from planner.errors import PlannerError
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")  # what plans use
 FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # an all-reduce and step once per iteration
+CHUNKED_SCHEDULES = ("interleaved-1f1b",)  # several stages (chunks) per rank, placed round-robin: built,
+# validated, simulated and drawn, not planned yet (the optimizer cuts one stage per rank)
+BUILT_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # `backward` is B (input gradients) and `weight` W (weight gradients)
 ArrayOrInt = Union[int, "np.ndarray"]
 
@@ -119,12 +131,18 @@ class Action:
 
 @dataclass(frozen=True)
 class RankProgram:
-    """What one rank does, in order."""
+    """What one rank does, in order: `stage` is its (first) stage; `stages` every stage it runs, lowest
+    first ((stage,) but under a chunked schedule)."""
 
     rank: int
     stage: int
     replica: int
     actions: tuple[Action, ...]
+    stages: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            object.__setattr__(self, "stages", (self.stage,))
 
 
 @dataclass(frozen=True)
@@ -164,11 +182,13 @@ class Schedule:
 
 def build_schedule(
     name: str, stage_replicas: Sequence[int], microbatches: int, iterations: int = 1,
-    stage_ranks: Sequence[Sequence[int]] | None = None,
+    stage_ranks: Sequence[Sequence[int]] | None = None, chunks: int = 1,
 ) -> Schedule:
-    """The schedule `name` for stages with these replica counts (ranks contiguous from 0 by default)."""
-    if name not in SCHEDULES:
-        raise PlannerError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    """The schedule `name` for stages with these replica counts (ranks contiguous from 0 by default);
+    `chunks`: stages per rank of a chunked schedule (`interleaved-1f1b`), whose stages lie round-robin on
+    len(stage_replicas) / chunks ranks, one device each."""
+    if name not in BUILT_SCHEDULES:
+        raise PlannerError(f"unknown schedule {name!r}; use one of {', '.join(BUILT_SCHEDULES)}")
     if microbatches < 1 or iterations < 1 or not stage_replicas or min(stage_replicas) < 1:
         raise PlannerError(f"a schedule needs microbatches >= 1, iterations >= 1 and stages with replicas >= 1; "
                            f"got {microbatches}, {iterations}, {list(stage_replicas)}")
@@ -177,6 +197,11 @@ def build_schedule(
         raise PlannerError(f"pipedream all-reduces after every backward, so every replica needs as many "
                            f"microbatches: {microbatches * iterations} microbatches do not divide among "
                            f"{uneven[0]} replicas; use a multiple of {uneven[0]}")
+    if name in CHUNKED_SCHEDULES:
+        return _chunked_schedule(name, len(stage_replicas), chunks, microbatches, iterations, stage_replicas)
+    if chunks != 1:
+        raise PlannerError(f"{name} runs one stage per rank, got chunks={chunks}; chunks are for "
+                           f"{', '.join(CHUNKED_SCHEDULES)}")
     if stage_ranks is None:
         firsts = [sum(stage_replicas[:s]) for s in range(len(stage_replicas))]
         stage_ranks = [tuple(range(first, first + r)) for first, r in zip(firsts, stage_replicas)]
@@ -198,26 +223,86 @@ def build_schedule(
     return Schedule(name, microbatches, iterations, ranks, tuple(programs))
 
 
+def _chunked_schedule(
+    name: str, num_stages: int, chunks: int, microbatches: int, iterations: int, stage_replicas: Sequence[int],
+) -> Schedule:
+    """interleaved-1f1b: `num_stages` = p x chunks stages, stage s on rank s mod p (module docstring)."""
+    if chunks < 1 or num_stages % chunks or any(r != 1 for r in stage_replicas):
+        raise PlannerError(f"{name} needs stages of one device each, a whole number of chunks per rank: got "
+                           f"{num_stages} stages, chunks={chunks}, replicas {list(stage_replicas)}")
+    ranks = num_stages // chunks
+    if microbatches % ranks:
+        raise PlannerError(f"{name} runs microbatches in groups of one per rank: {microbatches} microbatches do not "
+                           f"divide among {ranks} ranks; use a multiple of {ranks}")
+    stage_ranks = tuple((stage % ranks,) for stage in range(num_stages))
+    skeleton = Schedule(name, microbatches, iterations, stage_ranks, ())
+    programs = []
+    for rank in range(ranks):
+        own = tuple(range(rank, num_stages, ranks))
+        actions: list[Action] = []
+        for iteration in range(iterations):
+            actions += _interleaved(skeleton, rank, ranks, chunks, iteration)
+            for stage in own:
+                actions += _update(stage, 1, iteration)
+        programs.append(RankProgram(rank, rank, 0, tuple(actions), own))
+    return Schedule(name, microbatches, iterations, stage_ranks, tuple(programs))
+
+
+def _interleaved(schedule: Schedule, rank: int, ranks: int, chunks: int, iteration: int) -> list[Action]:
+    """One iteration of rank `rank` under interleaved 1F1B: warm-up forwards, then one forward and one
+    backward in turn, then the remaining backwards, over its m x chunks virtual microbatches."""
+    total = schedule.microbatches * chunks
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # (stage, microbatch) of the k-th forward or backward
+        chunk = (k // ranks) % chunks
+        microbatch = (k // (ranks * chunks)) * ranks + k % ranks
+        return (chunk if forward else chunks - 1 - chunk) * ranks + rank, microbatch
+
+    def forward(k: int) -> list[Action]:
+        return _forward_steps(schedule, *unit(k, True), iteration)
+
+    def backward(k: int) -> list[Action]:
+        return _backward_steps(schedule, *unit(k, False), iteration)
+
+    warmup = min((ranks - rank - 1) * 2 + (chunks - 1) * ranks, total)
+    actions = [a for k in range(warmup) for a in forward(k)]
+    for k in range(warmup, total):
+        actions += forward(k) + backward(k - warmup)
+    return actions + [a for k in range(total - warmup, total) for a in backward(k)]
+
+
+def _forward_steps(schedule: Schedule, stage: int, microbatch: int, iteration: int) -> list[Action]:
+    """Receive the activation (but on the first stage), forward, send it on (but from the last stage)."""
+    steps = [] if stage == 0 else [Action(RECV_ACTIVATION, stage, microbatch, schedule.owner(stage - 1, microbatch),
+                                          iteration)]
+    steps.append(Action(FORWARD, stage, microbatch, -1, iteration))
+    if stage < schedule.num_stages - 1:
+        steps.append(Action(SEND_ACTIVATION, stage, microbatch, schedule.owner(stage + 1, microbatch), iteration))
+    return steps
+
+
+def _backward_steps(schedule: Schedule, stage: int, microbatch: int, iteration: int) -> list[Action]:
+    """Receive the gradient (but on the last stage), backward, send the input gradient (but from the first)."""
+    steps = [] if stage == schedule.num_stages - 1 else [
+        Action(RECV_GRADIENT, stage, microbatch, schedule.owner(stage + 1, microbatch), iteration)]
+    steps.append(Action(BACKWARD, stage, microbatch, -1, iteration))
+    if stage > 0:
+        steps.append(Action(SEND_GRADIENT, stage, microbatch, schedule.owner(stage - 1, microbatch), iteration))
+    return steps
+
+
 def _program(schedule: Schedule, stage: int, replica: int, devices_from_here: int, deferral: int) -> list[Action]:
     """The ordered actions of one replica of one stage."""
     replicas, m = len(schedule.stage_ranks[stage]), schedule.microbatches
-    last = stage == schedule.num_stages - 1
 
     def forward(i: int, iteration: int) -> list[Action]:
-        steps = [] if stage == 0 else [Action(RECV_ACTIVATION, stage, i, schedule.owner(stage - 1, i), iteration)]
-        steps.append(Action(FORWARD, stage, i, -1, iteration))
-        if not last:
-            steps.append(Action(SEND_ACTIVATION, stage, i, schedule.owner(stage + 1, i), iteration))
-        return steps
+        return _forward_steps(schedule, stage, i, iteration)
 
     def weight(i: int, iteration: int) -> list[Action]:
         return [Action(WEIGHT, stage, i, -1, iteration)]
 
     def backward(i: int, iteration: int) -> list[Action]:
-        steps = [] if last else [Action(RECV_GRADIENT, stage, i, schedule.owner(stage + 1, i), iteration)]
-        steps.append(Action(BACKWARD, stage, i, -1, iteration))
-        if stage > 0:
-            steps.append(Action(SEND_GRADIENT, stage, i, schedule.owner(stage - 1, i), iteration))
+        steps = _backward_steps(schedule, stage, i, iteration)
         if schedule.name == "pipedream":
             steps += _update(stage, replicas, iteration)
         return steps
@@ -285,15 +370,17 @@ def validate(schedule: Schedule) -> None:
 def check_channel_order(schedule: Schedule) -> None:
     """Raise ScheduleError unless every rank receives from each peer in the order that peer sends to it:
     what one first-in, first-out channel per pair of ranks needs (the distributed engine's transport)."""
-    sent: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (sender, receiver) -> (iteration, microbatch)s
-    received: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # ... -> (key, receiver's step)
+    sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (sender, receiver) -> (iteration, sender's
+    received: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}  # stage, microbatch)s; (key, step)
     for program in schedule.programs:
         for step, action in enumerate(program.actions):
-            key = (action.iteration, action.microbatch)
             if action.op in SENDS:
-                sent.setdefault((program.rank, action.peer), []).append(key)
+                sent.setdefault((program.rank, action.peer), []).append(
+                    (action.iteration, action.stage, action.microbatch))
             elif action.op in RECEIVES:
-                received.setdefault((action.peer, program.rank), []).append((key, step))
+                source = action.stage - 1 if action.op == RECV_ACTIVATION else action.stage + 1
+                received.setdefault((action.peer, program.rank), []).append(
+                    ((action.iteration, source, action.microbatch), step))
     for (sender, receiver), keys in sorted(sent.items()):
         got = received.get((sender, receiver), [])
         if [key for key, _ in got] == keys:
@@ -306,18 +393,18 @@ def check_channel_order(schedule: Schedule) -> None:
 
 
 def _check_program(schedule: Schedule, program: RankProgram) -> None:
-    seen_forward: set[tuple[int, int]] = set()
-    seen_backward: set[tuple[int, int]] = set()
-    seen_weight: set[tuple[int, int]] = set()
+    seen_forward: set[tuple[int, int, int]] = set()  # (stage, iteration, microbatch)
+    seen_backward: set[tuple[int, int, int]] = set()
+    seen_weight: set[tuple[int, int, int]] = set()
     split = schedule.name in SPLIT_BACKWARD_SCHEDULES
 
     def fail(problem: str, index: int) -> None:
         raise ScheduleError(problem, program.rank, index, schedule.grid({program.rank: index}))
 
     for index, action in enumerate(program.actions):
-        key = (action.iteration, action.microbatch)
+        key = (action.stage, action.iteration, action.microbatch)
         if action.op in (FORWARD, BACKWARD, WEIGHT, SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT):
-            if action.stage != program.stage or schedule.owner(action.stage, action.microbatch) != program.rank:
+            if action.stage not in program.stages or schedule.owner(action.stage, action.microbatch) != program.rank:
                 fail(f"{action.short()} of stage {action.stage} does not belong to this rank", index)
         if action.op == FORWARD:
             if key in seen_forward:
@@ -340,30 +427,33 @@ def _check_program(schedule: Schedule, program: RankProgram) -> None:
             seen_weight.add(key)
         elif action.op in (ALLREDUCE, STEP) and split and seen_backward - seen_weight:
             pending = sorted(seen_backward - seen_weight)[0]
-            fail(f"{action.short()} before W of microbatch {pending[1]}: the weights' gradients are not complete",
+            fail(f"{action.short()} before W of microbatch {pending[2]}: the weights' gradients are not complete",
                  index)
-    expected = {(i // schedule.microbatches if schedule.name == "pipedream" else it,
-                 i) for it in range(schedule.iterations) for i in _owned(schedule, program, it)}
+    expected = {(stage, i // schedule.microbatches if schedule.name == "pipedream" else it, i)
+                for stage in program.stages for it in range(schedule.iterations)
+                for i in _owned(schedule, stage, program.replica, it)}
     extra = sorted(seen_forward - expected)
     if extra:
         index = next(k for k, a in enumerate(program.actions)
-                     if a.op == FORWARD and (a.iteration, a.microbatch) == extra[0])
-        fail(f"microbatch {extra[0][1]} (iteration {extra[0][0]}) is not this rank's to run", index)
+                     if a.op == FORWARD and (a.stage, a.iteration, a.microbatch) == extra[0])
+        fail(f"microbatch {extra[0][2]} (iteration {extra[0][1]}) of stage {extra[0][0]} is not this rank's to run",
+             index)
     missing = sorted(expected - seen_backward)
     if missing:
-        fail(f"microbatch {missing[0][1]} (iteration {missing[0][0]}) never runs its backward",
-             len(program.actions) - 1)
+        fail(f"microbatch {missing[0][2]} (iteration {missing[0][1]}) of stage {missing[0][0]} never runs its "
+             "backward", len(program.actions) - 1)
     missing = sorted(expected - seen_weight) if split else []
     if missing:
-        fail(f"microbatch {missing[0][1]} (iteration {missing[0][0]}) never runs its W", len(program.actions) - 1)
+        fail(f"microbatch {missing[0][2]} (iteration {missing[0][1]}) of stage {missing[0][0]} never runs its W",
+             len(program.actions) - 1)
 
 
-def _owned(schedule: Schedule, program: RankProgram, iteration: int) -> list[int]:
-    """Microbatches this rank must run in `iteration` (pipedream numbers them across iterations)."""
-    replicas = len(schedule.stage_ranks[program.stage])
+def _owned(schedule: Schedule, stage: int, replica: int, iteration: int) -> list[int]:
+    """Microbatches replica `replica` of `stage` must run in `iteration` (pipedream numbers them across iterations)."""
+    replicas = len(schedule.stage_ranks[stage])
     m = schedule.microbatches
     offset = iteration * m if schedule.name == "pipedream" else 0
-    return [i for i in range(offset, offset + m) if i % replicas == program.replica]
+    return [i for i in range(offset, offset + m) if i % replicas == replica]
 
 
 def _check_runs(schedule: Schedule) -> None:

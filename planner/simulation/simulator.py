@@ -60,14 +60,15 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     position = dict.fromkeys(programs, 0)
     free_at = dict.fromkeys(programs, 0.0)  # when the rank's compute is next free
     channel_free: dict[tuple[int, str], float] = {}
-    arrival: dict[tuple[str, int, int, int], float] = {}  # (send op, microbatch, iteration, receiver) -> time
+    arrival: dict[tuple[str, int, int, int, int], float] = {}  # (send op, sender's stage, microbatch, iteration,
+    # receiver) -> time
     waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, n-th all-reduce) -> rank -> ready time
     reductions = dict.fromkeys(programs, 0)
     reduce_ends: dict[int, list[float]] = {rank: [] for rank in programs}  # end of each all-reduce, in order
-    backwards: dict[tuple[int, int], int] = {}  # (rank, iteration) -> backwards run
-    tied_ranks = [rank for rank, program in programs.items() if stage_times[program.stage].tied_s > 0]
-    tied_waiting: dict[int, dict[int, float]] = {}  # n-th step -> rank -> when it reached it
-    steps_taken = dict.fromkeys(programs, 0)  # steps each rank has run (pipedream: one per microbatch)
+    backwards: dict[tuple[int, int, int], int] = {}  # (rank, stage, iteration) -> backwards run
+    tied_ranks = [rank for rank, program in programs.items() if any(stage_times[s].tied_s > 0 for s in program.stages)]
+    tied_waiting: dict[int, dict[int, float]] = {}  # n-th step of a tied stage -> rank -> when it reached it
+    tied_steps = dict.fromkeys(programs, 0)  # steps of stages holding tied weights each rank has run
     rows: list[tuple] = []
     accumulating = WEIGHT if schedule.name in SPLIT_BACKWARD_SCHEDULES else BACKWARD  # the op adding into .grad
 
@@ -91,9 +92,9 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                 base = (rank, action.stage, program.replica, action.microbatch, action.iteration, action.op, action.peer)
                 if action.op in (FORWARD, BACKWARD, WEIGHT):
                     duration = {FORWARD: times.forward_s, BACKWARD: times.backward_s, WEIGHT: times.weight_s}[action.op]
-                    if action.op == accumulating and schedule.name != "pipedream":  # after this rank's first
-                        done = backwards.get((rank, action.iteration), 0)  # of the iteration, it accumulates
-                        backwards[(rank, action.iteration)] = done + 1
+                    if action.op == accumulating and schedule.name != "pipedream":  # after the first of the
+                        done = backwards.get((rank, action.stage, action.iteration), 0)  # rank's stage in the
+                        backwards[(rank, action.stage, action.iteration)] = done + 1  # iteration, it accumulates
                         duration += times.accumulate_s if done else 0.0
                     if action.op == FORWARD and len(reduce_ends[rank]) >= 2:  # at most one update pending
                         free_at[rank] = max(free_at[rank], reduce_ends[rank][-2])
@@ -104,11 +105,12 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     end = start + transfer_s(times.activation_bytes if action.op == SEND_ACTIVATION
                                              else stage_times[action.stage - 1].activation_bytes, rank, action.peer)
                     channel_free[(rank, action.op)] = end
-                    arrival[(action.op, action.microbatch, action.iteration, action.peer)] = end
+                    arrival[(action.op, action.stage, action.microbatch, action.iteration, action.peer)] = end
                     rows.append(base + (start, end))
                 elif action.op in RECEIVES:
-                    kind = SEND_ACTIVATION if action.op == RECV_ACTIVATION else SEND_GRADIENT
-                    ready = arrival.get((kind, action.microbatch, action.iteration, rank))
+                    kind, source = ((SEND_ACTIVATION, action.stage - 1) if action.op == RECV_ACTIVATION
+                                    else (SEND_GRADIENT, action.stage + 1))
+                    ready = arrival.get((kind, source, action.microbatch, action.iteration, rank))
                     if ready is None:
                         break
                     free_at[rank] = max(free_at[rank], ready)
@@ -130,16 +132,16 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     if schedule.name == "pipedream":  # the compute thread steps while the all-reduce
                         at = free_at[rank]  # runs on its channel (its result applies when both are done)
                     if times.tied_s > 0:  # tied weights: every rank holding a copy sums their gradients first
-                        arrived = tied_waiting.setdefault(steps_taken[rank], {})
+                        arrived = tied_waiting.setdefault(tied_steps[rank], {})
                         arrived[rank] = at
                         if len(arrived) < len(tied_ranks):
                             break
                         start = max(arrived.values())
                         rows.append(base[:5] + (ALLREDUCE, -1, start, start + times.tied_s))
                         at = start + times.tied_s
+                        tied_steps[rank] += 1
                     rows.append(base + (at, at + times.step_s))
                     free_at[rank] = at + times.step_s
-                    steps_taken[rank] += 1
                 position[rank] += 1
                 progress = True
     stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]

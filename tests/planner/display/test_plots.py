@@ -32,8 +32,9 @@ from planner.display.plots import (
     scaling_figure,
 )
 from planner.files.profile import Profile, load_profile
-from planner.schedules.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, WEIGHT
-from planner.files.timeline import Timeline
+from planner.schedules.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, WEIGHT, build_schedule
+from planner.files.timeline import StageTimes, Timeline
+from planner.simulation.simulator import simulate_schedule
 from planner.units import format_bytes
 
 PROFILES = Path(__file__).resolve().parents[3] / "profiles"
@@ -211,6 +212,23 @@ def test_gantt_has_one_box_per_compute_event_at_its_time(timeline: Timeline) -> 
     forward_colours = {tuple(p.get_facecolor()) for p in ax.patches if p.get_gid() == FORWARD}
     backward_colours = {tuple(p.get_facecolor()) for p in ax.patches if p.get_gid() == BACKWARD}
     assert len(forward_colours) == len(backward_colours) == 1 and forward_colours != backward_colours
+
+
+def test_gantt_of_a_chunked_schedule_names_each_ranks_stages_and_lightens_later_chunks() -> None:
+    """interleaved-1f1b, 2 ranks x 2 chunks: one row per rank labelled with both its stages, a box per
+    forward and backward, chunk 1's boxes lighter than chunk 0's; the memory panel has a line per rank."""
+    times = [StageTimes(1e-3, 2e-3, 0.0, 0.0, held_bytes=1e6, base_bytes=1e8) for _ in range(4)]
+    timeline = simulate_schedule(build_schedule("interleaved-1f1b", [1] * 4, 4, chunks=2), times)
+    ax = gantt_figure(timeline).axes[0]
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["rank 0 (stages 0, 2)", "rank 1 (stages 1, 3)"]
+    for op in (FORWARD, BACKWARD):
+        boxes = [patch for patch in ax.patches if patch.get_gid() == op]
+        assert len(boxes) == len(timeline.events[timeline.events["op"] == op]) == 16
+        shades = sorted({tuple(box.get_facecolor()) for box in boxes}, key=sum)
+        assert len(shades) == 2 and sum(shades[1][:3]) > sum(shades[0][:3])  # chunk 1 lighter
+    memory_ax = memory_figure(timeline).axes[0]
+    assert [line.get_label() for line in memory_ax.get_lines() if not line.get_label().startswith("_")] == [
+        "rank 0 (stages 0, 2)", "rank 1 (stages 1, 3)"]
 
 
 def test_gantt_sends_only_with_communication(timeline: Timeline) -> None:

@@ -520,3 +520,52 @@ def test_validator_catches_w_out_of_place() -> None:
     extra.insert(index_of(extra, BACKWARD, 0) + 1, Action(WEIGHT, 1, 0))
     with pytest.raises(ScheduleError, match="runs whole backwards"):
         validate(with_actions(plain, 1, extra))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.integers(1, 2))
+def test_interleaved_1f1b_is_valid_and_keeps_each_channel_in_order(ranks: int, chunks: int, rounds: int,
+                                                                    iterations: int) -> None:
+    """p ranks, v chunks each (stage s on rank s mod p), m a multiple of p: every chunk runs every
+    microbatch forward then backward once, sends match receives in FIFO order per pair of ranks, no deadlock."""
+    schedule = build_schedule("interleaved-1f1b", [1] * (ranks * chunks), ranks * rounds, iterations, chunks=chunks)
+    validate(schedule)
+    check_channel_order(schedule)
+    assert [program.stages for program in schedule.programs] == [tuple(range(r, ranks * chunks, ranks))
+                                                                 for r in range(ranks)]
+    for program in schedule.programs:
+        computed = Counter((a.op, a.stage) for a in program.actions if a.op in (FORWARD, BACKWARD, STEP))
+        assert all(computed[(op, stage)] == (1 if op == STEP else ranks * rounds) * iterations
+                   for op in (FORWARD, BACKWARD, STEP) for stage in program.stages)
+
+
+def test_interleaved_1f1b_warms_up_as_megatron_does() -> None:
+    """Rank r runs (p - r - 1) 2 + (v - 1) p warm-up forwards, then a forward and a backward in turn; the
+    forwards go through the chunks in groups of p microbatches (chunk 0 of microbatches 0..p-1, then chunk 1
+    of them, ...), the backwards through the chunks in reverse."""
+    ranks, chunks = 4, 2
+    schedule = build_schedule("interleaved-1f1b", [1] * 8, 8, chunks=chunks)
+    for program in schedule.programs:
+        computes = [a for a in program.actions if a.op in (FORWARD, BACKWARD)]
+        warmup = next(k for k, a in enumerate(computes) if a.op == BACKWARD)
+        assert warmup == (ranks - program.rank - 1) * 2 + (chunks - 1) * ranks + 1
+        order = [(chunk, group * ranks + i) for group in range(2) for chunk in range(chunks) for i in range(ranks)]
+        forwards = [(a.stage // ranks, a.microbatch) for a in computes if a.op == FORWARD]
+        backwards = [(chunks - 1 - a.stage // ranks, a.microbatch) for a in computes if a.op == BACKWARD]
+        assert forwards == order and backwards == order
+
+
+@pytest.mark.parametrize("stages,replicas,microbatches,chunks,fragment", [
+    (4, 1, 3, 2, "use a multiple of 2"),
+    (4, 2, 4, 2, "one device each"),
+    (5, 1, 4, 2, "whole number of chunks"),
+])
+def test_interleaved_1f1b_refuses_what_it_cannot_run(stages: int, replicas: int, microbatches: int, chunks: int,
+                                                     fragment: str) -> None:
+    with pytest.raises(PlannerError, match=fragment):
+        build_schedule("interleaved-1f1b", [replicas] * stages, microbatches, chunks=chunks)
+
+
+def test_chunks_are_only_for_chunked_schedules() -> None:
+    with pytest.raises(PlannerError, match="one stage per rank"):
+        build_schedule("1f1b", [1] * 4, 4, chunks=2)

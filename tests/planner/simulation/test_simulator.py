@@ -56,6 +56,22 @@ def test_zb_h1_keeps_each_microbatchs_deferred_gradients_from_its_b_to_its_w() -
                                                 for s in range(4)]
 
 
+@pytest.mark.parametrize("ranks,chunks,microbatches", [(4, 1, 8), (4, 2, 8), (4, 4, 8), (4, 2, 16), (2, 3, 6), (3, 2, 3)])
+def test_interleaved_1f1b_divides_the_bubble_by_the_chunks(ranks: int, chunks: int, microbatches: int) -> None:
+    """A model of forward F and backward B per microbatch cut into p v equal chunks: m (F + B) + (p - 1)(F + B) / v
+    (Narayanan et al. 2021), 1f1b's bubble divided by v; rank r holds the base bytes of its v chunks and, at its
+    peak, min(2 (p - r - 1) + (v - 1) p + 1, m v) chunk-microbatches' activations (its warm-up forwards, plus one)."""
+    times = [StageTimes(F / chunks, B / chunks, 0.0, 0.0, held_bytes=1.0, base_bytes=100.0)
+             for _ in range(ranks * chunks)]
+    timeline = simulate_schedule(build_schedule("interleaved-1f1b", [1] * (ranks * chunks), microbatches,
+                                                chunks=chunks), times)
+    assert timeline.iteration_s() == pytest.approx(microbatches * (F + B) + (ranks - 1) * (F + B) / chunks)
+    peaks = timeline.memory().groupby("rank")["bytes"].max()
+    assert list(peaks) == [pytest.approx(100.0 * chunks + min(2 * (ranks - r - 1) + (chunks - 1) * ranks + 1,
+                                                              microbatches * chunks)) for r in range(ranks)]
+    assert list(timeline.peak_memory()) == [peaks[stage % ranks] for stage in range(ranks * chunks)]
+
+
 def test_iterations_repeat_the_flushed_iteration() -> None:
     """Three flushed iterations take three times one, and iteration_s reports one."""
     one = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5), equal_stages(3))
