@@ -181,7 +181,8 @@ def partition_command(
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
     schedule: str = typer.Option("auto", help="auto (the fastest of gpipe, 1f1b and zb-h1), gpipe, 1f1b, zb-h1 (zero bubble: "
-                                 "backward split into input and weight gradients), or pipedream (asynchronous: stale weights)."),
+                                 "backward split into input and weight gradients), interleaved-1f1b (2-4 chunks per "
+                                 "GPU, round-robin), or pipedream (asynchronous: stale weights)."),
     microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b/zb-h1, or auto."),
     microbatch_size: Optional[int] = typer.Option(
         None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."

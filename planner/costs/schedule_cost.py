@@ -122,6 +122,7 @@ class CostInputs:
     scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
     accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
     step_s_per_tensor: float = 0.0  # one optimizer step, seconds per parameter tensor (on top of per byte)
+    chunks: int = 1  # stages per rank: v under interleaved-1f1b (`chunked_ranks`), else 1
 
     @property
     def class_size(self) -> int:
@@ -172,7 +173,10 @@ def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt)
 
 
 def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
-    """First rank of each stage under the placement of the module docstring (right-aligned, shifted)."""
+    """First rank of each stage under the placement of the module docstring (right-aligned, shifted);
+    under a chunked schedule (inputs.chunks > 1) stage s on rank s mod p (`chunked_ranks`)."""
+    if inputs.chunks > 1:
+        return chunked_ranks(len(stages), inputs.chunks)
     devices = inputs.cluster.num_devices
     used = sum(replicas_of(stages))
     shift = max(devices - used, 0) // inputs.class_size * inputs.class_size
@@ -181,6 +185,12 @@ def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
         end -= replicas
         ranks.append(end)
     return ranks[::-1]
+
+
+def chunked_ranks(num_stages: int, chunks: int) -> list[int]:
+    """interleaved-1f1b's placement: p = num_stages / chunks ranks, stage s on rank s mod p (one device each)."""
+    ranks = num_stages // chunks
+    return [stage % ranks for stage in range(num_stages)]
 
 
 # --- the stage formulas of the module docstring, element-wise: the reference below, the optimizer's evaluator
@@ -299,17 +309,21 @@ class StageCost:
 
 def stage_cost(
     inputs: CostInputs, start: int, stop: int, replicas: int, recompute: bool, first_rank: int,
-    devices_from_here: int,
+    devices_from_here: int, neighbours: tuple[int, int] | None = None,
 ) -> StageCost:
-    """The terms of stage [start, stop) with `replicas` on ranks [first_rank, first_rank + replicas)."""
+    """The terms of stage [start, stop) with `replicas` on ranks [first_rank, first_rank + replicas);
+    `neighbours`: the ranks of the stages before and after it (default: the adjacent ones)."""
     arrays, cluster, sigma = inputs.arrays, inputs.cluster, inputs.scale
     fwd = sigma * float(arrays.fwd_s[stop] - arrays.fwd_s[start])
     both = sigma * float(arrays.compute_s[stop] - arrays.compute_s[start])
     compute = both + (fwd if recompute else 0.0)
     last_rank = first_rank + replicas - 1
-    comm_in = float(transfer_s(sigma * arrays.cut_before(start), *link_terms(cluster, first_rank - 1, first_rank),
+    before, after = neighbours if neighbours is not None else (first_rank - 1, last_rank + 1)
+    comm_in = float(transfer_s(sigma * arrays.cut_before(start),
+                               *link_terms(cluster, min(before, first_rank), max(before, first_rank)),
                                exists=start > 0))
-    comm_out = float(transfer_s(sigma * arrays.cut_after(stop), *link_terms(cluster, last_rank, last_rank + 1),
+    comm_out = float(transfer_s(sigma * arrays.cut_after(stop),
+                                *link_terms(cluster, min(last_rank, after), max(last_rank, after)),
                                 exists=stop < arrays.num_layers))
     weights = arrays.stage_weight_bytes(start, stop)
     weight = float(weight_terms(inputs, start, stop))
@@ -354,9 +368,11 @@ def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
     """The terms of every stage of a plan, placed as in the module docstring (`tied_s` included)."""
     ranks = first_ranks(inputs, stages)
     costs, from_here = [], 0
-    for (start, stop, replicas, recompute), rank in reversed(list(zip(stages, ranks))):
+    for index, ((start, stop, replicas, recompute), rank) in reversed(list(enumerate(zip(stages, ranks)))):
         from_here += replicas
-        costs.append(stage_cost(inputs, start, stop, replicas, recompute, rank, from_here))
+        neighbours = None if inputs.chunks == 1 else (ranks[index - 1] if index > 0 else rank,
+                                                        ranks[index + 1] if index + 1 < len(ranks) else rank)
+        costs.append(stage_cost(inputs, start, stop, replicas, recompute, rank, from_here, neighbours))
     return [dataclasses.replace(cost, tied_s=tied) for cost, tied in zip(costs[::-1], tied_allreduce_s(inputs, stages))]
 
 
@@ -400,8 +416,30 @@ def fill_drain_s(inputs: CostInputs, stages: list[Stage]) -> float:
 
 
 def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
-    """The iteration time of a flush schedule, or the time per microbatch of pipedream (seconds)."""
+    """The iteration time of a flush schedule, or the time per microbatch of pipedream (seconds);
+    under a chunked schedule `chunked_objective_s`."""
+    if inputs.chunks > 1:
+        return chunked_objective_s(inputs, stages)
     return fill_drain_s(inputs, stages) + max(cost.bound_s for cost in stage_costs(inputs, stages))
+
+
+def chunked_objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
+    """interleaved-1f1b's closed form, seconds: the busiest rank's work plus the bubble,
+
+        iteration = max_r sum_(s on r) [m max(t + acc, c_in, c_out)(s) + opt(s)] + (p - 1) / (p v) sum_s t(s)
+
+    (p ranks, v chunks each; on equal chunks m v t + (p - 1) t, i.e. 1f1b's bubble over v, Narayanan et al.
+    2021). Transfers during warm-up and drain and the first microbatch's accumulation are not counted; the
+    simulator plays them."""
+    costs = stage_costs(inputs, stages)
+    ranks = first_ranks(inputs, stages)
+    count = len(stages) // inputs.chunks
+    busy = [0.0] * count
+    for rank, cost in zip(ranks, costs):
+        busy[rank] += inputs.microbatches * max(cost.compute_s + cost.accumulate_s, cost.comm_in_s, cost.comm_out_s)
+        busy[rank] += cost.step_s
+    bubble = (count - 1) / (count * inputs.chunks) * sum(cost.compute_s for cost in costs)
+    return max(busy) + bubble
 
 
 def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:

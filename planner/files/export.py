@@ -363,6 +363,11 @@ def data_parallel_degree(plan: Plan, target: str, source: str = "<plan>") -> int
     what = _TARGET_NAMES[target]
     profile_arg = plan.profile.path or "PROFILE"
     replan = f"planner partition {profile_arg} --gpus {plan.cluster.num_devices}"
+    if plan.chunks > 1:
+        raise ExportError(
+            source, f"the plan runs {plan.chunks} chunks per GPU ({plan.schedule}); the export writes one stage per "
+                    "rank, and does not yet map chunks to torch.distributed.pipelining's ScheduleInterleaved1F1B",
+            f"re-plan with one stage per GPU: `{replan} --schedule 1f1b`")
     if plan.schedule not in PIPPY_SCHEDULE_CLASSES:
         raise ExportError(
             source, f"the plan's schedule {plan.schedule!r} (asynchronous, with weight stashing) has no "

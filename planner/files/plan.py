@@ -25,6 +25,8 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
   equal to `iteration_ms`), `samples_per_s`, `bubble_fraction` (share of device time not computing),
   `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
   schedule), `devices_used`, `peak_memory_bytes`.
+- `chunks`: stages per rank (interleaved-1f1b: v, its stages round-robin, stage s on rank s mod p; 1 for
+  every other schedule; absent in older files: 1).
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
 - `optimizer`: adam or sgd, whose state the memory figures count (absent in older files: adam).
 """
@@ -42,7 +44,7 @@ from planner.files.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
 from planner.files.fileformat import read_versioned_json, write_versioned_json
 from planner.files.profile import Profile
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES
 
 COST_MODELS = ("planner", "pipedream")  # `costs.schedule_cost`, `costs.pipedream_cost`
 
@@ -172,6 +174,7 @@ class Plan:
     predicted: Prediction
     notes: tuple[str, ...] = field(default_factory=tuple)
     optimizer: str = "adam"
+    chunks: int = 1  # stages per rank: v under interleaved-1f1b (stage s on rank s mod p), else 1
 
     @property
     def global_batch_size(self) -> int | None:
@@ -266,12 +269,17 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
                                     if f.name != "objective_ms"},
                                  objective_ms=float(predicted.get("objective_ms", predicted["iteration_ms"]))),
             notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
-            optimizer=str(body.get("optimizer", "adam")),
+            optimizer=str(body.get("optimizer", "adam")), chunks=int(body.get("chunks", 1)),
         )
         _check_stages(plan.stages, source)
         if plan.schedule not in SCHEDULES:
             raise FileFormatError(source, f"plan has an unknown schedule {plan.schedule!r}",
                                   f"use one of {', '.join(SCHEDULES)}, or re-run `planner partition`")
+        if plan.chunks < 1 or (plan.chunks > 1 and plan.schedule not in CHUNKED_SCHEDULES) \
+                or len(plan.stages) % plan.chunks:
+            raise FileFormatError(source, f"plan has chunks={plan.chunks} for {len(plan.stages)} stages under "
+                                          f"{plan.schedule}", "chunks divide the stages, above 1 only for "
+                                          f"{', '.join(CHUNKED_SCHEDULES)}; re-run `planner partition`")
         return plan
     except KeyError as exc:
         raise FileFormatError(source, f"plan is missing the field {exc.args[0]!r}") from None

@@ -56,7 +56,7 @@ from planner.costs.schedule_cost import (
     time_terms,
     transfer_s,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.stage_sums import Pairs
 from planner.planning.unlimited_dp import GroupCombos, solve_unlimited
 
@@ -343,6 +343,9 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     """The plan minimising `schedule_cost.objective_s` on at most the cluster's devices (module docstring)."""
     if inputs.schedule not in SCHEDULES:
         raise PlannerError(f"unknown schedule {inputs.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if inputs.schedule in CHUNKED_SCHEDULES:
+        raise PlannerError(f"the optimizer cuts one stage per rank; {inputs.schedule} plans come from "
+                           "planner.planning.chunked (partition does this)")
     if inputs.microbatches < 1:
         raise PlannerError(f"need at least one microbatch, got {inputs.microbatches}")
     if inputs.arrays.num_layers < 1:

@@ -17,6 +17,7 @@ from planner.costs.pipedream_cost import (
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
+from planner.planning.chunked import CHUNK_CHOICES, best_chunked, chunked_counts
 from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
@@ -31,14 +32,15 @@ from planner.costs.schedule_cost import (
     samples_per_s,
     stage_costs,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
 MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its divisors up to this
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
-SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "gpipe", "pipedream")  # on equal throughput: least memory first
-AUTO_SCHEDULES = FLUSH_SCHEDULES  # `auto` never picks pipedream: stale weights change what training computes
+SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "gpipe", "interleaved-1f1b", "pipedream")  # on equal throughput: least memory first
+AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # never pipedream (stale weights change what training computes),
+# nor yet interleaved-1f1b (its chunks are cut by a heuristic, not the optimizer; name it to plan it)
 
 
 def partition(
@@ -87,7 +89,8 @@ def partition(
     unmeasured = schedule == AUTO and profile.split_backward_ratio is None
     if unmeasured:  # a zero-bubble plan's gain could be all the split's unknown cost: not chosen blind
         schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
-    chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled)
+    chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
+                     microbatches == AUTO and global_batch_size is None)
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
@@ -137,13 +140,14 @@ class _Candidate:
     data_parallel_s: float  # one stage on every device, simulated the same way
     data_parallel_fits: bool
     microbatch_size: int = 1  # samples
+    peak_bytes: tuple[float, ...] = ()  # chunked plans: per stage, the simulated peak of the device holding it
     exhaustive: bool = True  # the final choice proved no plan simulates faster (`simulated_choice`)
     simulated: int = 1  # plans the final choice simulated
 
 
 def _choose(
     base: CostInputs, schedules: tuple[str, ...], counts: tuple[int, ...], straight: bool, recompute: bool,
-    size_of: Callable[[int], int], profiled: int,
+    size_of: Callable[[int], int], profiled: int, auto_counts: bool = False,
 ) -> _Candidate:
     """The fastest (schedule, microbatch count among `counts`, `size_of(count)` samples each, the profile's
     times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits."""
@@ -177,9 +181,26 @@ def _choose(
                 solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
         return solved[key]
 
+    def run_chunked(schedule: str, count: int) -> _Candidate | None:
+        key = (schedule, count)
+        if key not in solved:
+            solved[key] = _chunked_candidate(inputs_for(schedule, count), size_of(count))
+        return solved[key]
+
     for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
         if schedule == "pipedream":
             found = run(schedule, 1)
+        elif schedule in CHUNKED_SCHEDULES:
+            ranks = base.cluster.num_devices
+            allowed = chunked_counts(counts, ranks, auto_counts)
+            found = _auto_microbatches(
+                allowed, lambda count: run_chunked(schedule, count),
+                lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
+            if found is not None:
+                results.append(found)
+            elif len(schedules) == 1:
+                raise PlannerError(_no_chunked_plan(counts, ranks, base))
+            continue
         else:
             found = _auto_microbatches(
                 counts, lambda count: run(schedule, count),
@@ -208,11 +229,39 @@ def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool,
 
 
 def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
-    """The inputs that judge a one-stage plan (data parallelism): one stage splits no backward, so under a
-    zero-bubble schedule it runs as 1f1b does, whole backwards; the same inputs under the other schedules."""
-    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+    """The inputs that judge a one-stage plan (data parallelism): one stage splits no backward and has no
+    chunks, so under a zero-bubble or chunked schedule it runs as 1f1b does, whole backwards; the same
+    inputs under the other schedules."""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES + CHUNKED_SCHEDULES:
         return inputs
-    return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"))
+    return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"), chunks=1)
+
+
+def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
+    """The fastest interleaved plan of `inputs` on every device of the cluster (`chunked.best_chunked`), with
+    data parallelism simulated beside it for the speedup; None where none fits."""
+    choice = best_chunked(inputs, inputs.cluster.num_devices)
+    if choice is None:
+        return None
+    everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    whole = _one_stage_inputs(inputs)
+    solution = Solution(choice.stages, objective_s(choice.inputs, list(choice.stages)))
+    return _Candidate(choice.inputs, solution, choice.iteration_s,
+                      samples_per_s(choice.inputs, choice.iteration_s, size),
+                      predicted_iteration_s(whole, everywhere), plan_fits(whole, everywhere), size,
+                      exhaustive=False, simulated=len(CHUNK_CHOICES), peak_bytes=choice.peak_bytes)
+
+
+def _no_chunked_plan(counts: tuple[int, ...], ranks: int, base: CostInputs) -> str:
+    """Why no interleaved plan was found: no allowed microbatch count, too few layers, or memory."""
+    if not any(count % ranks == 0 for count in counts):
+        return (f"interleaved-1f1b runs microbatches in groups of one per rank: none of {list(counts)} is a multiple "
+                f"of the {ranks} ranks; give --microbatches a multiple of {ranks}")
+    if base.arrays.num_layers < 2 * ranks:
+        return (f"interleaved-1f1b needs at least 2 chunks per rank: {base.arrays.num_layers} layers cannot make "
+                f"{2 * ranks} chunks on {ranks} GPUs; use --schedule 1f1b, or fewer GPUs")
+    return (f"no interleaved-1f1b plan with {', '.join(map(str, CHUNK_CHOICES))} chunks per rank fits in "
+            f"{base.memory_bytes / 1e9:.4g} GB per GPU; use --schedule 1f1b (it may recompute), or more memory")
 
 
 def _final_choice(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
@@ -302,11 +351,13 @@ def _planner_plan(
             replicas=replicas, ranks=tuple(range(rank, rank + replicas)), recompute=flag,
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
-            memory_bytes=int(cost.memory_bytes), step_ms=cost.step_s * 1000.0,
+            memory_bytes=int(peak if chosen.peak_bytes else cost.memory_bytes), step_ms=cost.step_s * 1000.0,
             accumulate_ms=cost.accumulate_s * 1000.0, tied_allreduce_ms=cost.tied_s * 1000.0,
         )
-        for (start, stop, replicas, flag), cost, rank in zip(stages_list, costs, ranks)
+        for (start, stop, replicas, flag), cost, rank, peak in zip(stages_list, costs, ranks,
+                                                                    chosen.peak_bytes or [0.0] * len(costs))
     )
+    used = len(stages_list) // inputs.chunks if inputs.chunks > 1 else solution.devices  # chunks share devices
     objective, closed_form = chosen.iteration_s, solution.objective_s
     flush = inputs.schedule in FLUSH_SCHEDULES
     per_iteration = inputs.microbatches if flush else 1
@@ -318,14 +369,14 @@ def _planner_plan(
         bottleneck_s=max(cost.bound_s for cost in costs),
         iteration_ms=objective * 1000.0,
         samples_per_s=samples_per_s(inputs, objective, size),
-        bubble_fraction=max(0.0, 1.0 - busy_s / (solution.devices * objective)) if objective > 0 else 0.0,
+        bubble_fraction=max(0.0, 1.0 - busy_s / (used * objective)) if objective > 0 else 0.0,
         speedup_vs_single_device=single_s / objective if objective > 0 else 1.0,
         speedup_vs_data_parallel=data_parallel / objective if objective > 0 else 1.0,
-        devices_used=solution.devices,
+        devices_used=used,
         peak_memory_bytes=max(stage.memory_bytes for stage in stages),
         objective_ms=closed_form * 1000.0,
     )
-    notes = _common_notes(profile, inputs.cluster, solution.devices, optimizer)
+    notes = _common_notes(profile, inputs.cluster, used, optimizer)
     if not chosen.data_parallel_fits:
         notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
                      "with a plan you could not run")
@@ -333,13 +384,20 @@ def _planner_plan(
     if flush:
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration (a global "
                      f"batch of {inputs.microbatches * size} per optimizer step); iteration_ms is one flushed iteration")
-    proof = ("no other plan simulates faster" if chosen.exhaustive else
-             "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated run "
-             "may not reach)" if not flush else
-             "the search stopped at its cap before proving that no other plan simulates faster")
-    notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
-                 f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
-                 f"simulated, chosen among the plans a lower bound could not rule out: {proof}")
+    if inputs.chunks > 1:
+        notes.append(f"{inputs.schedule}: {inputs.chunks} chunks per rank on {used} ranks (stage s on rank s mod {used}), "
+                     "cut to balance forward + backward time (transfers and memory not weighed in the cut); "
+                     f"iteration_ms is simulated, the fastest of {', '.join(map(str, CHUNK_CHOICES))} chunks per rank "
+                     f"(the closed form says {closed_form * 1000:.4g} ms); a heuristic: no bound proves another cut "
+                     "slower. memory/GPU is each device's simulated peak, all its chunks together")
+    else:
+        proof = ("no other plan simulates faster" if chosen.exhaustive else
+                 "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated "
+                 "run may not reach)" if not flush else
+                 "the search stopped at its cap before proving that no other plan simulates faster")
+        notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
+                     f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
+                     f"simulated, chosen among the plans a lower bound could not rule out: {proof}")
     if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch. Weights update after every "
@@ -365,7 +423,7 @@ def _planner_plan(
         profile=ProfileRef(profile.model_name, profile_path, profile_digest(profile)),
         cluster=inputs.cluster, cost_model="planner", schedule=inputs.schedule,
         microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
-        stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer,
+        stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer, chunks=inputs.chunks,
     )
 
 
@@ -496,7 +554,7 @@ def compare_schedules(profile: Profile, plan: Plan, recompute: bool = True) -> l
             other = partition(profile, plan.cluster, straight=plan.straight, optimizer=plan.optimizer,
                               schedule=schedule, microbatches=plan.microbatches or 1,
                               microbatch_size=plan.microbatch_size, recompute=recompute)
-        except InfeasiblePlanError:
+        except PlannerError:  # nothing fits, or a count interleaved-1f1b cannot run
             continue
         found.append(BaselineResult(f"best {schedule}", tuple((s.start, s.stop, s.replicas) for s in other.stages),
                                     other.predicted.iteration_ms / 1000.0, other.predicted.peak_memory_bytes))

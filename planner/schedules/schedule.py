@@ -50,11 +50,10 @@ from planner.errors import PlannerError
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")  # what plans use
-FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # an all-reduce and step once per iteration
-CHUNKED_SCHEDULES = ("interleaved-1f1b",)  # several stages (chunks) per rank, placed round-robin: built,
-# validated, simulated and drawn, not planned yet (the optimizer cuts one stage per rank)
-BUILT_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "pipedream")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")  # an all-reduce and step once per iteration
+CHUNKED_SCHEDULES = ("interleaved-1f1b",)  # several stages (chunks) per rank, placed round-robin
+BUILT_SCHEDULES = SCHEDULES  # TEMPORARY alias while the engine work lands; remove
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # `backward` is B (input gradients) and `weight` W (weight gradients)
 ArrayOrInt = Union[int, "np.ndarray"]
 
@@ -82,12 +81,13 @@ def in_flight(schedule: str, microbatches: int, replicas: ArrayOrInt, devices_fr
               devices_total: ArrayOrInt | None = None) -> ArrayOrInt:
     """Microbatches in flight per replica of a stage with `replicas` replicas and `devices_from_here` devices in it
     and every later stage: gpipe ceil(m / r), 1f1b n = min(ceil(m / r), ceil(D / r)), pipedream ceil(D / r),
+    interleaved-1f1b m per chunk (an upper bound: its rank's peak over all its chunks is the simulator's),
     zb-h1 min(ceil(m / r), n + `weight_deferral`) (held from forward to W); `devices_total`: the devices
     of every stage (zb-h1 only; None: D); element-wise on arrays."""
     per_replica = -(-microbatches // replicas)
     through = -(-devices_from_here // replicas)
-    if schedule == "gpipe":
-        return per_replica
+    if schedule == "gpipe" or schedule in CHUNKED_SCHEDULES:  # chunked: a chunk holds at most its m (its rank's
+        return per_replica  # peak over all its chunks is min(2 (p - r - 1) + (v - 1) p + 1, m v): the simulator's)
     if schedule in ("1f1b", "zb-h1"):
         import numpy as np  # only for the optimizer's arrays: schedules of plans need no numpy
 
@@ -187,8 +187,8 @@ def build_schedule(
     """The schedule `name` for stages with these replica counts (ranks contiguous from 0 by default);
     `chunks`: stages per rank of a chunked schedule (`interleaved-1f1b`), whose stages lie round-robin on
     len(stage_replicas) / chunks ranks, one device each."""
-    if name not in BUILT_SCHEDULES:
-        raise PlannerError(f"unknown schedule {name!r}; use one of {', '.join(BUILT_SCHEDULES)}")
+    if name not in SCHEDULES:
+        raise PlannerError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
     if microbatches < 1 or iterations < 1 or not stage_replicas or min(stage_replicas) < 1:
         raise PlannerError(f"a schedule needs microbatches >= 1, iterations >= 1 and stages with replicas >= 1; "
                            f"got {microbatches}, {iterations}, {list(stage_replicas)}")

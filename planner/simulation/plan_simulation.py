@@ -15,7 +15,7 @@ from planner.simulation.simulator import simulate_stages
 
 def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None) -> CostInputs:
     """The planner cost model's inputs for a saved plan: its cluster, schedule, microbatches and
-    microbatch scale (pipedream plans: one microbatch of the profiled batch); `optimizer`
+    microbatch scale (pipedream plans: one microbatch of the profiled batch) and chunks per rank; `optimizer`
     overrides the plan's own."""
     profiled = profile.batch_size or 1
     memory = plan.cluster.memory_bytes
@@ -23,7 +23,7 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
         LayerArrays.from_profile(profile).for_schedule(plan.schedule), plan.cluster, plan.schedule, plan.microbatches or 1,
         (plan.microbatch_size or profiled) / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
-        *per_weight_byte(profile, optimizer or plan.optimizer),
+        *per_weight_byte(profile, optimizer or plan.optimizer), chunks=plan.chunks,
     )
 
 

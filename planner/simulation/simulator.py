@@ -204,5 +204,5 @@ def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int
     else:
         count = inputs.microbatches
     schedule = build_schedule(inputs.schedule, replicas_of(stages), count, iterations,
-                              stage_ranks(inputs, stages))
+                              stage_ranks(inputs, stages), chunks=inputs.chunks)
     return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster)

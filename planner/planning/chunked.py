@@ -1,0 +1,144 @@
+"""Plans of a chunked schedule (interleaved-1f1b): the model in p x v chunks of one device each, round-robin (pure).
+
+The optimizer (`optimizer.optimize`) cuts one contiguous stage per rank; under interleaved-1f1b rank r
+holds the non-contiguous chunks r, r + p, ..., so its work is a sum over chunks spread along the model.
+Here the chunks are cut to balance forward + backward time (`even_chunks`: the least largest chunk,
+exactly p v of them; then `balance_ranks` moves cuts while that unloads the busiest rank), for each
+number of chunks per rank in CHUNK_CHOICES, and the plans are judged
+by the simulator (`simulate_stages`), whose timeline also gives each device's memory (its chunks
+together), checked against the limit. A heuristic: the cut weighs neither transfers nor memory, and
+no bound proves that another cut is not faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import CostInputs, Stage
+from planner.simulation.simulator import simulate_stages
+
+CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
+
+
+@dataclass(frozen=True)
+class ChunkedChoice:
+    """The fastest chunked plan found: its inputs (with `chunks`), stages, simulated iteration (s) and the
+    most bytes any device holds (all its chunks together)."""
+
+    inputs: CostInputs
+    stages: tuple[Stage, ...]
+    iteration_s: float
+    peak_bytes: tuple[float, ...]  # per stage: the peak of the device holding it
+
+
+def even_chunks(arrays: LayerArrays, count: int) -> list[tuple[int, int]]:
+    """`count` contiguous layer ranges [start, stop) covering the model whose largest forward + backward time
+    is as small as possible; needs 1 <= count <= layers.
+
+    A range ending as late as the bound allows, from the left, gives the fewest ranges under a bound
+    (greedy); the least bound with at most `count` ranges is found by bisection to a relative 1e-9 of
+    the whole model's time, and ranges of two or more layers are then halved (longest first) until
+    there are `count`: halving a range never raises the largest.
+    """
+    n = arrays.num_layers
+    if not 1 <= count <= n:
+        raise ValueError(f"cannot cut {n} layers into {count} chunks")
+    prefix = np.maximum.accumulate(arrays.compute_s)  # times are not negative; guard rounding
+    total = float(prefix[-1])
+
+    def greedy(bound: float) -> list[tuple[int, int]] | None:
+        ranges, start = [], 0
+        while start < n:
+            stop = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
+            stop = min(max(stop, start), n)
+            if stop == start:
+                return None
+            ranges.append((start, stop))
+            start = stop
+        return ranges
+
+    low, high = 0.0, total
+    best = greedy(high + 1e-12 * max(total, 1.0)) or [(0, n)]
+    for _ in range(200):
+        if high - low <= 1e-9 * max(total, 1e-30):
+            break
+        middle = (low + high) / 2
+        found = greedy(middle)
+        if found is not None and len(found) <= count:
+            best, high = found, middle
+        else:
+            low = middle
+    while len(best) < count:
+        longest = max((r for r in best if r[1] - r[0] >= 2), key=lambda r: (r[1] - r[0], -r[0]))
+        at = best.index(longest)
+        middle = (longest[0] + longest[1]) // 2
+        best[at:at + 1] = [(longest[0], middle), (middle, longest[1])]
+    return best
+
+
+def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+    """`ranges` with their boundaries moved one layer at a time while that lowers the busiest rank's time
+    (rank r runs ranges r, r + p, ...; ties: the lower sum of squared rank times): a chunk cut evenly
+    can leave one rank with a large indivisible layer (a language model's head) on top of its share.
+    Local search, at most 50 passes over the boundaries; every range keeps at least one layer."""
+    cuts = [start for start, _ in ranges[1:]]
+    n = arrays.num_layers
+    times = arrays.compute_s
+
+    def score(points: list[int]) -> tuple[float, float]:
+        load = [0.0] * ranks
+        edges = [0, *points, n]
+        for index, (start, stop) in enumerate(zip(edges, edges[1:])):
+            load[index % ranks] += float(times[stop] - times[start])
+        return max(load), sum(value * value for value in load)
+
+    best = score(cuts)
+    for _ in range(50):
+        improved = False
+        for at in range(len(cuts)):
+            low = cuts[at - 1] + 1 if at > 0 else 1
+            high = cuts[at + 1] - 1 if at + 1 < len(cuts) else n - 1
+            for moved in (cuts[at] - 1, cuts[at] + 1):
+                if low <= moved <= high:
+                    trial = cuts[:at] + [moved] + cuts[at + 1:]
+                    found = score(trial)
+                    if found < best:
+                        cuts, best, improved = trial, found, True
+        if not improved:
+            break
+    edges = [0, *cuts, n]
+    return list(zip(edges, edges[1:]))
+
+
+def best_chunked(inputs: CostInputs, ranks: int, choices: tuple[int, ...] = CHUNK_CHOICES) -> ChunkedChoice | None:
+    """The fastest simulated interleaved-1f1b plan of `inputs` on `ranks` devices (one per chunk's rank) over
+    the chunk counts `choices` that the layers allow, within the memory limit; None if none fits."""
+    found: ChunkedChoice | None = None
+    for chunks in choices:
+        if ranks * chunks > inputs.arrays.num_layers or inputs.microbatches % ranks:
+            continue
+        chunked = dataclasses.replace(inputs, chunks=chunks)
+        ranges = balance_ranks(inputs.arrays, even_chunks(inputs.arrays, ranks * chunks), ranks)
+        stages = tuple(Stage(start, stop, 1, False) for start, stop in ranges)
+        timeline = simulate_stages(chunked, list(stages))
+        peaks = timeline.peak_memory()
+        peak_bytes = tuple(float(peaks[stage]) for stage in range(len(stages)))
+        if inputs.memory_bytes is not None and max(peak_bytes) > inputs.memory_bytes:
+            continue
+        iteration = timeline.iteration_s()
+        if found is None or iteration < found.iteration_s * (1.0 - 1e-9):
+            found = ChunkedChoice(chunked, stages, iteration, peak_bytes)
+    return found
+
+
+def chunked_counts(counts: tuple[int, ...], ranks: int, auto: bool) -> tuple[int, ...]:
+    """The microbatch counts an interleaved plan on `ranks` ranks may use: those of `counts` that are
+    multiples of p; under --microbatches auto without a global batch, p x 1, 2, 4, ... up to max(128, p)."""
+    if auto:
+        return tuple(ranks * 2**k for k in range(int(math.log2(max(128 // ranks, 1))) + 1))
+    return tuple(count for count in counts if count % ranks == 0)

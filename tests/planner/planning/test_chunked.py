@@ -1,0 +1,106 @@
+"""Tests of planner/planning/chunked.py: interleaved-1f1b plans, their cut and their choice."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs.layer_arrays import LayerArrays
+from planner.errors import PlannerError
+from planner.files.cluster import make_cluster
+from planner.files.plan import load_plan
+from planner.files.profile import load_profile
+from planner.planning.chunked import balance_ranks, chunked_counts, even_chunks
+from planner.planning.partition import partition
+from planner.simulation.plan_simulation import simulate
+
+GPT = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
+
+
+def arrays_of(times: list[float]) -> LayerArrays:
+    n = len(times)
+    return LayerArrays(np.concatenate([[0.0], np.cumsum(times)]), np.zeros(n + 1), np.zeros(n))
+
+
+def largest(arrays: LayerArrays, ranges: list[tuple[int, int]]) -> float:
+    return max(float(arrays.compute_s[stop] - arrays.compute_s[start]) for start, stop in ranges)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 7.0, 0.5]) | st.floats(0.0, 10.0), min_size=1, max_size=8),
+       st.data())
+def test_even_chunks_is_the_least_largest_chunk_of_every_cut(times: list[float], data: st.DataObject) -> None:
+    """Exactly `count` contiguous non-empty ranges covering the layers, whose largest time is the least over
+    every way to cut them (brute force), to the bisection's relative 1e-9."""
+    arrays = arrays_of(times)
+    count = data.draw(st.integers(1, len(times)))
+    ranges = even_chunks(arrays, count)
+    assert len(ranges) == count and ranges[0][0] == 0 and ranges[-1][1] == len(times)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(stop > start for start, stop in ranges)
+    best = min(largest(arrays, list(zip((0, *cuts), (*cuts, len(times)))))
+               for cuts in itertools.combinations(range(1, len(times)), count - 1))
+    assert largest(arrays, ranges) <= best + 1e-9 * max(sum(times), 1e-30) + 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 10.0), min_size=4, max_size=10), st.integers(2, 3), st.data())
+def test_balancing_never_loads_the_busiest_rank_more(times: list[float], ranks: int, data: st.DataObject) -> None:
+    arrays = arrays_of(times)
+    count = data.draw(st.integers(ranks, len(times)).filter(lambda c: c % ranks == 0))
+    before = even_chunks(arrays, count)
+    after = balance_ranks(arrays, before, ranks)
+
+    def busiest(ranges: list[tuple[int, int]]) -> float:
+        load = [0.0] * ranks
+        for index, (start, stop) in enumerate(ranges):
+            load[index % ranks] += float(arrays.compute_s[stop] - arrays.compute_s[start])
+        return max(load)
+
+    assert len(after) == count and after[0][0] == 0 and after[-1][1] == len(times)
+    assert all(stop > start for start, stop in after)
+    assert busiest(after) <= busiest(before) + 1e-12
+
+
+def test_an_indivisible_head_is_balanced_against_the_other_ranks() -> None:
+    """Ten 1 ms layers then a 4 ms head on 2 ranks, 2 chunks each: cutting for the least largest chunk leaves
+    the head's rank 1 ms over the other; moving cuts evens them (7 ms each)."""
+    arrays = arrays_of([1.0] * 10 + [4.0])
+    ranges = balance_ranks(arrays, even_chunks(arrays, 4), 2)
+    loads = [0.0, 0.0]
+    for index, (start, stop) in enumerate(ranges):
+        loads[index % 2] += float(arrays.compute_s[stop] - arrays.compute_s[start])
+    assert loads == [7.0, 7.0]
+
+
+def test_chunked_counts_are_multiples_of_the_ranks() -> None:
+    assert chunked_counts((1, 2, 4, 8, 16), 4, auto=False) == (4, 8, 16)
+    assert chunked_counts((), 3, auto=True) == (3, 6, 12, 24, 48, 96)
+    assert chunked_counts((), 4, auto=True) == (4, 8, 16, 32, 64, 128)
+
+
+def test_an_interleaved_plan_places_its_chunks_round_robin_and_states_what_it_simulates(tmp_path: Path) -> None:
+    gpt = load_profile(GPT)
+    plan = partition(gpt, make_cluster(2, None, ["10GB/s"]), schedule="interleaved-1f1b", microbatches=4)
+    assert plan.chunks in (2, 3, 4) and len(plan.stages) == 2 * plan.chunks
+    assert [stage.ranks for stage in plan.stages] == [(s % 2,) for s in range(len(plan.stages))]
+    assert plan.predicted.devices_used == 2 and plan.global_batch_size == 4 * plan.microbatch_size
+    timeline = simulate(plan, gpt)
+    assert timeline.iteration_s() * 1000.0 == pytest.approx(plan.predicted.iteration_ms, rel=1e-12)
+    peaks = timeline.peak_memory()
+    assert [stage.memory_bytes for stage in plan.stages] == [int(peaks[s]) for s in range(len(plan.stages))]
+    path = plan.save(tmp_path / "i.json")
+    assert json.loads(path.read_text())["chunks"] == plan.chunks and load_plan(path) == plan
+    assert any("chunks per rank" in note for note in plan.notes)
+
+
+def test_auto_does_not_pick_interleaved_and_a_bad_count_is_one_clear_error() -> None:
+    gpt = load_profile(GPT)
+    assert partition(gpt, make_cluster(2, None, ["10GB/s"])).schedule != "interleaved-1f1b"
+    with pytest.raises(PlannerError, match="multiple of the 2 ranks"):
+        partition(gpt, make_cluster(2, None, ["10GB/s"]), schedule="interleaved-1f1b", microbatches=3)
