@@ -1,10 +1,11 @@
-"""Distributed engine: one process per rank runs its stage replica's schedule program over torch.distributed.
+"""Distributed engine: one process per rank runs its stages' schedule program over torch.distributed.
 
 Launch one process per rank of the plan with torchrun; every process builds the whole model
 (same seed) and calls `Engine.from_plan(model, plan, optimizer=...)` (or `Engine(stages, ...)`),
 then `train_step(inputs, target)` with the same mini-batch on every rank. Rank r runs
-`build_schedule(schedule, replicas, microbatches, stage_ranks=...).programs[r]`: the program of
-its stage and replica (`planner.schedules.schedule`), the same data the simulator and the plots use.
+`build_schedule(schedule, replicas, microbatches, stage_ranks=..., chunks=...).programs[r]`: the program of
+its stage and replica, or of its v stages under interleaved-1f1b (`planner.schedules.schedule`), the same
+data the simulator and the plots use.
 
 - compute: `runtime.stage_runner.StageRunner` (checkpointing per stage; weight stashing for
   pipedream);
@@ -20,11 +21,17 @@ its stage and replica (`planner.schedules.schedule`), the same data the simulato
   and their gradients are summed over every rank of those stages (one process group per tied
   parameter) before the step, so the copies stay equal. Refused under pipedream, whose stages
   step at different times;
-- schedules: `gpipe` and `1f1b` flush at the end of `train_step` (every parameter then equals
-  single-device training on the mini-batch); `pipedream` runs 1F1B without a flush inside
+- schedules: `gpipe`, `1f1b`, `zb-h1` and `interleaved-1f1b` flush at the end of `train_step` (every
+  parameter then equals single-device training on the mini-batch); `pipedream` runs 1F1B without a flush inside
   `train_step`, one optimizer step per microbatch, each backward on the weights its forward
   used. The pipeline drains at the end of each `train_step`, so give pipedream many
   microbatches per call;
+- interleaved-1f1b (`chunks` = v > 1): the model cut into p v stages, stage s on rank s mod p. A rank
+  keeps per own stage its module, `StageRunner` (and checkpoint flag) and message structures, and keys
+  messages (iteration, stage, microbatch): stages s + 1 and s + 1 + p may both receive microbatch i
+  from the same rank. One optimizer over all its stages' parameters steps once per iteration, at its
+  last stage's STEP, after the tied all-reduces (a rank holding two stages of one tied parameter holds
+  one Parameter and takes part once). With p = 1, messages between its own stages go straight to its mailbox;
 - failures: a rank whose step raises publishes "rank R (stage S, microbatch M) failed: ..." in
   the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
   ranks to see it; every rank waiting for a message or an all-reduce checks the store every
@@ -34,10 +41,10 @@ its stage and replica (`planner.schedules.schedule`), the same data the simulato
   heartbeat stops for `timeout_s` seconds (killed, frozen, cut off), a lost connection to a
   peer, or a wait for one message or all-reduce longer than `timeout_s` (a rank alive but stuck)
   ends the step on every rank with an `EngineError` naming the rank, as above;
-- timings: `trace` holds an `OpTime` per action of the last `trace_steps` steps
-  (`runtime.trace`), `step_spans` the start and end of every `train_step` (perf_counter s).
+- timings: `trace` holds an `OpTime` (with the action's stage) per action of the last
+  `trace_steps` steps (`runtime.trace`), `step_spans` the start and end of every `train_step` (perf_counter s).
 
-Why one module of ~520 lines: set-up checks, process groups, the transport the schedule interpreter
+Why one module of ~600 lines: set-up checks, process groups, the transport the schedule interpreter
 (`runtime.interpreter`) runs on, and fail-fast share the Engine's state; the stage's own computation is
 `runtime.stage_runner`, messages `runtime.p2p`, gradient collectives `runtime.gradients`.
 """
@@ -54,14 +61,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.errors import PlannerError
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    ALLREDUCE, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS, SPLIT_BACKWARD_SCHEDULES, Action, Schedule,
-    ScheduleError, build_schedule, check_channel_order,
+    ALLREDUCE, CHUNKED_SCHEDULES, RECEIVES, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS,
+    SPLIT_BACKWARD_SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check_channel_order,
 )
 from runtime.export_split import ShapeGuard
-from runtime.gradients import all_reduce_gradients, comm_device, make_gradient_groups
+from runtime.gradients import all_reduce_gradients, comm_device, make_rank_gradient_groups
 from runtime.interpreter import run_program
 from runtime.liveness import Heartbeat, RankMissing
 from runtime.nested import map_leaves, split_minibatch, tensors
@@ -73,9 +81,9 @@ from runtime.trace import OpTime
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
-ENGINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream")
+ENGINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "interleaved-1f1b")
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-Key = tuple[int, int]  # (iteration, microbatch)
+Key = tuple[int, int, int]  # (iteration, stage, microbatch)
 
 
 class EngineError(PipelineError):
@@ -121,20 +129,25 @@ class Engine:
     """This rank's part of a pipeline run over torch.distributed; see the module docstring.
 
     `stages`: every stage of the model (`build_stages` / `split_model`; this rank keeps its own);
-    `schedule`: "gpipe", "1f1b", "zb-h1" (its B and W apart: `StageRunner`'s split_backward) or
-    "pipedream"; `stage_ranks[s]`: the ranks of stage s (replica
-    k at index k; default one rank per stage, in order); `microbatches` per `train_step`;
-    `checkpoint`: per stage (or one bool), recompute the forward in the backward; `optimizer`:
-    makes this stage's optimizer from its parameters (required for pipedream; without one, a
+    `schedule`: "gpipe", "1f1b", "zb-h1" (its B and W apart: `StageRunner`'s split_backward),
+    "pipedream" or "interleaved-1f1b"; `stage_ranks[s]`: the ranks of stage s (replica
+    k at index k; default one rank per stage, in order, or stage s on rank s mod p with chunks);
+    `microbatches` per `train_step` (interleaved-1f1b: a multiple of p); `chunks`: stages per rank
+    (interleaved-1f1b's v; `len(stages)` = p v); `checkpoint`: per stage (or one bool), recompute the
+    forward in the backward; `optimizer`: makes this rank's optimizer from its stages' parameters
+    (called once; required for pipedream; without one, a
     flush schedule leaves the mini-batch gradients in `.grad`, which must be zeroed before the
     next step); `loss_fn(output, target)`: a mean over the batch; `device`: default
     `init_distributed`'s; `timeout_s`: how long a rank may stop answering (no heartbeat) or one
     wait may last before the step fails; `trace_steps`: how many steps' op timings `trace` keeps.
     Requires an initialized default process group (`init_distributed`).
+
+    Per own stage (`stages`, lowest first): `modules[s]` and `runners[s]`; `stage` is the first,
+    and `module` / `runner` are those of a rank of one stage.
     """
 
     def __init__(self, stages: Sequence[nn.Module], schedule: str = "1f1b",
-                 stage_ranks: Sequence[Sequence[int]] | None = None, microbatches: int = 4, *,
+                 stage_ranks: Sequence[Sequence[int]] | None = None, microbatches: int = 4, *, chunks: int = 1,
                  checkpoint: bool | Sequence[bool] | None = None, optimizer: OptimizerFactory | None = None,
                  loss_fn: LossFn | None = None, device: torch.device | str | None = None,
                  failure_timeout_s: float = 10.0, timeout_s: float = 300.0, trace_steps: int = 100) -> None:
@@ -147,21 +160,20 @@ class Engine:
             raise EngineError("pipedream steps the optimizer after every backward: pass optimizer=")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise EngineError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise EngineError(f"chunks must be a positive integer, got {chunks!r}")
         count = len(stages)
-        ranks = [tuple(group) for group in (stage_ranks or [(s,) for s in range(count)])]
+        ranks = [tuple(group) for group in (stage_ranks or [(s % max(count // chunks, 1),) for s in range(count)])]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        _check_ranks(ranks, count, self.world)
+        self.schedule: Schedule = _checked_schedule(schedule, ranks, count, microbatches, chunks, self.world)
         flags = [bool(checkpoint)] * count if checkpoint is None or isinstance(checkpoint, bool) else list(checkpoint)
         if len(flags) != count:
             raise EngineError(f"checkpoint needs one flag per stage ({count}), got {len(flags)}")
         if schedule in SPLIT_BACKWARD_SCHEDULES and any(flags):
             raise EngineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
                               "stages do not have: plan without recompute, or use gpipe or 1f1b")
-        self.schedule: Schedule = build_schedule(schedule, [len(group) for group in ranks], microbatches,
-                                                 stage_ranks=ranks)
-        _check_message_order(self.schedule)
         self.program = self.schedule.programs[self.rank]
-        self.stage, self.replica = self.program.stage, self.program.replica
+        self.stage, self.replica, self.stages = self.program.stage, self.program.replica, self.program.stages
         self.microbatches = microbatches
         self.device = torch.device(device) if device is not None else init_distributed()[2]
         shared = stages.shared if isinstance(stages, Stages) else ()
@@ -170,23 +182,26 @@ class Engine:
                               "pipedream steps each stage on its own, so the copies would drift apart; "
                               "split so that tied layers share a stage, or use gpipe or 1f1b")
         self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
-        self.module = stages[self.stage].to(self.device)
-        self.runner = StageRunner(self.module, self.device, last=self.stage == count - 1,
-                                  loss_fn=loss_fn or default_loss, checkpoint=flags[self.stage],
-                                  stash_weights=schedule == "pipedream",
-                                  split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
-        self.optimizer = optimizer(list(self.module.parameters())) if optimizer is not None else None
+        self.modules: dict[int, nn.Module] = {stage: stages[stage].to(self.device) for stage in self.stages}
+        self.runners = {stage: StageRunner(module, self.device, last=stage == count - 1,
+                                           loss_fn=loss_fn or default_loss, checkpoint=flags[stage],
+                                           stash_weights=schedule == "pipedream",
+                                           split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+                        for stage, module in self.modules.items()}
+        parameters = {id(p): p for module in self.modules.values() for p in module.parameters()}  # tied: once
+        self.optimizer = optimizer(list(parameters.values())) if optimizer is not None else None
         self.failure_timeout_s, self.timeout_s = failure_timeout_s, timeout_s
         links = _make_links(self.schedule)
-        self._gradients = make_gradient_groups(self.schedule.stage_ranks, shared, self.stage, self.module)
+        self._gradients = make_rank_gradient_groups(self.schedule.stage_ranks, shared, self.modules)
         self._store, self._prefix = _engine_store()
         self._heartbeat = Heartbeat(self._store, self._prefix, self.rank, self.world, timeout_s,
                                     interval_s=min(1.0, timeout_s / 4))
         self._mailbox = Mailbox()
         self._links = Links(self.rank, links, self._mailbox, comm_device(self.device), self._check)
-        self._sent_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure sent
-        self._received_structures: dict[tuple[int, Hashable], Any] = {}  # (peer, slot) -> structure received
-        self._where: Key | None = None
+        # (peer, sending stage, slot) -> structure sent; (peer, receiving stage, slot) -> structure received
+        self._sent_structures: dict[tuple[int, int, Hashable], Any] = {}
+        self._received_structures: dict[tuple[int, int, Hashable], Any] = {}
+        self._where: tuple[int, int | None] | None = None  # (stage, microbatch or None) of the running action
         self._closed = False
         self.step_spans: list[tuple[float, float]] = []
         # (bytes, method) this rank needed during train_step number `memory_step` (from 0; measuring slows it):
@@ -205,14 +220,33 @@ class Engine:
         `example_inputs`: one microbatch of the model's inputs, for models torch.fx cannot trace
         (`runtime.stages.build_stages`).
         """
-        needed = sum(stage.replicas for stage in plan.stages)
+        chunks = getattr(plan, "chunks", 1)  # plans older than chunked schedules: one stage per rank
+        needed = sum(stage.replicas for stage in plan.stages) // chunks
         world = dist.get_world_size() if dist.is_initialized() else None
         if world is not None and world != needed:
             raise EngineError(f"the plan has {needed} ranks but the job has {world} processes: "
                               f"launch with torchrun --nproc-per-node {needed} (or make a plan for {world} GPUs)")
         return cls(build_stages(model, plan, example_inputs), plan.schedule, [stage.ranks for stage in plan.stages],
-                   microbatches or plan.microbatches or 1, checkpoint=[stage.recompute for stage in plan.stages],
+                   microbatches or plan.microbatches or 1, chunks=chunks,
+                   checkpoint=[stage.recompute for stage in plan.stages],
                    optimizer=optimizer, loss_fn=loss_fn, device=device, timeout_s=timeout_s)
+
+    @property
+    def module(self) -> nn.Module:
+        """This rank's stage module (a rank of one stage; else `modules`)."""
+        return self.modules[self._only_stage("modules")]
+
+    @property
+    def runner(self) -> StageRunner:
+        """This rank's stage runner (a rank of one stage; else `runners`)."""
+        return self.runners[self._only_stage("runners")]
+
+    def _only_stage(self, instead: str) -> int:
+        """This rank's stage; EngineError naming `instead` (the per-stage attribute) if it runs several."""
+        if len(self.stages) > 1:
+            raise EngineError(f"rank {self.rank} runs stages {list(self.stages)}: use engine.{instead}[stage]",
+                              self.rank, self.stage)
+        return self.stage
 
     @property
     def trace(self) -> list[OpTime]:
@@ -228,9 +262,9 @@ class Engine:
         """Move the sender threads' finished transfers into their steps' op lists (dropped with old steps)."""
         kept = dict(self._ops)
         while self._links.transfers:
-            (step, op, iteration, microbatch, peer), start, end = self._links.transfers.popleft()
+            (step, op, iteration, stage, microbatch, peer), start, end = self._links.transfers.popleft()
             if step in kept:
-                kept[step].append(OpTime(step, op, iteration, microbatch, peer, start, end))
+                kept[step].append(OpTime(step, op, iteration, microbatch, peer, start, end, stage))
 
     def gone(self, wait_s: float = 0.0) -> list[int]:
         """Ranks of this machine whose process has exited (`Heartbeat.gone`, looking for up to `wait_s` s)."""
@@ -258,7 +292,8 @@ class Engine:
         slots = [(index, tuple((tuple(t.shape), t.dtype) for t in tensors((chunk, goal))))
                  for index, (chunk, goal) in enumerate(zip(chunks, targets))]
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.runner.reset(seed + self.stage)
+        for stage, runner in self.runners.items():
+            runner.reset(seed + stage)
         self._where = None
         start = time.perf_counter()
         try:
@@ -266,7 +301,8 @@ class Engine:
             if len(self.step_spans) == self.memory_step:  # also the memory it needs (slower; a warm-up step)
                 found: list[Any] = []
                 self.peak_memory = peak_memory_of(
-                    lambda: found.append(self._run(chunks, targets, shares, slots)), self.module,
+                    lambda: found.append(self._run(chunks, targets, shares, slots)),
+                    nn.ModuleList(self.modules.values()),  # every stage of this rank (a tied parameter once)
                     tuple(tensors(self.optimizer.state_dict()["state"]) if self.optimizer is not None else ()),
                     self.device, count_inputs=True)
                 loss = found[0]
@@ -281,10 +317,11 @@ class Engine:
             self.close()
             raise EngineError(message, missing.rank) from None
         except BaseException as exc:
-            where = f"stage {self.stage}" + (f", microbatch {self._where[1]}" if self._where else "")
+            stage, microbatch = self._where or (self.stage, None)
+            where = f"stage {stage}" + (f", microbatch {microbatch}" if microbatch is not None else "")
             message = self._publish(f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}")
             self.close()
-            raise EngineError(message, self.rank, self.stage, self._where[1] if self._where else None) from exc
+            raise EngineError(message, self.rank, stage, microbatch) from exc
         self.step_spans.append((start, time.perf_counter()))
         return loss
 
@@ -305,16 +342,19 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------------
 
     def _expect(self, slots: list[tuple[int, Any]]) -> None:
-        """Tell the receiver threads which messages this step brings, in program order."""
+        """Tell the receiver threads which messages this step brings, in program order (a message between two
+        stages of this rank goes straight to the mailbox: no receiver thread)."""
         for action in self.program.actions:
-            key = (action.iteration, action.microbatch)
+            if action.op not in RECEIVES or action.peer == self.rank:
+                continue
+            kind, key = _mailbox_key(action)
+            structure_key = (action.peer, action.stage, slots[action.microbatch])
             if action.op == RECV_ACTIVATION:
-                known = self._received_structures.get((action.peer, slots[action.microbatch]))
-                self._links.expect(action.peer, [Expected(("activation", key), known)])
-            elif action.op == RECV_GRADIENT:  # known once this slot's activation was sent in an earlier step
-                sent = self._sent_structures.get((action.peer, slots[action.microbatch]))
+                known = self._received_structures.get(structure_key)
+            else:  # known once this slot's activation was sent in an earlier step
+                sent = self._sent_structures.get(structure_key)
                 known = Later(("gradient structure", key)) if sent is None else gradient_structure(sent)
-                self._links.expect(action.peer, [Expected(("gradient", key), known)])
+            self._links.expect(action.peer, [Expected((kind, key), known)])
 
     def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
              slots: list[tuple[int, Any]]) -> float | None:
@@ -327,19 +367,19 @@ class Engine:
         started = [0.0]
 
         def before(action: Action) -> None:
-            self._where = (action.iteration, action.microbatch) if action.microbatch >= 0 else None
+            self._where = (action.stage, action.microbatch if action.microbatch >= 0 else None)
             started[0] = time.perf_counter()
 
         def after(action: Action) -> None:
-            if action.op not in SENDS:
+            if action.op not in SENDS or action.peer == self.rank:
                 ops.append(OpTime(step, action.op, action.iteration, action.microbatch, action.peer, started[0],
-                                  time.perf_counter()))
+                                       time.perf_counter(), action.stage))
 
         scales = [1.0] * len(shares) if pipedream else shares
         messages = _StepMessages(self, step, slots, ops, started)
-        run_program(self.program.actions, self.runner, messages, chunks, targets, scales, before, after)
+        run_program(self.program.actions, self.runners, messages, chunks, targets, scales, before, after)
         self._where = None
-        return self._loss(shares) if self.runner.last else None
+        return self._loss(shares) if self.schedule.num_stages - 1 in self.runners else None
 
     def _take(self, key: Hashable, peer: int, what: str) -> Any:
         """The message `key` from `peer` out of the mailbox; RankMissing after `timeout_s` s of waiting."""
@@ -360,18 +400,19 @@ class Engine:
         return check
 
     def _send_activation(self, peer: int, key: Key, slot: Any, value: Any, tag: tuple) -> None:
-        """Queue the activation; its structure goes first the first time this slot is sent to `peer`."""
+        """Queue the activation of `key` = (iteration, sending stage, microbatch); its structure goes first the
+        first time this stage sends this slot to `peer`."""
         structure = describe(value)
-        known = self._sent_structures.get((peer, slot))
+        known = self._sent_structures.get((peer, key[1], slot))
         if known is not None and known != structure:
-            raise EngineError(f"the values sent to rank {peer} for microbatch {key[1]} changed shape or type "
-                              "between steps at the same input shapes; the engine exchanges them once")
-        self._sent_structures[(peer, slot)] = structure
+            raise EngineError(f"the values stage {key[1]} sent to rank {peer} for microbatch {key[2]} changed shape or "
+                              "type between steps at the same input shapes; the engine exchanges them once")
+        self._sent_structures[(peer, key[1], slot)] = structure
         if known is None:  # this step's receive of the gradient waits for its structure (`_expect`)
             self._mailbox.put(("gradient structure", key), gradient_structure(structure))
         self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
-    def _step(self, ops: list[OpTime], step: int, iteration: int) -> float:
+    def _step(self, ops: list[OpTime], step: int, action: Action) -> float:
         """Sum tied parameters' gradients across their stages, then step the optimizer (if any); returns
         when the step began (`perf_counter`). The tied all-reduce, if any, goes into `ops` as an ALLREDUCE
         op of microbatch -1 (it waits for every stage holding the tie)."""
@@ -379,7 +420,8 @@ class Engine:
             start = time.perf_counter()
             for parameter, group in self._gradients.tied:
                 self._all_reduce([parameter], group)
-            ops.append(OpTime(step, ALLREDUCE, iteration, -1, None, start, time.perf_counter()))
+            ops.append(OpTime(step, ALLREDUCE, action.iteration, -1, None, start, time.perf_counter(),
+                                   action.stage))
         began = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -394,13 +436,13 @@ class Engine:
 
     def _loss(self, shares: list[float]) -> float:
         """The mini-batch's mean loss, summed over the last stage's replicas."""
-        losses = self.runner.losses
+        last = self.schedule.num_stages - 1
+        losses = self.runners[last].losses
         if self.schedule.name == "pipedream":
             total = sum(losses[(0, mb)] * shares[mb] for mb in range(self.microbatches) if (0, mb) in losses)
         else:
             total = sum(losses.values())
-        replicas = self.schedule.stage_ranks[self.stage]
-        if len(replicas) == 1:
+        if len(self.schedule.stage_ranks[last]) == 1:
             return float(total)
         summed = torch.tensor([total], dtype=torch.float64, device=comm_device(self.device))
         self._wait(dist.all_reduce(summed, group=self._gradients.replica_group, async_op=True),
@@ -486,14 +528,38 @@ def gradient_structure(structure: Any) -> list[TensorSpec | None]:
     return [spec if spec.dtype.is_floating_point or spec.dtype.is_complex else None for spec in specs]
 
 
-def _check_ranks(ranks: list[tuple[int, ...]], count: int, world: int) -> None:
-    """EngineError unless `ranks` gives every stage at least one rank and covers 0..world-1 once."""
+def _checked_schedule(name: str, ranks: list[tuple[int, ...]], count: int, microbatches: int, chunks: int,
+                      world: int) -> Schedule:
+    """`build_schedule` for `count` stages on `ranks`; EngineError (with build_schedule's own text when it refuses:
+    replicas or microbatches an interleaved schedule cannot run) unless the stages run on ranks 0..world-1, each
+    rank holding `chunks` of them, as the schedule places them, and every channel is first in, first out."""
     if len(ranks) != count:
         raise EngineError(f"{count} stages need {count} rank groups, got {len(ranks)}")
-    every = sorted(rank for group in ranks for rank in group)
-    if not all(ranks) or every != list(range(world)):
-        raise EngineError(f"stage ranks {[list(group) for group in ranks]} must cover ranks 0..{world - 1} once "
-                          f"each (world size {world}); launch one process per rank of the plan")
+    try:
+        schedule = build_schedule(name, [len(group) for group in ranks], microbatches, stage_ranks=ranks,
+                                  chunks=chunks)
+    except PlannerError as exc:
+        raise EngineError(str(exc)) from None
+    if name in CHUNKED_SCHEDULES and list(schedule.stage_ranks) != ranks:
+        raise EngineError(f"{name} puts stage s on rank s mod {len(schedule.programs)}: stage ranks "
+                          f"{[list(group) for group in schedule.stage_ranks]}, got {[list(group) for group in ranks]}")
+    if sorted(program.rank for program in schedule.programs) != list(range(world)):
+        each = "once each" if chunks == 1 else f"with {chunks} stages each"
+        raise EngineError(f"stage ranks {[list(group) for group in ranks]} must cover ranks 0..{world - 1} {each} "
+                          f"(world size {world}); launch one process per rank of the plan")
+    _check_message_order(schedule)
+    return schedule
+
+
+def _mailbox_key(action: Action) -> tuple[str, Key]:
+    """The mailbox key of the message `action` receives, or sends to another stage of the same rank:
+    (kind, (iteration, receiving stage, microbatch)). The channels themselves are FIFO, so the key
+    is the receiver's alone; it holds the stage, as one rank's stages s and s + p both receive
+    microbatch i from the same rank under interleaved-1f1b."""
+    sent = action.op in SENDS
+    if action.op in (RECV_ACTIVATION, SEND_ACTIVATION):
+        return "activation", (action.iteration, action.stage + 1 if sent else action.stage, action.microbatch)
+    return "gradient", (action.iteration, action.stage - 1 if sent else action.stage, action.microbatch)
 
 
 class _StepMessages:
@@ -506,34 +572,40 @@ class _StepMessages:
 
     def receive(self, action: Action) -> Any:
         """The activation or gradients from the action's peer; RankMissing when it stops answering."""
-        key, mb, engine = (action.iteration, action.microbatch), action.microbatch, self.engine
-        if action.op == RECV_ACTIVATION:
-            value, structure = engine._take(("activation", key), action.peer, f"the activation of microbatch {mb}")
-            engine._received_structures[(action.peer, self.slots[mb])] = structure
-            return value
-        value, _ = engine._take(("gradient", key), action.peer, f"the gradient of microbatch {mb}")
+        engine, (kind, key) = self.engine, _mailbox_key(action)
+        value, structure = engine._take((kind, key), action.peer,
+                                        f"the {kind} of stage {action.stage}, microbatch {action.microbatch}")
+        if action.op == RECV_ACTIVATION and action.peer != engine.rank:
+            engine._received_structures[(action.peer, action.stage, self.slots[action.microbatch])] = structure
         return value
 
     def send(self, action: Action, value: Any) -> None:
-        """Queue the activation (its structure first, once per slot) or the gradients that exist."""
-        key, tag = (action.iteration, action.microbatch), (self.step_index, action.op)
-        if action.op == SEND_ACTIVATION:
-            self.engine._send_activation(action.peer, key, self.slots[action.microbatch], value, (*tag, *key))
+        """Queue the activation (its structure first, once per stage and slot) or the gradients that exist; to
+        another stage of this rank, put it in the mailbox as it is."""
+        engine, key = self.engine, (action.iteration, action.stage, action.microbatch)
+        tag = (self.step_index, action.op, *key)
+        if action.peer == engine.rank:
+            engine._mailbox.put(_mailbox_key(action), (value, None))
+        elif action.op == SEND_ACTIVATION:
+            engine._send_activation(action.peer, key, self.slots[action.microbatch], value, tag)
         else:
-            self.engine._links.send(action.peer, [grad for grad in value if grad is not None], with_structure=False,
-                                    tag=(*tag, *key, action.peer))
+            engine._links.send(action.peer, [grad for grad in value if grad is not None], with_structure=False,
+                               tag=(*tag, action.peer))
 
     def all_reduce(self, action: Action) -> None:
         """Sum the replicas' gradients (pipedream: their mean, every microbatch)."""
         engine = self.engine
-        replicas = len(engine.schedule.stage_ranks[engine.stage])
+        replicas = len(engine.schedule.stage_ranks[action.stage])
         engine._all_reduce(engine._gradients.replicated, engine._gradients.replica_group,
                            divide_by=replicas if engine.schedule.name == "pipedream" else 1)
 
     def step(self, action: Action) -> None:
-        """Tied weights' gradients summed across their stages (timed as an all-reduce), then the optimizer
-        step (timed from there as the STEP action)."""
-        self.started[0] = self.engine._step(self.ops, self.step_index, action.iteration)
+        """At the rank's last stage's STEP (one per own stage and iteration): tied weights' gradients summed
+        across their stages (timed as an all-reduce), then the one optimizer's step (timed from there as this
+        STEP action). The STEPs of its other stages do nothing: its tied all-reduces run together, in one
+        order on every rank (`make_rank_gradient_groups`), which per-stage all-reduces could not keep."""
+        if action.stage == self.engine.stages[-1]:
+            self.started[0] = self.engine._step(self.ops, self.step_index, action)
 
 
 def _check_message_order(schedule: Schedule) -> None:
@@ -546,10 +618,10 @@ def _check_message_order(schedule: Schedule) -> None:
 
 
 def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:
-    """links[(a, b)]: the process group of the messages from rank a to rank b, created in the same order on
-    every rank (the gradient groups come next: `make_gradient_groups`)."""
+    """links[(a, b)]: the process group of the messages from rank a to rank b (a != b), created in the same order on
+    every rank (the gradient groups come next: `make_rank_gradient_groups`)."""
     pairs = sorted({(program.rank, action.peer) for program in schedule.programs for action in program.actions
-                    if action.op in SENDS})
+                    if action.op in SENDS and action.peer != program.rank})
     return {pair: dist.new_group(sorted(pair)) for pair in pairs}
 
 

@@ -4,7 +4,7 @@ a stage's replicas and of tied parameters, and the all-reduce of gradients over 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,9 @@ from torch import nn
 
 from runtime.stage_types import SharedParameter
 
-__all__ = ["GradientGroups", "all_reduce_gradients", "comm_device", "make_gradient_groups"]
+__all__ = [
+    "GradientGroups", "all_reduce_gradients", "comm_device", "make_gradient_groups", "make_rank_gradient_groups",
+]
 
 
 def comm_device(device: torch.device) -> torch.device:
@@ -22,9 +24,9 @@ def comm_device(device: torch.device) -> torch.device:
 
 @dataclass(frozen=True)
 class GradientGroups:
-    """This rank's gradient collectives: `tied` pairs each tied parameter of its stage with the group of every
-    rank of the stages holding it; `replicated` are the stage's other parameters, all-reduced over
-    `replica_group` (None when the stage has one replica)."""
+    """This rank's gradient collectives: `tied` pairs each tied parameter of its stages (once) with the group of
+    every rank of the stages holding it; `replicated` are its stages' other parameters, all-reduced over
+    `replica_group` (None when its stage has one replica)."""
 
     tied: list[tuple[nn.Parameter, Any]]
     replicated: list[nn.Parameter]
@@ -33,17 +35,37 @@ class GradientGroups:
 
 def make_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequence[SharedParameter], stage: int,
                          module: nn.Module) -> GradientGroups:
+    """`make_rank_gradient_groups` for a rank that runs one stage, `stage`, whose module is `module`."""
+    return make_rank_gradient_groups(stage_ranks, shared, {stage: module})
+
+
+def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequence[SharedParameter],
+                              modules: Mapping[int, nn.Module]) -> GradientGroups:
     """Create one group per stage with several replicas, then one per tied parameter (collective: every rank
-    creates every group, in this order), and return those of this rank's `stage`, whose module is `module`."""
+    creates every group, in this order), and return those of this rank, whose stages' modules are `modules`.
+
+    A tied parameter's group holds each rank of its stages once: a rank running several of those stages
+    (interleaved-1f1b) holds one Parameter object for them, whose `.grad` autograd already sums, so it
+    takes part once. `tied` follows `shared`'s order on every rank (all-reducing the groups in one order
+    cannot deadlock). A rank of several stages needs one replica per stage (one replica group at most).
+    """
     replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
-    tied_groups = [dist.new_group(sorted(rank for held_by in held.stages for rank in stage_ranks[held_by]))
+    tied_groups = [dist.new_group(sorted({rank for held_by in held.stages for rank in stage_ranks[held_by]}))
                    for held in shared]
-    parameters = dict(module.named_parameters())
-    tied = [(parameters[held.stage_names[held.stages.index(stage)]], tied_groups[index])
-            for index, held in enumerate(shared) if stage in held.stages]
+    replicated_stages = [stage for stage in modules if replica_groups[stage] is not None]
+    if len(modules) > 1 and replicated_stages:
+        raise ValueError(f"stage {replicated_stages[0]} has several replicas, but its rank runs stages "
+                         f"{sorted(modules)}: a rank of several stages needs one replica each")
+    tied: list[tuple[nn.Parameter, Any]] = []
+    for index, held in enumerate(shared):
+        mine = [stage for stage in held.stages if stage in modules]
+        if mine:
+            name = held.stage_names[held.stages.index(mine[0])]
+            tied.append((dict(modules[mine[0]].named_parameters())[name], tied_groups[index]))
     tied_ids = {id(parameter) for parameter, _ in tied}
-    replicated = [parameter for parameter in module.parameters() if id(parameter) not in tied_ids]
-    return GradientGroups(tied, replicated, replica_groups[stage])
+    unique = {id(p): p for module in modules.values() for p in module.parameters() if id(p) not in tied_ids}
+    group = replica_groups[replicated_stages[0]] if replicated_stages else None
+    return GradientGroups(tied, list(unique.values()), group)
 
 
 def all_reduce_gradients(parameters: Sequence[nn.Parameter], group: Any, device: torch.device, divide_by: int = 1,

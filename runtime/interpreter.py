@@ -1,14 +1,17 @@
-"""One stage's schedule program walked action by action: the one interpreter behind `runtime.pipeline` (a thread
+"""One rank's schedule program walked action by action: the one interpreter behind `runtime.pipeline` (a thread
 per stage, queues between them) and `runtime.engine` (a process per rank, torch.distributed), which differ only in
 their `Transport`.
 
-Microbatches are keyed (iteration, microbatch) in the `StageRunner`; the first stage's forward takes
-`inputs[microbatch]`, the last stage's loss `targets[microbatch]` scaled by `scales[microbatch]`.
+A rank runs one stage, or several under a chunked schedule (interleaved-1f1b): each action goes to the
+`StageRunner` of its `stage`. Microbatches are keyed (iteration, microbatch) in a runner (one runner per
+stage); values computed and not sent yet are keyed (stage, iteration, microbatch), as a rank may hold the
+output of one of its stages and the input gradient of another for the same microbatch. The first stage's
+forward takes `inputs[microbatch]`, the last stage's loss `targets[microbatch]` scaled by `scales[microbatch]`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SENDS, STEP, WEIGHT, Action,
@@ -38,11 +41,12 @@ class Transport(Protocol):
         """The end of an iteration on this stage (STEP): tied weights, the optimizer."""
 
 
-def run_program(actions: Sequence[Action], runner: StageRunner, transport: Transport, inputs: Sequence[Any],
-                targets: Sequence[Any], scales: Sequence[float],
+def run_program(actions: Sequence[Action], runner: StageRunner | Mapping[int, StageRunner], transport: Transport,
+                inputs: Sequence[Any], targets: Sequence[Any], scales: Sequence[float],
                 before: Callable[[Action], None] = lambda action: None,
                 after: Callable[[Action], None] = lambda action: None) -> None:
-    """Carry out `actions` in order on `runner`, messages and collectives through `transport`.
+    """Carry out `actions` in order, messages and collectives through `transport`, compute on `runner`: one
+    runner for every action, or a mapping stage -> runner (a rank of several stages).
 
     `before(action)` and `after(action)` run around each action (the engine times them and names
     the microbatch a failure happened in). UnknownActionError for an op no runtime knows.
@@ -50,23 +54,25 @@ def run_program(actions: Sequence[Action], runner: StageRunner, transport: Trans
     outgoing: dict[Hashable, Any] = {}  # outputs or input gradients computed, not sent yet
     for action in actions:
         mb, key = action.microbatch, (action.iteration, action.microbatch)
+        sending = (action.stage, *key)
         before(action)
+        compute = runner[action.stage] if isinstance(runner, Mapping) else runner
         if action.op == RECV_ACTIVATION:
-            runner.receive(key, transport.receive(action))
+            compute.receive(key, transport.receive(action))
         elif action.op == FORWARD:
-            output = runner.forward(key, inputs[mb], targets[mb], scales[mb])
+            output = compute.forward(key, inputs[mb], targets[mb], scales[mb])
             if output is not None:
-                outgoing[key] = output
+                outgoing[sending] = output
         elif action.op in SENDS:
-            transport.send(action, outgoing.pop(key))
+            transport.send(action, outgoing.pop(sending))
         elif action.op == RECV_GRADIENT:
-            runner.receive_grads(key, transport.receive(action))
+            compute.receive_grads(key, transport.receive(action))
         elif action.op == BACKWARD:
-            grads = runner.backward(key)
+            grads = compute.backward(key)
             if grads is not None:
-                outgoing[key] = grads
+                outgoing[sending] = grads
         elif action.op == WEIGHT:
-            runner.backward_weight(key)
+            compute.backward_weight(key)
         elif action.op == ALLREDUCE:
             transport.all_reduce(action)
         elif action.op == STEP:

@@ -29,7 +29,8 @@ class OpTime:
 
     `step`: the index of the `train_step` call on this engine (from 0); `iteration` and
     `microbatch` as in the schedule's `Action` (microbatch -1 for `allreduce` and `step`);
-    `peer`: the other rank of a send or receive, else None.
+    `peer`: the other rank of a send or receive, else None; `stage`: the stage the action belongs to
+    (a rank runs several under interleaved-1f1b; -1 in traces made before it was recorded).
     """
 
     step: int
@@ -39,6 +40,7 @@ class OpTime:
     peer: int | None
     start_s: float
     end_s: float
+    stage: int = -1
 
 
 def clock_offset_s(readings: int = 32) -> float:

@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "pipedream")
 FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")  # an all-reduce and step once per iteration
 CHUNKED_SCHEDULES = ("interleaved-1f1b",)  # several stages (chunks) per rank, placed round-robin
-BUILT_SCHEDULES = SCHEDULES  # TEMPORARY alias while the engine work lands; remove
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # `backward` is B (input gradients) and `weight` W (weight gradients)
 ArrayOrInt = Union[int, "np.ndarray"]
 

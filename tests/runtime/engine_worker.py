@@ -2,12 +2,13 @@
 
 SPEC: {"cases": [case, ...]}; a case: {"name", "model" (an example), "splits" (split points),
 "stage_ranks", "schedule", "microbatches", "batch", "steps", "lr", "checkpoint" (bool or list),
-"fail": null or {"rank", "microbatch", "in": "forward" | "backward"}, "plan": optional plan file}.
-With "plan", the engine is `Engine.from_plan` (splits, ranks, schedule, microbatches and
-checkpointing from the plan). Every rank builds the
+"chunks" (stages per rank, default 1), "fail": null or {"rank", "microbatch", "in": "forward" |
+"backward"}, "plan": optional plan file}. With "plan", the engine is `Engine.from_plan` (splits,
+ranks, schedule, microbatches and checkpointing from the plan). Every rank builds the
 seeded model in eval mode and its batch (seed 1), trains `steps` steps with SGD and writes
-OUT_DIR/NAME.rank{R}.pt: {"losses": [...], "params": {model name: tensor}} for the parameters
-of its stage. A failing case prints "rank R: EngineError: <message>" and the worker exits 3.
+OUT_DIR/NAME.rank{R}.pt: {"losses": [...], "params": {model name: tensor}, "ops": [(op, microbatch,
+start, end, stage), ...] of the last step} for the parameters of its stages. A failing case (its
+rank's first stage fails) prints "rank R: EngineError: <message>" and the worker exits 3.
 """
 
 from __future__ import annotations
@@ -56,15 +57,16 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
         engine = Engine.from_plan(model, load_plan(case["plan"]), optimizer=sgd, loss_fn=example.loss_fn)
     else:
         engine = Engine(split_model(model, case["splits"]), case["schedule"], case["stage_ranks"],
-                        case["microbatches"], checkpoint=case.get("checkpoint", False), loss_fn=example.loss_fn,
-                        optimizer=sgd)
+                        case["microbatches"], chunks=case.get("chunks", 1), checkpoint=case.get("checkpoint", False),
+                        loss_fn=example.loss_fn, optimizer=sgd)
     fail = case.get("fail")
     if fail and fail["rank"] == rank:
-        deliberate_failure(engine.module, fail["microbatch"], fail["in"])
+        deliberate_failure(engine.modules[engine.stage], fail["microbatch"], fail["in"])
     losses = [engine.train_step(inputs, target) for _ in range(case["steps"])]
-    ops = [(op.op, op.microbatch, op.start_s, op.end_s) for op in engine.trace if op.step == case["steps"] - 1]
+    ops = [(op.op, op.microbatch, op.start_s, op.end_s, op.stage) for op in engine.trace
+           if op.step == case["steps"] - 1]
     engine.close()
-    mine = {id(parameter) for parameter in engine.module.parameters()}
+    mine = {id(parameter) for module in engine.modules.values() for parameter in module.parameters()}
     params = {name: parameter.detach().clone() for name, parameter in model.named_parameters() if id(parameter) in mine}
     torch.save({"losses": losses, "params": params, "ops": ops}, out / f"{case['name']}.rank{rank}.pt")
 

@@ -1,5 +1,6 @@
-"""The distributed engine under torchrun on CPU (gloo): parameters equal single-device training, pipedream
-stashes weights, a failing rank ends every rank; and its pure parts (message order, set-up checks)."""
+"""The distributed engine under torchrun on CPU (gloo): parameters equal single-device training (interleaved-1f1b
+too: v stages per rank), pipedream stashes weights, a failing rank ends every rank; and its pure parts (message
+order, set-up checks, a one-process interleaved pipeline)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from planner.schedules.schedule import (
     ALLREDUCE, BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, STEP,
     build_schedule,
 )
+from engine_worker import deliberate_failure
 from runtime.engine import Engine, EngineError, _check_message_order, init_distributed
 from runtime.nested import split_batch
 from runtime.stages import split_model
@@ -35,6 +37,13 @@ from tests.planner.schedules.test_schedule import swapped_receives
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 GPT4 = ["transformer.h.2.mlp", "transformer.h.6", "transformer.h.9"]  # the first cut is inside a block
+GPT8 = ["transformer.h.1", "transformer.h.3", "transformer.h.4.mlp", "transformer.h.6", "transformer.h.8",
+        "transformer.h.10", "transformer.ln_f"]  # the last stage: ln_f and the tied lm_head
+
+
+def round_robin(ranks: int, chunks: int) -> list[list[int]]:
+    """interleaved-1f1b's placement: stage s on rank s mod p."""
+    return [[stage % ranks] for stage in range(ranks * chunks)]
 
 
 def case(name: str, model: str, splits: list[str], stage_ranks: list[list[int]], schedule: str,
@@ -48,7 +57,11 @@ CASES = {
         case("gpt-gpipe", "gpt", ["transformer.h.6"], [[0], [1]], "gpipe", steps=1),
         case("mlp-checkpoint", "mlp", ["6"], [[0], [1]], "1f1b", checkpoint=True),
         case("mlp-pipedream", "mlp", ["6"], [[0], [1]], "pipedream", microbatches=8, batch=16, lr=0.05),
-        case("gpt-zb-h1", "gpt", ["transformer.h.6"], [[0], [1]], "zb-h1")],
+        case("gpt-zb-h1", "gpt", ["transformer.h.6"], [[0], [1]], "zb-h1"),
+        case("mlp-interleaved-checkpoint", "mlp", ["2", "6", "10"], round_robin(2, 2), "interleaved-1f1b", chunks=2,
+             checkpoint=True),
+        case("gpt-interleaved", "gpt", GPT4, round_robin(2, 2), "interleaved-1f1b", chunks=2,
+             checkpoint=[False, True, False, False])],  # rank 1: a recomputing stage and a storing one
     3: [case("mlp-2-1-gpipe", "mlp", ["6"], [[0, 1], [2]], "gpipe"),
         case("mlp-2-1-1f1b-checkpoint", "mlp", ["6"], [[0, 1], [2]], "1f1b", checkpoint=[True, False]),
         case("gpt-1-2-1f1b", "gpt", ["transformer.h.6"], [[0], [1, 2]], "1f1b", steps=1),
@@ -58,7 +71,8 @@ CASES = {
     4: [case("gpt-4-1f1b", "gpt", GPT4, [[0], [1], [2], [3]], "1f1b", steps=1),
         case("gpt-4-gpipe-checkpoint", "gpt", GPT4, [[0], [1], [2], [3]], "gpipe", steps=1, checkpoint=True),
         case("mlp-2-2-1f1b", "mlp", ["6"], [[0, 1], [2, 3]], "1f1b"),
-        case("gpt-4-zb-h1", "gpt", GPT4, [[0], [1], [2], [3]], "zb-h1", steps=1)],
+        case("gpt-4-zb-h1", "gpt", GPT4, [[0], [1], [2], [3]], "zb-h1", steps=1),
+        case("gpt-4x2-interleaved", "gpt", GPT8, round_robin(4, 2), "interleaved-1f1b", chunks=2, steps=1)],
 }
 FLUSH = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] != "pipedream"]
 PIPEDREAM = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] == "pipedream"]
@@ -228,6 +242,28 @@ def test_the_tied_embeddings_all_reduce_is_timed_apart_from_the_optimizer_step(r
 
 
 @pytest.mark.slow
+def test_an_interleaved_rank_times_every_action_of_each_of_its_stages(results: Path) -> None:
+    """gpt on 2 ranks x 2 chunks: rank r runs stages r and r + 2; each op names its stage (sends too, timed in the
+    sender threads), and the one tied all-reduce (wte on stage 0, lm_head on stage 3) precedes the optimizer
+    step at the STEP of the rank's last stage."""
+    microbatches = range(4)
+    for rank in (0, 1):
+        ops = load(results, "gpt-interleaved", rank)["ops"]
+        mine = (rank, rank + 2)
+
+        def stages_of(kind: str) -> list[tuple[int, int]]:
+            return sorted((op[4], op[1]) for op in ops if op[0] == kind)
+
+        for kind in (FORWARD, BACKWARD):
+            assert stages_of(kind) == [(s, mb) for s in mine for mb in microbatches], f"rank {rank}: {ops}"
+        assert stages_of(SEND_ACTIVATION) == [(s, mb) for s in mine if s != 3 for mb in microbatches]
+        assert stages_of(SEND_GRADIENT) == [(s, mb) for s in mine if s != 0 for mb in microbatches]
+        (tied,) = [op for op in ops if op[0] == ALLREDUCE]
+        steps = [op for op in ops if op[0] == STEP]
+        assert [op[4] for op in steps] == list(mine) and tied[4] == mine[-1] and tied[3] <= steps[-1][2]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world, spec", PIPEDREAM, ids=[c["name"] for _, c in PIPEDREAM])
 def test_pipedream_backward_uses_the_weights_of_its_forward(results: Path, world: int, spec: dict[str, Any]) -> None:
     stashed, unstashed = pipedream_reference(spec, stash=True), pipedream_reference(spec, stash=False)
@@ -308,3 +344,65 @@ def test_a_one_rank_engine_trains_like_one_device_and_checks_its_arguments(one_p
         Engine([model], "pipedream")
     with pytest.raises(EngineError, match="unknown schedule 'zb'"):
         Engine([model], "zb")
+
+
+def test_a_one_rank_interleaved_engine_holds_both_tied_copies_and_trains_like_one_device(one_process_job: Any) -> None:
+    """p = 1, v = 2 on gpt: rank 0 runs both stages, which hold the one tied wte/lm_head Parameter (its
+    `.grad` sums both uses; the tied group is rank 0 once), messages between them go through its mailbox,
+    and stage 0 recomputes while stage 1 stores: two steps equal single-device training."""
+    model, inputs, target = example("gpt", 4)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = []
+    for _ in range(2):
+        loss = loss_of("gpt")(reference(inputs), target)
+        expected.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with Engine(split_model(model, ["transformer.h.6"]), "interleaved-1f1b", microbatches=2, chunks=2,
+                checkpoint=[True, False], loss_fn=loss_of("gpt"),
+                optimizer=lambda parameters: torch.optim.SGD(parameters, lr=0.1)) as engine:
+        assert [engine.train_step(inputs, target) for _ in range(2)] == pytest.approx(expected, rel=1e-5)
+        assert engine.stages == (0, 1) and [op.stage for op in engine.trace if op.op == STEP] == [0, 1, 0, 1]
+        with pytest.raises(EngineError, match=r"rank 0 runs stages \[0, 1\]: use engine.modules\[stage\]"):
+            engine.module
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], parameter, rtol=1e-5, atol=1e-6)
+
+
+def test_an_interleaved_plan_runs_its_chunks_and_a_failure_names_the_stage(one_process_job: Any) -> None:
+    """`from_plan` passes the plan's chunks (2 stages on 1 rank); a failure in stage 1 names stage 1."""
+    model, inputs, target = example("mlp", 8)
+    plan = replicated_mlp_plan()
+    first, second = plan.stages
+    plan = dataclasses.replace(plan, schedule="interleaved-1f1b", chunks=2, microbatches=4,
+                               stages=(dataclasses.replace(first, replicas=1, ranks=(0,)),
+                                       dataclasses.replace(second, ranks=(0,), recompute=False)))
+    engine = Engine.from_plan(model, plan)
+    assert engine.stages == (0, 1) and engine.schedule.name == "interleaved-1f1b"
+    deliberate_failure(engine.modules[1], 2, "forward")
+    with pytest.raises(EngineError, match=r"^rank 0 \(stage 1, microbatch 2\) failed: ValueError: deliberate "
+                                          "failure in forward$"):
+        engine.train_step(inputs, target)
+    assert engine.closed
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(stage_ranks=[[0, 1], [2], [0], [1]]), "interleaved-1f1b needs stages of one device each, a whole number "
+                                                "of chunks per rank: got 4 stages, chunks=2, replicas [2, 1, 1, 1]"),
+    (dict(microbatches=3), "interleaved-1f1b runs microbatches in groups of one per rank: 3 microbatches do not "
+                           "divide among 2 ranks; use a multiple of 2"),
+    (dict(stage_ranks=[[0], [0], [1], [1]]), "interleaved-1f1b puts stage s on rank s mod 2: stage ranks "
+                                             "[[0], [1], [0], [1]], got [[0], [0], [1], [1]]"),
+    (dict(), "stage ranks [[0], [1], [0], [1]] must cover ranks 0..0 with 2 stages each (world size 1); launch one "
+             "process per rank of the plan"),
+    (dict(schedule="1f1b"), "1f1b runs one stage per rank, got chunks=2; chunks are for interleaved-1f1b"),
+])
+def test_the_engine_refuses_an_interleaved_pipeline_it_cannot_run_in_one_line(
+        one_process_job: Any, arguments: dict[str, Any], message: str) -> None:
+    """Several replicas or microbatches that are not a multiple of p: build_schedule's own words, as EngineError."""
+    arguments = {"schedule": "interleaved-1f1b", "microbatches": 4, **arguments}
+    with pytest.raises(EngineError) as refused:
+        Engine([nn.Linear(2, 2) for _ in range(4)], chunks=2, **arguments)
+    assert str(refused.value) == message
