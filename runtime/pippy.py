@@ -6,8 +6,9 @@ cannot trace: not torch.distributed.pipelining's own `pipeline()`, which fails o
 export lifts buffers and constants, such as Llama's rotary tables), wraps this rank's stage in a manual
 `torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
 (`planner.files.export.PIPPY_SCHEDULE_CLASSES`; zb-h1 runs as `ScheduleInterleavedZeroBubble` on one
-stage per rank). The plan must be exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b
-or zb-h1, every stage on R ranks. Pipeline k is
+stage per rank, interleaved-1f1b as `ScheduleInterleaved1F1B` on the rank's chunks). The plan must be
+exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b, zb-h1 or interleaved-1f1b, every
+stage on R ranks. Pipeline k is
 `[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
 share of each mini-batch (`PippyPipeline.shard`).
 
@@ -46,7 +47,7 @@ from planner.files.export import PIPPY_MULTI_STAGE_CLASSES, ExportError, pippy_e
 from planner.profiling.model_file import LossFn, default_loss
 from planner.files.plan import Plan
 from runtime.engine import init_distributed
-from runtime.gradients import GradientGroups, all_reduce_gradients, comm_device, make_gradient_groups
+from runtime.gradients import GradientGroups, all_reduce_gradients, comm_device, make_rank_gradient_groups
 from runtime.nested import map_tensors, split_batch
 from runtime.pipeline import PipelineError
 from runtime.stages import Stages, build_stages, describe_boundaries
@@ -63,15 +64,17 @@ class PippyError(PipelineError):
 class PippyPipeline:
     """This rank's part of the plan under torch.distributed.pipelining; unpacks as `stage, schedule = built`.
 
-    `stage`: the PipelineStage (its module: `stage.submod`); `schedule`: the plan's schedule
-    class on it; `stage_index`, `replica` (this rank's pipeline), `replicas` (R).
+    `stages`: this rank's PipelineStages (one; under interleaved-1f1b the plan's chunks, lowest first);
+    `stage`: the first of them (its module: `stage.submod`); `schedule`: the plan's schedule class on
+    them; `stage_index` (of `stage`), `replica` (this rank's pipeline), `replicas` (R).
     """
 
-    def __init__(self, stage: PipelineStage, schedule: Any, replica: int, replicas: int,
+    def __init__(self, stages: Sequence[PipelineStage], schedule: Any, replica: int, replicas: int,
                  gradients: GradientGroups, device: torch.device) -> None:
-        self.stage = stage
+        self.stages = list(stages)
+        self.stage = self.stages[0]
         self.schedule = schedule
-        self.stage_index: int = stage.stage_index
+        self.stage_index: int = self.stage.stage_index
         self.replica = replica
         self.replicas = replicas
         self._gradients = gradients
@@ -109,11 +112,12 @@ class PippyPipeline:
         The optimizer step is the caller's."""
         losses: list[torch.Tensor] = []
         share = self.shard(inputs)
-        args = (tuple(share) if isinstance(share, (tuple, list)) else (share,)) if self.stage.is_first else ()
-        kwargs = {"target": self.shard(target), "losses": losses} if self.stage.is_last else {}
+        first, last = any(stage.is_first for stage in self.stages), any(stage.is_last for stage in self.stages)
+        args = (tuple(share) if isinstance(share, (tuple, list)) else (share,)) if first else ()
+        kwargs = {"target": self.shard(target), "losses": losses} if last else {}
         self.schedule.step(*args, **kwargs)
         self.finish_gradients()
-        if not self.stage.is_last:
+        if not last:
             return None
         mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
         if self.replicas > 1:
@@ -150,28 +154,34 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
         raise PippyError(f"this plan cannot run on torch.distributed.pipelining: {exc.problem}; {exc.fix}") from None
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != settings.world_size:
-        raise PippyError(f"the plan has {settings.world_size} ranks ({settings.num_stages} stages x "
+        chunks = f", {settings.chunks} per rank," if settings.chunks > 1 else ""
+        raise PippyError(f"the plan has {settings.world_size} ranks ({settings.num_stages} stages{chunks} x "
                          f"{settings.replicas} replicas) but the job has {world} processes: launch with "
                          f"torchrun --nproc-per-node {settings.world_size} (or make a plan for {world} GPUs)")
     stages = build_stages(model, plan, example_microbatch)
     if example_microbatch is not None:
         _check_boundaries(stages, example_microbatch)
-    replica, stage_index = next((k, s) for k, ranks in enumerate(settings.ranks) for s, r in enumerate(ranks)
-                                if r == rank)
+    replica = next(k for k, ranks in enumerate(settings.ranks) if rank in ranks)
+    mine = [s for s, r in enumerate(settings.ranks[replica]) if r == rank]  # one stage, or the plan's chunks
     pipeline_groups = _pipeline_groups(settings.ranks)
     chosen = torch.device(device) if device is not None else init_distributed()[2]
-    module = stages[stage_index].to(chosen)
+    modules = {index: stages[index].to(chosen) for index in mine}
     group = pipeline_groups[replica]
-    stage = PipelineStage(module, stage_index, settings.num_stages, chosen, group=group)
     # stage s of this pipeline lives on its group's rank of settings.ranks[replica][s] (new_group sorts ranks)
-    stage.stage_index_to_group_rank = {
-        s: (r if group is None else dist.get_group_rank(group, r)) for s, r in enumerate(settings.ranks[replica])}
-    # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule)
-    stages_arg = [stage] if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else stage
+    group_ranks = {s: (r if group is None else dist.get_group_rank(group, r))
+                   for s, r in enumerate(settings.ranks[replica])}
+    built = []
+    for index in mine:
+        stage = PipelineStage(modules[index], index, settings.num_stages, chosen, group=group)
+        stage.stage_index_to_group_rank = group_ranks
+        built.append(stage)
+    # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule);
+    # interleaved-1f1b the interleaved class on the rank's chunks
+    stages_arg = built if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else built[0]
     schedule = _schedule_class(settings.schedule_class)(stages_arg, n_microbatches=settings.n_microbatches,
                                                         loss_fn=loss_fn or default_loss, scale_grads=True)
-    gradients = make_gradient_groups(settings.stage_ranks, stages.shared, stage_index, module)
-    return PippyPipeline(stage, schedule, replica, settings.replicas, gradients, chosen)
+    gradients = make_rank_gradient_groups(settings.stage_ranks, stages.shared, modules)
+    return PippyPipeline(built, schedule, replica, settings.replicas, gradients, chosen)
 
 
 def _schedule_class(name: str) -> Any:

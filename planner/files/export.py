@@ -33,6 +33,7 @@ from planner.errors import FileProblemError, PlannerError
 from planner.files.fileformat import write_atomically, write_versioned_json
 from planner.files.plan import Plan
 from planner.files.profile import Profile
+from planner.schedules.schedule import CHUNKED_SCHEDULES
 
 __all__ = [
     "TARGETS", "PIPPY_SCHEDULE_CLASSES", "ExportError", "PippyExport", "DeepSpeedExport", "Export",
@@ -40,8 +41,10 @@ __all__ = [
 ]
 
 TARGETS = ("pippy", "deepspeed")
-PIPPY_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble"}
-PIPPY_MULTI_STAGE_CLASSES = ("ScheduleInterleavedZeroBubble",)  # take a list of this rank's stages (here one)
+PIPPY_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
+                          "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+# take a list of this rank's stages (one for zb-h1, the plan's chunks for interleaved-1f1b)
+PIPPY_MULTI_STAGE_CLASSES = ("ScheduleInterleavedZeroBubble", "ScheduleInterleaved1F1B")
 PIPPY_FORMAT = "pipeline-planner/pippy-export"
 DEEPSPEED_FORMAT = "pipeline-planner/deepspeed-export"
 EXPORT_VERSION = 1
@@ -58,7 +61,8 @@ class PippyExport:
 
     `ranks[k]`: the ranks of pipeline k (data-parallel replica k), stage by stage;
     `stage_ranks[s]`: the ranks of stage s, pipeline by pipeline. `n_microbatches` is per
-    pipeline and step: `microbatches_per_step / replicas`.
+    pipeline and step: `microbatches_per_step / replicas`. `chunks`: stages per rank (interleaved-1f1b:
+    stage s on rank s mod (num_stages / chunks), as torch's ScheduleInterleaved1F1B places them).
     """
 
     plan_path: str
@@ -75,6 +79,7 @@ class PippyExport:
     first_layers: tuple[str, ...]
     last_layers: tuple[str, ...]
     recompute: tuple[bool, ...]
+    chunks: int = 1
 
     target: ClassVar[str] = "pippy"
     file_format: ClassVar[str] = PIPPY_FORMAT
@@ -82,8 +87,8 @@ class PippyExport:
 
     @property
     def world_size(self) -> int:
-        """Processes the job needs: num_stages x replicas."""
-        return self.num_stages * self.replicas
+        """Processes the job needs: num_stages / chunks x replicas."""
+        return self.num_stages // self.chunks * self.replicas
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body written by `write_export`."""
@@ -92,7 +97,7 @@ class PippyExport:
             "split_spec": dict(self.split_spec), "schedule_class": self.schedule_class,
             "n_microbatches": self.n_microbatches, "microbatches_per_step": self.microbatches_per_step,
             "microbatch_size": self.microbatch_size, "num_stages": self.num_stages, "replicas": self.replicas,
-            "world_size": self.world_size, "ranks": [list(group) for group in self.ranks],
+            "world_size": self.world_size, "chunks": self.chunks, "ranks": [list(group) for group in self.ranks],
             "stage_ranks": [list(group) for group in self.stage_ranks],
             "stages": [{"first_layer": first, "last_layer": last, "recompute": recompute}
                        for first, last, recompute in zip(self.first_layers, self.last_layers, self.recompute)],
@@ -111,10 +116,10 @@ class PippyExport:
             f"# The plan recomputes activations on stage(s) {recomputed}: pipelining does not; wrap those stages'\n"
             "# layers in torch.utils.checkpoint yourself, or expect more activation memory than planned.\n"
             if recomputed else "")
-        stages_arg = "[stage]" if self.schedule_class in PIPPY_MULTI_STAGE_CLASSES else "stage"
+        stages_arg = "stages" if self.schedule_class in PIPPY_MULTI_STAGE_CLASSES else "stages[0]"
         return f'''"""torch.distributed.pipelining set-up for plan {self.plan_path} (model {self.model_name}).
 
-{self.num_stages} stages x {self.replicas} pipeline(s) = {self.world_size} processes; {self.schedule_class} with
+{self.num_stages} stages ({self.chunks} per rank) x {self.replicas} pipeline(s) = {self.world_size} processes; {self.schedule_class} with
 {self.n_microbatches} microbatches per pipeline and step (the plan's {self.microbatches_per_step} over {self.replicas}).
 Launch: torchrun --nproc-per-node {self.world_size} train.py
 
@@ -150,14 +155,15 @@ def pipeline_share(batch: torch.Tensor) -> torch.Tensor:
 
 
 def traced_route(model, example_microbatch, loss_fn, device):
-    """Route A: (stage, schedule) of this rank from pipeline(); call on every rank (it creates groups)."""
-    groups = [dist.new_group(ranks) for ranks in PIPELINES]  # every rank creates every group, in this order
+    """Route A: (stages, schedule) of this rank from pipeline(), stages the list of this rank's stages (one, or
+    its chunks); call on every rank (it creates groups)."""
+    groups = [dist.new_group(sorted(set(ranks))) for ranks in PIPELINES]  # every rank creates every group, in order
     replica = this_pipeline()
-    stage_index = PIPELINES[replica].index(dist.get_rank())  # ranks increase along a pipeline: group rank = stage
+    mine = [s for s, rank in enumerate(PIPELINES[replica]) if rank == dist.get_rank()]  # this rank's stages
     pipe = pipeline(model, mb_args=(example_microbatch,), split_spec=SPLIT_SPEC)
-    stage = pipe.build_stage(stage_index, device, group=groups[replica] if len(PIPELINES) > 1 else None)
+    stages = [pipe.build_stage(s, device, group=groups[replica] if len(PIPELINES) > 1 else None) for s in mine]
     # scale_grads=True (the default) divides gradients by N_MICROBATCHES: the mean loss of the pipeline's share
-    return stage, {self.schedule_class}({stages_arg}, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)
+    return stages, {self.schedule_class}({stages_arg}, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)
 
 
 def planner_route(model, example_microbatch, loss_fn, device):
@@ -168,11 +174,12 @@ def planner_route(model, example_microbatch, loss_fn, device):
     return build(model, load_plan(PLAN), example_microbatch, loss_fn=loss_fn, device=device)
 
 
-def run_schedule(stage, schedule, inputs, target):
-    """One step of this pipeline's share: the first stage feeds inputs, the last the target; returns its losses."""
+def run_schedule(stages, schedule, inputs, target):
+    """One step of this pipeline's share: the rank of the first stage feeds inputs, that of the last the target;
+    returns its losses."""
     losses = []
-    args = (inputs,) if stage.is_first else ()
-    kwargs = {{"target": target, "losses": losses}} if stage.is_last else {{}}
+    args = (inputs,) if any(stage.is_first for stage in stages) else ()
+    kwargs = {{"target": target, "losses": losses}} if any(stage.is_last for stage in stages) else {{}}
     schedule.step(*args, **kwargs)
     return losses
 
@@ -182,10 +189,10 @@ def run_schedule(stage, schedule, inputs, target):
 #   model = build_model()                              # the same seed on every rank
 #   example = pipeline_share(first_inputs).tensor_split(N_MICROBATCHES)[0]   # the inputs of one microbatch
 #   built = planner_route(model, example, loss_fn, device)                     # or: traced_route(...)
-#   stage, schedule = built
-#   optimizer = torch.optim.AdamW(stage.submod.parameters())
+#   stages, schedule = built.stages, built.schedule    # route A: stages, schedule = traced_route(...)
+#   optimizer = torch.optim.AdamW([p for stage in stages for p in stage.submod.parameters()])
 #   for inputs, target in batches:                     # the whole mini-batch, the same on every rank
-#       losses = run_schedule(stage, schedule, pipeline_share(inputs), pipeline_share(target))
+#       losses = run_schedule(stages, schedule, pipeline_share(inputs), pipeline_share(target))
 #       built.finish_gradients()                       # route A: all-reduce tied and replicated gradients yourself
 #       optimizer.step()
 #       optimizer.zero_grad()
@@ -363,11 +370,10 @@ def data_parallel_degree(plan: Plan, target: str, source: str = "<plan>") -> int
     what = _TARGET_NAMES[target]
     profile_arg = plan.profile.path or "PROFILE"
     replan = f"planner partition {profile_arg} --gpus {plan.cluster.num_devices}"
-    if plan.chunks > 1:
+    if plan.schedule in CHUNKED_SCHEDULES and target != "pippy":
         raise ExportError(
-            source, f"the plan runs {plan.chunks} chunks per GPU ({plan.schedule}); the export writes one stage per "
-                    "rank, and does not yet map chunks to torch.distributed.pipelining's ScheduleInterleaved1F1B",
-            f"re-plan with one stage per GPU: `{replan} --schedule 1f1b`")
+            source, f"the plan runs {plan.chunks} chunks per GPU ({plan.schedule}), which {what} has no schedule for",
+            f"re-plan with one stage per GPU: `{replan} --schedule 1f1b`, or export it to pippy")
     if plan.schedule not in PIPPY_SCHEDULE_CLASSES:
         raise ExportError(
             source, f"the plan's schedule {plan.schedule!r} (asynchronous, with weight stashing) has no "
@@ -418,7 +424,7 @@ def pippy_export(plan: Plan, source: str = "<plan>") -> PippyExport:
         stage_ranks=tuple(stage.ranks for stage in plan.stages),
         first_layers=tuple(stage.first_layer for stage in plan.stages),
         last_layers=tuple(stage.last_layer for stage in plan.stages),
-        recompute=tuple(stage.recompute for stage in plan.stages),
+        recompute=tuple(stage.recompute for stage in plan.stages), chunks=plan.chunks,
     )
 
 

@@ -35,9 +35,9 @@ def seeded_model(name: str) -> nn.Module:
     return model_file(name).build_model().eval()
 
 
-def stage_grads(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
-    """Gradients of the stage's parameters under their names in the whole model."""
-    mine = {id(parameter) for parameter in module.parameters()}
+def stage_grads(model: nn.Module, modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Gradients of the rank's stages' parameters (one stage, or its chunks) under their names in the whole model."""
+    mine = {id(parameter) for module in modules for parameter in module.parameters()}
     return {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()
             if id(parameter) in mine}
 
@@ -60,8 +60,8 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
     assert stage is built.stage and schedule is built.schedule
     pippy_loss = built.forward_backward(inputs, target)
 
-    torch.save({"engine": {"loss": engine_loss, "grads": stage_grads(engine_model, engine.module)},
-                "pippy": {"loss": pippy_loss, "grads": stage_grads(pippy_model, stage.submod)}},
+    torch.save({"engine": {"loss": engine_loss, "grads": stage_grads(engine_model, list(engine.modules.values()))},
+                "pippy": {"loss": pippy_loss, "grads": stage_grads(pippy_model, [s.submod for s in built.stages])}},
                out / f"{case['name']}.rank{rank}.pt")
 
 

@@ -124,9 +124,21 @@ def test_zb_h1_maps_to_the_zero_bubble_class_and_needs_whole_rounds() -> None:
     three = dataclasses.replace(plan, stages=plan.stages + (plan.stages[-1],))  # only the counts matter here
     export = pippy_export(plan)
     assert (export.schedule_class, export.n_microbatches) == ("ScheduleInterleavedZeroBubble", 8)
-    assert "ScheduleInterleavedZeroBubble([stage]" in export.snippet()
+    assert "ScheduleInterleavedZeroBubble(stages," in export.snippet()
     with pytest.raises(ExportError, match="7 microbatches per pipeline on 3 stages make 2.*--microbatches 8"):
         pippy_export(dataclasses.replace(three, microbatches=7))
+
+
+def test_interleaved_maps_to_the_interleaved_class_on_each_ranks_chunks() -> None:
+    """interleaved-1f1b: p ranks (not p x v), torch's ScheduleInterleaved1F1B given the rank's stages; DeepSpeed,
+    which has no interleaved schedule, refuses it in one line."""
+    plan = straight_plan("gpt", 2, schedule="interleaved-1f1b")
+    export = pippy_export(plan)
+    assert (export.schedule_class, export.world_size, export.chunks) == ("ScheduleInterleaved1F1B", 2, plan.chunks)
+    assert export.num_stages == 2 * plan.chunks and export.ranks == (tuple(s % 2 for s in range(export.num_stages)),)
+    assert export.to_dict()["chunks"] == plan.chunks and "ScheduleInterleaved1F1B(stages," in export.snippet()
+    with pytest.raises(ExportError, match="has no schedule for"):
+        deepspeed_export(plan, profile_of("gpt"))
 
 
 def test_gpipe_maps_to_schedule_gpipe() -> None:
