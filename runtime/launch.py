@@ -13,7 +13,7 @@ from planner.files.plan import Plan, load_plan
 from planner.profiling.conditions import STEADY_MALLOC, current_conditions, differences, worker_threads
 from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
-from runtime.train import TrainingError, check_setup, example_microbatch, parse_args
+from runtime.train import TrainingError, check_setup, example_microbatch, parse_args, rank_count
 
 __all__ = ["launch", "measure_cluster", "run_module"]
 
@@ -33,7 +33,7 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     """
     options = parse_args(argv)
     plan = load_plan(options.plan)
-    count = nproc if nproc is not None else sum(stage.replicas for stage in plan.stages)
+    count = nproc if nproc is not None else rank_count(plan)
     if count < 1:
         raise TrainingError(f"--nproc must be at least 1, got {count}")
     setup = check_setup(options, 0, count, 0)

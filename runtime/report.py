@@ -40,6 +40,13 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   measures it: the CUDA allocator's peak, or on CPU the live tensor storages its operations create
   and use (received messages from their first use) on top of the stage's weights; allocator
   caching and fragmentation are not in it.
+- interleaved-1f1b (a rank runs several stages; `RankTrace.stages`, each op's `OpTime.stage`): forward,
+  backward, transfers, sends and receive waits are each stage's own; what the rank does once for all its
+  stages is the rank's on each of its stages: the all-reduces (tied weights', summed once per rank) and
+  the optimizer step (one optimizer over its stages), each against the plan's sum over the rank's stages
+  (`_rank_stages`), busy and idle time (the simulator's idle share is per device too) and peak memory (the
+  plan's `memory_bytes` of such a stage is its device's peak, all its stages together). Under every other
+  schedule a rank runs one stage, and these are the stage's own.
 - `events`: a step starts where the previous one ended on every rank, so when a rank began it
   while another still finished the previous step, its first ops start below 0.
 """
@@ -82,7 +89,9 @@ __all__ = [
 @dataclass(frozen=True)
 class RankTrace:
     """What one rank measured: its ops and `train_step` spans (perf_counter seconds on its own
-    clock; add `clock_offset_s` for wall-clock seconds), where it ran, and how the engine was set up."""
+    clock; add `clock_offset_s` for wall-clock seconds), where it ran, and how the engine was set up.
+    `stage` is its first stage; `stages` all of them (several under interleaved-1f1b, each op's own in
+    `OpTime.stage`)."""
 
     rank: int
     stage: int
@@ -95,16 +104,23 @@ class RankTrace:
     schedule: str
     peak_memory_bytes: int | None = None  # during the engine's memory_step (None: not measured)
     memory_method: str = ""
+    stages: tuple[int, ...] = ()  # every stage it ran, lowest first (interleaved-1f1b: several); () = (stage,)
+
+    @property
+    def all_stages(self) -> tuple[int, ...]:
+        """Every stage the rank ran: `stages`, or `(stage,)` in traces that give only that."""
+        return self.stages or (self.stage,)
 
 
 # ---------------------------------------------------------------- on every rank (collective)
 
 
 def rank_trace(engine: Any) -> RankTrace:
-    """This rank's RankTrace from an engine's `trace`, `step_spans`, `rank`, `stage`, `replica`,
-    `microbatches` and `schedule.name`."""
+    """This rank's RankTrace from an engine's `trace`, `step_spans`, `rank`, `stage`, `stages` (if it has
+    them), `replica`, `microbatches` and `schedule.name`."""
     return RankTrace(
         rank=int(engine.rank), stage=int(engine.stage), replica=int(engine.replica), hostname=socket.gethostname(),
+        stages=tuple(int(stage) for stage in getattr(engine, "stages", (engine.stage,))),
         clock_offset_s=clock_offset_s(), ops=tuple(engine.trace),
         step_spans=tuple((float(start), float(end)) for start, end in engine.step_spans),
         microbatches=int(engine.microbatches), schedule=str(engine.schedule.name),
@@ -193,7 +209,7 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         samples = batch_size / iteration_s if iteration_s > 0 else None
     by_length = sorted(measured_steps, key=lambda k: (step_s[k], k))
     representative = by_length[(len(by_length) - 1) // 2]
-    stage_ranks = [[trace.rank for trace in traces if trace.stage == index] for index in range(len(plan.stages))]
+    stage_ranks = [[trace.rank for trace in traces if index in trace.all_stages] for index in range(len(plan.stages))]
     boundaries = _boundary_transfer_ms(ops, stage_ranks, measured_steps)
     mean_step_s = statistics.fmean(step_s.values())
     peaks = {trace.rank: trace.peak_memory_bytes for trace in traces}
@@ -215,9 +231,10 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
         measured=tuple(stages), predicted_iteration_ms=predicted.iteration_ms,
         predicted_samples_per_s=predicted.samples_per_s,
         predicted=tuple(StagePrediction(plan.mean_compute_ms(i), s.comm_ms,
-                                        _allreduces_per_step(plan, s, microbatches) * s.allreduce_ms
-                                        + s.tied_allreduce_ms, s.step_ms, float(s.memory_bytes))
-                        for i, s in enumerate(plan.stages)),
+                                        sum(_allreduces_per_step(plan, t, microbatches) * t.allreduce_ms
+                                            + t.tied_allreduce_ms for t in rank_stages),
+                                        sum(t.step_ms for t in rank_stages), float(s.memory_bytes))
+                        for i, (s, rank_stages) in enumerate(zip(plan.stages, _rank_stages(plan)))),
         losses=tuple((int(step), float(loss)) for step, loss in losses), events=step_events(representative),
         notes=tuple(_notes(plan, microbatches, microbatch_size, len(measured_steps), count - warmup_steps)),
         meta=dict(meta or {}), memory_method=", ".join(methods),
@@ -230,17 +247,21 @@ def write_run_report(path: str | Path, report: RunReport) -> Path:
 
 
 def _check_traces(plan: Plan, traces: Sequence[RankTrace], batch_size: int, warmup_steps: int) -> int:
-    """RunReportError unless the traces are one per rank of the plan, on the plan's stages, with
-    one schedule and step count and more steps than `warmup_steps`; returns the microbatches per step."""
-    expected = {rank: index for index, stage in enumerate(plan.stages) for rank in stage.ranks}
+    """RunReportError unless the traces are one per rank of the plan, on the plan's stages (all of them
+    for a rank of several), with one schedule and step count and more steps than `warmup_steps`;
+    returns the microbatches per step."""
+    expected: dict[int, tuple[int, ...]] = defaultdict(tuple)
+    for index, stage in enumerate(plan.stages):
+        for rank in stage.ranks:
+            expected[rank] += (index,)
     found = [trace.rank for trace in traces]
     if sorted(found) != sorted(expected):
         raise RunReportError(f"the traces are of ranks {found}, but the plan has ranks {sorted(expected)}: "
                              "gather every rank's trace of a run of this plan")
     for trace in traces:
-        if trace.stage != expected[trace.rank]:
-            raise RunReportError(f"rank {trace.rank} ran stage {trace.stage}, but the plan puts it on stage "
-                                 f"{expected[trace.rank]}: give the plan the run used")
+        if trace.all_stages != expected[trace.rank]:
+            raise RunReportError(f"rank {trace.rank} ran {_stages_text(trace.all_stages)}, but the plan puts it on "
+                                 f"{_stages_text(expected[trace.rank])}: give the plan the run used")
         if trace.schedule != plan.schedule:
             raise RunReportError(f"rank {trace.rank} ran the {trace.schedule} schedule, the plan is {plan.schedule}: "
                                  "give the plan the run used")
@@ -265,7 +286,15 @@ def _check_traces(plan: Plan, traces: Sequence[RankTrace], batch_size: int, warm
                                      f"{', '.join(OPS)}")
             if op.step < 0:
                 raise RunReportError(f"rank {trace.rank}: an op of step {op.step}; steps count from 0")
+            if op.stage >= 0 and op.stage not in trace.all_stages:
+                raise RunReportError(f"rank {trace.rank}: an op of stage {op.stage}, but it ran "
+                                     f"{_stages_text(trace.all_stages)}")
     return microbatches[traces[0].rank]
+
+
+def _stages_text(stages: tuple[int, ...]) -> str:
+    """'stage 2', or 'stages 0, 2' for a rank of several."""
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
 def _ops_by_rank_and_step(traces: Sequence[RankTrace]) -> dict[tuple[int, int], list[OpTime]]:
@@ -286,10 +315,17 @@ def _events(traces: Sequence[RankTrace], ops: dict[tuple[int, int], list[OpTime]
         for op in ops.get((trace.rank, step), []):
             if op.op in RECEIVES:
                 continue
-            rows.append((trace.rank, trace.stage, trace.replica, op.microbatch, op.iteration, op.op,
-                         -1 if op.peer is None else op.peer, op.start_s + offset, op.end_s + offset))
+            rows.append((trace.rank, op.stage if op.stage >= 0 else trace.stage, trace.replica, op.microbatch,
+                         op.iteration, op.op, -1 if op.peer is None else op.peer, op.start_s + offset,
+                         op.end_s + offset))
     events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
     return events.reset_index(drop=True)
+
+
+def _rank_stages(plan: Plan) -> list[list[StagePlan]]:
+    """Per stage, every stage its ranks run: itself, but under interleaved-1f1b, where a rank steps one
+    optimizer over all its stages (and sums their tied gradients) once: what its figures are compared with."""
+    return [[other for other in plan.stages if other.ranks == stage.ranks] for stage in plan.stages]
 
 
 def _allreduces_per_step(plan: Plan, stage: StagePlan, microbatches: int) -> float:
@@ -301,10 +337,11 @@ def _allreduces_per_step(plan: Plan, stage: StagePlan, microbatches: int) -> flo
 
 
 def _durations_ms(ops: dict[tuple[int, int], list[OpTime]], ranks: Iterable[int], steps: Iterable[int],
-                  kinds: tuple[str, ...]) -> list[float]:
-    """Each op of `kinds` on `ranks` in `steps`: end - start, ms."""
+                  kinds: tuple[str, ...], stage: int | None = None) -> list[float]:
+    """Each op of `kinds` on `ranks` in `steps` (of `stage` only, unless None): end - start, ms. An op of
+    stage -1 (traces from before ops recorded their stage) is its rank's only stage's."""
     return [(op.end_s - op.start_s) * 1000.0 for rank in ranks for step in steps
-            for op in ops.get((rank, step), []) if op.op in kinds]
+            for op in ops.get((rank, step), []) if op.op in kinds and (stage is None or op.stage in (stage, -1))]
 
 
 def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks: list[list[int]],
@@ -312,8 +349,9 @@ def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks:
     """Per boundary b (between stage b and b + 1): the median transfer across it, ms: activations
     sent by stage b and gradients sent by stage b + 1 (0 when none was timed)."""
     medians = []
-    for below, above in pairwise(stage_ranks):
-        both = (_durations_ms(ops, below, steps, (SEND_ACTIVATION,)) + _durations_ms(ops, above, steps, (SEND_GRADIENT,)))
+    for boundary, (below, above) in enumerate(pairwise(stage_ranks)):
+        both = (_durations_ms(ops, below, steps, (SEND_ACTIVATION,), boundary)
+                + _durations_ms(ops, above, steps, (SEND_GRADIENT,), boundary + 1))
         medians.append(statistics.median(both) if both else 0.0)
     return medians
 
@@ -321,17 +359,19 @@ def _boundary_transfer_ms(ops: dict[tuple[int, int], list[OpTime]], stage_ranks:
 def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int], steps: list[int],
                        step_s: dict[int, float], mean_step_s: float, boundaries: list[float],
                        index: int) -> StageMeasurement:
-    """One stage's figures (module docstring): per-microbatch means over every op of the stage's
-    ranks, per-step totals averaged over (rank, step) pairs."""
-    forwards = _durations_ms(ops, ranks, steps, (FORWARD,))
-    backwards = _durations_ms(ops, ranks, steps, (BACKWARD,))
-    weights = _durations_ms(ops, ranks, steps, (WEIGHT,))  # zero-bubble schedules: a microbatch's W, after its B
+    """One stage's figures (module docstring): per-microbatch means over every op of the stage on its
+    ranks, per-step totals averaged over (rank, step) pairs. What a rank does once for all its stages
+    (all-reduces, the optimizer step; busy and idle time) is its ranks' whole, all stages together: the
+    same as the stage's own but under interleaved-1f1b."""
+    forwards = _durations_ms(ops, ranks, steps, (FORWARD,), index)
+    backwards = _durations_ms(ops, ranks, steps, (BACKWARD,), index)
+    weights = _durations_ms(ops, ranks, steps, (WEIGHT,), index)  # zero-bubble schedules: a microbatch's W, after its B
     reductions = _durations_ms(ops, ranks, steps, (ALLREDUCE,))
     pairs = [(rank, step) for rank in ranks for step in steps]
 
-    def per_step(kinds: tuple[str, ...]) -> float:
-        """Mean over (rank, step) of the total ms of `kinds`."""
-        return statistics.fmean(sum(_durations_ms(ops, [rank], [step], kinds)) for rank, step in pairs)
+    def per_step(kinds: tuple[str, ...], stage: int | None = None) -> float:
+        """Mean over (rank, step) of the total ms of `kinds` (of `stage`, unless None: every stage of the rank)."""
+        return statistics.fmean(sum(_durations_ms(ops, [rank], [step], kinds, stage)) for rank, step in pairs)
 
     busy = [sum(_durations_ms(ops, [rank], [step], (FORWARD, BACKWARD, WEIGHT, ALLREDUCE, STEP)))
             for rank, step in pairs]
@@ -342,7 +382,7 @@ def _stage_measurement(ops: dict[tuple[int, int], list[OpTime]], ranks: list[int
     transfer_out = boundaries[index] if index < len(boundaries) else 0.0
     return StageMeasurement(
         forward_ms=forward_ms, backward_ms=backward_ms, compute_ms=forward_ms + backward_ms,
-        comm_ms=max(transfer_in, transfer_out), send_ms=per_step(SENDS), recv_wait_ms=per_step(RECEIVES),
+        comm_ms=max(transfer_in, transfer_out), send_ms=per_step(SENDS, index), recv_wait_ms=per_step(RECEIVES, index),
         allreduce_ms=per_step((ALLREDUCE,)), allreduce_each_ms=statistics.fmean(reductions) if reductions else 0.0,
         step_ms=per_step((STEP,)), busy_ms=statistics.fmean(busy), idle_ms=idle,
         idle_fraction=idle / (mean_step_s * 1000.0) if mean_step_s > 0 else 0.0,

@@ -1,8 +1,9 @@
 """Train a model file with a plan under torchrun: `torchrun --nproc-per-node N -m runtime.train MODEL --plan PLAN`.
 
-Every process builds the whole model (same seed), keeps its stage (`runtime.engine.Engine`)
-and runs `--steps` optimizer steps on mini-batches of `microbatch_size x microbatches` samples
-(the plan's, unless overridden). Before any work, every rank checks, and reports in one line:
+Every process builds the whole model (same seed), keeps its stage (`runtime.engine.Engine`; its
+`plan.chunks` stages under interleaved-1f1b, one process per rank still: `rank_count`) and runs
+`--steps` optimizer steps on mini-batches of `microbatch_size x microbatches` samples (the plan's,
+unless overridden). Before any work, every rank checks, and reports in one line:
 the torchrun environment, that the world size is the plan's rank count, that the model file
 matches the profile the plan was made from (its layer names are modules of the model), that the
 device suits the backend, and that the checkpoint folder can be written.
@@ -14,7 +15,8 @@ resumed run skips the batches the checkpoint's steps trained on.
 
 Checkpoints (`--checkpoint-dir`, `--checkpoint-every K`, `runtime.checkpoint`): after every K
 steps and at the end, the first replica of each stage saves its weights, optimizer state and the
-RNG state; rank 0 writes the manifest once all are saved. `--resume` continues from the newest
+RNG state (a rank of several stages one file per stage, each with its share of the rank's one
+optimizer state: `_save`); rank 0 writes the manifest once all are saved. `--resume` continues from the newest
 complete checkpoint, also one made with another plan (weights and optimizer state are re-split
 by parameter name).
 
@@ -23,7 +25,7 @@ with one line naming it and the last complete checkpoint (`runtime.engine`; the 
 `runtime.liveness`). At the end rank 0 writes the run report (`runtime.report`): measured times
 next to the plan's predictions, for `planner compare`.
 
-Why one module of ~540 lines: it is one job read top to bottom: options, the checks every rank makes
+Why one module of ~580 lines: it is one job read top to bottom: options, the checks every rank makes
 before any collective, the training loop with its checkpoints and log, and the run report.
 """
 
@@ -59,7 +61,7 @@ from planner.profiling.optimizer_step import make_optimizer
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
 
-__all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch"]
+__all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch", "rank_count"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
@@ -235,11 +237,11 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     (or the model file's or plan file's own error) if one fails."""
     _check_options(options)
     plan = load_plan(options.plan)
-    needed = sum(stage.replicas for stage in plan.stages)
+    needed = rank_count(plan)
     if world != needed:
         raise TrainingError(f"{options.plan} has {needed} ranks ({len(plan.stages)} stages) but the job has {world} "
                             f"processes: launch with --nproc-per-node {needed} (or make a plan for {world} GPUs "
-                            "with `planner partition PROFILE --gpus {world}`)")
+                            f"with `planner partition PROFILE --gpus {world}`)")
     device, backend = _device_and_backend(options, local_rank)
     model_file = load_model_file(options.model_file)
     torch.manual_seed(options.seed)
@@ -262,6 +264,12 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
                             "give --microbatch-size")
     return Setup(plan, model_file, model, rank, world, device, backend, microbatches, microbatch_size * microbatches,
                  options.optimizer or plan.optimizer)
+
+
+def rank_count(plan: Plan) -> int:
+    """The processes a job of `plan` runs: its distinct ranks. Not the sum of the stages' replicas: under
+    interleaved-1f1b a rank runs `plan.chunks` stages (stage s on rank s mod p)."""
+    return len({rank for stage in plan.stages for rank in stage.ranks})
 
 
 def _check_options(options: TrainOptions) -> None:
@@ -337,8 +345,8 @@ def train(options: TrainOptions, setup: Setup) -> None:
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
                               device=setup.device, timeout_s=options.timeout_s,
                               example_inputs=example_microbatch(setup))
-    if resumed is not None and engine.optimizer is not None:  # this stage's optimizer state, by parameter name
-        load_named_optimizer_state(engine.optimizer, engine.module.named_parameters(remove_duplicate=False),
+    if resumed is not None and engine.optimizer is not None:  # this rank's optimizer state, by parameter name
+        load_named_optimizer_state(engine.optimizer, _named_parameters(engine, engine.stages),
                                    merged_optimizer_state(*resumed))
     last_rank = plan.stages[-1].ranks[0]
     losses: list[tuple[int, float]] = []
@@ -485,18 +493,26 @@ def _restore_weights(options: TrainOptions, setup: Setup,
 
 def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest: str) -> None:
     """Checkpoint after `step`: stage files by each stage's first replica, then rank 0's manifest once
-    every rank reports success; a failure anywhere is a TrainingError on every rank."""
+    every rank reports success; a failure anywhere is a TrainingError on every rank.
+
+    A rank of several stages (interleaved-1f1b) writes one file per own stage, as if each were on a rank
+    of its own: its module's weights and the share of the rank's one optimizer state that its parameters'
+    names hold (`_stage_share`). The optimizer state of SGD and Adam is per parameter, so the shares add
+    up to the whole of it: the layout is the same as any plan's, and a resume under this plan or another
+    re-splits it by name exactly (`merged_optimizer_state`)."""
     root = options.checkpoint_dir
     assert root is not None
     problem = None
     if engine.replica == 0:
         try:
-            save_stage(root, step, engine.stage, model_state=engine.module.state_dict(),
-                       optimizer_state=(named_optimizer_state(engine.optimizer,
-                                                              engine.module.named_parameters(remove_duplicate=False))
-                                        if engine.optimizer is not None else None),
-                       rng_state={"torch": torch.get_rng_state()}, plan_digest=digest,
-                       meta={"rank": setup.rank})
+            named = (named_optimizer_state(engine.optimizer, _named_parameters(engine, engine.stages))
+                     if engine.optimizer is not None else None)
+            for stage in engine.stages:
+                module = engine.modules[stage]
+                save_stage(root, step, stage, model_state=module.state_dict(),
+                           optimizer_state=None if named is None else _stage_share(named, engine, stage),
+                           rng_state={"torch": torch.get_rng_state()}, plan_digest=digest,
+                           meta={"rank": setup.rank})
         except CheckpointError as exc:
             problem = f"rank {setup.rank}: {exc}"
     problems: list[str | None] = [None] * setup.world
@@ -514,6 +530,24 @@ def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:  # the CheckpointError says which complete checkpoint is intact
         raise TrainingError(f"checkpoint of step {step} failed: {verdict[0]}")
+
+
+def _named_parameters(engine: Engine, stages: Sequence[int]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the modules of this rank's `stages`, every name of a tied parameter included
+    (`remove_duplicate=False`): `runtime.optimizer_state` keeps a parameter once however many names it
+    has, and a stage that knows a tied parameter by another name finds its state under that name."""
+    return [named for stage in stages for named in engine.modules[stage].named_parameters(remove_duplicate=False)]
+
+
+def _stage_share(named: dict[str, Any], engine: Engine, stage: int) -> dict[str, Any]:
+    """The part of the rank's `named_optimizer_state` that names `stage`'s parameters: their state,
+    shapes, and each param group's hyper-parameters with its parameters of this stage (all of it on a
+    rank of one stage)."""
+    names = {name for name, _ in _named_parameters(engine, [stage])}
+    return {"state": {name: value for name, value in named["state"].items() if name in names},
+            "param_groups": [{**group, "params": [name for name in group["params"] if name in names]}
+                             for group in named["param_groups"]],
+            "shapes": {name: shape for name, shape in named["shapes"].items() if name in names}}
 
 
 # --- the end --------------------------------------------------------------------------------------

@@ -365,12 +365,14 @@ def _nan(value: float | None) -> float:
 
 
 def _simulated_idle(simulated: Timeline | None) -> dict[int, float]:
-    """Per stage: the mean idle share of its ranks in the simulation."""
+    """Per stage: the mean idle share of its ranks in the simulation (a rank running several stages, as under
+    interleaved-1f1b, counts for each of them)."""
     if simulated is None or not len(simulated.events):
         return {}
     bubbles = simulated.bubble_fraction()
-    stage_of = simulated.events.groupby("rank")["stage"].first()
-    return {int(stage): float(share) for stage, share in bubbles.groupby(stage_of.reindex(bubbles.index)).mean().items()}
+    holders = simulated.events[["rank", "stage"]].drop_duplicates()
+    shares = holders.assign(share=holders["rank"].map(bubbles)).groupby("stage")["share"].mean()
+    return {int(stage): float(share) for stage, share in shares.items()}
 
 
 def run_report_table(report: RunReport, simulated: Timeline | None = None) -> Table:

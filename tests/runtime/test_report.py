@@ -1,5 +1,6 @@
 """Run reports from traces: every figure of a hand-made two-rank run, clock alignment, the simulator
-played back as a run (measured = predicted), and gathering under torchrun.
+played back as a run (measured = predicted; also interleaved-1f1b, whose ranks run several stages), and
+gathering under torchrun.
 
 Run as a script (`python -m torch.distributed.run --nproc-per-node=2 test_report.py OUT`), this file
 is the torchrun worker of `test_save_run_report_gathers_every_rank_under_torchrun`.
@@ -29,7 +30,7 @@ from planner.simulation.plan_simulation import simulate
 from planner.files.profile import Profile, load_profile
 from planner.files.run_report import RunReportError, comparison_table, load_run_report
 from planner.costs.schedule_cost import first_ranks, samples_per_s, stage_costs
-from planner.files.timeline import COLUMNS
+from planner.files.timeline import COLUMNS, Timeline
 from planner.schedules.schedule import SEND_ACTIVATION, SEND_GRADIENT
 from runtime.report import RankTrace, _boundary_transfer_ms, build_run_report, save_run_report, write_run_report
 from tests.replay import replay_timeline
@@ -333,6 +334,106 @@ def test_a_run_that_went_as_simulated_measures_what_was_predicted(mlp: Profile, 
     found, expected = ordered(body["events"]), ordered(timeline.events.values.tolist())
     assert [row[:7] for row in found] == [row[:7] for row in expected]
     assert [t for row in found for t in row[7:]] == pytest.approx([t for row in expected for t in row[7:]], abs=1e-9)
+
+
+# ---------------------------------------------------------------- interleaved-1f1b: ranks of several stages
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Profile:
+    return load_profile(REPO / "profiles" / "gpt.json")
+
+
+@pytest.fixture(scope="module")
+def interleaved(gpt: Profile) -> Plan:
+    """gpt on 2 ranks of 2 stages each (stage s on rank s mod 2): the tied embedding (stage 0) and head
+    (stage 3) on different ranks."""
+    plan = partition(gpt, make_cluster(2, None, ["1GB/s"]), schedule="interleaved-1f1b", microbatches=4)
+    assert plan.chunks == 2 and [stage.ranks for stage in plan.stages] == [(0,), (1,), (0,), (1,)]
+    return plan
+
+
+def replayed_with_stages(timeline: Timeline, steps: int = 3) -> list[RankTrace]:
+    """`replay_timeline`'s traces with what the engine records of a rank of several stages: each op's stage and
+    the rank's stages (`replay_timeline` gives each op stage -1 and each rank its first stage)."""
+    traces = []
+    for trace in replay_timeline(timeline, steps):
+        rows = timeline.events[timeline.events["rank"] == trace.rank]  # in replay_timeline's order, step by step
+        stages = [int(stage) for _ in range(steps) for stage in rows["stage"]]
+        ops = tuple(dataclasses.replace(op, stage=stage) for op, stage in zip(trace.ops, stages, strict=True))
+        traces.append(dataclasses.replace(trace, ops=ops, stages=tuple(sorted({*stages}))))
+    return traces
+
+
+@pytest.fixture(scope="module")
+def interleaved_traces(gpt: Profile, interleaved: Plan) -> list[RankTrace]:
+    return replayed_with_stages(simulate(interleaved, gpt))
+
+
+def test_an_interleaved_run_that_went_as_simulated_measures_every_stage_as_predicted(
+        gpt: Profile, interleaved: Plan, interleaved_traces: list[RankTrace]) -> None:
+    """Forward, backward and transfers are each stage's own; the optimizer step, the tied all-reduce and
+    idle time are the rank's (once for all its stages), against the plan's sum over the rank's stages."""
+    timeline = simulate(interleaved, gpt)
+    report = build_run_report(interleaved, interleaved_traces, batch_size=4 * interleaved.microbatch_size, losses=[])
+    body, table = report.to_dict(), comparison_table(report)
+    assert body["ratios"]["iteration_ms"] == pytest.approx(1.0, rel=1e-6)
+    assert [row["stage"] for row in body["measured"]["ranks"]] == [0, 1]  # a rank's first stage
+    bubbles = timeline.bubble_fraction()
+    for index, (found, expected, stage) in enumerate(zip(body["measured"]["stages"], body["predicted"]["stages"],
+                                                         interleaved.stages)):
+        rank_stages = [other for other in interleaved.stages if other.ranks == stage.ranks]
+        assert found["forward_ms"] > 0 and body["ratios"]["stages"][index]["compute_ms"] == pytest.approx(1.0)
+        assert found["comm_ms"] == pytest.approx(stage.comm_ms, rel=1e-6)
+        assert expected["step_ms"] == pytest.approx(sum(other.step_ms for other in rank_stages))
+        assert found["step_ms"] == pytest.approx(expected["step_ms"], rel=1e-6)
+        tied_ms = sum(other.tied_allreduce_ms for other in rank_stages)  # one tied stage per rank
+        assert tied_ms > 0 and expected["allreduce_ms"] == pytest.approx(tied_ms)
+        assert found["allreduce_ms"] == pytest.approx(expected["allreduce_ms"], rel=1e-6)
+        assert found["idle_fraction"] == pytest.approx(float(bubbles[stage.ranks[0]]), rel=1e-6)
+        rows = table.loc[f"stage {index} compute (ms/microbatch)":f"stage {index} step (ms)", "measured"]
+        assert not rows.isna().any()
+    assert {(row[0], row[1]) for row in body["events"]} == {(0, 0), (0, 2), (1, 1), (1, 3)}
+
+    def ordered(rows: list[list[Any]]) -> list[list[Any]]:
+        return sorted(rows, key=lambda row: (tuple(row[:7]), row[7]))
+
+    found_events, expected_events = ordered(body["events"]), ordered(timeline.events.values.tolist())
+    assert [row[:7] for row in found_events] == [row[:7] for row in expected_events]
+
+
+def test_an_interleaved_stages_peak_memory_is_its_ranks_against_the_plans_per_device_peak(
+        interleaved: Plan, interleaved_traces: list[RankTrace]) -> None:
+    traces = [dataclasses.replace(trace, peak_memory_bytes=peak, memory_method="live-tensors")
+              for trace, peak in zip(interleaved_traces, (3_000_000, 2_000_000))]
+    body = report_body(interleaved, traces, batch_size=4 * interleaved.microbatch_size, losses=[])
+    assert [s["peak_memory_bytes"] for s in body["measured"]["stages"]] == [3e6, 2e6, 3e6, 2e6]
+    assert [s["peak_memory_bytes"] for s in body["predicted"]["stages"]] == \
+        [float(stage.memory_bytes) for stage in interleaved.stages]
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda ts: [dataclasses.replace(ts[0], stages=()), ts[1]],
+     "rank 0 ran stage 0, but the plan puts it on stages 0, 2"),
+    (lambda ts: [ts[0], dataclasses.replace(ts[1], stages=(1, 3, 5))], "rank 1 ran stages 1, 3, 5, but the plan"),
+    (lambda ts: [dataclasses.replace(ts[0], ops=ts[0].ops + (OpTime(1, "forward", 0, 0, None, 0.0, 1.0, 1),)), ts[1]],
+     "rank 0: an op of stage 1, but it ran stages 0, 2"),
+])
+def test_interleaved_traces_that_do_not_fit_the_plan_are_refused(interleaved: Plan, interleaved_traces: list[RankTrace],
+                                                                 change: Any, fragment: str) -> None:
+    with pytest.raises(RunReportError, match=fragment):
+        report_body(interleaved, change(interleaved_traces), batch_size=4 * interleaved.microbatch_size, losses=[])
+
+
+def test_a_boundary_transfer_is_the_stages_beside_it_not_every_stage_of_their_ranks() -> None:
+    """Stages 0 and 2 on rank 0, 1 and 3 on rank 1: each boundary takes the activations of the stage below it
+    and the gradients of the stage above it, though the same two ranks send both."""
+    def send(op: str, peer: int, ms: float, stage: int) -> OpTime:
+        return OpTime(1, op, 0, 0, peer, 0.0, ms / 1000.0, stage)
+
+    ops = {(0, 1): [send(SEND_ACTIVATION, 1, 1.0, 0), send(SEND_ACTIVATION, 1, 3.0, 2), send(SEND_GRADIENT, 1, 9.0, 2)],
+           (1, 1): [send(SEND_ACTIVATION, 0, 2.0, 1), send(SEND_GRADIENT, 0, 5.0, 1), send(SEND_GRADIENT, 0, 7.0, 3)]}
+    assert _boundary_transfer_ms(ops, [[0], [1], [0], [1]], [1]) == pytest.approx([3.0, 5.5, 5.0])
 
 
 # ---------------------------------------------------------------- gathering under torchrun

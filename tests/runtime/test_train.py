@@ -1,5 +1,6 @@
 """`python -m runtime.train` under torchrun on CPU: checks before work, checkpoints and resume, exported weights
-equal to single-device training, re-partitioned resume, and ranks that die or freeze."""
+equal to single-device training, re-partitioned resume (also to and from interleaved-1f1b, whose ranks run several
+stages), and ranks that die or freeze."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import torch
 from planner.files.cluster import make_cluster
 from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
-from planner.files.plan import Plan
+from planner.files.plan import Plan, load_plan
 from planner.files.profile import load_profile
-from runtime.checkpoint import export_checkpoint, latest_complete
-from runtime.train import parse_args, warmup_steps
+from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
+from runtime.train import TrainingError, check_setup, parse_args, rank_count, warmup_steps
 from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +45,12 @@ def mlp_plan(replicas: tuple[int, ...] = (1, 1), split: int | None = None) -> Pl
     second = dataclasses.replace(second, replicas=replicas[1],
                                  ranks=tuple(range(replicas[0], replicas[0] + replicas[1])))
     return dataclasses.replace(plan, stages=(first, second))
+
+
+def interleaved_plan() -> Plan:
+    """The planner's interleaved-1f1b mlp plan for 2 ranks with 4 microbatches: 3 stages on each rank."""
+    return partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), schedule="interleaved-1f1b",
+                     microbatches=4)
 
 
 def command(nproc: int, *args: str) -> list[str]:
@@ -118,30 +125,56 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # the 2-1 plan runs zb-h1: a resumed job under another plan and another schedule (B and W apart) follows the
     # uninterrupted 1f1b run's losses
     made = {"mlp-1-1": mlp_plan(), "mlp-2-1": dataclasses.replace(mlp_plan((2, 1), split=4), schedule="zb-h1"),
-            "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True)}
+            "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True),
+            "mlp-interleaved": interleaved_plan()}
     return {name: plan.save(folder / f"{name}.json") for name, plan in made.items()}
+
+
+def checkpointed_run(plan: Path, folder: Path, steps: int) -> Path:
+    """`steps` SGD steps of the mlp under `plan` on its ranks, a checkpoint every 2 steps (kept: all) and a
+    report in `folder`; returns `folder`."""
+    finished = run(rank_count(load_plan(plan)), "examples/mlp.py", "--plan", str(plan), "--steps", str(steps),
+                   "--microbatch-size", str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir",
+                   str(folder / "checkpoints"), "--checkpoint-every", "2", "--keep", "10", "--report",
+                   str(folder / "report.json"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return folder
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """10 steps of the 2-rank mlp plan with a checkpoint every 2 steps (kept: all); returns its folder."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    finished = run(2, "examples/mlp.py", "--plan", str(plans["mlp-1-1"]), "--steps", "10", "--microbatch-size",
-                   str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(out / "checkpoints"),
-                   "--checkpoint-every", "2", "--keep", "10", "--report", str(out / "report.json"))
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    return out
+    """10 steps of the 2-rank mlp plan; returns its folder (`checkpointed_run`)."""
+    return checkpointed_run(plans["mlp-1-1"], tmp_path_factory.mktemp("uninterrupted"), 10)
 
 
-@pytest.mark.slow
-def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> None:
-    """The checkpoint of step 10, exported to one state_dict, equals 10 SGD steps on one device on the
-    model file's data_loader batches (8 a epoch: the second epoch is reshuffled)."""
+@pytest.fixture(scope="module")
+def interleaved(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 steps of the interleaved mlp plan on 2 ranks (3 stages each), as `uninterrupted`'s first 4 (same
+    batches of 4 x MICROBATCH samples, SGD); returns its folder (`checkpointed_run`)."""
+    return checkpointed_run(plans["mlp-interleaved"], tmp_path_factory.mktemp("interleaved"), 4)
+
+
+def resumed_run(source: Path, step: int, plan: Path, nproc: int, steps: int,
+                tmp_path: Path) -> subprocess.CompletedProcess:
+    """The step-`step` checkpoint of the run in `source`, copied to tmp_path/checkpoints, continued to `steps`
+    under `plan` on `nproc` ranks (SGD, a report in tmp_path); asserts it finished."""
+    name = f"step-{step:08d}"
+    shutil.copytree(source / "checkpoints" / name, tmp_path / "checkpoints" / name)
+    resumed = run(nproc, "examples/mlp.py", "--plan", str(plan), "--steps", str(steps), "--microbatch-size",
+                  str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                  "--resume", "--report", str(tmp_path / "report.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
+def single_device_training(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The mlp's state_dict and losses after `steps` SGD steps (lr 0.01, momentum 0.9: runtime.train's) on one
+    device, on the model file's data_loader batches of 4 x MICROBATCH (8 an epoch: the second is reshuffled)."""
     source = model_file("mlp")
     torch.manual_seed(0)
     model = source.build_model()
     loader = source.data_loader(4 * MICROBATCH)
-    batches = [*loader, *loader][:10]
+    batches = [*loader, *loader][:steps]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     expected_losses = []
     for inputs, target in batches:
@@ -150,14 +183,62 @@ def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> N
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    exported = export_checkpoint(uninterrupted / "checkpoints")
-    fresh = source.build_model()
+    return model.state_dict(), expected_losses
+
+
+def assert_trained_as_on_one_device(run_folder: Path, steps: int) -> None:
+    """The run's newest checkpoint, exported to one state_dict, and its losses equal `steps` steps on one device."""
+    expected_state, expected_losses = single_device_training(steps)
+    exported = export_checkpoint(run_folder / "checkpoints")
+    fresh = model_file("mlp").build_model()
     fresh.load_state_dict(exported)  # strict: every name of the model, nothing else
-    for name, tensor in model.state_dict().items():
+    for name, tensor in expected_state.items():
         torch.testing.assert_close(fresh.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    measured = losses(uninterrupted / "report.json")
-    assert list(measured) == list(range(1, 11))
+    measured = losses(run_folder / "report.json")
+    assert list(measured) == list(range(1, steps + 1))
     torch.testing.assert_close(list(measured.values()), expected_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> None:
+    """The checkpoint of step 10, exported to one state_dict, equals 10 SGD steps on one device."""
+    assert_trained_as_on_one_device(uninterrupted, 10)
+
+
+@pytest.mark.slow
+def test_an_interleaved_plan_trains_as_on_one_device_and_checkpoints_each_stage(interleaved: Path) -> None:
+    """Each rank runs 3 stages of the mlp and steps one optimizer over them; its checkpoint is one file per stage,
+    each holding its weights and the momentum of those weights, by name, and nothing of another stage's."""
+    assert_trained_as_on_one_device(interleaved, 4)
+    newest = latest_complete(interleaved / "checkpoints")
+    assert newest is not None and newest.num_stages == 6
+    stages = load_stages(newest)
+    owned = [set(stage["optimizer_state"]["state"]) for stage in stages]
+    assert [stage["meta"]["rank"] for stage in stages] == [0, 1, 0, 1, 0, 1]
+    for stage, names in zip(stages, owned):
+        assert names and names == set(stage["optimizer_state"]["shapes"]) <= set(stage["model_state"])
+        assert names == set(stage["optimizer_state"]["param_groups"][0]["params"])
+    assert sum(map(len, owned)) == len(set().union(*owned)) == len(list(model_file("mlp").build_model().parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_name, nproc, exact", [("mlp-interleaved", 2, True), ("mlp-1-1", 2, False)])
+def test_an_interleaved_checkpoint_resumes(plans: dict[str, Path], interleaved: Path, tmp_path: Path, plan_name: str,
+                                           nproc: int, exact: bool) -> None:
+    """The interleaved run's step-2 checkpoint continues to step 4 under the same plan, bit for bit as the run
+    itself went on (weights, momentum, random state), or under a plan of one stage per rank, re-split by name."""
+    folder = tmp_path / "checkpoints"
+    resumed = resumed_run(interleaved, 2, plans[plan_name], nproc, 4, tmp_path)
+    assert ("made with another plan" in resumed.stdout) != exact
+    after, reference = losses(tmp_path / "report.json"), losses(interleaved / "report.json")
+    assert list(after) == [3, 4]
+    weights, expected = export_checkpoint(folder), export_checkpoint(interleaved / "checkpoints")
+    if exact:
+        assert after == {step: reference[step] for step in after}
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+    else:
+        torch.testing.assert_close([after[3], after[4]], [reference[3], reference[4]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -185,16 +266,14 @@ def test_killed_job_resumes_with_the_same_losses(plans: dict[str, Path], uninter
 
 
 @pytest.mark.slow
-def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
-    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 zb-h1 plan cut elsewhere (through
-    `runtime.train`, as `planner train` runs it): the weights and SGD momentum are re-split by name, so the
-    losses follow the uninterrupted 1f1b run."""
+@pytest.mark.parametrize("plan_name, nproc", [("mlp-2-1", 3), ("mlp-interleaved", 2)])
+def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path, plan_name: str,
+                                  nproc: int) -> None:
+    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 zb-h1 plan cut elsewhere, or on 2
+    ranks of 3 interleaved stages each (through `runtime.train`, as `planner train` runs it): the weights and SGD
+    momentum are re-split by name, so the losses follow the uninterrupted 1f1b run."""
     folder = tmp_path / "checkpoints"
-    shutil.copytree(uninterrupted / "checkpoints" / "step-00000006", folder / "step-00000006")
-    resumed = run(3, "examples/mlp.py", "--plan", str(plans["mlp-2-1"]), "--steps", "8", "--microbatch-size",
-                  str(MICROBATCH), "--optimizer", "sgd", "--checkpoint-dir", str(folder), "--resume",
-                  "--report", str(tmp_path / "report.json"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = resumed_run(uninterrupted, 6, plans[plan_name], nproc, 8, tmp_path)
     assert "made with another plan" in resumed.stdout
     after = losses(tmp_path / "report.json")
     reference = losses(uninterrupted / "report.json")
@@ -317,6 +396,14 @@ def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path]) -> None:
                                str(plans["mlp-1-1"])], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert finished.returncode == 1
     assert "not started by torchrun" in finished.stderr and "planner train" in finished.stderr
+
+
+def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
+    plan = plans["mlp-interleaved"]
+    assert rank_count(load_plan(plan)) == 2
+    with pytest.raises(TrainingError, match=r"has 2 ranks \(6 stages\) but the job has 6 processes: launch with "
+                                            r"--nproc-per-node 2 .*--gpus 6`"):
+        check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 6, 0)
 
 
 def test_options() -> None:
