@@ -74,7 +74,10 @@ def _print_profile(profile: Profile, path: Path | None) -> None:
 @app.command()
 def profile(
     model_file: str = typer.Argument(..., help="Python file defining build_model() and example_batch(batch_size)."),
-    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Samples per mini-batch."),
+    batch_size: str = typer.Option(
+        "8", "--batch-size", "-b", help="Samples per mini-batch; a comma list such as 1,2,4,8 also times the layers at "
+        "the smaller sizes (everything else at the largest), and plans interpolate between them.",
+    ),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),
@@ -99,10 +102,12 @@ def profile(
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from planner.profiling.model_file import load_model_file
-        from planner.profiling.profiler import ProfileSettings, profile_model
+        from planner.profiling.profiler import ProfileSettings, parse_batch_sizes, profile_model
 
+        *other_sizes, largest = parse_batch_sizes(batch_size)
         settings = ProfileSettings(
-            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, iters=iters, min_seconds=min_seconds,
+            batch_size=largest, other_batch_sizes=tuple(other_sizes),
+            device=device, dtype=dtype, warmup=warmup, iters=iters, min_seconds=min_seconds,
             threads=threads, depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
         )
         settings.check()  # option mistakes are reported before the model file is imported
@@ -182,7 +187,8 @@ def partition_command(
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
     schedule: str = typer.Option("auto", help="auto (the fastest of gpipe, 1f1b and zb-h1), gpipe, 1f1b, zb-h1 (zero bubble: "
                                  "backward split into input and weight gradients), interleaved-1f1b (2-4 chunks per "
-                                 "GPU, round-robin), or pipedream (asynchronous: stale weights)."),
+                                 "GPU, round-robin), zbv (zero bubble, 2 chunks per GPU in a V), or pipedream "
+                                 "(asynchronous: stale weights)."),
     microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b/zb-h1, or auto."),
     microbatch_size: Optional[int] = typer.Option(
         None, "--microbatch-size", help="Samples per microbatch (default: the profiled batch size)."

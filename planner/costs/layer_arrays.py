@@ -1,10 +1,12 @@
-"""What both cost models read: prefix sums over a profile's layers, candidate stages, optimizer state copies."""
+"""What both cost models read: prefix sums over a profile's layers (at a microbatch size), candidate stages,
+optimizer state copies."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -119,6 +121,14 @@ class LayerArrays:
             deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]), deferred_measured=deferred_measured,
         )
 
+    @classmethod
+    def at_batch_size(cls, profile: Profile, size: int) -> "LayerArrays":
+        """`from_profile` with the layers' times at microbatches of `size` samples interpolated between the
+        profile's measured batch sizes (`times_at_batch_size`), per profiled mini-batch: the cost model's
+        scale sigma = size / batch_size turns them into the interpolated times. The same arrays as
+        `from_profile` for a profile measured at one batch size."""
+        return cls.from_profile(times_at_batch_size(profile, size))
+
     def for_schedule(self, schedule: str) -> "LayerArrays":
         """These arrays as `schedule` runs the layers: under a zero-bubble schedule every backward, B and W
         alike, takes `split_backward_ratio` times its time; under the others its whole time (backward_s' =
@@ -205,6 +215,72 @@ class LayerArrays:
     def cut_after(self, stop: int) -> float:
         """Bytes leaving a stage that ends before layer `stop` (0 for the last stage)."""
         return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
+
+
+def interpolate_ms(sizes: Sequence[int], times_ms: np.ndarray, size: float) -> np.ndarray:
+    """Per layer, the time of a batch of `size` samples from `times_ms[k]` (one row per layer's time, ms)
+    measured at `sizes[k]` (ascending, distinct, at least 1), ms: piecewise linear between neighbouring
+    measured sizes, t(u) = t_k + (t_{k+1} - t_k) (u - b_k) / (b_{k+1} - b_k) for b_k <= u <= b_{k+1}, and
+    proportional to u beyond them, from the nearest: t(u) = t_max u / b_max above the largest,
+    t_min u / b_min below the smallest. At a measured size u = b_k, exactly t_k."""
+    if size >= sizes[-1]:
+        return times_ms[-1] * (size / sizes[-1])
+    if size <= sizes[0]:
+        return times_ms[0] * (size / sizes[0])
+    k = bisect.bisect_right(sizes, size) - 1  # sizes[k] <= size < sizes[k + 1]
+    share = (size - sizes[k]) / (sizes[k + 1] - sizes[k])
+    return times_ms[k] + share * (times_ms[k + 1] - times_ms[k])
+
+
+def times_at_batch_size(profile: Profile, size: int) -> Profile:
+    """`profile` with each layer's `fwd_ms`, `bwd_ms` and `bwd_input_ms` those of a microbatch of `size`
+    samples, t(size) by `interpolate_ms` over the sizes the profile measured (`Profile.batch_sizes`),
+    expressed per mini-batch of its `batch_size` b: t(size) x b / size, so that the cost model's linear
+    scale sigma = size / b gives back t(size). Bytes stay as they are (linear in the batch).
+    `bwd_input_ms` is interpolated where every size measured it, else it keeps its share of `bwd_ms` at b.
+    `profile` itself where it measured one size, or where `size` lies beyond its measured sizes on the
+    side of b (t(size) is then b's times scaled linearly, as for one size)."""
+    sizes = profile.batch_sizes
+    if len(sizes) < 2 or (size >= sizes[-1] == profile.batch_size) or (size <= sizes[0] == profile.batch_size):
+        return profile
+    layers = profile.layers
+    main_input_ms = tuple(layer.bwd_input_ms for layer in layers)
+    measured = {profile.batch_size: (tuple(layer.fwd_ms for layer in layers), tuple(layer.bwd_ms for layer in layers),
+                                     main_input_ms if None not in main_input_ms else ())}
+    measured.update({sized.batch_size: (sized.fwd_ms, sized.bwd_ms, sized.bwd_input_ms) for sized in profile.size_times})
+    per_batch = (profile.batch_size or 1) / size
+
+    def at_size(column: int) -> list[float]:
+        times_ms = np.array([measured[batch][column] for batch in sizes], dtype=float)
+        return (interpolate_ms(sizes, times_ms, size) * per_batch).tolist()
+
+    fwd_ms, bwd_ms = at_size(0), at_size(1)
+    if all(measured[batch][2] for batch in sizes):
+        input_ms: list[float | None] = list(at_size(2))
+    else:  # the share of the backward the profiled batch spent on input gradients
+        input_ms = [None if ms is None else (ms / layer.bwd_ms * bwd if layer.bwd_ms else 0.0)
+                    for ms, layer, bwd in zip(main_input_ms, layers, bwd_ms)]
+    return dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, fwd_ms=fwd, bwd_ms=bwd, bwd_input_ms=input_)
+        for layer, fwd, bwd, input_ in zip(layers, fwd_ms, bwd_ms, input_ms)
+    ), size_times=())
+
+
+def batch_scaling_note(profile: Profile, size: int) -> str:
+    """How the cost model took the layers' times at microbatches of `size` samples from `profile`
+    (`times_at_batch_size`), for a plan's notes."""
+    sizes = profile.batch_sizes
+    if len(sizes) < 2:
+        return f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}"
+    listed = f"(measured: {', '.join(map(str, sizes))})"
+    if size in sizes:
+        return f"times as measured at batch size {size} {listed}"
+    if size > sizes[-1] or size < sizes[0]:
+        nearest = sizes[-1] if size > sizes[-1] else sizes[0]
+        return (f"times extrapolated linearly {'beyond' if size > nearest else 'below'} the measured batch sizes: "
+                f"scaled from {nearest} to {size} {listed}")
+    k = bisect.bisect_right(sizes, size) - 1
+    return f"times interpolated between measured batch sizes {sizes[k]} and {sizes[k + 1]} for {size} {listed}"
 
 
 def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

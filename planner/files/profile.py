@@ -1,6 +1,7 @@
 """Profile: per-layer measurements of one model on one device, its JSON file format and table.
 
-Times are milliseconds per mini-batch of `batch_size` samples; sizes are bytes.
+Times are milliseconds per mini-batch of `batch_size` samples; sizes are bytes. A profile may also hold
+the layers' times at other batch sizes (`SizeTimes`), which the cost model interpolates between.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "pipeline-planner/profile"
-PROFILE_VERSION = 2  # 2: layers may hold `bwd_input_ms`, the profile `split_backward_ratio`; version 1 loads them None
+# 2: layers may hold `bwd_input_ms`, the profile `split_backward_ratio`; version 1 loads them None.
+# 3: the profile may hold `size_times`, the layers' times at more batch sizes; versions 1 and 2 load it empty.
+PROFILE_VERSION = 3
 
 LAYER_COLUMNS = (
     "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes", "bwd_input_ms",
@@ -75,6 +78,23 @@ class SharedParam:
 
 
 @dataclass(frozen=True)
+class SizeTimes:
+    """The layers' times measured at one more batch size than the profile's `batch_size`.
+
+    `batch_size`: samples per mini-batch of these times; `fwd_ms[i]`, `bwd_ms[i]`, `bwd_input_ms[i]`: layer i's
+    forward, backward and input-gradient times (as `LayerProfile`'s, same layer order), ms per mini-batch of
+    `batch_size` samples; `bwd_input_ms` empty: not measured. `step_ms`: the median uninstrumented step at this
+    size, ms (0.0: not measured). Bytes are not measured again: they grow linearly with the batch.
+    """
+
+    batch_size: int
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    bwd_input_ms: tuple[float, ...] = ()
+    step_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile:
     """Measurements of a model's layers on one device at one mini-batch size.
 
@@ -105,6 +125,10 @@ class Profile:
     beyond the saved activations (the gradients recorded at its boundary nodes), bytes per mini-batch
     (`planner.profiling.deferred_memory.measure_deferred_bytes`); 0 for the first layer. Empty: not
     measured (older files, PipeDream imports).
+    `size_times`: the layers' times at other batch sizes than `batch_size` (`planner profile --batch-size
+    1,2,4,8` measures them; `batch_size` is then the largest, where memory was measured), which the cost
+    model interpolates between (`planner.costs.layer_arrays.times_at_batch_size`); empty: measured at
+    `batch_size` only (older files, PipeDream imports).
     """
 
     model_name: str
@@ -131,12 +155,39 @@ class Profile:
     param_tensors: tuple[int, ...] = ()
     split_backward_ratio: float | None = None
     deferred_bytes: tuple[int, ...] = ()
+    size_times: tuple[SizeTimes, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "param_tensors", "deferred_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
+        self._check_size_times()
+
+    def _check_size_times(self) -> None:
+        """ValueError naming `size_times[k]` where an entry has not one time per layer, or a batch size
+        below 1, repeated, or measured without a known `batch_size`."""
+        if self.size_times and self.batch_size is None:
+            raise ValueError("size_times without a batch_size: the other sizes' times compare with nothing")
+        seen = {self.batch_size}
+        for index, sized in enumerate(self.size_times):
+            if sized.batch_size < 1 or sized.batch_size in seen:
+                raise ValueError(f"size_times[{index}].batch_size {sized.batch_size} is "
+                                 f"{'below 1' if sized.batch_size < 1 else 'measured twice'}")
+            seen.add(sized.batch_size)
+            for name in ("fwd_ms", "bwd_ms", "bwd_input_ms"):
+                values = getattr(sized, name)
+                if (values or name != "bwd_input_ms") and len(values) != len(self.layers):
+                    raise ValueError(f"size_times[{index}] has {len(values)} {name} for {len(self.layers)} layers "
+                                     f"(one per layer{', or none' if name == 'bwd_input_ms' else ''})")
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every batch size the layers' times were measured at, ascending: `batch_size` and those of
+        `size_times`; empty when `batch_size` is unknown."""
+        if self.batch_size is None:
+            return ()
+        return tuple(sorted([self.batch_size, *(sized.batch_size for sized in self.size_times)]))
 
     @property
     def num_layers(self) -> int:
@@ -181,10 +232,16 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
-        `bwd_input_ms`, an unmeasured `split_backward_ratio` (None) and empty `deferred_bytes` are left out, so that a profile
+        `bwd_input_ms`, an unmeasured `split_backward_ratio` (None) and empty `deferred_bytes` and `size_times` (and a
+        size's empty `bwd_input_ms`) are left out, so that a profile
         without them has the same body, and the same digest (`planner.files.plan.profile_digest`), as
         when it was made before they were measured."""
         body = dataclasses.asdict(self)
+        if not body["size_times"]:
+            del body["size_times"]
+        for sized in body.get("size_times", ()):
+            if not sized["bwd_input_ms"]:
+                del sized["bwd_input_ms"]
         for row in body["layers"]:
             if row["bwd_input_ms"] is None:
                 del row["bwd_input_ms"]
@@ -215,6 +272,7 @@ class Profile:
                 )
                 for p in body.get("shared_params", [])
             )
+            size_times = tuple(_size_times_from(index, row) for index, row in enumerate(body.get("size_times", [])))
             batch_size = body["batch_size"]
             profile = cls(
                 model_name=str(body["model_name"]), source=str(body["source"]), device=str(body["device"]),
@@ -235,6 +293,7 @@ class Profile:
                 split_backward_ratio=None if body.get("split_backward_ratio") is None
                 else float(body["split_backward_ratio"]),
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
+                size_times=size_times,
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None
@@ -245,6 +304,21 @@ class Profile:
     def save(self, path: str | Path) -> Path:
         """Write the profile as versioned JSON, version `PROFILE_VERSION` (atomically); returns the path."""
         return write_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION, self.to_dict())
+
+
+def _size_times_from(index: int, row: Any) -> SizeTimes:
+    """Entry `index` of a file's `size_times`; ValueError naming `size_times[index]` where it is malformed."""
+    try:
+        return SizeTimes(
+            batch_size=int(row["batch_size"]), fwd_ms=tuple(float(ms) for ms in row["fwd_ms"]),
+            bwd_ms=tuple(float(ms) for ms in row["bwd_ms"]),
+            bwd_input_ms=tuple(float(ms) for ms in row.get("bwd_input_ms", ())),
+            step_ms=float(row.get("step_ms", 0.0)),
+        )
+    except KeyError as exc:
+        raise ValueError(f"size_times[{index}] is missing the field {exc.args[0]!r}") from None
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"size_times[{index}] is malformed: {exc}") from None
 
 
 def load_profile(path: str | Path) -> Profile:

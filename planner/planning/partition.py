@@ -10,7 +10,9 @@ import numpy as np
 
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
-from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
+from planner.costs.layer_arrays import (
+    ASSUMED_WEIGHT_SHARE, OPTIMIZER_STATE_COPIES, LayerArrays, batch_scaling_note, per_weight_byte,
+)
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
 )
@@ -61,7 +63,8 @@ def partition(
     considered trains B = microbatch size x microbatches (replicas share the microbatches), so plans are
     compared at the batch the user trains with. With neither --microbatches nor --microbatch-size the
     counts are B's divisors up to 128, each with microbatches of B / count samples (times scaled linearly
-    from the profiled batch); a fixed count or size fixes the other. Without it the microbatch size is
+    from the profiled batch, or interpolated between its measured sizes: `LayerArrays.at_batch_size`); a fixed
+    count or size fixes the other. Without it the microbatch size is
     `microbatch_size` (default: the profiled batch) and the plan's global batch is what it implies.
     """
     if cost_model not in COST_MODELS:
@@ -90,7 +93,8 @@ def partition(
     if unmeasured:  # a zero-bubble plan's gain could be all the split's unknown cost: not chosen blind
         schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
     chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
-                     microbatches == AUTO and global_batch_size is None)
+                     microbatches == AUTO and global_batch_size is None,
+                     (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None)
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
@@ -148,16 +152,23 @@ class _Candidate:
 def _choose(
     base: CostInputs, schedules: tuple[str, ...], counts: tuple[int, ...], straight: bool, recompute: bool,
     size_of: Callable[[int], int], profiled: int, auto_counts: bool = False,
+    arrays_at: Callable[[int], LayerArrays] | None = None,
 ) -> _Candidate:
     """The fastest (schedule, microbatch count among `counts`, `size_of(count)` samples each, the profile's
-    times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits."""
+    times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits. `arrays_at(size)`:
+    the layers' arrays whose times, so scaled, are those at `size` (`LayerArrays.at_batch_size`: a profile of
+    several batch sizes); None: `base.arrays` at every size."""
     results: list[_Candidate] = []
     failures: list[InfeasiblePlanError] = []
     solved: dict[tuple[str, int], _Candidate | None] = {}
+    sized: dict[int, LayerArrays] = {}  # arrays_at per microbatch size, made once
 
     def inputs_for(schedule: str, count: int) -> CostInputs:
-        return replace(base, schedule=schedule, microbatches=count, scale=size_of(count) / profiled,
-                       arrays=base.arrays.for_schedule(schedule))
+        size = size_of(count)
+        if size not in sized:
+            sized[size] = base.arrays if arrays_at is None else arrays_at(size)
+        return replace(base, schedule=schedule, microbatches=count, scale=size / profiled,
+                       arrays=sized[size].for_schedule(schedule))
 
     def run(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
@@ -413,7 +424,7 @@ def _planner_plan(
                          "before it did, or imported): each layer is assumed to keep its output's size; profile again "
                          "to measure it")
     if size != (profile.batch_size or 1):
-        notes.append(f"times scaled linearly from the profiled batch of {profile.batch_size or 1} to {size}")
+        notes.append(batch_scaling_note(profile, size))
     if any(stage.recompute for stage in stages):
         notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
     if inputs.step_s_per_byte <= 0 and inputs.step_s_per_tensor <= 0:

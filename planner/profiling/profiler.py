@@ -24,10 +24,11 @@ from planner.profiling.model_file import (
     checked_example_batch,
     default_loss,
 )
-from planner.files.profile import LayerProfile, Profile, SharedParam
+from planner.files.profile import LayerProfile, Profile, SharedParam, SizeTimes
 from planner.profiling.tensors import tensor_nbytes
 from planner.profiling.timing import (
     INPUT_GRADIENT_ITERS,
+    StepTimes,
     clock_for,
     time_input_gradients,
     time_layers,
@@ -38,14 +39,37 @@ Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """`--batch-size` as given, "8" or a comma list "1,2,4,8", as distinct sizes ascending; ProfileError naming
+    the offending value for anything but whole numbers of at least 1, each once."""
+    items = [item.strip() for item in str(text).split(",")]
+    sizes: list[int] = []
+    for item in items:
+        try:
+            size = int(item)
+        except ValueError:
+            raise ProfileError(f"--batch-size takes whole numbers of samples separated by commas (e.g. 8 or "
+                               f"1,2,4,8), got {item!r} in {text!r}") from None
+        if size < 1:
+            raise ProfileError(f"--batch-size must be at least 1, got {size}" + (f" in {text!r}" if len(items) > 1 else ""))
+        if size in sizes:
+            raise ProfileError(f"--batch-size lists {size} twice in {text!r}; give each size once")
+        sizes.append(size)
+    return tuple(sorted(sizes))
+
+
 @dataclass(frozen=True)
 class ProfileSettings:
     """What to measure and how: batch size, device, dtype, repetitions, threads and layer choice.
 
+    `batch_size` is the size everything is measured at; `other_batch_sizes` are sizes at which the layers'
+    times are measured too (`Profile.size_times`; `planner profile --batch-size 1,2,4,8` makes the largest
+    `batch_size` and the others these).
     `threads` None: on CPU, `conditions.default_cpu_threads()` (cores / 2: what `planner train`
     gives each of two processes on this machine); on CUDA, torch's current setting."""
 
     batch_size: int = 8
+    other_batch_sizes: tuple[int, ...] = ()
     device: str = "cpu"
     dtype: str = "float32"
     warmup: int = 3
@@ -59,6 +83,10 @@ class ProfileSettings:
         """Raise ProfileError for values that cannot work."""
         if self.batch_size < 1:
             raise ProfileError(f"--batch-size must be at least 1, got {self.batch_size}")
+        for size in self.other_batch_sizes:
+            if size < 1 or size == self.batch_size or self.other_batch_sizes.count(size) > 1:
+                raise ProfileError(f"--batch-size: the other batch sizes {list(self.other_batch_sizes)} must be at "
+                                   f"least 1, each once and none the main size {self.batch_size}; got {size}")
         if self.iters < 1:
             raise ProfileError(f"--iters must be at least 1, got {self.iters}")
         if not self.min_seconds >= 0:
@@ -135,11 +163,19 @@ def _to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -
     return tensor.to(device=device)
 
 
+def _step_at(model_file: ModelFile, model: nn.Module, size: int, device: torch.device, dtype: torch.dtype) -> _Step:
+    """A training step of `model` on `example_batch(size)`, moved to `device` (floating point to `dtype`)."""
+    raw_inputs, raw_target = checked_example_batch(model_file, size)
+    inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
+    return _Step(model_file, model, inputs, _to_device(raw_target, device, dtype))
+
+
 def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Progress | None = None) -> Profile:
     """Measure every layer of the model in `model_file` as `settings` say; see `Profile` for fields.
 
     `progress(phase, done, total)` is called as work advances (phases: "check", "layers",
-    "dataflow", "memory", "timing", "timing input gradients", "timing the split backward").
+    "dataflow", "memory", "timing", "timing input gradients", "timing the split backward", and for each
+    of `settings.other_batch_sizes` "timing at batch size N", "timing input gradients at batch size N").
     """
     settings.check()
     device = resolve_device(settings.device)
@@ -176,9 +212,8 @@ def _measure(
     report("check", 0, 1)
     model = build_checked_model(model_file).to(device=device, dtype=dtype)
     model.train()
-    raw_inputs, raw_target = checked_example_batch(model_file, settings.batch_size)
-    inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
-    step = _Step(model_file, model, inputs, _to_device(raw_target, device, dtype))
+    step = _step_at(model_file, model, settings.batch_size, device, dtype)
+    inputs = step.inputs
     step.check()
     report("check", 1, 1)
     split_points = list(settings.split_points) or None
@@ -195,17 +230,8 @@ def _measure(
                        lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
     step.zero_grad()
     report("memory", 1, 1)
-    times = _phase(model_file, "timing layers", lambda: time_layers(
-        layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
-        progress=lambda done, total: report("timing", done, total), min_seconds=settings.min_seconds,
-    ))
-    # a few pairs of steps, more for fast models (a quarter of --min-seconds): ~10-20% more profiling time
+    times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report)
     input_iters = min(settings.iters, INPUT_GRADIENT_ITERS)
-    bwd_input_ms = _phase(model_file, "timing input gradients", lambda: time_input_gradients(
-        layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), times.bwd_ms, input_iters,
-        progress=lambda done, total: report("timing input gradients", done, total),
-        min_seconds=settings.min_seconds / 4,
-    ))
     # B + W against a plain backward (zero-bubble schedules' extra cost): as many pairs, or a quarter of --min-seconds
     split_backward_ratio = _phase(model_file, "timing the split backward", lambda: time_split_backward(
         layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), input_iters,
@@ -220,6 +246,8 @@ def _measure(
     optimizer_ms, optimizer_scratch, per_tensor_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters, device))
     step.zero_grad()
+    size_times = tuple(_size_times(model_file, model, layers, size, settings, device, dtype, report)
+                       for size in sorted(settings.other_batch_sizes))
     threads = torch.get_num_threads()
     param_bytes, param_tensors, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
@@ -248,8 +276,41 @@ def _measure(
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
         param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
-        deferred_bytes=tuple(deferred),
+        deferred_bytes=tuple(deferred), size_times=size_times,
     )
+
+
+def _time_layers(
+    model_file: ModelFile, step: _Step, layers: list[Layer], settings: ProfileSettings, device: torch.device,
+    report: Progress, at: str = "",
+) -> tuple[StepTimes, list[float]]:
+    """Each layer's forward and backward ms (`timing.time_layers`) and input-gradient ms
+    (`timing.time_input_gradients`) per mini-batch of `step`'s batch; `at` ends the phase names
+    (" at batch size N" for `ProfileSettings.other_batch_sizes`)."""
+    times = _phase(model_file, f"timing layers{at}", lambda: time_layers(
+        layers, step.loss, step.zero_grad, clock_for(device), settings.warmup, settings.iters,
+        progress=lambda done, total: report(f"timing{at}", done, total), min_seconds=settings.min_seconds,
+    ))
+    # a few pairs of steps, more for fast models (a quarter of --min-seconds): ~10-20% more profiling time
+    bwd_input_ms = _phase(model_file, f"timing input gradients{at}", lambda: time_input_gradients(
+        layers, step.loss, step.zero_grad, clock_for(device), step.model.parameters(), times.bwd_ms,
+        min(settings.iters, INPUT_GRADIENT_ITERS),
+        progress=lambda done, total: report(f"timing input gradients{at}", done, total),
+        min_seconds=settings.min_seconds / 4,
+    ))
+    return times, bwd_input_ms
+
+
+def _size_times(
+    model_file: ModelFile, model: nn.Module, layers: list[Layer], size: int, settings: ProfileSettings,
+    device: torch.device, dtype: torch.dtype, report: Progress,
+) -> SizeTimes:
+    """The layers' times on a batch of `size` samples (`example_batch(size)`), measured as at the main size."""
+    step = _step_at(model_file, model, size, device, dtype)
+    times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report, f" at batch size {size}")
+    step.zero_grad()
+    return SizeTimes(batch_size=size, fwd_ms=tuple(times.fwd_ms), bwd_ms=tuple(times.bwd_ms),
+                     bwd_input_ms=tuple(bwd_input_ms), step_ms=times.step_ms)
 
 
 def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedParam, ...]) -> list[int]:

@@ -223,6 +223,19 @@ def test_profile_batch_size_zero(tmp_path: Path) -> None:
     assert_one_line_error(profile(tmp_path, path, "--batch-size", "0"), "--batch-size", "got 0")
 
 
+@pytest.mark.parametrize(("sizes", "fragments"), [
+    ("0,2", ["--batch-size must be at least 1", "got 0 in '0,2'"]),
+    ("2,-4", ["--batch-size must be at least 1", "got -4"]),
+    ("2,2", ["--batch-size lists 2 twice"]),
+    ("1,two", ["--batch-size takes whole numbers", "got 'two'"]),
+    ("1,,4", ["--batch-size takes whole numbers", "got ''"]),
+])
+def test_profile_bad_batch_size_lists(tmp_path: Path, sizes: str, fragments: list[str]) -> None:
+    path = write(tmp_path, TINY)
+    assert_one_line_error(profile(tmp_path, path, "--batch-size", sizes), *fragments)
+    assert not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU, so --device cuda is valid")
 def test_profile_cuda_without_gpu(tmp_path: Path) -> None:
     path = write(tmp_path, TINY)
@@ -352,6 +365,17 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     assert inspected.stderr == ""
     inspected_layers = re.findall(r"^\s*\d+\s+(\S+)\s+(?:Linear|ReLU)\s", inspected.stdout, flags=re.MULTILINE)
     assert inspected_layers == [str(i) for i in range(13)]
+
+
+def test_profile_at_several_batch_sizes_writes_their_times(tmp_path: Path) -> None:
+    path = write(tmp_path, TWO_PARTS, "two_parts.py")
+    result = profile(tmp_path, path, "--batch-size", "2, 1", "--iters", "1", "--warmup", "0", "--min-seconds", "0")
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["version"] == PROFILE_VERSION == 3 and document["batch_size"] == 2
+    assert [sized["batch_size"] for sized in document["size_times"]] == [1]
+    saved = load_profile(tmp_path / "out.json")
+    assert saved.batch_sizes == (1, 2) and len(saved.size_times[0].fwd_ms) == saved.num_layers == 2
 
 
 # the real process -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from planner.files.profile import (
     LayerProfile,
     Profile,
     SharedParam,
+    SizeTimes,
     load_profile,
 )
 
@@ -43,7 +45,7 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     path = profile.save(tmp_path / "sub" / "toy.json")
     assert load_profile(path) == profile
     document = json.loads(path.read_text())
-    assert document["format"] == PROFILE_FORMAT and document["version"] == PROFILE_VERSION == 2
+    assert document["format"] == PROFILE_FORMAT and document["version"] == PROFILE_VERSION == 3
     assert "planner_version" in document
 
 
@@ -84,12 +86,50 @@ def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path:
 
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
-    del body["split_backward_ratio"], body["deferred_bytes"]
+    del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
-    assert profile == _measured() and profile.split_backward_ratio is None
-    assert profile.to_dict() == body
+    assert profile == _measured() and profile.split_backward_ratio is None and profile.size_times == ()
+    assert profile.to_dict() == body and profile.batch_sizes == (8,)
+
+
+def _sized() -> Profile:
+    """`_measured()` with the layers' times at batch sizes 2 (input gradients measured) and 4 (not)."""
+    return dataclasses.replace(_measured(), size_times=(
+        SizeTimes(batch_size=2, fwd_ms=(0.05, 0.0625, 0.1), bwd_ms=(0.125, 0.25, 1 / 7), bwd_input_ms=(0.0, 0.1, 0.1),
+                  step_ms=0.75),
+        SizeTimes(batch_size=4, fwd_ms=(0.075, 0.125, 0.2), bwd_ms=(0.25, 0.5, 2 / 7)),
+    ))
+
+
+def test_times_at_more_batch_sizes_round_trip_and_are_left_out_where_not_measured(tmp_path: Path) -> None:
+    profile = _sized()
+    path = profile.save(tmp_path / "sized.json")
+    assert load_profile(path) == profile and profile.batch_sizes == (2, 4, 8)
+    document = json.loads(path.read_text())
+    assert document["version"] == 3 and [row["batch_size"] for row in document["size_times"]] == [2, 4]
+    assert document["size_times"][0]["bwd_input_ms"] == [0.0, 0.1, 0.1] and "bwd_input_ms" not in document["size_times"][1]
+    assert "size_times" not in _measured().to_dict()  # one size: the body, and the digest, of before
+    assert profile_digest(dataclasses.replace(profile, size_times=())) == profile_digest(_measured())
+
+
+@pytest.mark.parametrize(("size_times", "fragment"), [
+    ([{"batch_size": 2, "fwd_ms": [1.0, 2.0], "bwd_ms": [1.0, 2.0, 3.0]}], "size_times[0] has 2 fwd_ms for 3 layers"),
+    ([{"batch_size": 2, "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3, "bwd_input_ms": [0.5]}],
+     "size_times[0] has 1 bwd_input_ms for 3 layers"),
+    ([{"batch_size": 8, "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3}], "size_times[0].batch_size 8 is measured twice"),
+    ([{"batch_size": 2, "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3}] * 2, "size_times[1].batch_size 2 is measured twice"),
+    ([{"batch_size": 0, "fwd_ms": [1.0] * 3, "bwd_ms": [1.0] * 3}], "size_times[0].batch_size 0 is below 1"),
+    ([{"batch_size": 2, "fwd_ms": [1.0] * 3}], "size_times[0] is missing the field 'bwd_ms'"),
+    (["2"], "size_times[0] is malformed"),
+    ([{"batch_size": 2, "fwd_ms": ["fast"] * 3, "bwd_ms": [1.0] * 3}], "size_times[0] is malformed"),
+])
+def test_malformed_times_at_more_batch_sizes_are_refused_naming_the_entry(
+    tmp_path: Path, size_times: list[object], fragment: str,
+) -> None:
+    with pytest.raises(FileFormatError, match=re.escape(fragment)):
+        load_profile(_rewrite(tmp_path, size_times=size_times))
 
 
 def test_dataframe_has_the_layer_columns_in_execution_order() -> None:
@@ -122,15 +162,15 @@ def test_a_version_1_file_loads_without_input_gradient_times(tmp_path: Path) -> 
     body = dataclasses.asdict(_profile())  # what version 1 wrote: layers without bwd_input_ms
     for row in body["layers"]:
         del row["bwd_input_ms"]
-    del body["split_backward_ratio"]
+    del body["split_backward_ratio"], body["size_times"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
     assert profile == _profile() and all(layer.bwd_input_ms is None for layer in profile.layers)
     assert profile.split_backward_ratio is None
-    # saved again as version 2, its layers stay as they were: plans made with it keep their digest
+    # saved again as the current version, its layers stay as they were: plans made with it keep their digest
     document = json.loads(profile.save(tmp_path / "again.json").read_text())
-    assert document["version"] == 2 and document["layers"] == list(body["layers"])
+    assert document["version"] == PROFILE_VERSION and document["layers"] == list(body["layers"])
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[3] / "profiles").glob("*.json")),
@@ -164,7 +204,7 @@ def test_another_format_is_refused_with_what_was_found(tmp_path: Path) -> None:
 
 def test_a_newer_version_is_refused_with_what_is_supported(tmp_path: Path) -> None:
     path = _rewrite(tmp_path, version=7)
-    with pytest.raises(FileFormatError, match=r"version 7 is newer than this planner supports \(1\.\.2\)"):
+    with pytest.raises(FileFormatError, match=r"version 7 is newer than this planner supports \(1\.\.3\)"):
         load_profile(path)
 
 

@@ -23,7 +23,7 @@ from planner.planning.partition import (
 )
 from planner.files.pipedream import import_pipedream
 from planner.files.plan import PlanProfileMismatchError, load_plan
-from planner.files.profile import Profile, load_profile
+from planner.files.profile import Profile, SizeTimes, load_profile
 from tests.planner.layer_strategies import layer_arrays
 
 PIPEDREAM_DIR = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles"
@@ -333,3 +333,29 @@ def test_a_global_batch_with_a_fixed_microbatch_size_fixes_the_count() -> None:
     without = partition(gpt, make_cluster(4, None, ["10GB/s"]), straight=True, microbatch_size=8, microbatches=8)
     assert without.stages == plan.stages and without.predicted == plan.predicted
     assert "a global batch of 64 per optimizer step" in " ".join(plan.notes)
+
+
+def test_a_profile_of_several_batch_sizes_prices_a_microbatch_between_them_by_interpolation() -> None:
+    """Measured at 2 samples in half the time of 8 (not a quarter): a microbatch of 4 costs a third of the way
+    from 2's time to 8's, under 1f1b and, its backward scaled by the split's cost, under zb-h1; 8 as before."""
+    mlp = load_profile(Path(__file__).resolve().parents[3] / "profiles" / "mlp.json")
+    fwd_ms, bwd_ms = sum(layer.fwd_ms for layer in mlp.layers), sum(layer.bwd_ms for layer in mlp.layers)
+    half = SizeTimes(batch_size=2, fwd_ms=tuple(0.5 * layer.fwd_ms for layer in mlp.layers),
+                     bwd_ms=tuple(0.5 * layer.bwd_ms for layer in mlp.layers))
+    sized = dataclasses.replace(mlp, size_times=(half,), split_backward_ratio=1.25)
+    at_4 = 0.5 + (1.0 - 0.5) * (4 - 2) / (8 - 2)  # share of 8's times
+
+    plan = partition(sized, make_cluster(1, None, ["10GB/s"]), microbatch_size=4, microbatches=1)
+    assert plan.stages[0].compute_ms == pytest.approx(at_4 * (fwd_ms + bwd_ms), rel=1e-12)
+    assert "times interpolated between measured batch sizes 2 and 8 for 4 (measured: 2, 8)" in plan.notes
+    split = partition(sized, make_cluster(2, None, ["10GB/s"]), schedule="zb-h1", straight=True, microbatch_size=4,
+                      microbatches=4)
+    assert sum(stage.compute_ms for stage in split.stages) == pytest.approx(at_4 * (fwd_ms + 1.25 * bwd_ms), rel=1e-12)
+
+    linear = partition(mlp, make_cluster(1, None, ["10GB/s"]), microbatch_size=4, microbatches=1)
+    assert linear.stages[0].compute_ms == pytest.approx(0.5 * (fwd_ms + bwd_ms), rel=1e-12)
+    assert "times scaled linearly from the profiled batch of 8 to 4" in linear.notes
+    for size in (8, 16):  # at and beyond the largest measured size: 8's times scaled linearly, as without sizes
+        with_sizes, without = (partition(profile, make_cluster(2, None, ["10GB/s"]), microbatch_size=size)
+                               for profile in (sized, dataclasses.replace(mlp, split_backward_ratio=1.25)))
+        assert with_sizes.stages == without.stages and with_sizes.predicted == without.predicted

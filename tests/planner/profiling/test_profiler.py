@@ -111,3 +111,24 @@ def test_a_backward_split_into_b_and_w_costs_about_as_much_as_one_or_somewhat_mo
         profiles: dict[str, Profile], name: str) -> None:
     # measured ~1.1-1.3 on the examples; a median of 5 pairs of ~1-10 ms backwards swings on a busy machine
     assert 0.7 < profiles[name].split_backward_ratio < 3
+
+
+def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_largest() -> None:
+    mlp = load_model_file(EXAMPLES / "mlp.py")
+    fast = {"warmup": 0, "iters": 1, "threads": 1}
+    phases: list[str] = []
+    sized = profile_model(mlp, ProfileSettings(batch_size=2, other_batch_sizes=(1,), **fast),
+                          lambda phase, done, total: phases.append(phase))
+    single = profile_model(mlp, ProfileSettings(batch_size=2, **fast))
+    assert sized.batch_size == 2 and sized.batch_sizes == (1, 2) and single.size_times == ()
+    (one,) = sized.size_times
+    assert one.batch_size == 1 and one.step_ms > 0
+    assert len(one.fwd_ms) == len(one.bwd_ms) == len(one.bwd_input_ms) == sized.num_layers
+    assert all(ms >= 0 for ms in one.fwd_ms + one.bwd_ms) and sum(one.fwd_ms) > 0 and sum(one.bwd_ms) > 0
+    assert all(0 <= ms <= bwd for ms, bwd in zip(one.bwd_input_ms, one.bwd_ms))
+    assert "timing at batch size 1" in phases and "timing input gradients at batch size 1" in phases
+    # everything else is measured once, at the main size, as without more sizes
+    assert [layer.name for layer in sized.layers] == [layer.name for layer in single.layers]
+    assert [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in sized.layers] == \
+        [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in single.layers]
+    assert sized.input_bytes == single.input_bytes and sized.workspace_bytes == single.workspace_bytes
