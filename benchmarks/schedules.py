@@ -11,7 +11,9 @@
 2. Equal stages (F = B = W = 1 ms, no transfers) on p stages and m microbatches: each schedule's
    simulated bubble against its textbook formula: gpipe and 1f1b (p - 1)(F + B + W), zb-h1
    (p - 1)(F + B - W) (Qi et al., ICLR 2024), interleaved-1f1b with 2 chunks per rank (the same work
-   cut into 2p chunks) (p - 1)(F + B + W) / 2 (Narayanan et al., SC 2021), over m (F + B + W) of work.
+   cut into 2p chunks) (p - 1)(F + B + W) / 2 (Narayanan et al., SC 2021), zbv (2p chunks in a V)
+   (p - 1) F / 2, the first forward's way down to the last rank (what Qi et al. call zero bubble),
+   over m (F + B + W) of work.
 
 Everything here is simulated (planner/simulation): no training runs; `benchmarks/runtime_overhead.py`
 measures the engine.
@@ -31,13 +33,13 @@ from planner.files.timeline import StageTimes
 from planner.planning.partition import partition
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import ProfileSettings, profile_model
-from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, build_schedule
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, build_schedule
 from planner.simulation.simulator import simulate_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTBOOK_BUBBLE = {"gpipe": lambda p: 3 * (p - 1), "1f1b": lambda p: 3 * (p - 1), "zb-h1": lambda p: (p - 1),
-                   "interleaved-1f1b": lambda p: 3 * (p - 1) / CHUNKS}
-CHUNKS = 2  # interleaved-1f1b's chunks per rank in part 2
+                   "interleaved-1f1b": lambda p: 3 * (p - 1) / CHUNKS, "zbv": lambda p: (p - 1) / CHUNKS}
+CHUNKS = 2  # chunks per rank of the chunked schedules in part 2 (zbv's only choice)
 
 
 def measured_profile(microbatch_size: int) -> Profile:
@@ -54,7 +56,7 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
     print(f"1. {profile.model_name} on {gpus} devices, straight, {microbatches} microbatches of {microbatch_size} "
           f"(global batch {microbatches * microbatch_size}); input-gradient times "
           f"{'measured' if all(layer.bwd_input_ms is not None for layer in profile.layers) else 'assumed 50%'}")
-    print(f"   {'schedule':9s} {'iteration ms':>12s} {'/ 1f1b':>7s} {'bubble':>7s} {'peak MB':>8s}  stages (layers)")
+    print(f"   {'schedule':16s} {'iteration ms':>12s} {'/ 1f1b':>7s} {'bubble':>7s} {'peak MB':>8s}  stages (layers)")
     found = {}
     for schedule in ("1f1b", *(name for name in FLUSH_SCHEDULES if name != "1f1b"), "auto"):
         plan = partition(profile, cluster, straight=True, schedule=schedule, microbatches=microbatches,
@@ -62,13 +64,13 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
         found[schedule] = plan
         name = schedule if schedule != "auto" else f"auto={plan.schedule}"
         ratio = plan.predicted.iteration_ms / found["1f1b"].predicted.iteration_ms
-        print(f"   {name:9s} {plan.predicted.iteration_ms:12.1f} {ratio:7.3f} {plan.predicted.bubble_fraction:7.1%} "
+        print(f"   {name:16s} {plan.predicted.iteration_ms:12.1f} {ratio:7.3f} {plan.predicted.bubble_fraction:7.1%} "
               f"{plan.predicted.peak_memory_bytes / 1e6:8.1f}  {[(s.start, s.stop) for s in plan.stages]}")
     if profile.split_backward_ratio not in (None, 1.0):  # the same without the split's own cost
         free = partition(dataclasses.replace(profile, split_backward_ratio=None), cluster, straight=True,
                          schedule="zb-h1", microbatches=microbatches, microbatch_size=microbatch_size)
         ratio = free.predicted.iteration_ms / found["1f1b"].predicted.iteration_ms
-        print(f"   {'zb-h1*':9s} {free.predicted.iteration_ms:12.1f} {ratio:7.3f} {free.predicted.bubble_fraction:7.1%} "
+        print(f"   {'zb-h1*':16s} {free.predicted.iteration_ms:12.1f} {ratio:7.3f} {free.predicted.bubble_fraction:7.1%} "
               f"{free.predicted.peak_memory_bytes / 1e6:8.1f}  {[(s.start, s.stop) for s in free.stages]}")
         print(f"   (zb-h1*: if B then W cost no more than one backward; this profile measured them "
               f"{profile.split_backward_ratio:.2f}x, which zb-h1's row counts)")
@@ -84,9 +86,9 @@ def textbook_bubbles() -> None:
     for stages, microbatches in ((2, 4), (4, 8), (4, 16), (8, 16), (8, 32)):
         cells = []
         for name in TEXTBOOK_BUBBLE:
-            split, chunks = name == "zb-h1", CHUNKS if name in CHUNKED_SCHEDULES else 1
+            split, chunks = name in SPLIT_BACKWARD_SCHEDULES, CHUNKS if name in CHUNKED_SCHEDULES else 1
             times = [StageTimes(1e-3 / chunks, (1 if split else 2) * 1e-3 / chunks, 0.0, 0.0,
-                                weight_s=1e-3 if split else 0.0) for _ in range(stages * chunks)]
+                                weight_s=1e-3 / chunks if split else 0.0) for _ in range(stages * chunks)]
             schedule = build_schedule(name, [1] * stages * chunks, microbatches, chunks=chunks)
             simulated = simulate_schedule(schedule, times).iteration_s()
             bubble_ms = simulated * 1e3 - 3 * microbatches

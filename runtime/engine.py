@@ -21,17 +21,20 @@ data the simulator and the plots use.
   and their gradients are summed over every rank of those stages (one process group per tied
   parameter) before the step, so the copies stay equal. Refused under pipedream, whose stages
   step at different times;
-- schedules: `gpipe`, `1f1b`, `zb-h1` and `interleaved-1f1b` flush at the end of `train_step` (every
+- schedules: `gpipe`, `1f1b`, `zb-h1`, `interleaved-1f1b` and `zbv` flush at the end of `train_step` (every
   parameter then equals single-device training on the mini-batch); `pipedream` runs 1F1B without a flush inside
   `train_step`, one optimizer step per microbatch, each backward on the weights its forward
   used. The pipeline drains at the end of each `train_step`, so give pipedream many
   microbatches per call;
-- interleaved-1f1b (`chunks` = v > 1): the model cut into p v stages, stage s on rank s mod p. A rank
-  keeps per own stage its module, `StageRunner` (and checkpoint flag) and message structures, and keys
+- chunked schedules (`chunks` = v > 1): the model cut into p v stages, placed by `stage_placement`
+  (interleaved-1f1b: stage s on rank s mod p; zbv: v = 2 in a V, rank r holding stages r and 2p - 1 - r,
+  so the message at the turn, stage p - 1 to p, stays on rank p - 1). A rank keeps per own stage its module, `StageRunner` (and checkpoint flag) and message structures, and keys
   messages (iteration, stage, microbatch): stages s + 1 and s + 1 + p may both receive microbatch i
   from the same rank. One optimizer over all its stages' parameters steps once per iteration, at its
   last stage's STEP, after the tied all-reduces (a rank holding two stages of one tied parameter holds
-  one Parameter and takes part once). With p = 1, messages between its own stages go straight to its mailbox;
+  one Parameter and takes part once). Messages between its own stages go straight to its mailbox. Each
+  peer's messages are received in the order that peer sends them (`schedule.receive_order`), which under
+  zbv is not always the order the program uses them;
 - failures: a rank whose step raises publishes "rank R (stage S, microbatch M) failed: ..." in
   the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
   ranks to see it; every rank waiting for a message or an all-reduce checks the store every
@@ -66,7 +69,7 @@ from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
     ALLREDUCE, CHUNKED_SCHEDULES, RECEIVES, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS,
-    SPLIT_BACKWARD_SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check_channel_order,
+    SPLIT_BACKWARD_SCHEDULES, Action, Schedule, build_schedule, receive_order, stage_placement,
 )
 from runtime.export_split import ShapeGuard
 from runtime.gradients import all_reduce_gradients, comm_device, make_rank_gradient_groups
@@ -81,7 +84,7 @@ from runtime.trace import OpTime
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
-ENGINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "interleaved-1f1b")
+ENGINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "pipedream", "interleaved-1f1b", "zbv")
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Key = tuple[int, int, int]  # (iteration, stage, microbatch)
 
@@ -130,10 +133,10 @@ class Engine:
 
     `stages`: every stage of the model (`build_stages` / `split_model`; this rank keeps its own);
     `schedule`: "gpipe", "1f1b", "zb-h1" (its B and W apart: `StageRunner`'s split_backward),
-    "pipedream" or "interleaved-1f1b"; `stage_ranks[s]`: the ranks of stage s (replica
-    k at index k; default one rank per stage, in order, or stage s on rank s mod p with chunks);
-    `microbatches` per `train_step` (interleaved-1f1b: a multiple of p); `chunks`: stages per rank
-    (interleaved-1f1b's v; `len(stages)` = p v); `checkpoint`: per stage (or one bool), recompute the
+    "pipedream", "interleaved-1f1b" or "zbv" (B and W apart too); `stage_ranks[s]`: the ranks of stage s
+    (replica k at index k; default one rank per stage, in order, or the schedule's `stage_placement` with
+    chunks); `microbatches` per `train_step` (interleaved-1f1b: a multiple of p); `chunks`: stages per rank
+    (interleaved-1f1b's v, zbv's 2; `len(stages)` = p v); `checkpoint`: per stage (or one bool), recompute the
     forward in the backward; `optimizer`: makes this rank's optimizer from its stages' parameters
     (called once; required for pipedream; without one, a
     flush schedule leaves the mini-batch gradients in `.grad`, which must be zeroed before the
@@ -163,7 +166,8 @@ class Engine:
         if not isinstance(chunks, int) or chunks < 1:
             raise EngineError(f"chunks must be a positive integer, got {chunks!r}")
         count = len(stages)
-        ranks = [tuple(group) for group in (stage_ranks or [(s % max(count // chunks, 1),) for s in range(count)])]
+        placed = [(rank,) for rank in stage_placement(schedule, count, chunks)]
+        ranks = [tuple(group) for group in (stage_ranks or placed)]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.schedule: Schedule = _checked_schedule(schedule, ranks, count, microbatches, chunks, self.world)
         flags = [bool(checkpoint)] * count if checkpoint is None or isinstance(checkpoint, bool) else list(checkpoint)
@@ -173,6 +177,7 @@ class Engine:
             raise EngineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
                               "stages do not have: plan without recompute, or use gpipe or 1f1b")
         self.program = self.schedule.programs[self.rank]
+        self._receive_order = receive_order(self.schedule, self.rank)
         self.stage, self.replica, self.stages = self.program.stage, self.program.replica, self.program.stages
         self.microbatches = microbatches
         self.device = torch.device(device) if device is not None else init_distributed()[2]
@@ -342,19 +347,22 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------------
 
     def _expect(self, slots: list[tuple[int, Any]]) -> None:
-        """Tell the receiver threads which messages this step brings, in program order (a message between two
-        stages of this rank goes straight to the mailbox: no receiver thread)."""
-        for action in self.program.actions:
-            if action.op not in RECEIVES or action.peer == self.rank:
-                continue
-            kind, key = _mailbox_key(action)
-            structure_key = (action.peer, action.stage, slots[action.microbatch])
-            if action.op == RECV_ACTIVATION:
-                known = self._received_structures.get(structure_key)
-            else:  # known once this slot's activation was sent in an earlier step
-                sent = self._sent_structures.get(structure_key)
-                known = Later(("gradient structure", key)) if sent is None else gradient_structure(sent)
-            self._links.expect(action.peer, [Expected((kind, key), known)])
+        """Tell the receiver threads which messages this step brings, per peer in the order that peer sends
+        them (`schedule.receive_order`: its channel is first in, first out; the program takes them from the
+        mailbox by key, in its own order). A message between two stages of this rank goes straight to the
+        mailbox: no receiver thread."""
+        for peer, receives in self._receive_order.items():
+            expected = []
+            for action in receives:
+                kind, key = _mailbox_key(action)
+                structure_key = (action.peer, action.stage, slots[action.microbatch])
+                if action.op == RECV_ACTIVATION:
+                    known = self._received_structures.get(structure_key)
+                else:  # known once this slot's activation was sent in an earlier step
+                    sent = self._sent_structures.get(structure_key)
+                    known = Later(("gradient structure", key)) if sent is None else gradient_structure(sent)
+                expected.append(Expected((kind, key), known))
+            self._links.expect(peer, expected)
 
     def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
              slots: list[tuple[int, Any]]) -> float | None:
@@ -541,13 +549,12 @@ def _checked_schedule(name: str, ranks: list[tuple[int, ...]], count: int, micro
     except PlannerError as exc:
         raise EngineError(str(exc)) from None
     if name in CHUNKED_SCHEDULES and list(schedule.stage_ranks) != ranks:
-        raise EngineError(f"{name} puts stage s on rank s mod {len(schedule.programs)}: stage ranks "
-                          f"{[list(group) for group in schedule.stage_ranks]}, got {[list(group) for group in ranks]}")
+        raise EngineError(f"{name} places its stages on ranks {[group[0] for group in schedule.stage_ranks]} "
+                          f"(stage_placement), got {[list(group) for group in ranks]}")
     if sorted(program.rank for program in schedule.programs) != list(range(world)):
         each = "once each" if chunks == 1 else f"with {chunks} stages each"
         raise EngineError(f"stage ranks {[list(group) for group in ranks]} must cover ranks 0..{world - 1} {each} "
                           f"(world size {world}); launch one process per rank of the plan")
-    _check_message_order(schedule)
     return schedule
 
 
@@ -606,15 +613,6 @@ class _StepMessages:
         order on every rank (`make_rank_gradient_groups`), which per-stage all-reduces could not keep."""
         if action.stage == self.engine.stages[-1]:
             self.started[0] = self.engine._step(self.ops, self.step_index, action)
-
-
-def _check_message_order(schedule: Schedule) -> None:
-    """EngineError unless every channel receives in the order it sends (`schedule.check_channel_order`)."""
-    try:
-        check_channel_order(schedule)
-    except ScheduleError as exc:
-        raise EngineError(f"schedule {schedule.name}: {exc.problem}; the engine's channels are first in, first out"
-                          ) from None
 
 
 def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:

@@ -70,8 +70,9 @@ class PippyPipeline:
     """
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: Any, replica: int, replicas: int,
-                 gradients: GradientGroups, device: torch.device) -> None:
+                 gradients: GradientGroups, device: torch.device, microbatches: int = 1) -> None:
         self.stages = list(stages)
+        self.microbatches = microbatches
         self.stage = self.stages[0]
         self.schedule = schedule
         self.stage_index: int = self.stage.stage_index
@@ -92,13 +93,19 @@ class PippyPipeline:
     def finish_gradients(self) -> None:
         """Make every `.grad` the gradient of the mini-batch's mean loss, as single-device training gives.
 
-        After `schedule.step`, this stage's gradients are the mean loss of its pipeline's share
-        (scale_grads divides by the microbatch count). A parameter several stages use (tied):
+        After `schedule.step`, this rank's gradients are summed over its pipeline's microbatches; each
+        parameter is divided once by their count (the schedule is built with scale_grads=False: torch
+        divides per stage, so a parameter two stages of one rank share, as zbv's first and last stages
+        share gpt's tied embedding, would be divided twice), which makes them the mean loss of the
+        pipeline's share. A parameter several stages use (tied):
         its gradient is summed over every rank of those stages (all pipelines), divided by R; any
         other parameter: summed over this stage's R replicas, divided by R. With equal shares
         and equal microbatches, mean of R pipeline means = the mini-batch mean. Every rank must
         call it (collectives); a parameter without a gradient takes part with zeros.
         """
+        unique = {id(p): p for stage in self.stages for p in stage.submod.parameters() if p.grad is not None}
+        for parameter in unique.values():
+            parameter.grad.div_(self.microbatches)
         for parameter, group in self._gradients.tied:
             all_reduce_gradients([parameter], group, self._device, divide_by=self.replicas)
         if self.replicas > 1:
@@ -140,9 +147,9 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     check. Shapes are not given to PipelineStage: it infers them from the first step's first
     microbatch (a metadata exchange between neighbouring stages), so every microbatch must have
     that shape (mini-batch = a multiple of R x n_microbatches). `loss_fn(output, target)`: a
-    mean over the microbatch (default `planner.profiling.model_file.default_loss`); the schedule keeps
-    scale_grads=True (gradients divided by n_microbatches). `device`: default
-    `runtime.engine.init_distributed`'s (this rank's GPU under NCCL, else CPU). Raises
+    mean over the microbatch (default `planner.profiling.model_file.default_loss`); the schedule has
+    scale_grads=False and `finish_gradients` divides each parameter's gradient by n_microbatches once.
+    `device`: default `runtime.engine.init_distributed`'s (this rank's GPU under NCCL, else CPU). Raises
     PippyError if the job does not match the plan, ExportError if the plan cannot run here.
     """
     if not dist.is_initialized():
@@ -179,9 +186,9 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     # interleaved-1f1b the interleaved class on the rank's chunks
     stages_arg = built if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else built[0]
     schedule = _schedule_class(settings.schedule_class)(stages_arg, n_microbatches=settings.n_microbatches,
-                                                        loss_fn=loss_fn or default_loss, scale_grads=True)
+                                                        loss_fn=loss_fn or default_loss, scale_grads=False)
     gradients = make_rank_gradient_groups(settings.stage_ranks, stages.shared, modules)
-    return PippyPipeline(built, schedule, replica, settings.replicas, gradients, chosen)
+    return PippyPipeline(built, schedule, replica, settings.replicas, gradients, chosen, settings.n_microbatches)
 
 
 def _schedule_class(name: str) -> Any:

@@ -81,7 +81,9 @@ import numpy as np
 
 from planner.files.cluster import Cluster
 from planner.costs.layer_arrays import LayerArrays
-from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight, weight_deferral
+from planner.schedules.schedule import (
+    SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight, stage_placement, weight_deferral,
+)
 
 ArrayOrFloat = Union[float, np.ndarray]
 ArrayOrBool = Union[bool, np.ndarray]
@@ -122,7 +124,7 @@ class CostInputs:
     scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
     accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
     step_s_per_tensor: float = 0.0  # one optimizer step, seconds per parameter tensor (on top of per byte)
-    chunks: int = 1  # stages per rank: v under interleaved-1f1b (`chunked_ranks`), else 1
+    chunks: int = 1  # stages per rank: v under a chunked schedule (`stage_placement`), else 1
 
     @property
     def class_size(self) -> int:
@@ -174,9 +176,9 @@ def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt)
 
 def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
     """First rank of each stage under the placement of the module docstring (right-aligned, shifted);
-    under a chunked schedule (inputs.chunks > 1) stage s on rank s mod p (`chunked_ranks`)."""
+    under a chunked schedule (inputs.chunks > 1) its `stage_placement`."""
     if inputs.chunks > 1:
-        return chunked_ranks(len(stages), inputs.chunks)
+        return list(stage_placement(inputs.schedule, len(stages), inputs.chunks))
     devices = inputs.cluster.num_devices
     used = sum(replicas_of(stages))
     shift = max(devices - used, 0) // inputs.class_size * inputs.class_size
@@ -185,12 +187,6 @@ def first_ranks(inputs: CostInputs, stages: list[Stage]) -> list[int]:
         end -= replicas
         ranks.append(end)
     return ranks[::-1]
-
-
-def chunked_ranks(num_stages: int, chunks: int) -> list[int]:
-    """interleaved-1f1b's placement: p = num_stages / chunks ranks, stage s on rank s mod p (one device each)."""
-    ranks = num_stages // chunks
-    return [stage % ranks for stage in range(num_stages)]
 
 
 # --- the stage formulas of the module docstring, element-wise: the reference below, the optimizer's evaluator
@@ -321,10 +317,10 @@ def stage_cost(
     before, after = neighbours if neighbours is not None else (first_rank - 1, last_rank + 1)
     comm_in = float(transfer_s(sigma * arrays.cut_before(start),
                                *link_terms(cluster, min(before, first_rank), max(before, first_rank)),
-                               exists=start > 0))
+                               exists=start > 0 and before != first_rank))  # one rank's two stages: no message
     comm_out = float(transfer_s(sigma * arrays.cut_after(stop),
                                 *link_terms(cluster, min(last_rank, after), max(last_rank, after)),
-                                exists=stop < arrays.num_layers))
+                                exists=stop < arrays.num_layers and after != last_rank))
     weights = arrays.stage_weight_bytes(start, stop)
     weight = float(weight_terms(inputs, start, stop))
     allreduce = float(allreduce_s(arrays.stage_replicated_bytes(start, stop), replicas,
@@ -424,12 +420,14 @@ def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
 
 
 def chunked_objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
-    """interleaved-1f1b's closed form, seconds: the busiest rank's work plus the bubble,
+    """A chunked schedule's closed form, seconds: the busiest rank's work plus the bubble,
 
-        iteration = max_r sum_(s on r) [m max(t + acc, c_in, c_out)(s) + opt(s)] + (p - 1) / (p v) sum_s t(s)
+        iteration = max_r sum_(s on r) [m max(t + acc, c_in, c_out)(s) + opt(s)] + (p - 1) / (p v) sum_s x(s)
 
-    (p ranks, v chunks each; on equal chunks m v t + (p - 1) t, i.e. 1f1b's bubble over v, Narayanan et al.
-    2021). Transfers during warm-up and drain and the first microbatch's accumulation are not counted; the
+    (p ranks, v chunks each). interleaved-1f1b: x = t, so on equal chunks m v t + (p - 1) t, 1f1b's bubble
+    over v (Narayanan et al. 2021). zbv: x = the forward alone (its B's and W's fill the rest), so on equal
+    chunks m v t + (p - 1) f: the first forward's way down to the last rank (Qi et al. 2024 with F = B = W).
+    Transfers during warm-up and drain and the first microbatch's accumulation are not counted; the
     simulator plays them."""
     costs = stage_costs(inputs, stages)
     ranks = first_ranks(inputs, stages)
@@ -438,8 +436,8 @@ def chunked_objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
     for rank, cost in zip(ranks, costs):
         busy[rank] += inputs.microbatches * max(cost.compute_s + cost.accumulate_s, cost.comm_in_s, cost.comm_out_s)
         busy[rank] += cost.step_s
-    bubble = (count - 1) / (count * inputs.chunks) * sum(cost.compute_s for cost in costs)
-    return max(busy) + bubble
+    filling = [cost.fwd_s if inputs.schedule == "zbv" else cost.compute_s for cost in costs]
+    return max(busy) + (count - 1) / (count * inputs.chunks) * sum(filling)
 
 
 def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:

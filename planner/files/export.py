@@ -1,8 +1,8 @@
 """Exports of a plan to other pipeline runtimes: torch.distributed.pipelining ("pippy") and DeepSpeed.
 
-Both take only synchronous plans (gpipe, 1f1b, zb-h1; DeepSpeed runs zb-h1 as its 1F1B) whose stages all have the same number of
-replicas R: torch.distributed.pipelining runs on a pipeline x data-parallel mesh of S stages by
-R pipelines, DeepSpeed takes the data-parallel degree as world size / S. A plan's mini-batch is
+Both take only synchronous plans (gpipe, 1f1b, zb-h1, and for pippy interleaved-1f1b and zbv; DeepSpeed
+runs zb-h1 as its 1F1B) whose stages all have the same number of replicas R: torch.distributed.pipelining
+runs on a pipeline x data-parallel mesh of S stages by R pipelines, DeepSpeed takes the data-parallel degree as world size / S. A plan's mini-batch is
 `microbatches` microbatches, microbatch i on replica i mod R, so each of the R pipelines runs
 microbatches / R of them per step (which must be whole).
 
@@ -42,9 +42,9 @@ __all__ = [
 
 TARGETS = ("pippy", "deepspeed")
 PIPPY_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
-                          "interleaved-1f1b": "ScheduleInterleaved1F1B"}
-# take a list of this rank's stages (one for zb-h1, the plan's chunks for interleaved-1f1b)
-PIPPY_MULTI_STAGE_CLASSES = ("ScheduleInterleavedZeroBubble", "ScheduleInterleaved1F1B")
+                          "interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+# take a list of this rank's stages (one for zb-h1, the plan's chunks for interleaved-1f1b and zbv)
+PIPPY_MULTI_STAGE_CLASSES = ("ScheduleInterleavedZeroBubble", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble")
 PIPPY_FORMAT = "pipeline-planner/pippy-export"
 DEEPSPEED_FORMAT = "pipeline-planner/deepspeed-export"
 EXPORT_VERSION = 1
@@ -62,7 +62,8 @@ class PippyExport:
     `ranks[k]`: the ranks of pipeline k (data-parallel replica k), stage by stage;
     `stage_ranks[s]`: the ranks of stage s, pipeline by pipeline. `n_microbatches` is per
     pipeline and step: `microbatches_per_step / replicas`. `chunks`: stages per rank (interleaved-1f1b:
-    stage s on rank s mod (num_stages / chunks), as torch's ScheduleInterleaved1F1B places them).
+    stage s on rank s mod (num_stages / chunks), as torch's ScheduleInterleaved1F1B places them; zbv: 2 in
+    a V, rank r holding stages r and 2p - 1 - r, as ScheduleZBVZeroBubble places them).
     """
 
     plan_path: str
@@ -415,6 +416,13 @@ def pippy_export(plan: Plan, source: str = "<plan>") -> PippyExport:
                     f"{per_pipeline} microbatches per pipeline on {stages} stages make {per_pipeline // stages}, "
                     "which do not divide them",
             f"re-plan with --microbatches {fit * replicas}, or run this plan with runtime.engine.Engine")
+    ranks = stages // plan.chunks
+    if plan.schedule == "zbv" and per_pipeline < 2 * ranks - 1:
+        raise ExportError(
+            source, f"torch's ScheduleZBVZeroBubble runs at least 2p - 1 = {2 * ranks - 1} microbatches per pipeline "
+                    f"on {ranks} ranks, and the plan has {per_pipeline}",
+            f"re-plan with --microbatches {(2 * ranks - 1) * replicas} or more, or run this plan with "
+            "runtime.engine.Engine")
     return PippyExport(
         plan_path=source, model_name=plan.profile.name,
         split_spec={stage.first_layer: "SplitPoint.BEGINNING" for stage in plan.stages[1:]},

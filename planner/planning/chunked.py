@@ -1,10 +1,11 @@
-"""Plans of a chunked schedule (interleaved-1f1b): the model in p x v chunks of one device each, round-robin (pure).
+"""Plans of a chunked schedule: the model in p x v chunks of one device each, on p ranks (pure).
 
-The optimizer (`optimizer.optimize`) cuts one contiguous stage per rank; under interleaved-1f1b rank r
-holds the non-contiguous chunks r, r + p, ..., so its work is a sum over chunks spread along the model.
+The optimizer (`optimizer.optimize`) cuts one contiguous stage per rank; under a chunked schedule rank r
+holds non-contiguous chunks (`stage_placement`: interleaved-1f1b r, r + p, ...; zbv r and 2p - 1 - r), so
+its work is a sum over chunks spread along the model.
 Here the chunks are cut to balance forward + backward time (`even_chunks`: the least largest chunk,
 exactly p v of them; then `balance_ranks` moves cuts while that unloads the busiest rank), for each
-number of chunks per rank in CHUNK_CHOICES, and the plans are judged
+number of chunks per rank in CHUNK_CHOICES (zbv: 2), and the plans are judged
 by the simulator (`simulate_stages`), whose timeline also gives each device's memory (its chunks
 together), checked against the limit. A heuristic: the cut weighs neither transfers nor memory, and
 no bound proves that another cut is not faster.
@@ -20,6 +21,7 @@ import numpy as np
 
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage
+from planner.schedules.schedule import FIXED_CHUNKS, stage_placement
 from planner.simulation.simulator import simulate_stages
 
 CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
@@ -81,20 +83,22 @@ def even_chunks(arrays: LayerArrays, count: int) -> list[tuple[int, int]]:
     return best
 
 
-def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int,
+                  schedule: str = "interleaved-1f1b") -> list[tuple[int, int]]:
     """`ranges` with their boundaries moved one layer at a time while that lowers the busiest rank's time
-    (rank r runs ranges r, r + p, ...; ties: the lower sum of squared rank times): a chunk cut evenly
+    (range k runs on rank `stage_placement(schedule, ...)[k]`; ties: the lower sum of squared rank times): a chunk cut evenly
     can leave one rank with a large indivisible layer (a language model's head) on top of its share.
     Local search, at most 50 passes over the boundaries; every range keeps at least one layer."""
     cuts = [start for start, _ in ranges[1:]]
     n = arrays.num_layers
     times = arrays.compute_s
+    placement = stage_placement(schedule, len(ranges), len(ranges) // ranks)
 
     def score(points: list[int]) -> tuple[float, float]:
         load = [0.0] * ranks
         edges = [0, *points, n]
         for index, (start, stop) in enumerate(zip(edges, edges[1:])):
-            load[index % ranks] += float(times[stop] - times[start])
+            load[placement[index]] += float(times[stop] - times[start])
         return max(load), sum(value * value for value in load)
 
     best = score(cuts)
@@ -115,15 +119,21 @@ def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int
     return list(zip(edges, edges[1:]))
 
 
-def best_chunked(inputs: CostInputs, ranks: int, choices: tuple[int, ...] = CHUNK_CHOICES) -> ChunkedChoice | None:
-    """The fastest simulated interleaved-1f1b plan of `inputs` on `ranks` devices (one per chunk's rank) over
-    the chunk counts `choices` that the layers allow, within the memory limit; None if none fits."""
+def chunk_choices(schedule: str) -> tuple[int, ...]:
+    """The chunks per rank a plan of `schedule` may have: zbv's fixed 2, else CHUNK_CHOICES."""
+    return (FIXED_CHUNKS[schedule],) if schedule in FIXED_CHUNKS else CHUNK_CHOICES
+
+
+def best_chunked(inputs: CostInputs, ranks: int) -> ChunkedChoice | None:
+    """The fastest simulated plan of `inputs` (a chunked schedule) on `ranks` devices (one per chunk's rank)
+    over the chunk counts (`chunk_choices`) that the layers allow, within the memory limit; None if none fits."""
     found: ChunkedChoice | None = None
-    for chunks in choices:
-        if ranks * chunks > inputs.arrays.num_layers or inputs.microbatches % ranks:
+    for chunks in chunk_choices(inputs.schedule):
+        if ranks * chunks > inputs.arrays.num_layers or not chunked_count_ok(inputs.schedule, inputs.microbatches,
+                                                                                ranks):
             continue
         chunked = dataclasses.replace(inputs, chunks=chunks)
-        ranges = balance_ranks(inputs.arrays, even_chunks(inputs.arrays, ranks * chunks), ranks)
+        ranges = balance_ranks(inputs.arrays, even_chunks(inputs.arrays, ranks * chunks), ranks, inputs.schedule)
         stages = tuple(Stage(start, stop, 1, False) for start, stop in ranges)
         timeline = simulate_stages(chunked, list(stages))
         peaks = timeline.peak_memory()
@@ -136,9 +146,16 @@ def best_chunked(inputs: CostInputs, ranks: int, choices: tuple[int, ...] = CHUN
     return found
 
 
-def chunked_counts(counts: tuple[int, ...], ranks: int, auto: bool) -> tuple[int, ...]:
-    """The microbatch counts an interleaved plan on `ranks` ranks may use: those of `counts` that are
-    multiples of p; under --microbatches auto without a global batch, p x 1, 2, 4, ... up to max(128, p)."""
-    if auto:
+def chunked_count_ok(schedule: str, microbatches: int, ranks: int) -> bool:
+    """Whether `schedule` runs `microbatches` on `ranks` ranks: interleaved-1f1b needs a multiple of p (it
+    runs them in groups of one per rank); zbv runs any count."""
+    return schedule != "interleaved-1f1b" or microbatches % ranks == 0
+
+
+def chunked_counts(schedule: str, counts: tuple[int, ...], ranks: int, auto: bool) -> tuple[int, ...]:
+    """The microbatch counts a plan of `schedule` on `ranks` ranks may use: those of `counts` it runs
+    (`chunked_count_ok`); interleaved-1f1b under --microbatches auto without a global batch, p x 1, 2, 4, ...
+    up to max(128, p)."""
+    if auto and schedule == "interleaved-1f1b":
         return tuple(ranks * 2**k for k in range(int(math.log2(max(128 // ranks, 1))) + 1))
-    return tuple(count for count in counts if count % ranks == 0)
+    return tuple(count for count in counts if chunked_count_ok(schedule, count, ranks))

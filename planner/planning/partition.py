@@ -19,7 +19,7 @@ from planner.costs.pipedream_cost import (
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
-from planner.planning.chunked import CHUNK_CHOICES, best_chunked, chunked_counts
+from planner.planning.chunked import best_chunked, chunk_choices, chunked_count_ok, chunked_counts
 from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
@@ -34,13 +34,16 @@ from planner.costs.schedule_cost import (
     samples_per_s,
     stage_costs,
 )
-from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import (
+    CHUNKED_SCHEDULES, FIXED_CHUNKS, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
+)
 
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
 MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its divisors up to this
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
-SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "gpipe", "interleaved-1f1b", "pipedream")  # on equal throughput: least memory first
+# on equal throughput: least memory first
+SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
 AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # never pipedream (stale weights change what training computes),
 # nor yet interleaved-1f1b (its chunks are cut by a heuristic, not the optimizer; name it to plan it)
 
@@ -203,14 +206,14 @@ def _choose(
             found = run(schedule, 1)
         elif schedule in CHUNKED_SCHEDULES:
             ranks = base.cluster.num_devices
-            allowed = chunked_counts(counts, ranks, auto_counts)
+            allowed = chunked_counts(schedule, counts, ranks, auto_counts)
             found = _auto_microbatches(
                 allowed, lambda count: run_chunked(schedule, count),
                 lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
             if found is not None:
                 results.append(found)
             elif len(schedules) == 1:
-                raise PlannerError(_no_chunked_plan(counts, ranks, base))
+                raise PlannerError(_no_chunked_plan(schedule, counts, ranks, base))
             continue
         else:
             found = _auto_microbatches(
@@ -249,7 +252,7 @@ def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
 
 
 def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
-    """The fastest interleaved plan of `inputs` on every device of the cluster (`chunked.best_chunked`), with
+    """The fastest chunked plan of `inputs` on every device of the cluster (`chunked.best_chunked`), with
     data parallelism simulated beside it for the speedup; None where none fits."""
     choice = best_chunked(inputs, inputs.cluster.num_devices)
     if choice is None:
@@ -260,18 +263,18 @@ def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
     return _Candidate(choice.inputs, solution, choice.iteration_s,
                       samples_per_s(choice.inputs, choice.iteration_s, size),
                       predicted_iteration_s(whole, everywhere), plan_fits(whole, everywhere), size,
-                      exhaustive=False, simulated=len(CHUNK_CHOICES), peak_bytes=choice.peak_bytes)
+                      exhaustive=False, simulated=len(chunk_choices(inputs.schedule)), peak_bytes=choice.peak_bytes)
 
 
-def _no_chunked_plan(counts: tuple[int, ...], ranks: int, base: CostInputs) -> str:
-    """Why no interleaved plan was found: no allowed microbatch count, too few layers, or memory."""
-    if not any(count % ranks == 0 for count in counts):
-        return (f"interleaved-1f1b runs microbatches in groups of one per rank: none of {list(counts)} is a multiple "
+def _no_chunked_plan(schedule: str, counts: tuple[int, ...], ranks: int, base: CostInputs) -> str:
+    """Why no plan of a chunked schedule was found: no allowed microbatch count, too few layers, or memory."""
+    if not any(chunked_count_ok(schedule, count, ranks) for count in counts):
+        return (f"{schedule} runs microbatches in groups of one per rank: none of {list(counts)} is a multiple "
                 f"of the {ranks} ranks; give --microbatches a multiple of {ranks}")
     if base.arrays.num_layers < 2 * ranks:
-        return (f"interleaved-1f1b needs at least 2 chunks per rank: {base.arrays.num_layers} layers cannot make "
+        return (f"{schedule} needs at least 2 chunks per rank: {base.arrays.num_layers} layers cannot make "
                 f"{2 * ranks} chunks on {ranks} GPUs; use --schedule 1f1b, or fewer GPUs")
-    return (f"no interleaved-1f1b plan with {', '.join(map(str, CHUNK_CHOICES))} chunks per rank fits in "
+    return (f"no {schedule} plan with {', '.join(map(str, chunk_choices(schedule)))} chunks per rank fits in "
             f"{base.memory_bytes / 1e9:.4g} GB per GPU; use --schedule 1f1b (it may recompute), or more memory")
 
 
@@ -396,9 +399,13 @@ def _planner_plan(
         notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration (a global "
                      f"batch of {inputs.microbatches * size} per optimizer step); iteration_ms is one flushed iteration")
     if inputs.chunks > 1:
-        notes.append(f"{inputs.schedule}: {inputs.chunks} chunks per rank on {used} ranks (stage s on rank s mod {used}), "
+        where = (f"stage s on rank s mod {used}" if inputs.schedule == "interleaved-1f1b"
+                 else f"in a V: rank r holds stages r and {2 * used - 1} - r")
+        tried = "2 chunks per rank" if inputs.schedule in FIXED_CHUNKS else \
+            f"the fastest of {', '.join(map(str, chunk_choices(inputs.schedule)))} chunks per rank"
+        notes.append(f"{inputs.schedule}: {inputs.chunks} chunks per rank on {used} ranks ({where}), "
                      "cut to balance forward + backward time (transfers and memory not weighed in the cut); "
-                     f"iteration_ms is simulated, the fastest of {', '.join(map(str, CHUNK_CHOICES))} chunks per rank "
+                     f"iteration_ms is simulated, {tried} "
                      f"(the closed form says {closed_form * 1000:.4g} ms); a heuristic: no bound proves another cut "
                      "slower. memory/GPU is each device's simulated peak, all its chunks together")
     else:

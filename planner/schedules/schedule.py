@@ -1,4 +1,4 @@
-"""Schedules as data: per rank, the ordered actions of gpipe, 1f1b, zb-h1 and pipedream, and their validator (pure).
+"""Schedules as data: per rank, the ordered actions of gpipe, 1f1b, zb-h1, interleaved-1f1b, zbv and pipedream (pure).
 
 One representation serves the simulator, the plots and the runtime. A `Schedule` holds one
 `RankProgram` per rank: the rank's stage, replica and its `Action`s in the order the rank
@@ -33,6 +33,14 @@ block; receives wait for their send; an all-reduce waits for every replica of it
   bubble is 1f1b's divided by v: (p - 1)(F + B) / v for a whole model's F and B per microbatch on
   each of the p ranks, at the price of v times the messages; rank 0 holds (v - 1) p + 2 (p - 1) + 1
   chunk-microbatches at its peak.
+- `zbv` (Qi et al. 2024, section 6; torch's ScheduleZBVZeroBubble): 2 p stages in a V on p ranks, rank r
+  holding stages r (down) and 2p - 1 - r (up; `stage_placement`), so the first and last stage share rank 0
+  and the turn (stage p - 1 to p) is a message of rank p - 1 to itself; backwards split into B and W as in
+  zb-h1, in the phases of `_v_shape`, any m. With equal F = B = W = f per chunk and m >= 2p - 1 the
+  iteration is 6 m f + (p - 1) f: only the first forward's way down idles; every rank holds 2p
+  chunk-microbatches at its peak (p of a whole stage's size, 1f1b's first stage's). Neighbouring ranks
+  exchange both legs' messages, so a rank may receive in another order than its neighbour sends:
+  `receive_order` gives the sender's order, which a first-in, first-out channel delivers.
 - `pipedream`: the 1f1b order over every iteration's microbatches without a flush, with an
   all-reduce (replicated stages) and a step after every backward (weight stashing keeps each
   backward on its forward's weights); the microbatches must divide evenly among each stage's
@@ -50,10 +58,11 @@ from planner.errors import PlannerError
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "pipedream")
-FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")  # an all-reduce and step once per iteration
-CHUNKED_SCHEDULES = ("interleaved-1f1b",)  # several stages (chunks) per rank, placed round-robin
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # `backward` is B (input gradients) and `weight` W (weight gradients)
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv", "pipedream")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")  # an all-reduce and step once per iteration
+CHUNKED_SCHEDULES = ("interleaved-1f1b", "zbv")  # several stages (chunks) per rank (`stage_placement`)
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zbv")  # `backward` is B (input gradients) and `weight` W (weight gradients)
+FIXED_CHUNKS = {"zbv": 2}  # chunked schedules whose chunks per rank are set by their shape
 ArrayOrInt = Union[int, "np.ndarray"]
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -222,29 +231,95 @@ def build_schedule(
     return Schedule(name, microbatches, iterations, ranks, tuple(programs))
 
 
+def stage_placement(name: str, num_stages: int, chunks: int) -> tuple[int, ...]:
+    """The rank of each of `num_stages` stages of a chunked schedule on num_stages / chunks = p ranks:
+    interleaved-1f1b round-robin (stage s on rank s mod p), zbv in a V (stage s on rank s for s < p, on
+    rank 2p - 1 - s after: rank r holds stages r and 2p - 1 - r, so the model goes down the ranks and
+    back up, and the first and last stages share rank 0)."""
+    ranks = max(num_stages // max(chunks, 1), 1)
+    if name == "zbv":
+        return tuple(stage if stage < ranks else 2 * ranks - 1 - stage for stage in range(num_stages))
+    return tuple(stage % ranks for stage in range(num_stages))
+
+
 def _chunked_schedule(
     name: str, num_stages: int, chunks: int, microbatches: int, iterations: int, stage_replicas: Sequence[int],
 ) -> Schedule:
-    """interleaved-1f1b: `num_stages` = p x chunks stages, stage s on rank s mod p (module docstring)."""
+    """A chunked schedule: `num_stages` = p x chunks stages placed by `stage_placement` (module docstring)."""
     if chunks < 1 or num_stages % chunks or any(r != 1 for r in stage_replicas):
         raise PlannerError(f"{name} needs stages of one device each, a whole number of chunks per rank: got "
                            f"{num_stages} stages, chunks={chunks}, replicas {list(stage_replicas)}")
+    if name in FIXED_CHUNKS and chunks != FIXED_CHUNKS[name]:
+        raise PlannerError(f"{name} runs exactly {FIXED_CHUNKS[name]} chunks per rank, got chunks={chunks}")
     ranks = num_stages // chunks
-    if microbatches % ranks:
+    if name == "interleaved-1f1b" and microbatches % ranks:
         raise PlannerError(f"{name} runs microbatches in groups of one per rank: {microbatches} microbatches do not "
                            f"divide among {ranks} ranks; use a multiple of {ranks}")
-    stage_ranks = tuple((stage % ranks,) for stage in range(num_stages))
+    placement = stage_placement(name, num_stages, chunks)
+    stage_ranks = tuple((rank,) for rank in placement)
     skeleton = Schedule(name, microbatches, iterations, stage_ranks, ())
     programs = []
     for rank in range(ranks):
-        own = tuple(range(rank, num_stages, ranks))
+        own = tuple(stage for stage in range(num_stages) if placement[stage] == rank)
         actions: list[Action] = []
         for iteration in range(iterations):
-            actions += _interleaved(skeleton, rank, ranks, chunks, iteration)
+            actions += (_interleaved(skeleton, rank, ranks, chunks, iteration) if name == "interleaved-1f1b"
+                        else _v_shape(skeleton, rank, ranks, iteration))
             for stage in own:
                 actions += _update(stage, 1, iteration)
         programs.append(RankProgram(rank, rank, 0, tuple(actions), own))
     return Schedule(name, microbatches, iterations, stage_ranks, tuple(programs))
+
+
+def _v_shape(schedule: Schedule, rank: int, ranks: int, iteration: int) -> list[Action]:
+    """One iteration of rank `rank` under zbv, its down stage d = rank and up stage u = 2p - 1 - rank, each
+    op only where it can run (a forward not beyond m, a B after its forward, a W after its B), in phases:
+    2 (p - rank) - 1 forwards of d (the first microbatches must reach the turn of the V); rank times F of u
+    then F of d; p - rank times F, B and W of u (the up leg starts its backwards at once); then, while
+    forwards are left, F of d, B and W of d, F, B and W of u; then rank times B of d and B of u, p - rank times
+    B and W of d, and the W's left, u's then d's. Each op's microbatch is the next one in order for it."""
+    down, up = rank, 2 * ranks - 1 - rank
+    m = schedule.microbatches
+    done = {(op, stage): 0 for op in (FORWARD, BACKWARD, WEIGHT) for stage in (down, up)}
+    actions: list[Action] = []
+
+    def run(op: str, stage: int) -> None:
+        count = done[(op, stage)]
+        ready = {FORWARD: m, BACKWARD: done[(FORWARD, stage)], WEIGHT: done[(BACKWARD, stage)]}[op]
+        if count >= ready:
+            return
+        done[(op, stage)] = count + 1
+        if op == FORWARD:
+            actions.extend(_forward_steps(schedule, stage, count, iteration))
+        elif op == BACKWARD:
+            actions.extend(_backward_steps(schedule, stage, count, iteration))
+        else:
+            actions.append(Action(WEIGHT, stage, count, -1, iteration))
+
+    for _ in range(2 * (ranks - rank) - 1):
+        run(FORWARD, down)
+    for _ in range(rank):
+        run(FORWARD, up)
+        run(FORWARD, down)
+    for _ in range(ranks - rank):
+        for op in (FORWARD, BACKWARD, WEIGHT):
+            run(op, up)
+    while done[(FORWARD, up)] < m:
+        for stage in (down, up):
+            for op in (FORWARD, BACKWARD, WEIGHT):
+                run(op, stage)
+    for _ in range(rank):
+        run(BACKWARD, down)
+        run(BACKWARD, up)
+    for _ in range(ranks - rank):
+        run(BACKWARD, down)
+        run(WEIGHT, down)
+    for stage in (up, down):
+        while done[(BACKWARD, stage)] < m:
+            run(BACKWARD, stage)
+        while done[(WEIGHT, stage)] < m:
+            run(WEIGHT, stage)
+    return actions
 
 
 def _interleaved(schedule: Schedule, rank: int, ranks: int, chunks: int, iteration: int) -> list[Action]:
@@ -366,29 +441,23 @@ def validate(schedule: Schedule) -> None:
     _check_runs(schedule)
 
 
-def check_channel_order(schedule: Schedule) -> None:
-    """Raise ScheduleError unless every rank receives from each peer in the order that peer sends to it:
-    what one first-in, first-out channel per pair of ranks needs (the distributed engine's transport)."""
-    sent: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (sender, receiver) -> (iteration, sender's
-    received: dict[tuple[int, int], list[tuple[tuple[int, int, int], int]]] = {}  # stage, microbatch)s; (key, step)
+def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
+    """Per peer, the receive actions of `rank` from that peer in the order the peer sends them (sends to
+    itself left out): the order one first-in, first-out channel per pair of ranks delivers, which can
+    differ from the order `rank`'s program consumes them (zbv's two legs cross between neighbours)."""
+    own = next(program for program in schedule.programs if program.rank == rank)
+    wanted = {(a.op, a.iteration, a.stage, a.microbatch, a.peer): a for a in own.actions if a.op in RECEIVES}
+    order: dict[int, list[Action]] = {}
     for program in schedule.programs:
-        for step, action in enumerate(program.actions):
-            if action.op in SENDS:
-                sent.setdefault((program.rank, action.peer), []).append(
-                    (action.iteration, action.stage, action.microbatch))
-            elif action.op in RECEIVES:
-                source = action.stage - 1 if action.op == RECV_ACTIVATION else action.stage + 1
-                received.setdefault((action.peer, program.rank), []).append(
-                    ((action.iteration, source, action.microbatch), step))
-    for (sender, receiver), keys in sorted(sent.items()):
-        got = received.get((sender, receiver), [])
-        if [key for key, _ in got] == keys:
+        if program.rank == rank:
             continue
-        first = next((index for index, (key, _) in enumerate(got) if index >= len(keys) or key != keys[index]),
-                     len(got) - 1)
-        step = got[first][1] if got else 0
-        raise ScheduleError(f"rank {receiver} receives from rank {sender} in another order than it is sent",
-                            receiver, step, schedule.grid({receiver: step}))
+        for action in program.actions:
+            if action.op in SENDS and action.peer == rank:
+                op, stage = ((RECV_ACTIVATION, action.stage + 1) if action.op == SEND_ACTIVATION
+                             else (RECV_GRADIENT, action.stage - 1))
+                order.setdefault(program.rank, []).append(
+                    wanted[(op, action.iteration, stage, action.microbatch, program.rank)])
+    return order
 
 
 def _check_program(schedule: Schedule, program: RankProgram) -> None:

@@ -15,7 +15,8 @@ all-reduces are unfinished (at most one update pending, so weights are never mor
 update behind). A stage holding a copy of tied weights (`tied_s` > 0) sums their gradients with
 the other holders before its step: when every holder rank has reached its step, an all-reduce row
 `tied_s` long (one sync among all holder ranks, whichever tied parameters they hold).
-Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`).
+Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`); 0 between
+two stages of one rank (zbv's turn of the V, interleaved-1f1b on one rank).
 
 Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
@@ -75,7 +76,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     links: dict[tuple[int, int], tuple[float, float]] = {}  # (low rank, high rank) -> (bandwidth, latency)
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
-        if cluster is None:
+        if cluster is None or source == target:  # a message between two stages of one rank stays in its memory
             return 0.0
         pair = (min(source, target), max(source, target))
         if pair not in links:

@@ -45,6 +45,7 @@ PLANS = {"mlp-1f1b": ("mlp", lambda: two_stage_plan("mlp", "1f1b")),
          "gpt-gpipe": ("gpt", lambda: two_stage_plan("gpt", "gpipe")),
          "gpt-zb-h1": ("gpt", lambda: two_stage_plan("gpt", "zb-h1")),
          "gpt-interleaved": ("gpt", lambda: two_stage_plan("gpt", "interleaved-1f1b")),  # 2 ranks x its chunks
+         "gpt-zbv": ("gpt", lambda: two_stage_plan("gpt", "zbv")),  # 2 ranks x 2 chunks in a V
          "mlp-1x2-1f1b": ("mlp", replicated_plan)}
 
 

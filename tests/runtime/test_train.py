@@ -1,6 +1,6 @@
 """`python -m runtime.train` under torchrun on CPU: checks before work, checkpoints and resume, exported weights
 equal to single-device training, re-partitioned resume (also to and from interleaved-1f1b, whose ranks run several
-stages), and ranks that die or freeze."""
+stages, and from it to zbv), and ranks that die or freeze.
 
 from __future__ import annotations
 
@@ -126,7 +126,9 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # uninterrupted 1f1b run's losses
     made = {"mlp-1-1": mlp_plan(), "mlp-2-1": dataclasses.replace(mlp_plan((2, 1), split=4), schedule="zb-h1"),
             "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True),
-            "mlp-interleaved": interleaved_plan()}
+            "mlp-interleaved": interleaved_plan(),
+            "mlp-zbv": partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), schedule="zbv",
+                                 microbatches=4)}
     return {name: plan.save(folder / f"{name}.json") for name, plan in made.items()}
 
 
@@ -222,11 +224,12 @@ def test_an_interleaved_plan_trains_as_on_one_device_and_checkpoints_each_stage(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan_name, nproc, exact", [("mlp-interleaved", 2, True), ("mlp-1-1", 2, False)])
+@pytest.mark.parametrize("plan_name, nproc, exact", [("mlp-interleaved", 2, True), ("mlp-zbv", 2, False)])
 def test_an_interleaved_checkpoint_resumes(plans: dict[str, Path], interleaved: Path, tmp_path: Path, plan_name: str,
                                            nproc: int, exact: bool) -> None:
     """The interleaved run's step-2 checkpoint continues to step 4 under the same plan, bit for bit as the run
-    itself went on (weights, momentum, random state), or under a plan of one stage per rank, re-split by name."""
+    itself went on (weights, momentum, random state), or under a zbv plan (2 stages per rank in a V, B and W
+    apart), re-split by name: the same losses and weights to 1e-5."""
     folder = tmp_path / "checkpoints"
     resumed = resumed_run(interleaved, 2, plans[plan_name], nproc, 4, tmp_path)
     assert ("made with another plan" in resumed.stdout) != exact

@@ -1,4 +1,4 @@
-"""Tests of planner/planning/chunked.py: interleaved-1f1b plans, their cut and their choice."""
+"""Tests of planner/planning/chunked.py: interleaved-1f1b and zbv plans, their cut and their choice."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from planner.files.plan import load_plan
 from planner.files.profile import load_profile
 from planner.planning.chunked import balance_ranks, chunked_counts, even_chunks
 from planner.planning.partition import partition
+from planner.schedules.schedule import stage_placement
 from planner.simulation.plan_simulation import simulate
 
 GPT = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
@@ -49,17 +50,22 @@ def test_even_chunks_is_the_least_largest_chunk_of_every_cut(times: list[float],
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0), min_size=4, max_size=10), st.integers(2, 3), st.data())
-def test_balancing_never_loads_the_busiest_rank_more(times: list[float], ranks: int, data: st.DataObject) -> None:
+@given(st.lists(st.floats(0.0, 10.0), min_size=4, max_size=10), st.integers(2, 3),
+       st.sampled_from(["interleaved-1f1b", "zbv"]), st.data())
+def test_balancing_never_loads_the_busiest_rank_more(times: list[float], ranks: int, schedule: str,
+                                                     data: st.DataObject) -> None:
+    """Under either placement (round-robin, or zbv's V of 2 chunks per rank)."""
     arrays = arrays_of(times)
-    count = data.draw(st.integers(ranks, len(times)).filter(lambda c: c % ranks == 0))
+    counts = st.just(2 * ranks) if schedule == "zbv" else st.integers(ranks, len(times)).filter(lambda c: c % ranks == 0)
+    count = data.draw(counts.filter(lambda c: c <= len(times)))
     before = even_chunks(arrays, count)
-    after = balance_ranks(arrays, before, ranks)
+    after = balance_ranks(arrays, before, ranks, schedule)
+    placement = stage_placement(schedule, count, count // ranks)
 
     def busiest(ranges: list[tuple[int, int]]) -> float:
         load = [0.0] * ranks
         for index, (start, stop) in enumerate(ranges):
-            load[index % ranks] += float(arrays.compute_s[stop] - arrays.compute_s[start])
+            load[placement[index]] += float(arrays.compute_s[stop] - arrays.compute_s[start])
         return max(load)
 
     assert len(after) == count and after[0][0] == 0 and after[-1][1] == len(times)
@@ -78,10 +84,11 @@ def test_an_indivisible_head_is_balanced_against_the_other_ranks() -> None:
     assert loads == [7.0, 7.0]
 
 
-def test_chunked_counts_are_multiples_of_the_ranks() -> None:
-    assert chunked_counts((1, 2, 4, 8, 16), 4, auto=False) == (4, 8, 16)
-    assert chunked_counts((), 3, auto=True) == (3, 6, 12, 24, 48, 96)
-    assert chunked_counts((), 4, auto=True) == (4, 8, 16, 32, 64, 128)
+def test_interleaved_counts_are_multiples_of_the_ranks_and_zbv_takes_any() -> None:
+    assert chunked_counts("interleaved-1f1b", (1, 2, 4, 8, 16), 4, auto=False) == (4, 8, 16)
+    assert chunked_counts("interleaved-1f1b", (), 3, auto=True) == (3, 6, 12, 24, 48, 96)
+    assert chunked_counts("interleaved-1f1b", (), 4, auto=True) == (4, 8, 16, 32, 64, 128)
+    assert chunked_counts("zbv", (1, 2, 3, 8), 4, auto=True) == (1, 2, 3, 8)
 
 
 def test_an_interleaved_plan_places_its_chunks_round_robin_and_states_what_it_simulates(tmp_path: Path) -> None:
@@ -104,3 +111,17 @@ def test_auto_does_not_pick_interleaved_and_a_bad_count_is_one_clear_error() -> 
     assert partition(gpt, make_cluster(2, None, ["10GB/s"])).schedule != "interleaved-1f1b"
     with pytest.raises(PlannerError, match="multiple of the 2 ranks"):
         partition(gpt, make_cluster(2, None, ["10GB/s"]), schedule="interleaved-1f1b", microbatches=3)
+
+
+def test_a_zbv_plan_places_two_chunks_per_rank_in_a_v_and_states_what_it_simulates() -> None:
+    """gpt on 3 ranks, 5 microbatches (no multiple of p needed): stages on ranks 0 1 2 2 1 0, the first and
+    last stage on rank 0; the stated iteration and memory are the simulator's."""
+    gpt = load_profile(GPT)
+    plan = partition(gpt, make_cluster(3, None, ["10GB/s"]), schedule="zbv", microbatches=5)
+    assert plan.schedule == "zbv" and plan.chunks == 2 and len(plan.stages) == 6
+    assert [stage.ranks for stage in plan.stages] == [(0,), (1,), (2,), (2,), (1,), (0,)]
+    timeline = simulate(plan, gpt)
+    assert timeline.iteration_s() * 1000.0 == pytest.approx(plan.predicted.iteration_ms, rel=1e-12)
+    peaks = timeline.peak_memory()
+    assert [stage.memory_bytes for stage in plan.stages] == [int(peaks[s]) for s in range(6)]
+    assert any("in a V: rank r holds stages r and 5 - r" in note for note in plan.notes)

@@ -28,8 +28,9 @@ from planner.schedules.schedule import (
     Schedule,
     ScheduleError,
     build_schedule,
-    check_channel_order,
     pipedream_microbatches,
+    receive_order,
+    stage_placement,
     validate,
 )
 
@@ -439,7 +440,14 @@ def test_custom_stage_ranks_are_respected(name: str) -> None:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
 @pytest.mark.parametrize("replicas", [[1, 1], [2, 1], [1, 2], [1, 3, 2], [2, 2, 1, 1]])
 def test_every_channel_receives_in_the_order_it_sends(name: str, replicas: list[int]) -> None:
-    check_channel_order(build_schedule(name, replicas, 12, iterations=2))
+    assert_receives_in_send_order(build_schedule(name, replicas, 12, iterations=2))
+
+
+def assert_receives_in_send_order(schedule: Schedule) -> None:
+    """Every rank's program receives from each peer in the order that peer sends (`receive_order`)."""
+    for program in schedule.programs:
+        for peer, receives in receive_order(schedule, program.rank).items():
+            assert receives == [a for a in program.actions if a.op in RECEIVES and a.peer == peer]
 
 
 def swapped_receives() -> tuple[Schedule, int]:
@@ -454,12 +462,13 @@ def swapped_receives() -> tuple[Schedule, int]:
     return swapped, receives[0]
 
 
-def test_receives_swapped_against_their_sends_are_named_where_they_wait() -> None:
+def test_receives_swapped_against_their_sends_come_in_the_senders_order() -> None:
     swapped, first_receive = swapped_receives()
-    validate(swapped)  # every receive has its send and nothing deadlocks with buffered sends ...
-    with pytest.raises(ScheduleError, match="rank 1 receives from rank 0 in another order than it is sent") as caught:
-        check_channel_order(swapped)  # ... but a first-in, first-out channel would hand over the wrong microbatch
-    assert (caught.value.rank, caught.value.step) == (1, first_receive)
+    validate(swapped)  # every receive has its send and nothing deadlocks with buffered sends
+    program = swapped.programs[1]
+    assert program.actions[first_receive].microbatch == 1  # the program takes microbatch 1 first ...
+    assert [a.microbatch for a in receive_order(swapped, 1)[0]] == [0, 1]  # ... the channel delivers 0 first
+    assert [a.op for a in receive_order(swapped, 0)[1]] == [RECV_GRADIENT] * 2  # rank 0: the gradients, in order
 
 
 @pytest.mark.parametrize("replicas, at_least, expected", [
@@ -530,7 +539,7 @@ def test_interleaved_1f1b_is_valid_and_keeps_each_channel_in_order(ranks: int, c
     microbatch forward then backward once, sends match receives in FIFO order per pair of ranks, no deadlock."""
     schedule = build_schedule("interleaved-1f1b", [1] * (ranks * chunks), ranks * rounds, iterations, chunks=chunks)
     validate(schedule)
-    check_channel_order(schedule)
+    assert_receives_in_send_order(schedule)
     assert [program.stages for program in schedule.programs] == [tuple(range(r, ranks * chunks, ranks))
                                                                  for r in range(ranks)]
     for program in schedule.programs:
@@ -569,3 +578,45 @@ def test_interleaved_1f1b_refuses_what_it_cannot_run(stages: int, replicas: int,
 def test_chunks_are_only_for_chunked_schedules() -> None:
     with pytest.raises(PlannerError, match="one stage per rank"):
         build_schedule("1f1b", [1] * 4, 4, chunks=2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 12), st.integers(1, 2))
+def test_zbv_is_valid_in_a_v_for_any_microbatch_count(ranks: int, microbatches: int, iterations: int) -> None:
+    """p ranks, 2 chunks each in a V (rank r holds stages r and 2p - 1 - r), any m: every chunk runs every
+    microbatch's F, B and W once (W after B, all before the step), every receive has its send, no deadlock."""
+    schedule = build_schedule("zbv", [1] * (2 * ranks), microbatches, iterations, chunks=2)
+    validate(schedule)
+    assert [program.stages for program in schedule.programs] == [(r, 2 * ranks - 1 - r) for r in range(ranks)]
+    assert [group[0] for group in schedule.stage_ranks] == list(stage_placement("zbv", 2 * ranks, 2))
+    for program in schedule.programs:
+        computed = Counter((a.op, a.stage) for a in program.actions if a.op in (FORWARD, BACKWARD, WEIGHT, STEP))
+        assert all(computed[(op, stage)] == (1 if op == STEP else microbatches) * iterations
+                   for op in (FORWARD, BACKWARD, WEIGHT, STEP) for stage in program.stages)
+
+
+def test_zbv_phases_on_the_first_and_last_rank() -> None:
+    """p = 3, m = 6. Rank 0 (stages 0 and 5) runs 2p - 1 = 5 forwards of stage 0, then its first F, B, W of
+    stage 5 (the loss is there); rank 2 (stages 2 and 3, the turn of the V) one forward of stage 2, then
+    F of 3 and F of 2 twice. The turn is a message from a rank to itself; channels between neighbours
+    carry both legs, so a rank's program may receive in another order than its neighbour sends."""
+    schedule = build_schedule("zbv", [1] * 6, 6, chunks=2)
+    computes = [[(a.short(), a.stage) for a in program.actions if a.op in (FORWARD, BACKWARD, WEIGHT)]
+                for program in schedule.programs]
+    assert computes[0][:8] == [(f"F{i}", 0) for i in range(5)] + [("F0", 5), ("B0", 5), ("W0", 5)]
+    assert computes[2][:5] == [("F0", 2), ("F0", 3), ("F1", 2), ("F1", 3), ("F2", 2)]
+    turn = [a for a in schedule.programs[2].actions if a.op == SEND_ACTIVATION and a.stage == 2]
+    assert {a.peer for a in turn} == {2}
+    crossed = [(program.rank, peer) for program in schedule.programs
+               for peer, receives in receive_order(schedule, program.rank).items()
+               if receives != [a for a in program.actions if a.op in RECEIVES and a.peer == peer]]
+    assert crossed  # why the engine posts receives in the sender's order
+
+
+@pytest.mark.parametrize("stages,replicas,chunks,fragment", [
+    (6, 1, 3, "exactly 2 chunks per rank"),
+    (4, 2, 2, "one device each"),
+])
+def test_zbv_refuses_what_it_cannot_run(stages: int, replicas: int, chunks: int, fragment: str) -> None:
+    with pytest.raises(PlannerError, match=fragment):
+        build_schedule("zbv", [replicas] * stages, 4, chunks=chunks)

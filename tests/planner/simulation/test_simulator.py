@@ -72,6 +72,31 @@ def test_interleaved_1f1b_divides_the_bubble_by_the_chunks(ranks: int, chunks: i
     assert list(timeline.peak_memory()) == [peaks[stage % ranks] for stage in range(ranks * chunks)]
 
 
+@pytest.mark.parametrize("ranks,microbatches", [(1, 1), (2, 3), (2, 8), (3, 6), (4, 7), (4, 16), (5, 9)])
+def test_zbv_with_equal_f_b_w_idles_only_the_first_forwards_way_down(ranks: int, microbatches: int) -> None:
+    """zbv on p ranks, 2p equal chunks of F = B = W = f, m >= 2p - 1: 6 m f of work per rank and a bubble of
+    (p - 1) f, the first forward's way down to the last rank (1f1b on the same ranks: 3 (p - 1) 2 f); every
+    rank holds 2p chunk-microbatches at its peak, p of a whole stage's size: 1f1b's first stage's."""
+    times = [StageTimes(F, F, 0.0, 0.0, held_bytes=1.0, weight_s=F) for _ in range(2 * ranks)]
+    timeline = simulate_schedule(build_schedule("zbv", [1] * (2 * ranks), microbatches, chunks=2), times)
+    assert timeline.iteration_s() == pytest.approx(6 * microbatches * F + (ranks - 1) * F)
+    peaks = timeline.memory().groupby("rank")["bytes"].max()
+    assert list(peaks) == [pytest.approx(min(2 * ranks, 2 * microbatches))] * ranks
+
+
+def test_the_turn_of_the_v_is_no_transfer() -> None:
+    """zbv's stages p - 1 and p share rank p - 1: the activation and gradient between them cost nothing,
+    while every other message pays the link's latency."""
+    times = [StageTimes(F, F, 0.0, 1e6, weight_s=F) for _ in range(4)]
+    timeline = simulate_schedule(build_schedule("zbv", [1] * 4, 4, chunks=2), times, make_cluster(2, None, [1e9],
+                                                                                                   latencies=[0.25]))
+    sends = timeline.events[timeline.events["op"].isin(SENDS)]
+    turn = sends["stage"].isin([1, 2]) & (sends["peer"] == 1)
+    assert turn.any() and (~turn).any()
+    assert list((sends["end_s"] - sends["start_s"])[turn]) == [0.0] * int(turn.sum())
+    assert list((sends["end_s"] - sends["start_s"])[~turn]) == [pytest.approx(0.25 + 1e-3)] * int((~turn).sum())
+
+
 def test_iterations_repeat_the_flushed_iteration() -> None:
     """Three flushed iterations take three times one, and iteration_s reports one."""
     one = simulate_schedule(build_schedule("1f1b", [1, 1, 1], 5), equal_stages(3))
