@@ -15,13 +15,15 @@ from planner.simulation.simulator import simulate_stages
 
 def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None) -> CostInputs:
     """The planner cost model's inputs for a saved plan: its cluster, schedule, microbatches and
-    microbatch scale (pipedream plans: one microbatch of the profiled batch) and chunks per rank; `optimizer`
-    overrides the plan's own."""
+    microbatch scale (pipedream plans: one microbatch of the profiled batch; times at the microbatch size
+    interpolated between the profile's measured sizes, as `partition` priced them) and chunks per rank;
+    `optimizer` overrides the plan's own."""
     profiled = profile.batch_size or 1
+    size = plan.microbatch_size or profiled
     memory = plan.cluster.memory_bytes
     return CostInputs(
-        LayerArrays.from_profile(profile).for_schedule(plan.schedule), plan.cluster, plan.schedule, plan.microbatches or 1,
-        (plan.microbatch_size or profiled) / profiled, float(profile.input_bytes),
+        LayerArrays.at_batch_size(profile, size).for_schedule(plan.schedule), plan.cluster, plan.schedule,
+        plan.microbatches or 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
         *per_weight_byte(profile, optimizer or plan.optimizer), chunks=plan.chunks,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from planner.planning.partition import partition
 from planner.files.pipedream import import_pipedream
 from planner.files.plan import load_plan
 from planner.simulation.plan_simulation import simulate
-from planner.files.profile import Profile, load_profile
+from planner.files.profile import Profile, SizeTimes, load_profile
 from planner.schedules.schedule import BACKWARD, FORWARD
 
 REPO = Path(__file__).resolve().parents[3]
@@ -55,3 +56,15 @@ def test_simulate_refuses_another_profile(tmp_path: Path) -> None:
     plan = partition(gpt, make_cluster(2, None, ["100GB/s"]))
     with pytest.raises(PlannerError, match="digest"):
         simulate(plan, mlp)
+
+
+def test_a_plan_of_a_profile_of_several_batch_sizes_simulates_at_its_interpolated_times(tmp_path: Path) -> None:
+    """mlp measured at 2 samples in half the time of 8: a plan of microbatches of 4 states what `simulate` of its
+    file gives (both price 4 between the measured sizes, not linearly from 8)."""
+    mlp = load_profile(REPO / "profiles" / "mlp.json")
+    half = SizeTimes(batch_size=2, fwd_ms=tuple(0.5 * layer.fwd_ms for layer in mlp.layers),
+                     bwd_ms=tuple(0.5 * layer.bwd_ms for layer in mlp.layers))
+    sized = dataclasses.replace(mlp, size_times=(half,))
+    plan = partition(sized, make_cluster(2, None, ["10GB/s"]), straight=True, microbatch_size=4, microbatches=4)
+    timeline = simulate(load_plan(plan.save(tmp_path / "sized.json")), sized)
+    assert timeline.iteration_s() * 1000.0 == pytest.approx(plan.predicted.iteration_ms, rel=1e-12)
