@@ -42,7 +42,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    RECV_ACTIVATION, SEND_ACTIVATION, SPLIT_BACKWARD_SCHEDULES, Action, RankProgram, build_schedule,
+    CHUNKED_SCHEDULES, RECV_ACTIVATION, SEND_ACTIVATION, SPLIT_BACKWARD_SCHEDULES, Action, RankProgram, build_schedule,
 )
 from runtime.export_split import ShapeGuard
 from runtime.interpreter import UnknownActionError, run_program
@@ -189,6 +189,9 @@ def _check_schedule(name: str) -> None:
         raise PipelineError(
             "the pipedream schedule (no flush, weight stashing, an optimizer step after every backward) "
             "needs the distributed engine; the in-process pipeline runs gpipe, 1f1b or zb-h1")
+    if name in CHUNKED_SCHEDULES:
+        raise PipelineError(f"{name} runs several stages per device, and the in-process pipeline one: train the "
+                            "plan with `planner train` (runtime.Engine), or re-plan with --schedule 1f1b")
     if name not in IN_PROCESS_SCHEDULES:
         raise PipelineError(f"unknown schedule {name!r}; the in-process pipeline runs "
                             f"{' or '.join(IN_PROCESS_SCHEDULES)}")

@@ -98,32 +98,39 @@ class Timeline:
         of its backward (zero-bubble schedules: of its W, autograd keeps the graph until then, and deferred
         bytes from the end of its B to the end of its W: the gradients W starts from), rebuilt bytes during
         a backward (and a W), scratch bytes during each optimizer step."""
-        rows = []
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
-        for rank, device in compute.groupby("rank"):
-            changes: list[tuple[float, float]] = []
-            level = 0.0
-            for stage, ops in device.groupby("stage"):
-                times = self.stage_times[int(stage)]
-                level += times.base_bytes
-                changes += [(float(t), times.held_bytes) for t in ops.loc[ops["op"] == FORWARD, "start_s"]]
-                for op, start, end in ops.loc[ops["op"].isin((BACKWARD, WEIGHT)), ["op", "start_s", "end_s"]].itertuples(
-                        index=False):
-                    freed = times.held_bytes if op == releasing else 0.0
-                    if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
-                        freed += times.deferred_bytes if op == WEIGHT else -times.deferred_bytes
-                    changes += [(float(start), times.rebuilt_bytes), (float(end), -times.rebuilt_bytes - freed)]
-                for start, end in ops.loc[ops["op"] == STEP, ["start_s", "end_s"]].itertuples(index=False):
-                    if times.scratch_bytes > 0 and end > start:
-                        changes += [(float(start), times.scratch_bytes), (float(end), -times.scratch_bytes)]
-            changes.sort(key=lambda change: (change[0], change[1]))  # frees before allocations at one instant
-            first = int(device["stage"].min())
-            rows.append((int(rank), first, 0.0, level))
-            for time_s, delta in changes:
-                level += delta
-                rows.append((int(rank), first, time_s, level))
-        return pd.DataFrame(rows, columns=["rank", "stage", "time_s", "bytes"])
+        term = {name: np.array([getattr(times, name) for times in self.stage_times], dtype=float)
+                for name in ("base_bytes", "held_bytes", "rebuilt_bytes", "deferred_bytes", "scratch_bytes")}
+        rank, stage = compute["rank"].to_numpy(), compute["stage"].to_numpy().astype(int)
+        op, start, end = compute["op"].to_numpy(), compute["start_s"].to_numpy(float), compute["end_s"].to_numpy(float)
+        forward, step, computing = op == FORWARD, op == STEP, np.isin(op, (BACKWARD, WEIGHT))
+        freed = np.where(op == releasing, term["held_bytes"][stage], 0.0)
+        if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
+            freed += np.where(op == WEIGHT, 1.0, -1.0) * term["deferred_bytes"][stage]
+        rebuilt = term["rebuilt_bytes"][stage]
+        scratch = np.where(step & (term["scratch_bytes"][stage] > 0) & (end > start), term["scratch_bytes"][stage], 0.0)
+        at_start = np.where(forward, term["held_bytes"][stage], 0.0) + np.where(computing, rebuilt, 0.0) + scratch
+        at_end = np.where(computing, -rebuilt - freed, 0.0) - scratch
+        changed_start = forward | computing | (scratch != 0)
+        changed_end = computing | (scratch != 0)
+        ranks = np.concatenate([rank[changed_start], rank[changed_end]])
+        times = np.concatenate([start[changed_start], end[changed_end]])
+        deltas = np.concatenate([at_start[changed_start], at_end[changed_end]])
+        frames = []
+        for device in np.unique(rank):
+            own = np.unique(stage[rank == device])
+            mine = ranks == device
+            order = np.lexsort((deltas[mine], times[mine]))  # by time; frees before allocations at one instant
+            level = float(term["base_bytes"][own].sum())
+            frames.append(pd.DataFrame({
+                "rank": int(device), "stage": int(own.min()),
+                "time_s": np.concatenate([[0.0], times[mine][order]]),
+                "bytes": np.cumsum(np.concatenate([[level], deltas[mine][order]])),  # in order, as a running sum
+            }))
+        if not frames:
+            return pd.DataFrame(columns=["rank", "stage", "time_s", "bytes"])
+        return pd.concat(frames, ignore_index=True)
 
     def peak_memory(self) -> pd.Series:
         """Per stage: the most bytes any device holding it holds at once (all its stages together)."""

@@ -44,8 +44,9 @@ MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its 
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
 # on equal throughput: least memory first
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
-AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # never pipedream (stale weights change what training computes),
-# nor yet interleaved-1f1b (its chunks are cut by a heuristic, not the optimizer; name it to plan it)
+# never pipedream (stale weights change what training computes); the chunked ones (their cut a heuristic) at the
+# microbatch count the best plan of one stage per rank chose
+AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 
 
 def partition(
@@ -58,9 +59,9 @@ def partition(
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
     With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
     state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
-    (gpipe, 1f1b or zb-h1, the last only if the profile measured its split backward's cost; pipedream only
-    when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within 5% of the best
-    throughput. The plan may use fewer devices than the cluster has; its notes then say so.
+    (`AUTO_SCHEDULES`; the zero-bubble ones only if the profile measured its split backward's cost; pipedream
+    only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within
+    5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's. The plan may use fewer devices than the cluster has; its notes then say so.
 
     `global_batch_size` B fixes the samples per optimizer step of a synchronous schedule: every plan
     considered trains B = microbatch size x microbatches (replicas share the microbatches), so plans are
@@ -99,6 +100,10 @@ def partition(
                      microbatches == AUTO and global_batch_size is None,
                      (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None)
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
+    if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
+        tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
+        plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the "
+                               "nearest the best plan of one stage per GPU chose; name the schedule to search its counts")
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
                                 "measure what splitting a backward costs (split_backward_ratio; made before it did, or "
@@ -201,12 +206,15 @@ def _choose(
             solved[key] = _chunked_candidate(inputs_for(schedule, count), size_of(count))
         return solved[key]
 
-    for schedule in sorted(schedules, key=SCHEDULE_PREFERENCE.index):
+    # chunked schedules last: beside plans of one stage per rank, they are tried at the count the best of those chose
+    for schedule in sorted(schedules, key=lambda name: (name in CHUNKED_SCHEDULES, SCHEDULE_PREFERENCE.index(name))):
         if schedule == "pipedream":
             found = run(schedule, 1)
         elif schedule in CHUNKED_SCHEDULES:
             ranks = base.cluster.num_devices
             allowed = chunked_counts(schedule, counts, ranks, auto_counts)
+            if results and len(allowed) > 1:
+                allowed = (_nearest_count(allowed, max(results, key=lambda r: r.samples_per_s).inputs.microbatches),)
             found = _auto_microbatches(
                 allowed, lambda count: run_chunked(schedule, count),
                 lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
@@ -224,7 +232,13 @@ def _choose(
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
     best = max(result.samples_per_s for result in results)
-    return next(result for result in results if result.samples_per_s >= best * (1.0 - 1e-9))
+    fastest = [result for result in results if result.samples_per_s >= best * (1.0 - 1e-9)]
+    return min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
+
+
+def _nearest_count(allowed: tuple[int, ...], count: int) -> int:
+    """The count of `allowed` nearest `count` (on a tie the larger: more microbatches, a smaller bubble)."""
+    return min(allowed, key=lambda option: (abs(option - count), -option))
 
 
 def _simulated_candidate(inputs: CostInputs, solution: Solution, straight: bool, size: int) -> _Candidate:

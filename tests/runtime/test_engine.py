@@ -109,7 +109,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def replicated_mlp_plan() -> Plan:
     """The planner's straight 2-stage mlp plan, made 2-1 on 3 ranks with 1f1b, 4 microbatches and recompute on stage 1."""
-    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True)
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True, schedule="1f1b")
     first, second = plan.stages
     stages = (dataclasses.replace(first, replicas=2, ranks=(0, 1)),
               dataclasses.replace(second, ranks=(2,), recompute=True))

@@ -302,7 +302,7 @@ def test_pipedream_unknown_schedules_and_bad_arguments_are_refused() -> None:
 
 def mlp_plan(**changes: Any) -> Plan:
     """The planner's straight 2-stage plan of the mlp, with `changes` to the plan and its second stage."""
-    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True)
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True, schedule="1f1b")
     assert len(plan.stages) == 2
     stage_changes = {k: v for k, v in changes.items() if k in ("replicas", "ranks", "recompute")}
     plan_changes = {k: v for k, v in changes.items() if k not in stage_changes}
@@ -322,6 +322,11 @@ def test_from_plan_uses_the_plan_and_refuses_replicas_and_pipedream() -> None:
         Pipeline.from_plan(model, mlp_plan(replicas=2, ranks=(1, 2)))
     with pytest.raises(PipelineError, match="pipedream schedule"):
         Pipeline.from_plan(model, mlp_plan(schedule="pipedream", microbatches=None))
+    interleaved = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), schedule="interleaved-1f1b",
+                            microbatches=2)
+    with pytest.raises(PipelineError, match="interleaved-1f1b runs several stages per device, and the in-process "
+                                            "pipeline one: train the plan with `planner train`"):
+        Pipeline.from_plan(model, interleaved)
 
 
 # --- real transformers models (split with torch.export) ----------------------------------------

@@ -35,8 +35,9 @@ BATCH = 2
 
 @lru_cache(maxsize=None)
 def planned(name: str, stages: int) -> Plan:
-    """The planner's straight plan for the example's profile on `stages` GPUs."""
-    plan = partition(load_profile(REPO / "profiles" / f"{name}.json"), make_cluster(stages), straight=True)
+    """The planner's straight 1f1b plan for the example's profile on `stages` GPUs (one stage per GPU)."""
+    plan = partition(load_profile(REPO / "profiles" / f"{name}.json"), make_cluster(stages), straight=True,
+                     schedule="1f1b")
     assert len(plan.stages) == stages, "partition did not use every GPU; build the plan by hand instead"
     return plan
 

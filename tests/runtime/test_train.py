@@ -1,6 +1,6 @@
 """`python -m runtime.train` under torchrun on CPU: checks before work, checkpoints and resume, exported weights
 equal to single-device training, re-partitioned resume (also to and from interleaved-1f1b, whose ranks run several
-stages, and from it to zbv), and ranks that die or freeze.
+stages, and from it to zbv), and ranks that die or freeze."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # the 2-1 plan runs zb-h1: a resumed job under another plan and another schedule (B and W apart) follows the
     # uninterrupted 1f1b run's losses
     made = {"mlp-1-1": mlp_plan(), "mlp-2-1": dataclasses.replace(mlp_plan((2, 1), split=4), schedule="zb-h1"),
-            "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True),
+            "gpt-1-1": partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(2), straight=True,
+                                 schedule="1f1b"),
             "mlp-interleaved": interleaved_plan(),
             "mlp-zbv": partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), schedule="zbv",
                                  microbatches=4)}

@@ -359,3 +359,20 @@ def test_a_profile_of_several_batch_sizes_prices_a_microbatch_between_them_by_in
         with_sizes, without = (partition(profile, make_cluster(2, None, ["10GB/s"]), microbatch_size=size)
                                for profile in (sized, dataclasses.replace(mlp, split_backward_ratio=1.25)))
         assert with_sizes.stages == without.stages and with_sizes.predicted == without.predicted
+
+
+def test_auto_takes_a_chunked_schedule_where_it_simulates_faster_at_the_count_of_the_best_other() -> None:
+    """gpt straight on 2 GPUs at 10 GB/s: auto's plan is interleaved-1f1b, tried at the microbatch count the best
+    plan of one stage per GPU chose, and it simulates faster than each of those schedules' own best plan there;
+    the plan says the chunked schedules were tried at that count only."""
+    gpt = load_profile(GPT)
+    cluster = make_cluster(2, None, ["10GB/s"])
+    plan = partition(gpt, cluster, straight=True)
+    assert plan.schedule == "interleaved-1f1b" and plan.chunks > 1
+    for schedule in ("gpipe", "1f1b"):
+        other = partition(gpt, cluster, straight=True, schedule=schedule, microbatches=plan.microbatches)
+        assert plan.predicted.samples_per_s > other.predicted.samples_per_s
+    assert any(note.startswith("--schedule auto tried interleaved-1f1b at one microbatch count") for note in
+               plan.notes)
+    fixed = partition(gpt, cluster, straight=True, microbatches=plan.microbatches)
+    assert fixed.schedule == plan.schedule and not any("at one microbatch count" in note for note in fixed.notes)
