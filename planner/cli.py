@@ -185,8 +185,8 @@ def partition_command(
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
-    schedule: str = typer.Option("auto", help="auto (the fastest of the synchronous ones below), gpipe, 1f1b, zb-h1 (zero bubble: "
-                                 "backward split into input and weight gradients), interleaved-1f1b (2-4 chunks per "
+    schedule: str = typer.Option("auto", help="auto (the fastest of the synchronous ones below), gpipe, 1f1b, "
+                                 "zb-h1 (zero bubble: backward split into input and weight gradients), interleaved-1f1b (2-4 chunks per "
                                  "GPU, round-robin), zbv (zero bubble, 2 chunks per GPU in a V), or pipedream "
                                  "(asynchronous: stale weights)."),
     microbatches: str = typer.Option("auto", help="Microbatches per iteration for gpipe/1f1b/zb-h1, or auto."),

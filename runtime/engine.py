@@ -28,9 +28,9 @@ data the simulator and the plots use.
   microbatches per call;
 - chunked schedules (`chunks` = v > 1): the model cut into p v stages, placed by `stage_placement`
   (interleaved-1f1b: stage s on rank s mod p; zbv: v = 2 in a V, rank r holding stages r and 2p - 1 - r,
-  so the message at the turn, stage p - 1 to p, stays on rank p - 1). A rank keeps per own stage its module, `StageRunner` (and checkpoint flag) and message structures, and keys
-  messages (iteration, stage, microbatch): stages s + 1 and s + 1 + p may both receive microbatch i
-  from the same rank. One optimizer over all its stages' parameters steps once per iteration, at its
+  so the message at the turn, stage p - 1 to p, stays on rank p - 1). A rank keeps per own stage its
+  module, `StageRunner` (and checkpoint flag) and message structures, and keys messages (iteration,
+  stage, microbatch): stages s + 1 and s + 1 + p may both receive microbatch i from the same rank. One optimizer over all its stages' parameters steps once per iteration, at its
   last stage's STEP, after the tied all-reduces (a rank holding two stages of one tied parameter holds
   one Parameter and takes part once). Messages between its own stages go straight to its mailbox. Each
   peer's messages are received in the order that peer sends them (`schedule.receive_order`), which under
@@ -68,7 +68,7 @@ from planner.errors import PlannerError
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
-    ALLREDUCE, CHUNKED_SCHEDULES, RECEIVES, RECV_ACTIVATION, RECV_GRADIENT, SEND_ACTIVATION, SENDS,
+    ALLREDUCE, CHUNKED_SCHEDULES, RECV_ACTIVATION, SEND_ACTIVATION, SENDS,
     SPLIT_BACKWARD_SCHEDULES, Action, Schedule, build_schedule, receive_order, stage_placement,
 )
 from runtime.export_split import ShapeGuard
@@ -540,7 +540,7 @@ def _checked_schedule(name: str, ranks: list[tuple[int, ...]], count: int, micro
                       world: int) -> Schedule:
     """`build_schedule` for `count` stages on `ranks`; EngineError (with build_schedule's own text when it refuses:
     replicas or microbatches an interleaved schedule cannot run) unless the stages run on ranks 0..world-1, each
-    rank holding `chunks` of them, as the schedule places them, and every channel is first in, first out."""
+    rank holding `chunks` of them, as the schedule places them."""
     if len(ranks) != count:
         raise EngineError(f"{count} stages need {count} rank groups, got {len(ranks)}")
     try:

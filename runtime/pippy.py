@@ -6,9 +6,9 @@ cannot trace: not torch.distributed.pipelining's own `pipeline()`, which fails o
 export lifts buffers and constants, such as Llama's rotary tables), wraps this rank's stage in a manual
 `torch.distributed.pipelining.PipelineStage` and makes the plan's schedule class
 (`planner.files.export.PIPPY_SCHEDULE_CLASSES`; zb-h1 runs as `ScheduleInterleavedZeroBubble` on one
-stage per rank, interleaved-1f1b as `ScheduleInterleaved1F1B` on the rank's chunks). The plan must be
-exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b, zb-h1 or interleaved-1f1b, every
-stage on R ranks. Pipeline k is
+stage per rank, interleaved-1f1b as `ScheduleInterleaved1F1B` and zbv as `ScheduleZBVZeroBubble` on the
+rank's chunks). The plan must be exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b,
+zb-h1, interleaved-1f1b or zbv, every stage on R ranks. Pipeline k is
 `[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
 share of each mini-batch (`PippyPipeline.shard`).
 
@@ -18,19 +18,16 @@ gradients: call `finish_gradients()` after `schedule.step(...)` and before `opti
 On every rank, once:
 
     built = build(model, plan, example_microbatch)
-    stage, schedule = built
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=...)
+    parameters = {id(p): p for stage in built.stages for p in stage.submod.parameters()}  # once each: zbv's
+    optimizer = torch.optim.SGD(list(parameters.values()), lr=...)  # rank 0 holds gpt's tie in two stages
 
-then per mini-batch (the whole one, the same on every rank; a single stage passes both):
+then per mini-batch (the whole one, the same on every rank):
 
-    losses = []
-    if stage.is_first: schedule.step(built.shard(inputs))
-    elif stage.is_last: schedule.step(target=built.shard(target), losses=losses)
-    else: schedule.step()
-    built.finish_gradients()
-    optimizer.step(); optimizer.zero_grad()
+    built.forward_backward(inputs, target)  # this pipeline's share through schedule.step, then
+    optimizer.step(); optimizer.zero_grad()  # finish_gradients
 
-or `built.forward_backward(inputs, target)` in place of the lines before the optimizer step.
+(`forward_backward` feeds the inputs where a rank holds the first stage and the target where it holds
+the last, which under zbv is rank 0 for both.)
 """
 
 from __future__ import annotations
@@ -64,13 +61,13 @@ class PippyError(PipelineError):
 class PippyPipeline:
     """This rank's part of the plan under torch.distributed.pipelining; unpacks as `stage, schedule = built`.
 
-    `stages`: this rank's PipelineStages (one; under interleaved-1f1b the plan's chunks, lowest first);
+    `stages`: this rank's PipelineStages (one; under a chunked schedule the plan's chunks, lowest first);
     `stage`: the first of them (its module: `stage.submod`); `schedule`: the plan's schedule class on
     them; `stage_index` (of `stage`), `replica` (this rank's pipeline), `replicas` (R).
     """
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: Any, replica: int, replicas: int,
-                 gradients: GradientGroups, device: torch.device, microbatches: int = 1) -> None:
+                 gradients: GradientGroups, device: torch.device, microbatches: int) -> None:
         self.stages = list(stages)
         self.microbatches = microbatches
         self.stage = self.stages[0]

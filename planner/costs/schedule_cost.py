@@ -373,26 +373,32 @@ def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
 
 
 def tied_allreduce_s(inputs: CostInputs, stages: list[Stage]) -> list[float]:
-    """Per stage, seconds of summing the gradients of tied weights across the stages using them, before
-    the optimizer step: for each shared parameter of S bytes used by g ranks of two or more stages, a
-    ring all-reduce 2 (g - 1)(S / (g bw) + lat) over the slowest link among them (`allreduce_s`), for
-    each of those stages; 0 where a stage holds no tied copy, and under pipedream (each stage steps
-    on its own there: the engine refuses weights tied across stages). The closed form Q leaves it
-    out (it depends on where the other users are); the simulator plays it, every holder waiting for all."""
-    ranks = first_ranks(inputs, stages)
+    """Per stage, seconds of summing the gradients of tied weights across the ranks holding them, before
+    the optimizer step: for each shared parameter of S bytes in two or more stages, held by g >= 2 distinct
+    ranks (a rank holding it in two stages, as zbv's rank 0 holds gpt's embedding and head, holds one
+    Parameter), a ring
+    all-reduce 2 (g - 1)(S / (g bw) + lat) over the slowest link among them (`allreduce_s`); a rank's
+    total over its tied parameters goes on its last stage (the engine sums them once per iteration, at
+    that stage's step); 0 elsewhere, and under pipedream (each stage steps on its own there: the engine
+    refuses weights tied across stages). The closed form Q leaves it out (it depends on where the other
+    users are); the simulator plays it, every holder waiting for all."""
+    firsts = first_ranks(inputs, stages)
     found = [0.0] * len(stages)
     if inputs.schedule == "pipedream":
         return found
+    ranks_of = [range(first, first + replicas) for first, (_, _, replicas, _) in zip(firsts, stages)]
+    per_rank: dict[int, float] = {}
     for first, others, nbytes in inputs.arrays.shared:
         holders = [index for index, (start, stop, _, _) in enumerate(stages)
                    if any(start <= layer < stop for layer in (first, *others))]
-        if len(holders) < 2:
+        group = sorted({rank for index in holders for rank in ranks_of[index]})
+        if len(holders) < 2 or len(group) < 2:  # in one stage, an ordinary weight of its replicas
             continue
-        count = sum(stages[index][2] for index in holders)
-        low, high = ranks[holders[0]], ranks[holders[-1]] + stages[holders[-1]][2] - 1
-        seconds = float(allreduce_s(nbytes, count, *link_terms(inputs.cluster, low, high)))
-        for index in holders:
-            found[index] += seconds
+        seconds = float(allreduce_s(nbytes, len(group), *link_terms(inputs.cluster, group[0], group[-1])))
+        for rank in group:
+            per_rank[rank] = per_rank.get(rank, 0.0) + seconds
+    for rank, seconds in per_rank.items():
+        found[max(index for index, held in enumerate(ranks_of) if rank in held)] = seconds
     return found
 
 

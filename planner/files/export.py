@@ -2,8 +2,8 @@
 
 Both take only synchronous plans (gpipe, 1f1b, zb-h1, and for pippy interleaved-1f1b and zbv; DeepSpeed
 runs zb-h1 as its 1F1B) whose stages all have the same number of replicas R: torch.distributed.pipelining
-runs on a pipeline x data-parallel mesh of S stages by R pipelines, DeepSpeed takes the data-parallel degree as world size / S. A plan's mini-batch is
-`microbatches` microbatches, microbatch i on replica i mod R, so each of the R pipelines runs
+runs on a pipeline x data-parallel mesh of S stages by R pipelines, DeepSpeed takes the data-parallel
+degree as world size / S. A plan's mini-batch is `microbatches` microbatches, microbatch i on replica i mod R, so each of the R pipelines runs
 microbatches / R of them per step (which must be whole).
 
 - pippy: `split_spec` ({first layer of every stage but the first: "SplitPoint.BEGINNING"}),
@@ -191,7 +191,7 @@ def run_schedule(stages, schedule, inputs, target):
 #   example = pipeline_share(first_inputs).tensor_split(N_MICROBATCHES)[0]   # the inputs of one microbatch
 #   built = planner_route(model, example, loss_fn, device)                     # or: traced_route(...)
 #   stages, schedule = built.stages, built.schedule    # route A: stages, schedule = traced_route(...)
-#   optimizer = torch.optim.AdamW([p for stage in stages for p in stage.submod.parameters()])
+#   optimizer = torch.optim.AdamW(list({{id(p): p for stage in stages for p in stage.submod.parameters()}}.values()))
 #   for inputs, target in batches:                     # the whole mini-batch, the same on every rank
 #       losses = run_schedule(stages, schedule, pipeline_share(inputs), pipeline_share(target))
 #       built.finish_gradients()                       # route A: all-reduce tied and replicated gradients yourself

@@ -86,8 +86,8 @@ def even_chunks(arrays: LayerArrays, count: int) -> list[tuple[int, int]]:
 def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int,
                   schedule: str = "interleaved-1f1b") -> list[tuple[int, int]]:
     """`ranges` with their boundaries moved one layer at a time while that lowers the busiest rank's time
-    (range k runs on rank `stage_placement(schedule, ...)[k]`; ties: the lower sum of squared rank times): a chunk cut evenly
-    can leave one rank with a large indivisible layer (a language model's head) on top of its share.
+    (range k runs on rank `stage_placement(schedule, ...)[k]`; ties: the lower sum of squared rank times): a
+    chunk cut evenly can leave one rank with a large indivisible layer (a language model's head) on top of its share.
     Local search, at most 50 passes over the boundaries; every range keeps at least one layer."""
     cuts = [start for start, _ in ranges[1:]]
     n = arrays.num_layers

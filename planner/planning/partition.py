@@ -19,7 +19,7 @@ from planner.costs.pipedream_cost import (
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
-from planner.planning.chunked import best_chunked, chunk_choices, chunked_count_ok, chunked_counts
+from planner.planning.chunked import best_chunked, chunk_choices, chunked_counts
 from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
@@ -61,7 +61,8 @@ def partition(
     state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
     (`AUTO_SCHEDULES`; the zero-bubble ones only if the profile measured its split backward's cost; pipedream
     only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within
-    5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's. The plan may use fewer devices than the cluster has; its notes then say so.
+    5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's.
+    The plan may use fewer devices than the cluster has; its notes then say so.
 
     `global_batch_size` B fixes the samples per optimizer step of a synchronous schedule: every plan
     considered trains B = microbatch size x microbatches (replicas share the microbatches), so plans are
@@ -102,8 +103,8 @@ def partition(
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
-        plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the "
-                               "nearest the best plan of one stage per GPU chose; name the schedule to search its counts")
+        plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the nearest the best plan "
+                               "of one stage per GPU chose; name the schedule to search its counts")
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
                                 "measure what splitting a backward costs (split_backward_ratio; made before it did, or "
@@ -221,7 +222,8 @@ def _choose(
             if found is not None:
                 results.append(found)
             elif len(schedules) == 1:
-                raise PlannerError(_no_chunked_plan(schedule, counts, ranks, base))
+                raise PlannerError(_no_chunked_plan(schedule, chunked_counts(schedule, counts, ranks, auto_counts),
+                                                    ranks, base))
             continue
         else:
             found = _auto_microbatches(
@@ -281,10 +283,11 @@ def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
 
 
 def _no_chunked_plan(schedule: str, counts: tuple[int, ...], ranks: int, base: CostInputs) -> str:
-    """Why no plan of a chunked schedule was found: no allowed microbatch count, too few layers, or memory."""
-    if not any(chunked_count_ok(schedule, count, ranks) for count in counts):
-        return (f"{schedule} runs microbatches in groups of one per rank: none of {list(counts)} is a multiple "
-                f"of the {ranks} ranks; give --microbatches a multiple of {ranks}")
+    """Why no plan of a chunked schedule was found at `counts` (those it may run): none, too few layers, or
+    memory."""
+    if not counts:  # `chunked_counts` left none
+        return (f"{schedule} runs microbatches in groups of one per rank: no microbatch count allowed here is a "
+                f"multiple of the {ranks} ranks; give --microbatches a multiple of {ranks}")
     if base.arrays.num_layers < 2 * ranks:
         return (f"{schedule} needs at least 2 chunks per rank: {base.arrays.num_layers} layers cannot make "
                 f"{2 * ranks} chunks on {ranks} GPUs; use --schedule 1f1b, or fewer GPUs")

@@ -236,7 +236,9 @@ def stage_placement(name: str, num_stages: int, chunks: int) -> tuple[int, ...]:
     interleaved-1f1b round-robin (stage s on rank s mod p), zbv in a V (stage s on rank s for s < p, on
     rank 2p - 1 - s after: rank r holds stages r and 2p - 1 - r, so the model goes down the ranks and
     back up, and the first and last stages share rank 0)."""
-    ranks = max(num_stages // max(chunks, 1), 1)
+    if chunks < 1 or num_stages % chunks:
+        raise PlannerError(f"{name}: {num_stages} stages are not a whole number of chunks={chunks} per rank")
+    ranks = num_stages // chunks
     if name == "zbv":
         return tuple(stage if stage < ranks else 2 * ranks - 1 - stage for stage in range(num_stages))
     return tuple(stage % ranks for stage in range(num_stages))

@@ -14,9 +14,9 @@ from planner.simulation.simulator import simulate_stages
 
 
 def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None) -> CostInputs:
-    """The planner cost model's inputs for a saved plan: its cluster, schedule, microbatches and
-    microbatch scale (pipedream plans: one microbatch of the profiled batch; times at the microbatch size
-    interpolated between the profile's measured sizes, as `partition` priced them) and chunks per rank;
+    """The planner cost model's inputs for a saved plan: its cluster, schedule, microbatches, microbatch
+    scale (pipedream plans: one microbatch of the profiled batch) with times at the microbatch size
+    interpolated between the profile's measured sizes as `partition` priced them, and chunks per rank;
     `optimizer` overrides the plan's own."""
     profiled = profile.batch_size or 1
     size = plan.microbatch_size or profiled

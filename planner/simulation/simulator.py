@@ -3,7 +3,9 @@
 `simulate_schedule(schedule, stage_times, cluster)` plays the `schedule.Schedule` with op
 durations in seconds: each rank runs its compute ops (forward, backward, all-reduce, step) one
 at a time in program order; a send starts a transfer on the sender's channel for that direction
-(activations, gradients: one transfer at a time each, overlapped with compute) as soon as the
+(activations, gradients: one transfer at a time each, overlapped with compute; under a chunked schedule
+one channel per peer too, as zbv's rank sends both legs' activations, to its two neighbours; none for a
+message between two stages of one rank) as soon as the
 sent data exists and the channel is free; a receive waits for its transfer to arrive; an
 all-reduce starts when every replica of the stage has reached it. In flush schedules it occupies
 each replica (nothing else is left to do); in `pipedream` it runs on its own channel per rank,
@@ -37,6 +39,7 @@ from planner.files.timeline import COLUMNS, StageTimes, Timeline
 from planner.schedules.schedule import (
     ALLREDUCE,
     BACKWARD,
+    CHUNKED_SCHEDULES,
     FORWARD,
     RECEIVES,
     RECV_ACTIVATION,
@@ -72,6 +75,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     tied_steps = dict.fromkeys(programs, 0)  # steps of stages holding tied weights each rank has run
     rows: list[tuple] = []
     accumulating = WEIGHT if schedule.name in SPLIT_BACKWARD_SCHEDULES else BACKWARD  # the op adding into .grad
+    chunked = schedule.name in CHUNKED_SCHEDULES  # a rank sends to two neighbours (zbv's legs): a channel per peer
 
     links: dict[tuple[int, int], tuple[float, float]] = {}  # (low rank, high rank) -> (bandwidth, latency)
 
@@ -102,10 +106,14 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
                     rows.append(base + (free_at[rank], free_at[rank] + duration))
                     free_at[rank] += duration
                 elif action.op in SENDS:
-                    start = max(free_at[rank], channel_free.get((rank, action.op), 0.0))
+                    channel = (rank, action.op, action.peer if chunked else -1)
+                    start = max(free_at[rank], channel_free.get(channel, 0.0))
+                    if action.peer == rank:  # to another stage of this rank: its memory, no channel
+                        start = free_at[rank]
                     end = start + transfer_s(times.activation_bytes if action.op == SEND_ACTIVATION
                                              else stage_times[action.stage - 1].activation_bytes, rank, action.peer)
-                    channel_free[(rank, action.op)] = end
+                    if action.peer != rank:
+                        channel_free[channel] = end
                     arrival[(action.op, action.stage, action.microbatch, action.iteration, action.peer)] = end
                     rows.append(base + (start, end))
                 elif action.op in RECEIVES:

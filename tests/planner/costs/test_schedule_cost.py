@@ -234,6 +234,17 @@ def test_a_weight_tied_across_stages_is_summed_over_all_its_holders_not_among_ea
     assert whole.allreduce_s == pytest.approx(2 * 0.5 * 5e9 / 1e10, rel=REL) and whole.tied_s == 0.0
 
 
+def test_a_tied_weight_is_summed_once_per_rank_holding_it_on_the_ranks_last_stage() -> None:
+    """zbv on 2 ranks, stages on ranks 0 1 1 0: a 2 GB weight of layer 0 also used by layers 2 and 3 is held by
+    ranks 0 and 1 (rank 0 twice, one Parameter): one all-reduce among 2 ranks, on each rank's last stage (3 and
+    2); used by layers 0 and 3 only, it lives on rank 0 alone, and nothing is summed."""
+    three = layers([0.1] * 4, params=[3e9, 1e9, 1e9, 1e9], shared=((0, (2, 3), 2e9),))
+    inputs = CostInputs(three, flat(2, "10GB/s"), "zbv", 4, chunks=2)
+    assert tied_allreduce_s(inputs, one_layer_per_stage(4)) == pytest.approx([0.0, 0.0, 0.2, 0.2], rel=REL)
+    two = layers([0.1] * 4, params=[3e9, 1e9, 1e9, 1e9], shared=((0, (3,), 2e9),))
+    assert tied_allreduce_s(dataclasses.replace(inputs, arrays=two), one_layer_per_stage(4)) == [0.0] * 4
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_transfers_bound_a_stage_when_slower_than_compute(schedule: str) -> None:
     # 2 GB cut over 1 GB/s at sigma 1: 2 s each way, compute 0.5 s per stage

@@ -56,7 +56,8 @@ def test_balancing_never_loads_the_busiest_rank_more(times: list[float], ranks: 
                                                      data: st.DataObject) -> None:
     """Under either placement (round-robin, or zbv's V of 2 chunks per rank)."""
     arrays = arrays_of(times)
-    counts = st.just(2 * ranks) if schedule == "zbv" else st.integers(ranks, len(times)).filter(lambda c: c % ranks == 0)
+    counts = (st.just(2 * ranks) if schedule == "zbv"
+              else st.integers(ranks, len(times)).filter(lambda c: c % ranks == 0))
     count = data.draw(counts.filter(lambda c: c <= len(times)))
     before = even_chunks(arrays, count)
     after = balance_ranks(arrays, before, ranks, schedule)

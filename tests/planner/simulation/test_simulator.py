@@ -85,16 +85,21 @@ def test_zbv_with_equal_f_b_w_idles_only_the_first_forwards_way_down(ranks: int,
 
 
 def test_the_turn_of_the_v_is_no_transfer() -> None:
-    """zbv's stages p - 1 and p share rank p - 1: the activation and gradient between them cost nothing,
-    while every other message pays the link's latency."""
-    times = [StageTimes(F, F, 0.0, 1e6, weight_s=F) for _ in range(4)]
+    """zbv's stages p - 1 and p share rank p - 1: the activation and gradient between them cost nothing and
+    leave as soon as they exist, while every other message pays latency + bytes / bandwidth (2.75 s, longer
+    than a forward: the links stay busy)."""
+    times = [StageTimes(F, F, 0.0, 2.5e9, weight_s=F) for _ in range(4)]
     timeline = simulate_schedule(build_schedule("zbv", [1] * 4, 4, chunks=2), times, make_cluster(2, None, [1e9],
                                                                                                    latencies=[0.25]))
     sends = timeline.events[timeline.events["op"].isin(SENDS)]
     turn = sends["stage"].isin([1, 2]) & (sends["peer"] == 1)
     assert turn.any() and (~turn).any()
     assert list((sends["end_s"] - sends["start_s"])[turn]) == [0.0] * int(turn.sum())
-    assert list((sends["end_s"] - sends["start_s"])[~turn]) == [pytest.approx(0.25 + 1e-3)] * int((~turn).sum())
+    forwards = timeline.events[(timeline.events["op"] == FORWARD) & (timeline.events["stage"] == 1)]
+    ends = dict(zip(forwards["microbatch"], forwards["end_s"]))
+    handed = sends[turn & (sends["op"] == SEND_ACTIVATION)]  # at once, behind no transfer to another rank
+    assert list(handed["start_s"]) == [ends[mb] for mb in handed["microbatch"]]
+    assert list((sends["end_s"] - sends["start_s"])[~turn]) == [pytest.approx(0.25 + 2.5)] * int((~turn).sum())
 
 
 def test_iterations_repeat_the_flushed_iteration() -> None:
