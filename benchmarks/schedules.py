@@ -70,7 +70,8 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
         free = partition(dataclasses.replace(profile, split_backward_ratio=None), cluster, straight=True,
                          schedule="zb-h1", microbatches=microbatches, microbatch_size=microbatch_size)
         ratio = free.predicted.iteration_ms / found["1f1b"].predicted.iteration_ms
-        print(f"   {'zb-h1*':16s} {free.predicted.iteration_ms:12.1f} {ratio:7.3f} {free.predicted.bubble_fraction:7.1%} "
+        print(f"   {'zb-h1*':16s} {free.predicted.iteration_ms:12.1f} {ratio:7.3f} "
+              f"{free.predicted.bubble_fraction:7.1%} "
               f"{free.predicted.peak_memory_bytes / 1e6:8.1f}  {[(s.start, s.stop) for s in free.stages]}")
         print(f"   (zb-h1*: if B then W cost no more than one backward; this profile measured them "
               f"{profile.split_backward_ratio:.2f}x, which zb-h1's row counts)")

@@ -1,0 +1,152 @@
+"""The schedules of issue 17 trained side by side: our engine against torch.distributed.pipelining, per schedule.
+
+    python benchmarks/chunked_runtime.py [--rounds 8] [--microbatch-size 8] [--microbatches 4]
+
+examples/gpt.py (train mode), two CPU processes under torchrun (gloo), one torch thread each, SGD.
+For each of 1f1b, zb-h1, interleaved-1f1b and zbv the planner makes its straight plan of the shipped
+profile (profiles/gpt.json) on 2 GPUs with `--microbatches` microbatches (`partition(..., schedule=)`),
+and both runtimes train that same plan, the same split and the same batches:
+
+- ours: `runtime.engine.Engine.from_plan` (the schedule as data, B and W apart where it splits);
+- torch's: `runtime.pippy.build`, which wraps the plan's stages in PipelineStages and runs torch's own
+  class for the schedule (Schedule1F1B, ScheduleInterleavedZeroBubble on one stage per rank for zb-h1,
+  ScheduleInterleaved1F1B, ScheduleZBVZeroBubble), then `finish_gradients` (the tied embedding's sum).
+
+Every step is a whole training step (forward, backward, gradient sums, optimizer step), timed between
+two barriers; rounds run every runner once, in an order that rotates each round, after one warm-up
+round. Printed: the median step per runner, torch's over ours per schedule (above 1: ours is faster),
+and each schedule over 1f1b on both sides. Absolute times on a shared 2-core machine drift; compare
+ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv")
+LR = 1e-3
+
+
+def make_plans(folder: Path, microbatches: int, microbatch_size: int) -> dict[str, str]:
+    """The planner's straight 2-GPU plan of the shipped gpt profile per schedule, saved; name -> path."""
+    from planner.files.cluster import make_cluster
+    from planner.files.profile import load_profile
+    from planner.planning.partition import partition
+
+    profile = load_profile(REPO / "profiles" / "gpt.json")
+    paths = {}
+    for schedule in SCHEDULES:
+        plan = partition(profile, make_cluster(2), straight=True, schedule=schedule, microbatches=microbatches,
+                         microbatch_size=microbatch_size)
+        paths[schedule] = str(plan.save(folder / f"{schedule}.json"))
+    return paths
+
+
+def worker(spec_path: str) -> None:
+    """One rank: build every runner, run the rounds, rank 0 writes the medians."""
+    from planner.files.plan import load_plan
+    from planner.profiling.model_file import load_model_file
+    from runtime.engine import Engine, init_distributed
+    from runtime.pippy import build
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    rank, _, _ = init_distributed()
+    timing = dist.new_group(backend="gloo")  # barriers apart from the runtimes' traffic
+    source = load_model_file(REPO / "examples" / "gpt.py")
+    batch = spec["microbatch_size"] * spec["microbatches"]
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return source.build_model().train()
+
+    runners: dict[str, Callable[[Any, Any], None]] = {}
+    engines = []
+    for schedule, path in spec["plans"].items():
+        plan = load_plan(path)
+        engine = Engine.from_plan(fresh(), plan, optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                                  loss_fn=source.loss_fn)
+        engines.append(engine)
+        runners[f"ours {schedule}"] = lambda inputs, target, engine=engine: engine.train_step(inputs, target)
+        torch.manual_seed(1)
+        example = source.example_batch(spec["microbatch_size"])[0]
+        built = build(fresh(), plan, example, loss_fn=source.loss_fn)
+        parameters = {id(p): p for stage in built.stages for p in stage.submod.parameters()}
+        optimizer = torch.optim.SGD(list(parameters.values()), lr=LR)
+
+        def torch_step(inputs: Any, target: Any, built: Any = built, optimizer: Any = optimizer) -> None:
+            built.forward_backward(inputs, target)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        runners[f"torch {schedule}"] = torch_step
+    names = list(runners)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(spec["rounds"] + 1):
+        torch.manual_seed(1000 + round_index)
+        inputs, target = source.example_batch(batch)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier(group=timing)
+            started = time.perf_counter()
+            runners[name](inputs, target)
+            dist.barrier(group=timing)
+            if round_index > 0:  # round 0 warms up
+                times[name].append(time.perf_counter() - started)
+    for engine in engines:
+        engine.close()
+    if rank == 0:
+        medians = {name: 1000.0 * statistics.median(values) for name, values in times.items()}
+        Path(spec["out"]).write_text(json.dumps(medians))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size), "rounds": args.rounds,
+                "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
+                "out": str(folder / "medians.json")}
+        (folder / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+        started = time.perf_counter()
+        finished = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                   __file__, "--worker", str(folder / "spec.json")], env=env, text=True,
+                                  capture_output=True)
+        if finished.returncode != 0:
+            raise SystemExit(finished.stdout[-3000:] + finished.stderr[-5000:])
+        medians = json.loads((folder / "medians.json").read_text())
+    print(f"# {time.strftime('%Y-%m-%d')}: gpt example, 2 CPU processes, {args.microbatches} microbatches of "
+          f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms")
+    print(f"{'schedule':18s} {'ours':>8s} {'torch':>8s} {'torch/ours':>11s} {'ours / 1f1b':>12s} {'torch / 1f1b':>13s}")
+    for schedule in SCHEDULES:
+        ours, theirs = medians[f"ours {schedule}"], medians[f"torch {schedule}"]
+        print(f"{schedule:18s} {ours:8.1f} {theirs:8.1f} {theirs / ours:11.3f} {ours / medians['ours 1f1b']:12.3f} "
+              f"{theirs / medians['torch 1f1b']:13.3f}")
+
+
+if __name__ == "__main__":
+    main()
