@@ -131,7 +131,7 @@ def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)  # 1,500 took 70 s of the suite's 5 minutes on 2 cores; each run draws anew
 @given(
     arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(CONTIGUOUS),
     microbatches=st.integers(1, 6), scale=st.sampled_from([0.5, 1.0, 2.0]) | st.floats(0.5, 2.0),
@@ -298,6 +298,7 @@ def test_fewest_outer_closed_forms_match_the_scan(
     count = counts[data.draw(st.integers(0, len(counts) - 1))]
     exact = float(evaluator.terms(pair[at:at + 1], np.array([count]), end[at:at + 1] - count, flags[:1],
                                   downstream[at:at + 1])[0][0])
+    assume(exact > 0)  # a model of zero times: every bound below is then the candidate's own Q, 0
     for bound in (exact * (1 - 1e-9), exact * (1 + 1e-9), exact * 0.5 * (1 + 3e-9), exact * 2.0 * (1 - 3e-9)):
         assert np.array_equal(evaluator.fewest_outer(pair, end, flags, downstream, bound),
                               evaluator._fewest_outer_scan(pair, end, flags, downstream, bound))
