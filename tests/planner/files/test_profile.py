@@ -64,6 +64,13 @@ def test_the_workspace_enters_the_digest_only_where_it_was_measured() -> None:
     assert profile_digest(dataclasses.replace(older, workspace_bytes=(1, 2, 3))) != profile_digest(older)
 
 
+def test_the_split_backward_and_other_batch_sizes_enter_the_digest_where_measured() -> None:
+    """A plan priced with a split's cost, deferred bytes or times at other sizes belongs to those measurements."""
+    older = _profile()
+    for changed in (dict(split_backward_ratio=1.2), dict(deferred_bytes=(0, 5, 7)), dict(size_times=_sized().size_times)):
+        assert profile_digest(dataclasses.replace(older, **changed)) != profile_digest(older)
+
+
 def test_the_split_backward_ratio_round_trips_and_is_left_out_where_not_measured(tmp_path: Path) -> None:
     profile = dataclasses.replace(_profile(), split_backward_ratio=1.2345678901234567)
     path = profile.save(tmp_path / "s.json")
