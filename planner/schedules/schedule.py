@@ -527,9 +527,11 @@ def _owned(schedule: Schedule, stage: int, replica: int, iteration: int) -> list
 
 
 def _check_runs(schedule: Schedule) -> None:
-    """Run every program with buffered sends; a receive needs its send, an all-reduce every replica."""
+    """Run every program with buffered sends; a receive needs its send, an all-reduce every replica, and every
+    send its receive."""
     position = {program.rank: 0 for program in schedule.programs}
     sent: set[tuple[str, int, int, int, int]] = set()  # (kind, from stage, microbatch, iteration, to rank)
+    received: set[tuple[str, int, int, int, int]] = set()
     arrived: dict[tuple[int, int], set[int]] = {}  # (stage, n-th all-reduce) -> ranks that reached it
     reductions = dict.fromkeys(position, 0)
     progress = True
@@ -551,6 +553,7 @@ def _check_runs(schedule: Schedule) -> None:
                             rank, position[rank], schedule.grid({rank: position[rank]}))
                     if (kind, source, action.microbatch, action.iteration, rank) not in sent:
                         break
+                    received.add((kind, source, action.microbatch, action.iteration, rank))
                 elif action.op == ALLREDUCE:
                     group = arrived.setdefault((action.stage, reductions[rank]), set())
                     group.add(rank)
@@ -564,3 +567,12 @@ def _check_runs(schedule: Schedule) -> None:
         rank = min(stuck)
         raise ScheduleError(f"deadlock: {len(stuck)} ranks wait forever (bracketed: where each waits)",
                             rank, stuck[rank], schedule.grid(stuck))
+    orphans = sorted(sent - received)
+    if orphans:
+        kind, stage, microbatch, iteration, peer = orphans[0]
+        sender = schedule.owner(stage, microbatch)
+        program = next(p for p in schedule.programs if p.rank == sender)
+        step = next(k for k, a in enumerate(program.actions)
+                    if (a.op, a.stage, a.microbatch, a.iteration, a.peer) == orphans[0])
+        raise ScheduleError(f"{kind} of stage {stage}, microbatch {microbatch} (iteration {iteration}) to rank {peer} "
+                            "is never received", sender, step, schedule.grid({sender: step}))

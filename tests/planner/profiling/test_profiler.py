@@ -100,8 +100,10 @@ def test_linear_layers_spend_part_of_their_backward_on_their_input_gradients(pro
     # layers together: one layer's ratio, a median of 5 pairs of ~1 ms steps, swings on a busy 2-core machine)
     share = sum(layer.bwd_input_ms for layer in middle) / sum(layer.bwd_ms for layer in middle)
     assert 0.2 < share < 0.8
-    # the first layer's input is the data: its backward computes (almost) only weight gradients
-    assert linears[0].bwd_input_ms < 0.5 * min(layer.bwd_input_ms for layer in middle)
+    # the first layer's input is the data: its backward computes (almost) only weight gradients, so it spends
+    # a far smaller share of it on B than the middle layers do (shares, not times: B's fixed ~0.1 ms of step
+    # overhead is as large as a middle layer's whole B on this model, and one busy step tipped the times)
+    assert linears[0].bwd_input_ms / linears[0].bwd_ms < 0.5 * share
     embedding = profiles["gpt"].layers[0]
     assert embedding.kind == "Embedding" and embedding.bwd_input_ms < 0.5 * embedding.bwd_ms
 

@@ -308,6 +308,17 @@ def test_validator_catches_missing_send_as_deadlock() -> None:
     assert str(error).startswith("rank 0, ")
 
 
+def test_validator_catches_a_send_nobody_receives() -> None:
+    """Deleting rank 1's ra1 leaves rank 0's sa1 unreceived: named at the send."""
+    schedule = build_schedule("gpipe", [1, 1], 2)
+    actions = actions_of(schedule, 1)
+    del actions[index_of(actions, RECV_ACTIVATION, 1)]
+    with pytest.raises(ScheduleError, match="send_activation of stage 0, microbatch 1 .* to rank 1 is never received"
+                       ) as caught:
+        validate(with_actions(schedule, 1, actions))
+    assert (caught.value.rank, caught.value.step) == (0, index_of(actions_of(schedule, 0), SEND_ACTIVATION, 1))
+
+
 def test_validator_catches_cyclic_wait() -> None:
     """Rank 0 awaits g0 before sending a1 while rank 1 awaits a1 before sending g0: each program is fine alone, together they deadlock."""
     one_f_one_b = build_schedule("1f1b", [1, 1], 2)
