@@ -212,6 +212,12 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise Stopped()
 
 
+def _stopping() -> None:
+    """This rank is ending training and composing its one line (which may look for a gone peer for a
+    second): torchrun's SIGTERM, sent when another rank exits, must not cut it short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _say_error(rank: str | int, message: str) -> None:
     text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
     sys.stderr.write(f"error: rank {rank}: {text}\n")  # one write: the ranks share torchrun's stderr
@@ -371,9 +377,11 @@ def train(options: TrainOptions, setup: Setup) -> None:
                 _save(options, engine, setup, step, digest)
         _finish(options, setup, engine, losses, start_step)
     except (EngineError, _CollectiveFailed) as exc:
+        _stopping()
         stopped = isinstance(exc.__cause__, Stopped)
         raise TrainingError(_stop_message(str(exc), step, options.checkpoint_dir, stopped, engine)) from None
     except Stopped:
+        _stopping()
         raise TrainingError(_stop_message("", step, options.checkpoint_dir, True, engine)) from None
     finally:
         engine.close()
