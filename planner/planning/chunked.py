@@ -7,8 +7,9 @@ Here the chunks are cut to balance forward + backward time (`even_chunks`: the l
 exactly p v of them; then `balance_ranks` moves cuts while that unloads the busiest rank), for each
 number of chunks per rank in CHUNK_CHOICES (zbv: 2), and the plans are judged
 by the simulator (`simulate_stages`), whose timeline also gives each device's memory (its chunks
-together), checked against the limit. A heuristic: the cut weighs neither transfers nor memory, and
-no bound proves that another cut is not faster.
+together), checked against the limit; the plan finally chosen has its cuts moved one layer at a time
+while its simulated iteration shortens (`refine_chunked`, within a budget of simulated ops). A
+heuristic: no bound proves that another cut is not faster.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from planner.schedules.schedule import FIXED_CHUNKS, stage_placement
 from planner.simulation.simulator import simulate_stages
 
 CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
+REFINE_OPS = 100_000  # simulated ops `refine_chunked` may play: about 1 s on the 2-core CPU machine
 
 
 @dataclass(frozen=True)
@@ -134,16 +136,46 @@ def best_chunked(inputs: CostInputs, ranks: int) -> ChunkedChoice | None:
             continue
         chunked = dataclasses.replace(inputs, chunks=chunks)
         ranges = balance_ranks(inputs.arrays, even_chunks(inputs.arrays, ranks * chunks), ranks, inputs.schedule)
-        stages = tuple(Stage(start, stop, 1, False) for start, stop in ranges)
-        timeline = simulate_stages(chunked, list(stages))
-        peaks = timeline.peak_memory()
-        peak_bytes = tuple(float(peaks[stage]) for stage in range(len(stages)))
-        if inputs.memory_bytes is not None and max(peak_bytes) > inputs.memory_bytes:
-            continue
-        iteration = timeline.iteration_s()
-        if found is None or iteration < found.iteration_s * (1.0 - 1e-9):
-            found = ChunkedChoice(chunked, stages, iteration, peak_bytes)
+        choice = _judged(chunked, tuple(Stage(start, stop, 1, False) for start, stop in ranges))
+        if choice is not None and (found is None or choice.iteration_s < found.iteration_s * (1.0 - 1e-9)):
+            found = choice
     return found
+
+
+def _judged(inputs: CostInputs, stages: tuple[Stage, ...]) -> ChunkedChoice | None:
+    """`stages` simulated: their iteration and each device's peak memory; None beyond the memory limit."""
+    timeline = simulate_stages(inputs, list(stages))
+    peaks = timeline.peak_memory()
+    peak_bytes = tuple(float(peaks[stage]) for stage in range(len(stages)))
+    if inputs.memory_bytes is not None and max(peak_bytes) > inputs.memory_bytes:
+        return None
+    return ChunkedChoice(inputs, stages, timeline.iteration_s(), peak_bytes)
+
+
+def refine_chunked(choice: ChunkedChoice, budget_ops: int = REFINE_OPS) -> ChunkedChoice:
+    """`choice` with its cuts moved one layer at a time while that shortens the simulated iteration (within
+    the memory limit), first improvement taken, until no move helps or the simulations have played
+    `budget_ops` ops (each plays about 6 x stages x microbatches): the rank-balanced cut leaves a
+    pipeline's path uneven (a V's first and last chunks share rank 0; a heavy head's chunk ends every
+    microbatch). Never slower than `choice`; deterministic."""
+    per_simulation = 6 * len(choice.stages) * choice.inputs.microbatches
+    left = budget_ops // max(per_simulation, 1)
+    n = choice.inputs.arrays.num_layers
+    improved = True
+    while improved and left > 0:
+        improved = False
+        cuts = [stage.start for stage in choice.stages[1:]]
+        for at, delta in ((at, delta) for at in range(len(cuts)) for delta in (-1, 1)):
+            moved = cuts[at] + delta
+            if not (cuts[at - 1] if at else 0) < moved < (cuts[at + 1] if at + 1 < len(cuts) else n) or left <= 0:
+                continue
+            edges = [0, *cuts[:at], moved, *cuts[at + 1:], n]
+            left -= 1
+            trial = _judged(choice.inputs, tuple(Stage(a, b, 1, False) for a, b in zip(edges, edges[1:])))
+            if trial is not None and trial.iteration_s < choice.iteration_s * (1.0 - 1e-9):
+                choice, improved = trial, True
+                break
+    return choice
 
 
 def chunked_count_ok(schedule: str, microbatches: int, ranks: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -12,14 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import CostInputs
 from planner.errors import PlannerError
 from planner.files.cluster import make_cluster
 from planner.files.plan import load_plan
 from planner.files.profile import load_profile
-from planner.planning.chunked import balance_ranks, chunked_counts, even_chunks
+from planner.planning.chunked import balance_ranks, best_chunked, chunked_counts, even_chunks, refine_chunked
 from planner.planning.partition import partition
 from planner.schedules.schedule import stage_placement
 from planner.simulation.plan_simulation import simulate
+from planner.simulation.simulator import simulate_stages
 
 GPT = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
 
@@ -126,3 +129,18 @@ def test_a_zbv_plan_places_two_chunks_per_rank_in_a_v_and_states_what_it_simulat
     peaks = timeline.peak_memory()
     assert [stage.memory_bytes for stage in plan.stages] == [int(peaks[s]) for s in range(6)]
     assert any("in a V: rank r holds stages r and 5 - r" in note for note in plan.notes)
+
+
+def test_refining_a_chunked_cut_only_shortens_the_simulated_iteration_within_memory() -> None:
+    """gpt under zbv on 4 ranks: moving cuts one layer at a time finds a faster cut than the rank-balanced one
+    (the head's chunk ends every microbatch), never a slower one, within the memory limit and the budget."""
+    arrays = LayerArrays.from_profile(load_profile(GPT)).for_schedule("zbv")
+    inputs = CostInputs(arrays, make_cluster(4, None, ["10GB/s"]), "zbv", 8, chunks=2)
+    start = best_chunked(inputs, 4)
+    refined = refine_chunked(start)
+    assert refined.iteration_s < 0.99 * start.iteration_s
+    assert simulate_stages(inputs, list(refined.stages)).iteration_s() == pytest.approx(refined.iteration_s, rel=1e-12)
+    assert refine_chunked(start, budget_ops=0) is start
+    limited = dataclasses.replace(inputs, memory_bytes=max(start.peak_bytes))
+    within = refine_chunked(dataclasses.replace(start, inputs=limited))
+    assert within.iteration_s <= start.iteration_s and max(within.peak_bytes) <= max(start.peak_bytes)
