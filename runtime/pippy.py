@@ -47,7 +47,7 @@ from runtime.engine import init_distributed
 from runtime.gradients import GradientGroups, all_reduce_gradients, comm_device, make_rank_gradient_groups
 from runtime.nested import map_tensors, split_batch
 from runtime.pipeline import PipelineError
-from runtime.stages import Stages, build_stages, describe_boundaries
+from runtime.stages import Stages, build_stages, describe_boundaries, stage_args
 
 __all__ = ["PippyError", "PippyPipeline", "build"]
 
@@ -141,9 +141,12 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     every rank). `example_microbatch`: the inputs of one microbatch (a tensor or a tuple of
     arguments): the split model runs once on it (no grad, eval mode, RNG state kept) to check
     that only tensors cross stage boundaries, as pipelining sends only tensors; None skips the
-    check. Shapes are not given to PipelineStage: it infers them from the first step's first
-    microbatch (a metadata exchange between neighbouring stages), so every microbatch must have
-    that shape (mini-batch = a multiple of R x n_microbatches). `loss_fn(output, target)`: a
+    check, and each stage's inputs and output on it are given to PipelineStage (`_stage_examples`):
+    torch's own inference runs stages on uninitialised tensors, which crashes a stage that starts
+    at an embedding of positions or tokens (gpt on 4 ranks x 2 chunks). Exported stages, and
+    `example_microbatch=None`, leave the shapes to that inference, from the first step's first
+    microbatch. Either way every microbatch must have one shape (mini-batch = a multiple of R x
+    n_microbatches). `loss_fn(output, target)`: a
     mean over the microbatch (default `planner.profiling.model_file.default_loss`); the schedule has
     scale_grads=False and `finish_gradients` divides each parameter's gradient by n_microbatches once.
     `device`: default `runtime.engine.init_distributed`'s (this rank's GPU under NCCL, else CPU). Raises
@@ -163,8 +166,10 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
                          f"{settings.replicas} replicas) but the job has {world} processes: launch with "
                          f"torchrun --nproc-per-node {settings.world_size} (or make a plan for {world} GPUs)")
     stages = build_stages(model, plan, example_microbatch)
+    examples = None
     if example_microbatch is not None:
         _check_boundaries(stages, example_microbatch)
+        examples = _stage_examples(stages, example_microbatch)
     replica = next(k for k, ranks in enumerate(settings.ranks) if rank in ranks)
     mine = [s for s, r in enumerate(settings.ranks[replica]) if r == rank]  # one stage, or the plan's chunks
     pipeline_groups = _pipeline_groups(settings.ranks)
@@ -176,7 +181,9 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
                    for s, r in enumerate(settings.ranks[replica])}
     built = []
     for index in mine:
-        stage = PipelineStage(modules[index], index, settings.num_stages, chosen, group=group)
+        inputs, outputs = examples[index] if examples is not None else (None, None)
+        stage = PipelineStage(modules[index], index, settings.num_stages, chosen, input_args=inputs,
+                              output_args=outputs, group=group)
         stage.stage_index_to_group_rank = group_ranks
         built.append(stage)
     # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule);
@@ -223,6 +230,36 @@ def _check_boundaries(stages: Stages, example_microbatch: Any) -> None:
                     f"the value {value.name!r} ({value.kind}) crosses the boundary between stages {index} and "
                     f"{index + 1}, but torch.distributed.pipelining sends only tensors: split elsewhere "
                     "(re-plan) or run the plan with runtime.engine.Engine, which sends any value", index)
+
+
+def _stage_examples(stages: Stages, example_microbatch: Any) -> list[tuple[Any, Any]] | None:
+    """Each stage's input arguments and output on one microbatch (eval mode, no grad, RNG state kept; floating
+    point ones marked as needing gradients but the model's inputs), for torch's static stage metadata: its
+    dynamic inference runs a stage on uninitialised tensors, which as token or position indices crash an
+    embedding (a plan that starts a stage at gpt's position embedding). None for exported stages, which
+    are not run here (`describe_boundaries`)."""
+    if stages.method == "export":
+        return None
+    first = next(iter(stages[0].parameters()), None)
+    where = first.device if first is not None else torch.device("cpu")
+    args = example_microbatch if isinstance(example_microbatch, tuple) else (example_microbatch,)
+    value: Any = tuple(map_tensors(lambda tensor: tensor.to(where), args))
+    found = []
+    with _evaluating(stages), torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), \
+            torch.no_grad():
+        for index, stage in enumerate(stages):
+            inputs = value if index == 0 else tuple(map_tensors(_example, value))
+            output = stage(*value)
+            value = stage_args(stage, output)
+            found.append((inputs, tuple(map_tensors(_example, value)) if isinstance(value, tuple) else
+                          _example(value)))
+    return found
+
+
+def _example(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of a boundary value, needing gradients if it is floating point."""
+    copy = tensor.detach().clone()
+    return copy.requires_grad_(copy.is_floating_point())
 
 
 @contextmanager

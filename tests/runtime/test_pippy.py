@@ -1,5 +1,6 @@
-"""runtime.pippy under torchrun on 2 CPU processes (gloo): torch.distributed.pipelining on our split gives the
-gradients and loss of our engine and of single-device training (mlp, gpt with tied weights, two replicas)."""
+"""runtime.pippy under torchrun on 2 and 4 CPU processes (gloo): torch.distributed.pipelining on our split gives
+the gradients and loss of our engine and of single-device training (mlp, gpt with tied weights, two replicas,
+interleaved 1F1B and ZB-V on 2 and 4 ranks)."""
 
 from __future__ import annotations
 
@@ -41,29 +42,41 @@ def replicated_plan() -> Plan:
     return dataclasses.replace(plan, stages=(whole,))
 
 
+def four_rank_plan(schedule: str) -> Plan:
+    """The planner's straight gpt plan of `schedule` on 4 GPUs, 8 microbatches of 1 (zbv: at least 2p - 1)."""
+    return partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(4), straight=True,
+                     schedule=schedule, microbatches=8)
+
+
 PLANS = {"mlp-1f1b": ("mlp", lambda: two_stage_plan("mlp", "1f1b")),
          "gpt-gpipe": ("gpt", lambda: two_stage_plan("gpt", "gpipe")),
          "gpt-zb-h1": ("gpt", lambda: two_stage_plan("gpt", "zb-h1")),
          "gpt-interleaved": ("gpt", lambda: two_stage_plan("gpt", "interleaved-1f1b")),  # 2 ranks x its chunks
          "gpt-zbv": ("gpt", lambda: two_stage_plan("gpt", "zbv")),  # 2 ranks x 2 chunks in a V
-         "mlp-1x2-1f1b": ("mlp", replicated_plan)}
+         "mlp-1x2-1f1b": ("mlp", replicated_plan),
+         "gpt-4-interleaved": ("gpt", lambda: four_rank_plan("interleaved-1f1b")),  # 4 ranks x their chunks
+         "gpt-4-zbv": ("gpt", lambda: four_rank_plan("zbv"))}
+WORLD = {name: 4 if name.startswith("gpt-4-") else 2 for name in PLANS}  # processes of each case's job
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every case of PLANS run once under torchrun with 2 processes."""
+    """Every case of PLANS run once under torchrun, one job per world size (the 4-process job in OUT/four)."""
     out = tmp_path_factory.mktemp("pippy")
-    cases = []
-    for name, (model, make) in PLANS.items():
-        path = make().save(out / f"{name}.plan.json")
-        cases.append({"name": name, "model": model, "plan": str(path), "batch": BATCH})
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(WORKER), str(spec), str(out)]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+    for world, folder in ((2, out), (4, out / "four")):
+        folder.mkdir(exist_ok=True)
+        cases = []
+        for name, (model, make) in PLANS.items():
+            if WORLD[name] == world:
+                path = make().save(folder / f"{name}.plan.json")
+                cases.append({"name": name, "model": model, "plan": str(path), "batch": BATCH})
+        spec = folder / "spec.json"
+        spec.write_text(json.dumps({"cases": cases}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(WORKER), str(spec), str(folder)]
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
     return out
 
 
@@ -85,8 +98,9 @@ def test_pippy_gradients_equal_the_engines_and_single_device_training(results: P
     expected_loss, expected = single_device(model_name)
     seen: set[str] = set()
     last_stage_ranks = set(PLANS[name][1]().stages[-1].ranks)
-    for rank in range(2):
-        found = torch.load(results / f"{name}.rank{rank}.pt")
+    folder = results if WORLD[name] == 2 else results / "four"
+    for rank in range(WORLD[name]):
+        found = torch.load(folder / f"{name}.rank{rank}.pt")
         engine, pippy = found["engine"], found["pippy"]
         assert pippy["grads"].keys() == engine["grads"].keys()
         for parameter, grad in pippy["grads"].items():
