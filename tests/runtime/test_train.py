@@ -1,6 +1,6 @@
 """`python -m runtime.train` under torchrun on CPU: checks before work, checkpoints and resume, exported weights
 equal to single-device training, re-partitioned resume (also to and from interleaved-1f1b, whose ranks run several
-stages, and from it to zbv), and ranks that die or freeze."""
+stages, and from it to zbv; zbv on 4 ranks), and ranks that die or freeze."""
 
 from __future__ import annotations
 
@@ -129,7 +129,9 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                  schedule="1f1b"),
             "mlp-interleaved": interleaved_plan(),
             "mlp-zbv": partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), schedule="zbv",
-                                 microbatches=4)}
+                                 microbatches=4),
+            "mlp-zbv-4": partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(4), schedule="zbv",
+                                   microbatches=4)}
     return {name: plan.save(folder / f"{name}.json") for name, plan in made.items()}
 
 
@@ -222,6 +224,17 @@ def test_an_interleaved_plan_trains_as_on_one_device_and_checkpoints_each_stage(
         assert names and names == set(stage["optimizer_state"]["shapes"]) <= set(stage["model_state"])
         assert names == set(stage["optimizer_state"]["param_groups"][0]["params"])
     assert sum(map(len, owned)) == len(set().union(*owned)) == len(list(model_file("mlp").build_model().parameters()))
+
+
+@pytest.mark.slow
+def test_a_zbv_plan_on_four_ranks_trains_as_on_one_device(plans: dict[str, Path], tmp_path: Path) -> None:
+    """4 processes, 2 stages each in a V (rank r holds stages r and 7 - r), backwards split into B and W: the
+    weights and losses of 2 steps equal one device's, and each stage's checkpoint file is its rank's."""
+    folder = checkpointed_run(plans["mlp-zbv-4"], tmp_path, 2)
+    assert_trained_as_on_one_device(folder, 2)
+    newest = latest_complete(folder / "checkpoints")
+    assert newest is not None
+    assert [stage["meta"]["rank"] for stage in load_stages(newest)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
 @pytest.mark.slow
