@@ -61,8 +61,10 @@ WORLD = {name: 4 if name.startswith("gpt-4-") else 2 for name in PLANS}  # proce
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every case of PLANS run once under torchrun, one job per world size (the 4-process job in OUT/four)."""
+    """Every case of PLANS run once under torchrun, one job per world size started together (most of a job is
+    importing; the 4-process job writes to OUT/four)."""
     out = tmp_path_factory.mktemp("pippy")
+    jobs = []
     for world, folder in ((2, out), (4, out / "four")):
         folder.mkdir(exist_ok=True)
         cases = []
@@ -75,8 +77,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    str(WORKER), str(spec), str(folder)]
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+        jobs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        for job in jobs:
+            stdout, stderr = job.communicate(timeout=300)
+            assert job.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
     return out
 
 
