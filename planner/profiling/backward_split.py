@@ -39,6 +39,7 @@ hooks do. The `grad_outputs` must not be modified in place before W.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -377,9 +378,14 @@ def held_gradients(pending: PendingWeights) -> list[tuple[Node, torch.Tensor]]:
     return found
 
 
+_ACCUMULATING = threading.Lock()  # as AccumulateGrad's own mutex: stages in threads may share a parameter
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """Adds `grad` into `param.grad` as AccumulateGrad does; copies a gradient that others may hold."""
-    with torch.no_grad():
+    """Adds `grad` into `param.grad` as AccumulateGrad does; copies a gradient that others may hold. One
+    thread at a time: the in-process pipeline runs gpt's embedding and its tied head, one Parameter, as
+    W's of two stage threads, whose read-then-write of `.grad` could otherwise lose one of them."""
+    with _ACCUMULATING, torch.no_grad():
         if param.grad is None:
             if grad.layout == torch.strided and (_storage(grad) in taken or grad.stride() != param.stride()):
                 grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
