@@ -46,12 +46,13 @@ def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequ
 
     A tied parameter's group holds each rank of its stages once: a rank running several of those stages
     (interleaved-1f1b) holds one Parameter object for them, whose `.grad` autograd already sums, so it
-    takes part once. `tied` follows `shared`'s order on every rank (all-reducing the groups in one order
+    takes part once; a parameter whose users all lie on one rank (zbv puts gpt's embedding and head on rank 0)
+    is an ordinary one there, with no group. `tied` follows `shared`'s order on every rank (all-reducing the groups in one order
     cannot deadlock). A rank of several stages needs one replica per stage (one replica group at most).
     """
     replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
-    tied_groups = [dist.new_group(sorted({rank for held_by in held.stages for rank in stage_ranks[held_by]}))
-                   for held in shared]
+    holders = [sorted({rank for held_by in held.stages for rank in stage_ranks[held_by]}) for held in shared]
+    tied_groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in holders]
     replicated_stages = [stage for stage in modules if replica_groups[stage] is not None]
     if len(modules) > 1 and replicated_stages:
         raise ValueError(f"stage {replicated_stages[0]} has several replicas, but its rank runs stages "
@@ -59,7 +60,7 @@ def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequ
     tied: list[tuple[nn.Parameter, Any]] = []
     for index, held in enumerate(shared):
         mine = [stage for stage in held.stages if stage in modules]
-        if mine:
+        if mine and tied_groups[index] is not None:  # one rank holding every user (zbv's rank 0): nothing to sum
             name = held.stage_names[held.stages.index(mine[0])]
             tied.append((dict(modules[mine[0]].named_parameters())[name], tied_groups[index]))
     tied_ids = {id(parameter) for parameter, _ in tied}

@@ -248,6 +248,16 @@ def test_the_tied_embeddings_all_reduce_is_timed_apart_from_the_optimizer_step(r
         assert len(tied) == 1 and tied[0][3] <= step[2], f"rank {rank}: {ops}"
 
 
+
+@pytest.mark.slow
+def test_a_weight_tied_within_one_rank_is_summed_by_autograd_alone(results: Path) -> None:
+    """zbv puts gpt's embedding (stage 0) and its tied head (stage 3) both on rank 0: one Parameter there, no
+    all-reduce on any rank (the parameters still equal single-device training's: the flush test)."""
+    for rank in (0, 1):
+        ops = load(results, "gpt-zbv", rank)["ops"]
+        assert not [op for op in ops if op[0] == ALLREDUCE], f"rank {rank}: {ops}"
+
+
 @pytest.mark.slow
 def test_an_interleaved_rank_times_every_action_of_each_of_its_stages(results: Path) -> None:
     """gpt on 2 ranks x 2 chunks: rank r runs stages r and r + 2; each op names its stage (sends too, timed in the
