@@ -203,8 +203,8 @@ class _Evaluator:
 
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """Lower bound on replicas from memory: n(r) microbatches in flight must fit, and so must the
-        optimizer step's scratch (see schedule_cost); inf where nothing fits. zb-h1's deferred gradients
-        are left out (less memory: a lower bound still; `_outer_ok` checks the memory exactly)."""
+        optimizer step's scratch (see schedule_cost); inf where nothing fits. zb-h1's in-flight count
+        ceil(D / r) + ceil((P - D) / r) has no closed-form inverse: there it is the exact fewest (`_fewest_fitting`)."""
         inputs, p = self.inputs, self.pairs
         if inputs.memory_bytes is None:
             return np.zeros(len(pair))
@@ -230,12 +230,28 @@ class _Evaluator:
             return by_count
         if inputs.schedule == "1f1b":
             return np.minimum(by_count, by_depth)
-        if inputs.schedule == "zb-h1":  # in flight min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)) >= min(.., P / r),
-            devices = float(inputs.cluster.num_devices)  # P the cluster's devices (`schedule_cost.memory_terms`)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                by_total = np.where(flights >= 1, np.ceil(devices / flights - 1e-9), np.inf)
-            return np.minimum(by_count, by_total)
+        if inputs.schedule == "zb-h1":
+            return self._fewest_fitting(pair, recompute, downstream)
         return by_depth
+
+    def _fewest_fitting(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
+        """The fewest replicas r = k M, k >= 2, whose memory (`memory`, deferred gradients included) fits the
+        limit; inf where none up to the cluster's devices does. Exact by bisection on k: every term of the
+        memory is a non-increasing function of r (ceil(m / r); zb-h1's ceil(D / r) + ceil((P - D) / r) with
+        D = r + downstream; min(ceil((P - D) / r) + 1, ceil(m / r)) deferred), so the fitting r form a ray."""
+        group, limit = self.inputs.class_size, self.inputs.memory_bytes
+        assert limit is not None
+        low = np.full(len(pair), 2, dtype=np.int64)  # k that may fit; high: k that fits, or most + 1 (none)
+        most = self.inputs.cluster.num_devices // group
+        high = np.where(self.memory(pair, np.full(len(pair), most * group), recompute, downstream) <= limit,
+                        most, most + 1)
+        while np.any(low < high):
+            middle = (low + high) // 2
+            fits = self.memory(pair, middle * group, recompute, downstream) <= limit
+            open_ = low < high
+            high = np.where(open_ & fits, middle, high)
+            low = np.where(open_ & ~fits, middle + 1, low)
+        return np.where(high <= most, high * group, np.inf).astype(float)
 
 
 def _copies(values: np.ndarray, count: int) -> np.ndarray:

@@ -286,9 +286,6 @@ def test_fewest_outer_closed_forms_match_the_scan(
     inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory)
     evaluator = _Evaluator(inputs, Pairs(inputs))
     assume(np.all(evaluator.pairs.replicated >= 0))  # (a tied weight no layer's parameters hold: not a profile)
-    # known gap: under zb-h1 with a memory limit the closed forms' memory bound leaves the deferred gradients
-    # out and can be off by more than the one group they check around it
-    assume(schedule not in SPLIT_BACKWARD_SCHEDULES or memory is None or not np.any(evaluator.pairs.deferred))
     total, group = cluster.num_devices, inputs.class_size
     pair, end = (axis.ravel() for axis in np.meshgrid(
         np.arange(len(evaluator.pairs.starts)), np.arange(2 * group, total + 1, group), indexing="ij"))
