@@ -25,6 +25,7 @@ from planner.files.plan import Plan, load_plan
 from planner.files.profile import load_profile
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import TrainingError, check_setup, parse_args, rank_count, warmup_steps
+from runtime.train import main as train_main  # (its checks, in this process)
 from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -383,19 +384,47 @@ def single_rank(args: list[str], **variables: str) -> subprocess.CompletedProces
                           timeout=120, env=env, cwd=REPO)
 
 
-@pytest.mark.parametrize("args, expected", [
+BAD_SETUPS = [
     (["examples/gpt.py"], "does not match the plan"),
     (["examples/mlp.py", "--backend", "nccl"], "--backend nccl needs CUDA devices"),
     (["examples/mlp.py", "--resume"], "--resume needs --checkpoint-dir DIR"),
     (["examples/gpt.py", "--data", "loader", "--plan", "{gpt}"], "has no data_loader(batch_size)"),
     (["examples/mlp.py", "--checkpoint-dir", "{plan}/sub"], "cannot be written"),
-])
-def test_bad_setups_are_one_line(plans: dict[str, Path], args: list[str], expected: str) -> None:
+]
+
+
+def bad_setup_arguments(plans: dict[str, Path], args: list[str]) -> list[str]:
     plan = str(plans["mlp-1-1"])
-    finished = single_rank(["--plan", plan] + [arg.format(plan=plan, gpt=plans["gpt-1-1"]) for arg in args])
+    return ["--plan", plan] + [arg.format(plan=plan, gpt=plans["gpt-1-1"]) for arg in args]
+
+
+def test_a_bad_setup_is_one_line_from_a_real_process(plans: dict[str, Path]) -> None:
+    args, expected = BAD_SETUPS[0]
+    finished = single_rank(bad_setup_arguments(plans, args))
     assert finished.returncode == 1
     assert finished.stderr.count("\n") == 1 and finished.stderr.startswith("error: rank 0: "), finished.stderr
     assert expected in finished.stderr
+
+
+@pytest.mark.parametrize("args, expected", BAD_SETUPS)
+def test_bad_setups_are_one_line(plans: dict[str, Path], args: list[str], expected: str,
+                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # runtime.train's main in this process (the real process's exit and stderr: the test above), with
+    # torchrun's variables set by hand as `single_rank` sets them: its checks run before any process group
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.chdir(REPO)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        code = train_main(bad_setup_arguments(plans, args))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith("error: rank 0: "), err
+    assert expected in err
 
 
 def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path]) -> None:
