@@ -556,6 +556,40 @@ def test_a_replicated_stage_holding_a_tied_weight_measures_both_its_all_reduces_
         assert found["allreduce_ms"] == pytest.approx(expected["allreduce_ms"], rel=1e-6)  # replicas, then tie
 
 
+def entered_on_arrival(trace: RankTrace) -> RankTrace:
+    """`trace` with each all-reduce starting when its rank got there (the end of its op before), as the
+    runtime times a collective that waits for the other ranks; the simulator starts it at the last arrival."""
+    ops = sorted(trace.ops, key=lambda op: op.start_s)
+    moved, free_at = [], -math.inf
+    for op in ops:
+        moved.append(dataclasses.replace(op, start_s=free_at) if op.op == "allreduce" and free_at > -math.inf else op)
+        if op.op in ("forward", "backward", "weight", "allreduce", "step"):
+            free_at = max(free_at, op.end_s)
+    return dataclasses.replace(trace, ops=tuple(moved))
+
+
+def test_an_all_reduce_measures_from_its_last_rank_entering_and_the_wait_before_is_idle() -> None:
+    # gpt's tied embedding and head on the first and the replicated last stage: under 1f1b the last stage
+    # reaches its step long before the first, and waits in the tied all-reduce. Recorded from each rank's own
+    # entry, its all-reduces read the wait too (over 10x the prediction); from the last rank's entry they
+    # read what the simulator played, and the wait is idle time as in the simulation
+    gpt = load_profile(REPO / "profiles" / "gpt.json")
+    plan = partition(gpt, make_cluster(8, 4, ("10GB/s", "1GB/s"), memory="100MB"), schedule="1f1b", microbatches=8)
+    timeline = simulate(plan, gpt)
+    traces = [entered_on_arrival(trace) for trace in replay_timeline(timeline, 3)]
+    last = plan.stages[-1]
+    waited = [op.end_s - op.start_s for trace in traces if trace.rank in last.ranks for op in trace.ops
+              if op.op == "allreduce" and op.step > 0]
+    assert len(waited) == 2 * 2 * last.replicas  # per step and rank: the replicas', then the tied weights'
+    assert sum(waited) > 10 * (last.allreduce_ms + last.tied_allreduce_ms) / 1000.0 * 2 * last.replicas
+    body = report_body(plan, traces, batch_size=8 * plan.microbatch_size, losses=[])
+    bubbles = timeline.bubble_fraction()
+    for index, stage in enumerate(plan.stages):
+        found, expected = body["measured"]["stages"][index], body["predicted"]["stages"][index]
+        assert found["allreduce_ms"] == pytest.approx(expected["allreduce_ms"], rel=1e-6)
+        assert found["idle_fraction"] == pytest.approx(float(bubbles[list(stage.ranks)].mean()), rel=1e-6)
+
+
 def test_a_boundary_transfer_is_the_median_so_a_sender_thread_resuming_late_does_not_count() -> None:
     # three activations of 0.5 ms and one gradient whose sender thread resumed 40 ms after it was sent
     sends = [OpTime(1, SEND_ACTIVATION, 0, mb, 1, mb * 10.0, mb * 10.0 + 0.0005) for mb in range(3)]
