@@ -15,7 +15,9 @@ gives the planner are the runtime path's: what a pipeline stage waits for a mess
 (on the 2-core CPU machine its latency is about twice the plain link's). The plain link's fit is
 kept under `measured.link_only`.
 The all-reduce over every rank is timed at several sizes next to the ring formula's prediction
-from the fitted links (`costs.schedule_cost.allreduce_s`), and each GPU's memory is read
+from the fitted links (`costs.schedule_cost.allreduce_s`); the formula's terms fitted to those times
+(`fit_allreduce`) become the outermost level's `allreduce_bandwidth_Bps` and `allreduce_latency_s`,
+which price the plans' all-reduces (gloo's on one CPU host took 1.9-2.7x the links' ring), and each GPU's memory is read
 (CPU: none, so plans are not memory-limited). Rank 0 writes the file: the cluster's `levels` and
 `memory_bytes` (what `planner partition --cluster` reads) and `measured` (every timing, the
 backend, device, hosts and threads).
@@ -41,7 +43,7 @@ from planner.costs.schedule_cost import allreduce_s
 from planner.errors import PlannerError
 from planner.files.cluster import cluster_from_dict
 from planner.files.fileformat import write_atomically
-from planner.profiling.links import fit_link
+from planner.profiling.links import fit_allreduce, fit_link
 from runtime.engine import init_distributed
 from runtime.p2p import Expected, Links, Mailbox, describe
 
@@ -186,6 +188,8 @@ def measure(sizes: Sequence[int], trials: int, device: torch.device) -> dict[str
             into.append({"name": name, "size": size, "bandwidth_Bps": bandwidth, "latency_s": latency})
     slowest = levels[-1]
     predicted = [float(allreduce_s(size, world, slowest["bandwidth_Bps"], slowest["latency_s"])) for size in sizes]
+    # the all-reduce spans every rank, so the outermost level's link: price its all-reduces by this fit
+    slowest["allreduce_latency_s"], slowest["allreduce_bandwidth_Bps"] = fit_allreduce(sizes, reductions, world)
     return {
         "levels": levels,
         "memory_bytes": min(memories) if all(m is not None for m in memories) else None,
@@ -209,6 +213,10 @@ def summary(body: dict[str, Any]) -> str:
     lines.append("all-reduce over every rank (measured / ring formula from the links): " + ", ".join(
         f"{size / 1e6:.3g} MB {found * 1e3:.3g} ms (x{found / guess:.2f})"
         for size, found, guess in body["measured"]["allreduce_s"]))
+    outer = body["levels"][-1]
+    if "allreduce_bandwidth_Bps" in outer:
+        lines.append(f"{outer['name']} all-reduces priced as a ring at {outer['allreduce_bandwidth_Bps'] / 1e9:.3g} "
+                     f"GB/s + {outer['allreduce_latency_s'] * 1e6:.3g} us per message (fitted to the times above)")
     return "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ For stage s = layers [i, j) with r replicas on ranks [p, p + r), recompute q in 
                                  stages, which `tied_allreduce_s` sums: 2 (r - 1) messages of W' / r)
 
 bw and lat are the cluster's bandwidth (bytes/s) and latency (s per message) of the innermost
-level holding both ranks (`link_bandwidth`, `link_latency`).
+level holding both ranks (`link_bandwidth`, `link_latency`); in ar, that level's all-reduce terms where
+the cluster file has them (measured by `planner cluster`; `allreduce_terms`).
 
 Transfers run on their own channel (one per direction), overlapped with compute.
 
@@ -158,6 +159,13 @@ def _link_value(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt, values
 def link_terms(cluster: Cluster, rank_a: ArrayOrInt, rank_b: ArrayOrInt) -> tuple[np.ndarray, np.ndarray]:
     """(bandwidth, latency) between ranks (`link_bandwidth`, `link_latency`)."""
     return link_bandwidth(cluster, rank_a, rank_b), link_latency(cluster, rank_a, rank_b)
+
+
+def allreduce_terms(cluster: Cluster, first_rank: ArrayOrInt, last_rank: ArrayOrInt) -> tuple[np.ndarray, np.ndarray]:
+    """(bandwidth, latency) to price an all-reduce over ranks [first, last] at (`allreduce_s`): the innermost
+    level holding them all, its measured all-reduce terms (`Level.reduce_bandwidth_Bps`), else its link's."""
+    return (_link_value(cluster, first_rank, last_rank, [level.reduce_bandwidth_Bps for level in cluster.levels]),
+            _link_value(cluster, first_rank, last_rank, [level.reduce_latency_s for level in cluster.levels]))
 
 
 def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt) -> np.ndarray:
@@ -324,7 +332,7 @@ def stage_cost(
     weights = arrays.stage_weight_bytes(start, stop)
     weight = float(weight_terms(inputs, start, stop))
     allreduce = float(allreduce_s(arrays.stage_replicated_bytes(start, stop), replicas,
-                                  *link_terms(cluster, first_rank, last_rank)))
+                                  *allreduce_terms(cluster, first_rank, last_rank)))
     step = float(step_terms(inputs, weights, arrays.stage_tensor_count(start, stop)))
     accumulate = float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
@@ -394,7 +402,7 @@ def tied_allreduce_s(inputs: CostInputs, stages: list[Stage]) -> list[float]:
         group = sorted({rank for index in holders for rank in ranks_of[index]})
         if len(holders) < 2 or len(group) < 2:  # in one stage, an ordinary weight of its replicas
             continue
-        seconds = float(allreduce_s(nbytes, len(group), *link_terms(inputs.cluster, group[0], group[-1])))
+        seconds = float(allreduce_s(nbytes, len(group), *allreduce_terms(inputs.cluster, group[0], group[-1])))
         for rank in group:
             per_rank[rank] = per_rank.get(rank, 0.0) + seconds
     for rank, seconds in per_rank.items():

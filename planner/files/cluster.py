@@ -33,12 +33,28 @@ class Level:
 
     `bandwidth_Bps` is the bandwidth between two devices whose innermost common group is at this
     level, in bytes per second; `latency_s` the fixed time of each message between them, seconds.
+    `allreduce_bandwidth_Bps` and `allreduce_latency_s`: the terms of the ring formula
+    2 (r - 1) (W / (r bw) + lat) that fit all-reduces measured over ranks whose innermost common group
+    is at this level (`planner cluster` fits them; a library's all-reduce is rarely the ring of the
+    point-to-point links: gloo's on one CPU host took 1.9-2.7x that); None: the link's own.
     """
 
     name: str
     size: int
     bandwidth_Bps: float
     latency_s: float = 0.0
+    allreduce_bandwidth_Bps: float | None = None
+    allreduce_latency_s: float | None = None
+
+    @property
+    def reduce_bandwidth_Bps(self) -> float:
+        """The bandwidth all-reduces at this level are priced at: the measured fit, else the link's."""
+        return self.bandwidth_Bps if self.allreduce_bandwidth_Bps is None else self.allreduce_bandwidth_Bps
+
+    @property
+    def reduce_latency_s(self) -> float:
+        """The latency per ring message all-reduces at this level are priced at (as `reduce_bandwidth_Bps`)."""
+        return self.latency_s if self.allreduce_latency_s is None else self.allreduce_latency_s
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,7 @@ class Cluster:
         if not self.levels:
             raise ClusterError("a cluster needs at least one level")
         for level in self.levels:
+            _check_reduce_terms(level)
             if isinstance(level.size, bool) or not isinstance(level.size, int) or not 1 <= level.size <= MAX_LEVEL_SIZE:
                 raise ClusterError(
                     f"level {level.name!r} has {level.size!r} members; it needs a whole number from 1 to {MAX_LEVEL_SIZE}"
@@ -92,19 +109,37 @@ class Cluster:
         return len(self.levels) - 1
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready description; inverse of `cluster_from_dict`."""
-        return {
-            "levels": [{"name": lv.name, "size": lv.size, "bandwidth_Bps": lv.bandwidth_Bps, "latency_s": lv.latency_s}
-                       for lv in self.levels],
-            "memory_bytes": self.memory_bytes,
-        }
+        """JSON-ready description; inverse of `cluster_from_dict`. The all-reduce terms only where set."""
+        levels = []
+        for lv in self.levels:
+            entry: dict[str, Any] = {"name": lv.name, "size": lv.size, "bandwidth_Bps": lv.bandwidth_Bps,
+                                     "latency_s": lv.latency_s}
+            if lv.allreduce_bandwidth_Bps is not None:
+                entry["allreduce_bandwidth_Bps"] = lv.allreduce_bandwidth_Bps
+            if lv.allreduce_latency_s is not None:
+                entry["allreduce_latency_s"] = lv.allreduce_latency_s
+            levels.append(entry)
+        return {"levels": levels, "memory_bytes": self.memory_bytes}
 
     def describe(self) -> str:
         """One line, e.g. '16 GPUs: 8 per node at 300 GB/s, 2 nodes at 25 GB/s, 80.0 GB each'."""
         parts = [f"{lv.size} per {lv.name} at {lv.bandwidth_Bps / 1e9:.3g} GB/s"
-                 + (f" + {lv.latency_s * 1e6:.3g} us" if lv.latency_s else "") for lv in self.levels]
+                 + (f" + {lv.latency_s * 1e6:.3g} us" if lv.latency_s else "")
+                 + (f" (all-reduce {lv.reduce_bandwidth_Bps / 1e9:.3g} GB/s + {lv.reduce_latency_s * 1e6:.3g} us)"
+                    if lv.allreduce_bandwidth_Bps is not None or lv.allreduce_latency_s is not None else "")
+                 for lv in self.levels]
         memory = "" if self.memory_bytes is None else f", {self.memory_bytes / 1e9:.3g} GB each"
         return f"{self.num_devices} GPUs: " + ", ".join(parts) + memory
+
+
+def _check_reduce_terms(level: Level) -> None:
+    """ClusterError unless the level's all-reduce terms, where set, are in the ranges of its link's."""
+    if level.allreduce_bandwidth_Bps is not None and not MIN_BANDWIDTH_BPS <= level.allreduce_bandwidth_Bps < math.inf:
+        raise ClusterError(f"level {level.name!r} has all-reduce bandwidth {level.allreduce_bandwidth_Bps:g} B/s; "
+                           f"it must be at least {MIN_BANDWIDTH_BPS:g} B/s (bytes per second)")
+    if level.allreduce_latency_s is not None and not 0.0 <= level.allreduce_latency_s < MAX_LATENCY_S:
+        raise ClusterError(f"level {level.name!r} has all-reduce latency {level.allreduce_latency_s:g} s; it must be "
+                           f"0 or more and below {MAX_LATENCY_S:g} s per message (seconds)")
 
 
 def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool) -> str:
@@ -192,7 +227,7 @@ def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
 
     Hand-written files may give `bandwidth` as text ("300GB/s") instead of `bandwidth_Bps`,
     `latency` as text ("20us") instead of `latency_s` (neither: 0), and `memory` as text ("80GB")
-    instead of `memory_bytes`. Other fields (e.g. the measurements `planner cluster` writes) are kept
+    instead of `memory_bytes`; `allreduce_bandwidth_Bps` and `allreduce_latency_s` are optional. Other fields (e.g. the measurements `planner cluster` writes) are kept
     out of the Cluster.
     """
     try:
@@ -200,8 +235,10 @@ def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
         for entry in body["levels"]:
             rate = entry["bandwidth_Bps"] if "bandwidth_Bps" in entry else _bandwidth(str(entry["bandwidth"]))
             delay = float(entry["latency_s"]) if "latency_s" in entry else _latency(str(entry.get("latency", 0.0)))
+            reduce_rate, reduce_delay = entry.get("allreduce_bandwidth_Bps"), entry.get("allreduce_latency_s")
             levels.append(Level(str(entry.get("name", f"level{len(levels)}")), _whole(entry["size"]), float(rate),
-                                delay))
+                                delay, None if reduce_rate is None else float(reduce_rate),
+                                None if reduce_delay is None else float(reduce_delay)))
         if "memory_bytes" in body:
             memory = None if body["memory_bytes"] is None else _whole(body["memory_bytes"])
         else:

@@ -45,6 +45,7 @@ from planner.costs.schedule_cost import (
     Stage,
     accumulate_terms,
     allreduce_s,
+    allreduce_terms,
     deferred_count,
     fill_drain_s,
     link_terms,
@@ -75,6 +76,7 @@ class _Evaluator:
         self.inputs, self.pairs = inputs, pairs
         outermost = inputs.cluster.levels[-1]
         self.top, self.top_latency = outermost.bandwidth_Bps, outermost.latency_s
+        self.ar_top, self.ar_top_latency = outermost.reduce_bandwidth_Bps, outermost.reduce_latency_s  # all-reduces
         self.outer_comm = np.maximum(  # both links outermost
             transfer_s(pairs.cut_in, self.top, self.top_latency, pairs.starts > 0),
             transfer_s(pairs.cut_out, self.top, self.top_latency, pairs.stops < pairs.num_layers))
@@ -95,7 +97,7 @@ class _Evaluator:
         cluster = inputs.cluster
         comm_in = transfer_s(p.cut_in[pair], *link_terms(cluster, first - 1, first), p.starts[pair] > 0)
         comm_out = transfer_s(p.cut_out[pair], *link_terms(cluster, last, last + 1), p.stops[pair] < p.num_layers)
-        allreduce = allreduce_s(p.replicated[pair], replicas, *link_terms(cluster, first, last))
+        allreduce = allreduce_s(p.replicated[pair], replicas, *allreduce_terms(cluster, first, last))
         _, bound = time_terms(inputs.schedule, inputs.microbatches, replicas, compute, comm_in, comm_out, allreduce,
                               step_terms(inputs, p.weights[pair], p.tensors[pair]),
                               accumulate_terms(inputs, p.weights[pair]), p.weight[pair])
@@ -114,11 +116,11 @@ class _Evaluator:
         memory within the limit; _NONE where none works. Every link such a stage sees is outermost."""
         inputs, p = self.inputs, self.pairs
         group = inputs.class_size
-        if (self.top_latency > 0 or self.inputs.step_s_per_byte > 0 or self.inputs.accumulate_s_per_byte > 0
-                or self.inputs.step_s_per_tensor > 0):
+        if (self.top_latency > 0 or self.ar_top_latency > 0 or self.inputs.step_s_per_byte > 0
+                or self.inputs.accumulate_s_per_byte > 0 or self.inputs.step_s_per_tensor > 0):
             # the closed forms below leave latency, the optimizer step and accumulation out: try every count
             return self._fewest_outer_scan(pair, first_end, recompute, downstream, bound)
-        top = self.top
+        top = self.ar_top
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
         comm = self.outer_comm[pair]
         a = 2.0 * p.replicated[pair] / top
@@ -191,7 +193,7 @@ class _Evaluator:
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
         p = self.pairs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        allreduce = allreduce_s(p.replicated[pair], replicas, self.top, self.top_latency)  # every link is outermost
+        allreduce = allreduce_s(p.replicated[pair], replicas, self.ar_top, self.ar_top_latency)  # every link is outermost
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
@@ -327,7 +329,7 @@ class _StageGrid:
         self.levels = len(levels)
         self.level_in = _level_index(cluster, levels, first - 1, first).ravel()
         self.level_out = _level_index(cluster, levels, last, last + 1).ravel()
-        self.allreduce_link = tuple(np.ravel(value) for value in link_terms(cluster, first, last))
+        self.allreduce_link = tuple(np.ravel(value) for value in allreduce_terms(cluster, first, last))
         # per pair (start, stop): row[start] + stop is its index; per option or level: pair-major, flattened
         self.row = p.offsets - np.arange(len(p.offsets)) - 1
         compute = np.stack([p.both + np.where(flag, p.fwd, 0.0) for flag in options], axis=1)

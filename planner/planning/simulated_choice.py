@@ -59,6 +59,7 @@ from planner.costs.schedule_cost import (
     Stage,
     accumulate_terms,
     allreduce_s,
+    allreduce_terms,
     deferred_terms,
     link_terms,
     memory_terms,
@@ -217,7 +218,7 @@ class _StageBounds:
             last = first + replicas - 1
             comm_in = transfer_s(cut_in, *link_terms(inputs.cluster, first - 1, first), starts > 0)
             comm_out = float(transfer_s(self.cut[stop - 1], *link_terms(inputs.cluster, last, last + 1), stop < layers))
-            allreduce = allreduce_s(replicated, replicas, *link_terms(inputs.cluster, first, last))
+            allreduce = allreduce_s(replicated, replicas, *allreduce_terms(inputs.cluster, first, last))
             step = step_terms(inputs, weights, tensors)
             accumulate = accumulate_terms(inputs, weights)
             weight = self.weight[stop] - self.weight[starts]  # W (0 but for zero-bubble schedules)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs.schedule_cost import (
-    CostInputs, Stage, accumulate_terms, allreduce_s, link_terms, step_terms, time_terms, transfer_s,
+    CostInputs, Stage, accumulate_terms, allreduce_s, allreduce_terms, link_terms, step_terms, time_terms, transfer_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
@@ -140,7 +140,7 @@ class GroupCombos:
         first = end - self.replicas
         self.bw_in, self.lat_in = link_terms(cluster, first - 1, first)
         self.bw_out, self.lat_out = link_terms(cluster, end - 1, end)
-        self.bw_allreduce, self.lat_allreduce = link_terms(cluster, first, end - 1)
+        self.bw_allreduce, self.lat_allreduce = allreduce_terms(cluster, first, end - 1)
         self.turns = (-(-inputs.microbatches // self.replicas) - 1).astype(float)
         self.share = 2.0 * (self.replicas - 1.0) / self.replicas  # ring all-reduce traffic per weight byte
         n, total = pairs.num_layers, cluster.num_devices
@@ -148,6 +148,8 @@ class GroupCombos:
         self.stride_r = max(total, group) + 1
         self.stride_j = (n + 1) * self.stride_r
         self.top, self.top_latency = float(cluster.levels[-1].bandwidth_Bps), float(cluster.levels[-1].latency_s)
+        self.ar_top = float(cluster.levels[-1].reduce_bandwidth_Bps)  # all-reduces over outer groups
+        self.ar_top_latency = float(cluster.levels[-1].reduce_latency_s)
         self.outer = np.arange(2 * group, total + 1, group) if inputs.schedule == "pipedream" else np.zeros(0, int)
         self.outer_comm = np.maximum(  # both links outermost
             transfer_s(pairs.cut_in, self.top, self.top_latency, pairs.starts > 0),
@@ -190,7 +192,7 @@ class GroupCombos:
     def outer_bounds(self, pair: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         """Q of pipedream stages `pair` on whole outer groups (as the optimizer's `_Evaluator._outer_ok` computes it)."""
         p, comm = self.pairs, self.outer_comm[pair]
-        allreduce = allreduce_s(p.replicated[pair], replicas, self.top, self.top_latency)
+        allreduce = allreduce_s(p.replicated[pair], replicas, self.ar_top, self.ar_top_latency)
         return time_terms("pipedream", self.inputs.microbatches, replicas, p.both[pair], comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]))[1]
 
@@ -244,8 +246,8 @@ class GroupCombos:
     def _outer_stops(self, bound: float) -> np.ndarray:
         """`_last_stops` of pipedream stages on the most outer groups, whose Q is the least (class docstring)."""
         most = float(self.outer[-1])
-        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.top + self.inputs.step_s_per_byte,
-                                most * bound - 2.0 * (most - 1.0) * self.top_latency)
+        return self._last_stops(1.0, 2.0 * (most - 1.0) / most / self.ar_top + self.inputs.step_s_per_byte,
+                                most * bound - 2.0 * (most - 1.0) * self.ar_top_latency)
 
     def _within(self, last_stops: np.ndarray) -> np.ndarray:
         """The pairs [i, j) with j <= last_stops[i], ordered by i then j."""
@@ -357,11 +359,14 @@ class _RangeColumns:
             outer = combos.outer
             r = outer.astype(float)
             top, top_latency = np.full(len(outer), combos.top), np.full(len(outer), combos.top_latency)
+            ar_top, ar_top_latency = np.full(len(outer), combos.ar_top), np.full(len(outer), combos.ar_top_latency)
             rho = np.concatenate([rho, np.zeros(len(outer), dtype=np.int64)])
             replicas = np.concatenate([replicas, outer])
             share = np.concatenate([share, 2.0 * (r - 1.0) / r])
-            bw_allreduce, bw_in, bw_out = (np.concatenate([x, top]) for x in (bw_allreduce, bw_in, bw_out))
-            lat_allreduce, lat_in, lat_out = (np.concatenate([x, top_latency]) for x in (lat_allreduce, lat_in, lat_out))
+            bw_in, bw_out = (np.concatenate([x, top]) for x in (bw_in, bw_out))
+            lat_in, lat_out = (np.concatenate([x, top_latency]) for x in (lat_in, lat_out))
+            bw_allreduce = np.concatenate([bw_allreduce, ar_top])
+            lat_allreduce = np.concatenate([lat_allreduce, ar_top_latency])
         order = np.argsort((rho + replicas) % group, kind="stable")
         self.rho, self.replicas = rho[order], replicas[order]
         self.share, self.bw_allreduce = share[order], bw_allreduce[order]

@@ -8,7 +8,7 @@ import numpy as np
 
 from planner.errors import PlannerError
 
-__all__ = ["fit_link"]
+__all__ = ["fit_allreduce", "fit_link"]
 
 
 def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
@@ -35,3 +35,16 @@ def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[fl
         raise PlannerError(f"message times {list(times)} do not grow with the sizes {list(sizes)}: "
                            "no bandwidth can be read off them; measure larger messages")
     return float(latency), float(1.0 / per_byte)
+
+
+def fit_allreduce(sizes_bytes: Sequence[float], times_s: Sequence[float], ranks: int) -> tuple[float, float]:
+    """(latency_s, bandwidth_Bps) of the ring formula t = 2 (n - 1) (bytes / (n bandwidth) + latency)
+    (`costs.schedule_cost.allreduce_s`) through all-reduce times over n = `ranks` ranks: `fit_link` on
+    t = L + x / bandwidth with x = 2 (n - 1) / n bytes, then latency = L / (2 (n - 1)). The terms that
+    price a library's all-reduce (its algorithm, copies, synchronisation) in the planner's formula;
+    PlannerError as `fit_link`, or for fewer than 2 ranks."""
+    if ranks < 2:
+        raise PlannerError(f"an all-reduce over {ranks} rank(s) moves nothing; fitting one needs 2 or more")
+    hops = 2.0 * (ranks - 1)
+    latency, bandwidth = fit_link([hops / ranks * size for size in sizes_bytes], times_s)
+    return latency / hops, bandwidth

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
+from planner.costs.schedule_cost import allreduce_terms, link_terms
 from planner.files.cluster import (
     Cluster,
     ClusterError,
@@ -97,6 +100,8 @@ def test_bad_cluster_files_name_the_file(tmp_path: Path) -> None:
         ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency_s": 20}]}', "give units"),
         ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency": "-3us"}]}', "0 or more"),
         ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "latency": "soon"}]}', "cannot read duration"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "allreduce_bandwidth_Bps": 300}]}', "all-reduce bandwidth"),
+        ('{"levels": [{"size": 4, "bandwidth": "1GB/s", "allreduce_latency_s": 5}]}', "all-reduce latency"),
     ],
 )
 def test_cluster_values_that_would_mean_something_else_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
@@ -124,3 +129,18 @@ def test_latencies_per_level_from_flags_and_files(tmp_path: Path) -> None:
     assert "+ 10 us" in cluster.describe() and "+ 500 us" in cluster.describe()
     with pytest.raises(ClusterError, match="two latencies"):
         make_cluster(8, 4, ["1GB/s", "1GB/s"], latencies=["1us"])
+
+
+def test_measured_all_reduce_terms_round_trip_and_price_all_reduces_but_not_messages(tmp_path: Path) -> None:
+    cluster = make_cluster(8, 4, ["100GB/s", "10GB/s"], latencies=["5us", "50us"])
+    outer = dataclasses.replace(cluster.levels[1], allreduce_bandwidth_Bps=4e9, allreduce_latency_s=2e-4)
+    measured = dataclasses.replace(cluster, levels=(cluster.levels[0], outer))
+    assert cluster_from_dict(measured.to_dict()) == measured
+    assert "allreduce_bandwidth_Bps" not in json.dumps(cluster.to_dict())  # old files stay as they were
+    (tmp_path / "c.json").write_text(json.dumps(measured.to_dict()))
+    assert load_cluster(tmp_path / "c.json") == measured
+    assert "all-reduce 4 GB/s + 200 us" in measured.describe()
+    # ranks 0-3 share a node (no all-reduce terms: the link's); 2-5 span nodes (the measured ones)
+    assert [float(x) for x in allreduce_terms(measured, 0, 3)] == pytest.approx([1e11, 5e-6])
+    assert [float(x) for x in allreduce_terms(measured, 2, 5)] == pytest.approx([4e9, 2e-4])
+    assert [float(x) for x in link_terms(measured, 3, 4)] == pytest.approx([1e10, 5e-5])  # messages: the link

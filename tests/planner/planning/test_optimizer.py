@@ -101,17 +101,30 @@ LATENCIES = [1e-5, 1e-3, 0.03125]  # per message, seconds: against layer times o
 @st.composite
 def clusters(draw: st.DrawFn) -> Cluster:
     """Flat clusters of 1-4 devices, or 2 nodes of 2 or 3 devices with any two bandwidths; half of
-    them with per-message latencies (any per level), half without."""
+    them with per-message latencies (any per level), half without; a third with measured all-reduce
+    terms per level unlike the links' (`with_allreduce_terms`)."""
     with_latency = draw(st.booleans())
 
     def latency() -> float:
         return draw(st.sampled_from(LATENCIES)) if with_latency else 0.0
 
     if draw(st.booleans()):
-        return make_cluster(draw(st.integers(1, 4)), None, [draw(st.sampled_from(BANDWIDTHS))], latencies=[latency()])
-    per_node = draw(st.sampled_from([2, 3]))
-    inner, outer = draw(st.sampled_from(BANDWIDTHS)), draw(st.sampled_from(BANDWIDTHS))
-    return make_cluster(2 * per_node, per_node, [inner, outer], latencies=[latency(), latency()])
+        cluster = make_cluster(draw(st.integers(1, 4)), None, [draw(st.sampled_from(BANDWIDTHS))],
+                               latencies=[latency()])
+    else:
+        per_node = draw(st.sampled_from([2, 3]))
+        inner, outer = draw(st.sampled_from(BANDWIDTHS)), draw(st.sampled_from(BANDWIDTHS))
+        cluster = make_cluster(2 * per_node, per_node, [inner, outer], latencies=[latency(), latency()])
+    return with_allreduce_terms(cluster, draw) if draw(st.integers(0, 2)) == 0 else cluster
+
+
+def with_allreduce_terms(cluster: Cluster, draw: st.DrawFn) -> Cluster:
+    """`cluster` with each level's all-reduce priced apart from its link, as `planner cluster` measures
+    it: a third of the link's bandwidth up to three times it, any latency (or the link's)."""
+    return replace(cluster, levels=tuple(
+        replace(level, allreduce_bandwidth_Bps=level.bandwidth_Bps * draw(st.sampled_from([1 / 3, 0.5, 3.0])),
+                allreduce_latency_s=draw(st.sampled_from([None, 0.0, *LATENCIES])))
+        for level in cluster.levels))
 
 
 def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
@@ -167,6 +180,35 @@ def test_optimum_matches_brute_force(
     check_solution(inputs, solution, straight, allow_recompute)
     assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0)
     assert solution.devices == fewest  # no plan within TIE of the optimum uses fewer devices
+
+
+@st.composite
+def measured_clusters(draw: st.DrawFn) -> Cluster:
+    """`clusters` of 2 or more devices, every one with all-reduce terms of its own (`with_allreduce_terms`)."""
+    cluster = draw(clusters())
+    assume(cluster.num_devices >= 2)
+    return with_allreduce_terms(cluster, draw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays=layer_arrays(), cluster=measured_clusters(), schedule=st.sampled_from(CONTIGUOUS) | st.just("pipedream"),
+       microbatches=st.integers(1, 6), memory=st.sampled_from([None, None, 4e9]), data=st.data())
+def test_replicated_stages_are_priced_at_the_measured_all_reduce(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None,
+    data: st.DataObject,
+) -> None:
+    # the dynamic programs' own all-reduce terms (per combination, on outer groups, in the closed forms)
+    # against the brute force, which prices each stage with `stage_cost`, on clusters whose all-reduce is
+    # not the links' ring (the general test draws these a third of the time, and mostly straight); pipedream
+    # half the time: only it replicates a stage over whole outer groups in the unlimited program
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory)
+    plans = feasible(score_plans(inputs, False, False), memory)
+    assume(plans)
+    best, fewest = optimal(plans)
+    solution = optimize(inputs, False, False)
+    check_solution(inputs, solution, False, False)
+    assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0)
+    assert solution.devices == fewest
 
 
 @settings(max_examples=100, deadline=None)
@@ -234,6 +276,9 @@ def test_tie_with_less_recompute_goes_to_fewer_devices() -> None:
 LARGER_CLUSTERS = [
     make_cluster(8, None, [1e10]), make_cluster(16, 8, [3e11, 2.5e10]), make_cluster(8, 2, [1e11, 1e9]),
     make_cluster(12, 2, [1e11, 1e10], latencies=[1e-5, 1e-3]), make_cluster(6, 3, [1e9, 1e11], latencies=[0.0, 1e-3]),
+    replace(make_cluster(8, 2, [1e11, 1e10]), levels=(  # all-reduces priced apart from the links (`planner cluster`)
+        replace(make_cluster(8, 2, [1e11, 1e10]).levels[0], allreduce_bandwidth_Bps=4e10),
+        replace(make_cluster(8, 2, [1e11, 1e10]).levels[1], allreduce_bandwidth_Bps=5e9))),
 ]
 
 
@@ -273,7 +318,7 @@ def test_stage_grid_matches_the_evaluator(
 
 
 @settings(max_examples=200, deadline=None)
-@given(arrays=layer_arrays(), cluster=st.sampled_from(LARGER_CLUSTERS[:3] + [make_cluster(4, None, [1e9])]),
+@given(arrays=layer_arrays(), cluster=st.sampled_from(LARGER_CLUSTERS[:3] + LARGER_CLUSTERS[5:] + [make_cluster(4, None, [1e9])]),
        schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 32),
        memory=st.sampled_from([None, 1e9, 4e9, 1.6e10]), recompute=st.booleans(), data=st.data())
 def test_fewest_outer_closed_forms_match_the_scan(

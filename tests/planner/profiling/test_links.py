@@ -1,4 +1,4 @@
-"""fit_link: latency and bandwidth read back from message times (exact lines, noise, edge cases)."""
+"""fit_link and fit_allreduce: latency and bandwidth read back from message and all-reduce times."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import PlannerError
-from planner.profiling.links import fit_link
+from planner.costs.schedule_cost import allreduce_s
+from planner.profiling.links import fit_allreduce, fit_link
 
 SIZES = [4, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 
@@ -44,3 +45,16 @@ def test_a_negative_intercept_becomes_zero_latency() -> None:
 def test_times_that_cannot_give_a_link_are_refused(sizes: list[float], times: list[float], fragment: str) -> None:
     with pytest.raises(PlannerError, match=fragment):
         fit_link(sizes, times)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_the_ring_formula_is_read_back_from_all_reduce_times(ranks: int) -> None:
+    sizes = [4.0, 16384.0, 1048576.0, 16777216.0]
+    times = [float(allreduce_s(size, ranks, 1.5e9, 2e-4)) for size in sizes]
+    latency, bandwidth = fit_allreduce(sizes, times, ranks)
+    assert latency == pytest.approx(2e-4, rel=1e-6) and bandwidth == pytest.approx(1.5e9, rel=1e-6)
+
+
+def test_an_all_reduce_needs_two_ranks() -> None:
+    with pytest.raises(PlannerError, match="over 1 rank"):
+        fit_allreduce([4.0, 8.0], [1e-4, 2e-4], 1)
