@@ -28,12 +28,12 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
   from its first send to the return of its last. The median, not the mean: on a busy CPU a
   sender thread may resume tens of ms after its message arrived (the receiver's op that needed it
   had long started), which says nothing of the link; `send_ms` is the total per step, timed the
-  same way; `allreduce_ms`/`allreduce_each_ms` run from the last of the all-reduce's ranks entering
-  it (the slowest replica; for the tied weights' all-reduce before the step, the last stage holding
-  them) to its end on the rank: the wait before counts as idle, as in the simulator (pipedream: from
-  the rank's own entry); the prediction per step is the plan's `allreduce_ms` per replica all-reduce plus `tied_allreduce_ms`
-  (`_allreduces_per_step`); `step_ms` is the optimizer step alone; pipedream's
-  `idle_ms` includes each train_step's fill and drain.
+  same way; `allreduce_ms`/`allreduce_each_ms` are each all-reduce's time from the last of its ranks
+  entering it (the slowest replica; for the tied weights' all-reduce before the step, the last stage
+  holding them): the shortest any of its ranks recorded (`_from_last_arrival`); the wait before counts
+  as idle, as in the simulator (pipedream: from the rank's own entry); the prediction per step is the
+  plan's `allreduce_ms` per replica all-reduce plus `tied_allreduce_ms` (`_allreduces_per_step`);
+  `step_ms` is the optimizer step alone; pipedream's `idle_ms` includes each train_step's fill and drain.
 - `measured.stages[i].peak_memory_bytes`: the most any of the stage's ranks needed during its
   `Engine.memory_step` (the second `train_step` with an optimizer, whose state the first created;
   the first without; measuring slows it, so the run's warm-up reaches to it), as
@@ -196,7 +196,7 @@ def build_run_report(plan: Plan, traces: Sequence[RankTrace], *, batch_size: int
     step_s = {k: ends[k] - origins[k] for k in measured_steps}
     ops = _ops_by_rank_and_step(traces)
     if plan.schedule != "pipedream":
-        ops = _from_last_arrival(plan, ops, shift, {trace.rank: trace.stage for trace in traces})
+        ops = _from_last_arrival(plan, ops, {trace.rank: trace.stage for trace in traces})
 
     def step_events(k: int) -> pd.DataFrame:
         return _events(traces, ops, k, origins[k], shift)
@@ -309,14 +309,16 @@ def _ops_by_rank_and_step(traces: Sequence[RankTrace]) -> dict[tuple[int, int], 
     return grouped
 
 
-def _from_last_arrival(plan: Plan, ops: dict[tuple[int, int], list[OpTime]], shift: dict[int, float],
-                       rank_stage: dict[int, int]) -> dict[tuple[int, int], list[OpTime]]:
-    """`ops` with each all-reduce starting when the last of its ranks entered it (on the common clock), as
-    the simulator plays it: a rank that enters first waits for the others, and that wait is idle time,
-    not the transfer the plan predicts. Flush schedules run per step one all-reduce per replicated stage
-    (of the stage, over its ranks) and, after them, one of the tied weights (over every rank that runs
-    one in the step): matched across ranks by (step, stage) and (step, tied). An op of stage -1 (older
-    traces) is its rank's `rank_stage`."""
+def _from_last_arrival(plan: Plan, ops: dict[tuple[int, int], list[OpTime]], rank_stage: dict[int, int]
+                       ) -> dict[tuple[int, int], list[OpTime]]:
+    """`ops` with each all-reduce starting when the last of its ranks entered it, as the simulator plays
+    it: a rank that enters first waits inside the collective for the others, and that wait is idle time,
+    not the transfer the plan predicts. The last rank in waits for nobody, so the all-reduce's own time is
+    the shortest any of its ranks recorded (on each rank's own clock: no clock skew between hosts enters);
+    every rank's then starts that long before its end. Flush schedules run per step one all-reduce per
+    replicated stage (of the stage, over its ranks) and, after them, the tied weights' (matched over every
+    rank that runs one in the step: one group, as the simulator has it; the engine runs one per tied
+    parameter, each over the ranks holding it). An op of stage -1 (older traces) is its rank's `rank_stage`."""
     def kind(rank: int, op: OpTime, seen: set[int]) -> tuple[Any, ...]:
         index = op.stage if op.stage >= 0 else rank_stage[rank]
         stage = plan.stages[index] if 0 <= index < len(plan.stages) else None
@@ -326,20 +328,16 @@ def _from_last_arrival(plan: Plan, ops: dict[tuple[int, int], list[OpTime]], shi
         return ("tied",)
 
     kinds: dict[tuple[int, int, int], tuple[Any, ...]] = {}  # (rank, step, position) -> its all-reduce
-    entered: dict[tuple[int, tuple[Any, ...]], float] = defaultdict(lambda: -float("inf"))  # (step, kind) -> last
+    shortest: dict[tuple[int, tuple[Any, ...]], float] = defaultdict(lambda: float("inf"))  # (step, kind) -> s
     for (rank, step), rank_ops in ops.items():
         seen: set[int] = set()
         for position, op in sorted(enumerate(rank_ops), key=lambda item: item[1].start_s):
             if op.op == ALLREDUCE:
                 kinds[(rank, step, position)] = found = kind(rank, op, seen)
-                entered[(step, found)] = max(entered[(step, found)], op.start_s + shift[rank])
-    adjusted = {}
-    for (rank, step), rank_ops in ops.items():
-        adjusted[(rank, step)] = [
-            dataclasses.replace(op, start_s=min(max(op.start_s, entered[(step, kinds[(rank, step, position)])]
-                                                    - shift[rank]), op.end_s))
-            if op.op == ALLREDUCE else op for position, op in enumerate(rank_ops)]
-    return adjusted
+                shortest[(step, found)] = min(shortest[(step, found)], op.end_s - op.start_s)
+    return {(rank, step): [dataclasses.replace(op, start_s=op.end_s - shortest[(step, kinds[(rank, step, position)])])
+                           if op.op == ALLREDUCE else op for position, op in enumerate(rank_ops)]
+            for (rank, step), rank_ops in ops.items()}
 
 
 def _events(traces: Sequence[RankTrace], ops: dict[tuple[int, int], list[OpTime]], step: int, start_s: float,

@@ -237,10 +237,12 @@ class _Evaluator:
         return by_depth
 
     def _fewest_fitting(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
-        """The fewest replicas r = k M, k >= 2, whose memory (`memory`, deferred gradients included) fits the
-        limit; inf where none up to the cluster's devices does. Exact by bisection on k: every term of the
-        memory is a non-increasing function of r (ceil(m / r); zb-h1's ceil(D / r) + ceil((P - D) / r) with
-        D = r + downstream; min(ceil((P - D) / r) + 1, ceil(m / r)) deferred), so the fitting r form a ray."""
+        """The fewest replicas r = k M, k >= 2 (k = 1 on a cluster of one group), whose memory (`memory`,
+        deferred gradients included) fits the limit; inf where none up to the cluster's devices does. Exact
+        by bisection on k: with downstream <= P and no negative byte count, every term of the memory is a
+        non-increasing function of r (ceil(m / r); zb-h1's ceil(D / r) + ceil((P - D) / r) with
+        D = r + downstream; min(ceil((P - D) / r) + 1, ceil(m / r)) deferred), so the fitting r form a ray.
+        (`fewest_outer` checks its answer exactly, as for the other schedules' closed forms.)"""
         group, limit = self.inputs.class_size, self.inputs.memory_bytes
         assert limit is not None
         low = np.full(len(pair), 2, dtype=np.int64)  # k that may fit; high: k that fits, or most + 1 (none)

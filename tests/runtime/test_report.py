@@ -576,7 +576,8 @@ def test_an_all_reduce_measures_from_its_last_rank_entering_and_the_wait_before_
     gpt = load_profile(REPO / "profiles" / "gpt.json")
     plan = partition(gpt, make_cluster(8, 4, ("10GB/s", "1GB/s"), memory="100MB"), schedule="1f1b", microbatches=8)
     timeline = simulate(plan, gpt)
-    traces = [entered_on_arrival(trace) for trace in replay_timeline(timeline, 3)]
+    offsets = {rank: 1000.0 * rank - 3.7 for rank in range(8)}  # each rank's own clock
+    traces = [entered_on_arrival(trace) for trace in replay_timeline(timeline, 3, clock_offsets_s=offsets)]
     last = plan.stages[-1]
     waited = [op.end_s - op.start_s for trace in traces if trace.rank in last.ranks for op in trace.ops
               if op.op == "allreduce" and op.step > 0]

@@ -209,6 +209,13 @@ def test_tied_weights_are_summed_by_a_ring_over_every_rank_of_the_stages_holding
     assert tied_allreduce_s(inputs, [(0, 3, 1, False)]) == [0.0]  # one stage holds every user: nothing to sum
     costs = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
     assert [cost.tied_s for cost in costs] == pytest.approx([two, two], rel=REL)
+    # a cluster file with measured all-reduce terms (`planner cluster`): they price it, not the link's
+    level = dataclasses.replace(inputs.cluster.levels[0], allreduce_bandwidth_Bps=4e9, allreduce_latency_s=1e-4)
+    measured = dataclasses.replace(inputs, cluster=dataclasses.replace(inputs.cluster, levels=(level,)))
+    slower = 2 * (2 - 1) * (4e8 / (2 * 4e9) + 1e-4)
+    assert tied_allreduce_s(measured, [(0, 1, 1, False), (1, 3, 1, False)]) == pytest.approx([slower] * 2, rel=REL)
+    replicated = stage_costs(measured, [(0, 1, 2, False), (1, 3, 1, False)])[0].allreduce_s  # the replicas' too
+    assert replicated == pytest.approx(2 * (2 - 1) * (0.0 / (2 * 4e9) + 1e-4), rel=REL)  # W' = 0: all tied
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])

@@ -182,6 +182,25 @@ def test_optimum_matches_brute_force(
     assert solution.devices == fewest  # no plan within TIE of the optimum uses fewer devices
 
 
+def test_zero_bubble_replicas_that_fit_are_the_fewest_a_scan_finds() -> None:
+    # hypothesis's case: zb-h1 keeps ceil(D / r) + ceil((P - D) / r) microbatches in flight, which the old
+    # closed form ceil(P / flights) put up to two groups low (it said no count fits; 6 replicas do)
+    arrays = LayerArrays(compute_s=np.zeros(2), param_bytes=np.array([0.0, 1e6]), cut_bytes=np.zeros(1),
+                         saved_bytes=np.array([0.0, 4e8]))  # one layer of 1 MB weights keeping 400 MB
+    inputs = CostInputs(arrays, make_cluster(8, None, [1e10]), "zb-h1", 11, memory_bytes=1e9)
+    evaluator = _Evaluator(inputs, Pairs(inputs))
+    pair, end = np.zeros(7, dtype=np.int64), np.arange(2, 9)
+    flags, downstream = np.zeros(7, dtype=bool), 8 - end
+    counts = np.arange(2, 9)
+    fits = np.array([[evaluator.memory(pair[:1], np.array([r]), flags[:1], downstream[i:i + 1])[0] <= 1e9
+                      for r in counts] for i in range(7)])
+    assert fits.any()
+    expected = np.where(fits.any(axis=1), counts[np.argmax(fits, axis=1)], np.inf)
+    assert np.array_equal(evaluator._fewest_fitting(pair, flags, downstream), expected)
+    assert np.array_equal(evaluator.fewest_outer(pair, end, flags, downstream, 1.0),
+                          evaluator._fewest_outer_scan(pair, end, flags, downstream, 1.0))
+
+
 @st.composite
 def measured_clusters(draw: st.DrawFn) -> Cluster:
     """`clusters` of 2 or more devices, every one with all-reduce terms of its own (`with_allreduce_terms`)."""
@@ -276,9 +295,9 @@ def test_tie_with_less_recompute_goes_to_fewer_devices() -> None:
 LARGER_CLUSTERS = [
     make_cluster(8, None, [1e10]), make_cluster(16, 8, [3e11, 2.5e10]), make_cluster(8, 2, [1e11, 1e9]),
     make_cluster(12, 2, [1e11, 1e10], latencies=[1e-5, 1e-3]), make_cluster(6, 3, [1e9, 1e11], latencies=[0.0, 1e-3]),
-    replace(make_cluster(8, 2, [1e11, 1e10]), levels=(  # all-reduces priced apart from the links (`planner cluster`)
-        replace(make_cluster(8, 2, [1e11, 1e10]).levels[0], allreduce_bandwidth_Bps=4e10),
-        replace(make_cluster(8, 2, [1e11, 1e10]).levels[1], allreduce_bandwidth_Bps=5e9))),
+    replace(make_cluster(16, 2, [1e11, 1e10]), levels=(  # all-reduces priced apart from the links (`planner
+        replace(make_cluster(16, 2, [1e11, 1e10]).levels[0], allreduce_bandwidth_Bps=4e10),  # cluster`), over
+        replace(make_cluster(16, 2, [1e11, 1e10]).levels[1], allreduce_bandwidth_Bps=5e9))),  # 7 outer counts
 ]
 
 
