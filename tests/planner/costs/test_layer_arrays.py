@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, LayerArrays, batch_scaling_note, interpolate_ms
 from planner.files.profile import LayerProfile, Profile, SizeTimes, load_profile
+from tests.conftest import PROFILES_V1
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_weight_parts_come_from_measured_input_gradients_or_the_assumed_share() -> None:
-    profile = load_profile(REPO / "profiles" / "mlp.json")
+    profile = load_profile(PROFILES_V1 / "mlp.json")
     assumed = LayerArrays.from_profile(profile)
     assert not assumed.weight_measured
     backward = np.array([layer.bwd_ms for layer in profile.layers]) / 1000.0
@@ -32,7 +33,7 @@ def test_weight_parts_come_from_measured_input_gradients_or_the_assumed_share() 
 
 
 def test_zero_bubble_schedules_scale_every_backward_by_the_split_ratio() -> None:
-    profile = load_profile(REPO / "profiles" / "mlp.json")
+    profile = load_profile(PROFILES_V1 / "mlp.json")
     arrays = dataclasses.replace(LayerArrays.from_profile(profile), split_backward_ratio=1.25)
     assert arrays.for_schedule("1f1b") is arrays and arrays.for_schedule("gpipe") is arrays
     split = arrays.for_schedule("zb-h1")
@@ -99,7 +100,7 @@ def test_without_input_gradients_at_every_size_the_backward_keeps_the_profiled_s
 
 
 def test_one_measured_size_gives_exactly_the_arrays_of_before() -> None:
-    profile = load_profile(REPO / "profiles" / "mlp.json")
+    profile = load_profile(PROFILES_V1 / "mlp.json")
     several = _two_layers()
     for size in (1, 3, 8, 64):
         _assert_same_arrays(LayerArrays.at_batch_size(profile, size), LayerArrays.from_profile(profile))

@@ -172,7 +172,9 @@ def test_many_layers_get_at_most_forty_short_tick_labels(gpt: Profile) -> None:
     layers = tuple(dataclasses.replace(template, name=f"model.encoder.layers.{i}.attention_block_with_long_name")
                    for i in range(200))
     big = dataclasses.replace(gpt, layers=layers, workspace_bytes=(gpt.workspace_bytes[3],) * len(layers),
-                              param_tensors=(gpt.param_tensors[3],) * len(layers))
+                              param_tensors=(gpt.param_tensors[3],) * len(layers),
+                              deferred_bytes=(gpt.deferred_bytes[3],) * len(layers) if gpt.deferred_bytes else (),
+                              size_times=())  # (per-layer fields follow the layers; one batch size)
     plan = partition(big, make_cluster(2), schedule="1f1b", microbatches=2)
     _, memory_ax = partition_figure(plan, big).axes
     labels = [label.get_text() for label in memory_ax.get_xticklabels()]

@@ -23,6 +23,7 @@ from planner.files.profile import (
     SizeTimes,
     load_profile,
 )
+from tests.conftest import PROFILES_V1
 
 
 def _profile() -> Profile:
@@ -180,12 +181,23 @@ def test_a_version_1_file_loads_without_input_gradient_times(tmp_path: Path) -> 
     assert document["version"] == PROFILE_VERSION and document["layers"] == list(body["layers"])
 
 
+@pytest.mark.parametrize("path", sorted(PROFILES_V1.glob("*.json")), ids=lambda path: path.name)
+def test_the_first_shipped_profiles_still_load(path: Path) -> None:
+    profile = load_profile(path)
+    assert json.loads(path.read_text())["version"] == 1
+    assert profile.num_layers > 0 and all(layer.bwd_input_ms is None for layer in profile.layers)
+    assert profile.split_backward_ratio is None and profile.size_times == ()
+
+
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[3] / "profiles").glob("*.json")),
                          ids=lambda path: path.name)
-def test_the_shipped_profiles_still_load(path: Path) -> None:
+def test_the_shipped_profiles_measure_what_the_planner_uses(path: Path) -> None:
+    # the split backward (zero-bubble schedules), what it keeps, and several batch sizes (the microbatch size)
     profile = load_profile(path)
-    assert profile.num_layers > 0 and all(layer.bwd_input_ms is None for layer in profile.layers)
-    assert profile.split_backward_ratio is None
+    assert json.loads(path.read_text())["version"] == PROFILE_VERSION
+    assert all(layer.bwd_input_ms is not None for layer in profile.layers)
+    assert profile.split_backward_ratio is not None and profile.deferred_bytes
+    assert [times.batch_size for times in profile.size_times] == [1, 2, 4] and profile.batch_size == 8
 
 
 def test_tables_show_the_input_gradient_share_only_where_measured() -> None:

@@ -25,6 +25,7 @@ from planner.files.pipedream import import_pipedream
 from planner.files.plan import PlanProfileMismatchError, load_plan
 from planner.files.profile import Profile, SizeTimes, load_profile
 from tests.planner.layer_strategies import layer_arrays
+from tests.conftest import PROFILES_V1
 
 PIPEDREAM_DIR = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles"
 PIPEDREAM_FILES = sorted(PIPEDREAM_DIR.glob("*.txt")) if PIPEDREAM_DIR.is_dir() else []
@@ -338,7 +339,7 @@ def test_a_global_batch_with_a_fixed_microbatch_size_fixes_the_count() -> None:
 def test_a_profile_of_several_batch_sizes_prices_a_microbatch_between_them_by_interpolation() -> None:
     """Measured at 2 samples in half the time of 8 (not a quarter): a microbatch of 4 costs a third of the way
     from 2's time to 8's, under 1f1b and, its backward scaled by the split's cost, under zb-h1; 8 as before."""
-    mlp = load_profile(Path(__file__).resolve().parents[3] / "profiles" / "mlp.json")
+    mlp = load_profile(PROFILES_V1 / "mlp.json")  # one size measured, no split backward
     fwd_ms, bwd_ms = sum(layer.fwd_ms for layer in mlp.layers), sum(layer.bwd_ms for layer in mlp.layers)
     half = SizeTimes(batch_size=2, fwd_ms=tuple(0.5 * layer.fwd_ms for layer in mlp.layers),
                      bwd_ms=tuple(0.5 * layer.bwd_ms for layer in mlp.layers))
@@ -369,10 +370,10 @@ def test_auto_takes_a_chunked_schedule_where_it_simulates_faster_at_the_count_of
     cluster = make_cluster(2, None, ["10GB/s"])
     plan = partition(gpt, cluster, straight=True)
     assert plan.schedule == "interleaved-1f1b" and plan.chunks > 1
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):  # the profile measured the split backward: zb too
         other = partition(gpt, cluster, straight=True, schedule=schedule, microbatches=plan.microbatches)
         assert plan.predicted.samples_per_s > other.predicted.samples_per_s
-    assert any(note.startswith("--schedule auto tried interleaved-1f1b at one microbatch count") for note in
+    assert any(note.startswith("--schedule auto tried interleaved-1f1b, zbv at one microbatch count") for note in
                plan.notes)
     fixed = partition(gpt, cluster, straight=True, microbatches=plan.microbatches)
     assert fixed.schedule == plan.schedule and not any("at one microbatch count" in note for note in fixed.notes)
