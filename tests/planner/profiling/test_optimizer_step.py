@@ -1,0 +1,45 @@
+"""The optimizer step's timing: each step timed right after a backward into cleared gradients, as training steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.profiling.optimizer_step import OPTIMIZERS, time_optimizer_steps
+
+
+class CountingClock:
+    """A host clock whose marks count up by one: every timed step reads 1 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def mark(self) -> int:
+        self.now += 1
+        return self.now
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
+def test_every_timed_step_follows_a_backward_into_cleared_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    inputs = torch.randn(4, 8)
+    seen: list[bool] = []  # per backward: whether the gradients were cleared before it (set to None)
+
+    def backward() -> None:
+        seen.append(all(parameter.grad is None for parameter in model.parameters()))
+        model(inputs).sum().backward()
+
+    iters = 3
+    found, scratch, per_tensor = time_optimizer_steps(model, backward, CountingClock(), iters, torch.device("cpu"))
+    assert set(found) == set(scratch) == set(per_tensor) == set(OPTIMIZERS)
+    assert found == {name: 1.0 for name in OPTIMIZERS}  # one clock tick per step: nothing else is timed
+    assert len(seen) == 1 + len(OPTIMIZERS) * iters  # the first, then one before each timed step
+    assert seen[1:] == [True] * (len(OPTIMIZERS) * iters)  # into gradients the step before cleared
