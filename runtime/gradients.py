@@ -46,9 +46,10 @@ def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequ
 
     A tied parameter's group holds each rank of its stages once: a rank running several of those stages
     (interleaved-1f1b) holds one Parameter object for them, whose `.grad` autograd already sums, so it
-    takes part once; a parameter whose users all lie on one rank (zbv puts gpt's embedding and head on rank 0)
-    is an ordinary one there, with no group. `tied` follows `shared`'s order on every rank (all-reducing the groups in one order
-    cannot deadlock). A rank of several stages needs one replica per stage (one replica group at most).
+    takes part once; a parameter whose users all lie on one rank (zbv puts gpt's embedding and head on
+    rank 0) is an ordinary one there, with no group. `tied` follows `shared`'s order on every rank
+    (all-reducing the groups in one order cannot deadlock). A rank of several stages needs one replica per
+    stage (one replica group at most).
     """
     replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
     holders = [sorted({rank for held_by in held.stages for rank in stage_ranks[held_by]}) for held in shared]

@@ -227,8 +227,8 @@ def cluster_from_dict(body: dict[str, Any], source: str = "<dict>") -> Cluster:
 
     Hand-written files may give `bandwidth` as text ("300GB/s") instead of `bandwidth_Bps`,
     `latency` as text ("20us") instead of `latency_s` (neither: 0), and `memory` as text ("80GB")
-    instead of `memory_bytes`; `allreduce_bandwidth_Bps` and `allreduce_latency_s` are optional. Other fields (e.g. the measurements `planner cluster` writes) are kept
-    out of the Cluster.
+    instead of `memory_bytes`; `allreduce_bandwidth_Bps` and `allreduce_latency_s` are optional. Other
+    fields (e.g. the measurements `planner cluster` writes) are kept out of the Cluster.
     """
     try:
         levels = []

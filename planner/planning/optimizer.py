@@ -193,7 +193,7 @@ class _Evaluator:
         replicas = np.maximum(-(-replicas // group) * group, 2 * group)
         p = self.pairs
         compute = p.both[pair] + np.where(recompute, p.fwd[pair], 0.0)
-        allreduce = allreduce_s(p.replicated[pair], replicas, self.ar_top, self.ar_top_latency)  # every link is outermost
+        allreduce = allreduce_s(p.replicated[pair], replicas, self.ar_top, self.ar_top_latency)  # all outermost
         comm = self.outer_comm[pair]
         _, q = time_terms(self.inputs.schedule, self.inputs.microbatches, replicas, compute, comm, comm, allreduce,
                           step_terms(self.inputs, p.weights[pair], p.tensors[pair]),
@@ -206,7 +206,8 @@ class _Evaluator:
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """Lower bound on replicas from memory: n(r) microbatches in flight must fit, and so must the
         optimizer step's scratch (see schedule_cost); inf where nothing fits. zb-h1's in-flight count
-        ceil(D / r) + ceil((P - D) / r) has no closed-form inverse: there it is the exact fewest (`_fewest_fitting`)."""
+        ceil(D / r) + ceil((P - D) / r) has no closed-form inverse: there it is the exact fewest
+        (`_fewest_fitting`)."""
         inputs, p = self.inputs, self.pairs
         if inputs.memory_bytes is None:
             return np.zeros(len(pair))

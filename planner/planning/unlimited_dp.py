@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs.schedule_cost import (
-    CostInputs, Stage, accumulate_terms, allreduce_s, allreduce_terms, link_terms, step_terms, time_terms, transfer_s,
+    CostInputs, Stage, accumulate_terms, allreduce_s, allreduce_terms, link_terms, step_terms, time_terms,
+    transfer_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs

@@ -12,7 +12,7 @@ import pytest
 from planner.errors import PlannerError
 from planner.files.cluster import load_cluster
 from planner.profiling.links import fit_allreduce
-from runtime.cluster_probe import _nodes
+from runtime.cluster_probe import _nodes, summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +61,12 @@ def test_one_process_cannot_measure_a_link(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.startswith("error: --nproc must be at least 2")
     assert not (tmp_path / "c.json").exists()
+
+
+def test_the_summary_says_which_terms_price_the_all_reduces() -> None:
+    link = {"name": "node", "size": 2, "bandwidth_Bps": 2e9, "latency_s": 1e-4}
+    body = {"levels": [link], "measured": {"link_only": {"levels": [link]}, "allreduce_s": [[4, 3e-4, 2e-4]]}}
+    assert "priced by the link's terms" in summary(body)  # the times gave no fit: none written
+    fitted = {**link, "allreduce_bandwidth_Bps": 1e9, "allreduce_latency_s": 1.5e-4}
+    text = summary({**body, "levels": [fitted]})
+    assert "priced as a ring at 1 GB/s + 150 us" in text and "link's terms" not in text

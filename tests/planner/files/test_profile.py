@@ -68,7 +68,8 @@ def test_the_workspace_enters_the_digest_only_where_it_was_measured() -> None:
 def test_the_split_backward_and_other_batch_sizes_enter_the_digest_where_measured() -> None:
     """A plan priced with a split's cost, deferred bytes or times at other sizes belongs to those measurements."""
     older = _profile()
-    for changed in (dict(split_backward_ratio=1.2), dict(deferred_bytes=(0, 5, 7)), dict(size_times=_sized().size_times)):
+    for changed in (dict(split_backward_ratio=1.2), dict(deferred_bytes=(0, 5, 7)),
+                    dict(size_times=_sized().size_times)):
         assert profile_digest(dataclasses.replace(older, **changed)) != profile_digest(older)
 
 

@@ -337,7 +337,8 @@ def test_stage_grid_matches_the_evaluator(
 
 
 @settings(max_examples=200, deadline=None)
-@given(arrays=layer_arrays(), cluster=st.sampled_from(LARGER_CLUSTERS[:3] + LARGER_CLUSTERS[5:] + [make_cluster(4, None, [1e9])]),
+@given(arrays=layer_arrays(),
+       cluster=st.sampled_from(LARGER_CLUSTERS[:3] + LARGER_CLUSTERS[5:] + [make_cluster(4, None, [1e9])]),
        schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 32),
        memory=st.sampled_from([None, 1e9, 4e9, 1.6e10]), recompute=st.booleans(), data=st.data())
 def test_fewest_outer_closed_forms_match_the_scan(
