@@ -1,7 +1,7 @@
 """Measured against predicted on the default path a user takes: no hand-set bandwidth, no calibration.
 
     python benchmarks/measured_vs_predicted.py [--steps 12] [--models mlp gpt resnet gpt2]
-                                               [--schedules gpipe 1f1b] [--keep DIR]
+                                               [--schedules gpipe 1f1b] [--gpus 2] [--keep DIR]
 
 In a fresh folder, exactly the commands of the README, with their defaults:
 
@@ -15,8 +15,15 @@ In a fresh folder, exactly the commands of the README, with their defaults:
 6. the report's ratios measured / predicted: the iteration, each stage's compute per microbatch,
    its transfers per microbatch, its optimizer step and its peak memory (second step, the first with optimizer state).
 
-Models: examples/mlp.py, examples/gpt.py, examples/resnet.py and benchmarks/models/gpt2.py (a
-transformers GPT-2 that no test or example uses). The lines `planner train` printed about
+`--gpus 1` (a machine with one GPU, where NCCL cannot put two ranks on the device) skips step 1 and
+partitions with `--gpus 1` instead (the default cluster; `--memory` in step 5): one stage whose
+microbatches accumulate gradients, so the table checks compute, optimizer step and peak memory.
+On a GPU machine the profile and the training run on the GPU by default (`--device auto`).
+
+Models: examples/mlp.py, examples/gpt.py, examples/resnet.py, benchmarks/models/gpt2.py (a
+transformers GPT-2 that no test or example uses) and benchmarks/models/gpt2_medium.py (the same
+at width 1024, 12 layers, context 512: big enough for a GPU's kernels to dominate; not a default,
+it takes minutes per step on CPU). The lines `planner train` printed about
 conditions that differ from the profile's are shown under the table. Takes about 3 minutes on
 the 2-core CPU machine; absolute times on a shared machine drift by tens of percent within
 minutes, so compare ratios, and rerun before reading much into one.
@@ -38,7 +45,9 @@ from planner.files.run_report import RunReport, load_run_report
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
-          "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py"}
+          "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
+          "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py"}
+DEFAULT_MODELS = ("mlp", "gpt", "resnet", "gpt2")
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = 4
 TIMEOUT_S = 600
@@ -67,29 +76,34 @@ def row(model: str, schedule: str, report: RunReport) -> list[str]:
     return cells
 
 
-def with_memory(folder: Path, memory_bytes: int) -> str:
-    """A copy of the measured cluster file whose devices have `memory_bytes` each; its name."""
+def cluster_arguments(folder: Path, gpus: int, memory_bytes: int | None = None) -> list[str]:
+    """`planner partition`'s cluster options: the measured cluster file (a copy whose devices have
+    `memory_bytes` each, when given), or on one GPU `--gpus 1` (and `--memory`)."""
+    if gpus == 1:
+        return ["--gpus", "1", *([] if memory_bytes is None else ["--memory", str(memory_bytes)])]
+    if memory_bytes is None:
+        return ["--cluster", "cluster.json"]
     cluster = json.loads((folder / "cluster.json").read_text())
     cluster["memory_bytes"] = memory_bytes
     (folder / "cluster-small.json").write_text(json.dumps(cluster))
-    return "cluster-small.json"
+    return ["--cluster", "cluster-small.json"]
 
 
-def recompute_row(model: str, schedule: str, free_plan: str, steps: int, folder: Path) -> list[str]:
+def recompute_row(model: str, schedule: str, free_plan: str, steps: int, gpus: int, folder: Path) -> list[str]:
     """The same path on devices halfway between the least memory any plan needs (with recompute; the planner
     says it when asked for the least it accepts) and what the plan without a limit needs: the planner recomputes
     activations where they no longer fit."""
     needed = max(stage["memory_bytes"] for stage in json.loads((folder / free_plan).read_text())["stages"])
     arguments = ("--straight", "--schedule", schedule, "--microbatches", str(MICROBATCHES))
-    refused = subprocess.run([sys.executable, "-m", "planner", "partition", f"{model}.json", "--cluster",
-                              with_memory(folder, MIN_MEMORY_BYTES), *arguments, "--out", "refused.json"],
+    refused = subprocess.run([sys.executable, "-m", "planner", "partition", f"{model}.json",
+                              *cluster_arguments(folder, gpus, MIN_MEMORY_BYTES), *arguments, "--out", "refused.json"],
                              cwd=folder, capture_output=True, text=True, timeout=TIMEOUT_S)
     least = re.search(r"smallest memory that admits a plan is ([0-9.]+) GB", refused.stderr)
     if least is None:
         sys.exit(f"`planner partition` did not name the least memory for {model}:\n{refused.stderr[-2000:]}")
     limit = int((float(least.group(1)) * 1e9 + needed) / 2)
     plan, report = f"{model}-{schedule}-small.json", f"{model}-{schedule}-small.report.json"
-    planner("partition", f"{model}.json", "--cluster", with_memory(folder, limit), *arguments, "--out", plan,
+    planner("partition", f"{model}.json", *cluster_arguments(folder, gpus, limit), *arguments, "--out", plan,
             folder=folder)
     flags = "".join("r" if stage["recompute"] else "-" for stage in json.loads((folder / plan).read_text())["stages"])
     planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
@@ -99,7 +113,8 @@ def recompute_row(model: str, schedule: str, free_plan: str, steps: int, folder:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
+    parser.add_argument("--gpus", type=int, default=2, help="processes (GPUs); 1 plans one stage, no cluster probe")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep its files")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -108,30 +123,29 @@ def main() -> None:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="default-path-"))
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    planner("cluster", "--out", "cluster.json", folder=folder)
-    rows, warnings = [], []
+    if args.gpus > 1:
+        planner("cluster", "--nproc", str(args.gpus), "--out", "cluster.json", folder=folder)
+    headers = ["model", "schedule", "predicted ms", "measured ms", "iteration", "compute per stage",
+               "transfers per stage", "optimizer step per stage", "peak memory per stage"]
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers), flush=True)
+    warnings = []
     for model in args.models:
         planner("profile", str(MODELS[model]), "--out", f"{model}.json", folder=folder)
         for schedule in args.schedules:
             plan = f"{model}-{schedule}.json"
-            planner("partition", f"{model}.json", "--cluster", "cluster.json", "--straight", "--schedule", schedule,
-                    "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
+            planner("partition", f"{model}.json", *cluster_arguments(folder, args.gpus), "--straight",
+                    "--schedule", schedule, "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
             said = planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(args.steps), "--report",
                            f"{model}-{schedule}.report.json", folder=folder)
             warnings += [f"{model} {schedule}: {line}" for line in said.splitlines()
                          if line.startswith(("warning:", "note:"))]
-            rows.append(row(model, schedule, load_run_report(folder / f"{model}-{schedule}.report.json")))
-            print(f"  {model} {schedule} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            rows = [row(model, schedule, load_run_report(folder / f"{model}-{schedule}.report.json"))]
             if args.recompute:
-                rows.append(recompute_row(model, schedule, plan, args.steps, folder))
-                print(f"  {model} {schedule} with recompute done ({time.perf_counter() - started:.0f} s)",
-                      file=sys.stderr)
-    headers = ["model", "schedule", "predicted ms", "measured ms", "iteration", "compute per stage",
-               "transfers per stage", "optimizer step per stage", "peak memory per stage"]
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
+                rows.append(recompute_row(model, schedule, plan, args.steps, args.gpus, folder))
+            for cells in rows:  # each row as soon as it is measured: a run cut short keeps what it found
+                print("| " + " | ".join(cells) + " |", flush=True)
+            print(f"  {model} {schedule} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     print(f"\n(measured / predicted; {args.steps} steps, the first two a warm-up; {time.perf_counter() - started:.0f} s; "
           f"files in {folder})")
     for line in warnings or ["(planner train printed no warning about conditions)"]:

@@ -78,7 +78,9 @@ def profile(
         "8", "--batch-size", "-b", help="Samples per mini-batch; a comma list such as 1,2,4,8 also times the layers at "
         "the smaller sizes (everything else at the largest), and plans interpolate between them.",
     ),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    device: str = typer.Option(
+        "auto", help="auto (what `planner train` uses: the GPU where torch sees one, else the CPU), cpu, cuda or cuda:N.",
+    ),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),
     iters: int = typer.Option(10, help="Measured steps; times are medians over them."),
@@ -461,11 +463,11 @@ def _plan_and_profile(plan_file: str, profile_file: str | None) -> tuple[Plan, P
 
 
 def main() -> None:
-    """Console-script entry point. `planner profile` on CPU first re-executes itself with the glibc
-    settings that `planner train` gives its workers (`profiling.conditions.steady_malloc`): glibc
-    reads them only when a process starts, and times measured under other ones differ by 5-10%."""
+    """Console-script entry point. `planner profile` first re-executes itself with the glibc settings
+    that `planner train` gives its workers (`profiling.conditions.steady_malloc`): glibc reads them
+    only when a process starts, and CPU times measured under other ones differ by 5-10%."""
     arguments = sys.argv[1:]
-    if arguments[:1] == ["profile"] and not any(argument.startswith("cuda") for argument in arguments):
+    if arguments[:1] == ["profile"]:
         from planner.profiling.conditions import steady_malloc
 
         steady_malloc(["-m", "planner", *arguments])

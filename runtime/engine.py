@@ -80,7 +80,7 @@ from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, des
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
 from runtime.stages import StageSplitError, Stages, build_stages
-from runtime.trace import OpTime
+from runtime.trace import OpTime, StepClock
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
@@ -367,27 +367,35 @@ class Engine:
     def _run(self, chunks: list[Any], targets: list[Any], shares: list[float],
              slots: list[tuple[int, Any]]) -> float | None:
         """Walk this rank's program once (`run_program`, messages through `_StepMessages`); returns the loss on
-        the last stage. Every action but a send is timed here (sends in the sender thread)."""
+        the last stage. Every action but a send is timed here (sends in the sender thread) with a `StepClock`:
+        on a GPU by CUDA events, since kernels run after their launch returns (on an H200 a GPT-2's forwards
+        read 94 ms a step and its backwards 8 ms by the host's clock, which waited for the backwards at the
+        next forward's loss)."""
         pipedream = self.schedule.name == "pipedream"
         step, ops = len(self.step_spans), []
         self._collect_transfers()
         self._ops.append((step, ops))
-        started = [0.0]
+        clock = StepClock(self.device)
+        timed: list[tuple[Any, ...]] = []  # OpTime's fields with the clock's marks for start_s and end_s
+        started: list[Any] = [None]
 
         def before(action: Action) -> None:
             self._where = (action.stage, action.microbatch if action.microbatch >= 0 else None)
-            started[0] = time.perf_counter()
+            started[0] = clock.mark()
 
         def after(action: Action) -> None:
             if action.op not in SENDS or action.peer == self.rank:
-                ops.append(OpTime(step, action.op, action.iteration, action.microbatch, action.peer, started[0],
-                                       time.perf_counter(), action.stage))
+                timed.append((step, action.op, action.iteration, action.microbatch, action.peer, started[0],
+                              clock.mark(), action.stage))
 
         scales = [1.0] * len(shares) if pipedream else shares
-        messages = _StepMessages(self, step, slots, ops, started)
+        messages = _StepMessages(self, step, slots, clock, timed, started)
         run_program(self.program.actions, self.runners, messages, chunks, targets, scales, before, after)
         self._where = None
-        return self._loss(shares) if self.schedule.num_stages - 1 in self.runners else None
+        loss = self._loss(shares) if self.schedule.num_stages - 1 in self.runners else None
+        starts, ends = clock.seconds([fields[5] for fields in timed]), clock.seconds([fields[6] for fields in timed])
+        ops.extend(OpTime(*fields[:5], start, end, fields[7]) for fields, start, end in zip(timed, starts, ends))
+        return loss
 
     def _take(self, key: Hashable, peer: int, what: str) -> Any:
         """The message `key` from `peer` out of the mailbox; RankMissing after `timeout_s` s of waiting."""
@@ -420,17 +428,16 @@ class Engine:
             self._mailbox.put(("gradient structure", key), gradient_structure(structure))
         self._links.send(peer, value, with_structure=known is None, tag=(*tag, peer))
 
-    def _step(self, ops: list[OpTime], step: int, action: Action) -> float:
+    def _step(self, clock: StepClock, timed: list[tuple[Any, ...]], step: int, action: Action) -> Any:
         """Sum tied parameters' gradients across their stages, then step the optimizer (if any); returns
-        when the step began (`perf_counter`). The tied all-reduce, if any, goes into `ops` as an ALLREDUCE
-        op of microbatch -1 (it waits for every stage holding the tie)."""
+        the clock's mark of when the step began. The tied all-reduce, if any, goes into `timed` as an
+        ALLREDUCE op of microbatch -1 (it waits for every stage holding the tie)."""
         if self._gradients.tied:
-            start = time.perf_counter()
+            start = clock.mark()
             for parameter, group in self._gradients.tied:
                 self._all_reduce([parameter], group)
-            ops.append(OpTime(step, ALLREDUCE, action.iteration, -1, None, start, time.perf_counter(),
-                                   action.stage))
-        began = time.perf_counter()
+            timed.append((step, ALLREDUCE, action.iteration, -1, None, start, clock.mark(), action.stage))
+        began = clock.mark()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -572,10 +579,11 @@ def _mailbox_key(action: Action) -> tuple[str, Key]:
 class _StepMessages:
     """`run_program`'s Transport for one train_step of an engine: point-to-point links and process groups."""
 
-    def __init__(self, engine: Engine, step: int, slots: list[tuple[int, Any]], ops: list[OpTime],
-                 started: list[float]) -> None:
+    def __init__(self, engine: Engine, step: int, slots: list[tuple[int, Any]], clock: StepClock,
+                 timed: list[tuple[Any, ...]], started: list[Any]) -> None:
         self.engine, self.step_index, self.slots = engine, step, slots
-        self.ops, self.started = ops, started  # this step's timed ops; when the running action began
+        # the step's clock, its timed ops (`Engine._run`) and the mark of when the running action began
+        self.clock, self.timed, self.started = clock, timed, started
 
     def receive(self, action: Action) -> Any:
         """The activation or gradients from the action's peer; RankMissing when it stops answering."""
@@ -612,7 +620,7 @@ class _StepMessages:
         STEP action). The STEPs of its other stages do nothing: its tied all-reduces run together, in one
         order on every rank (`make_rank_gradient_groups`), which per-stage all-reduces could not keep."""
         if action.stage == self.engine.stages[-1]:
-            self.started[0] = self.engine._step(self.ops, self.step_index, action)
+            self.started[0] = self.engine._step(self.clock, self.timed, self.step_index, action)
 
 
 def _make_links(schedule: Schedule) -> dict[tuple[int, int], Any]:

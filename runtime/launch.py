@@ -38,12 +38,11 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
         raise TrainingError(f"--nproc must be at least 1, got {count}")
     setup = check_setup(options, 0, count, 0)
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
-    device_type = setup.device.type
     del setup  # the workers build their own models
     profiled = _profile_conditions(plan)
     threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
-        run_module("runtime.train", argv, count, cpu=device_type == "cpu", threads=threads,
+        run_module("runtime.train", argv, count, threads=threads,
                    before=lambda training: _warn_differences(profiled, training, plan.profile.path))
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
@@ -54,25 +53,22 @@ def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
     docstring of `runtime.cluster_probe`), with the workers' threads and malloc settings of `launch`."""
     if nproc < 2:
         raise PlannerError(f"--nproc must be at least 2 to measure a link between two processes, got {nproc}")
-    import torch
-
     try:
-        run_module("runtime.cluster_probe", ["--out", out, *(["--quick"] if quick else [])], nproc,
-                   cpu=not torch.cuda.is_available())
+        run_module("runtime.cluster_probe", ["--out", out, *(["--quick"] if quick else [])], nproc)
     except ChildFailedError as exc:
         raise PlannerError(f"measuring the cluster failed: {_failures(exc)}; each rank's own error is above") from None
 
 
-def run_module(module: str, argv: Sequence[str], count: int, cpu: bool, threads: int | None = None,
+def run_module(module: str, argv: Sequence[str], count: int, threads: int | None = None,
                before: Callable[[dict[str, Any]], None] | None = None) -> None:
     """`python -m MODULE *argv` on `count` processes under torchrun's launcher (`--standalone`);
     each worker gets `threads` torch threads (default cores // count; `OMP_NUM_THREADS` wins if
-    set) and, on CPU, `planner.profiling.conditions.STEADY_MALLOC` glibc settings. `before` sees
-    the workers' conditions (`conditions.current_conditions`) first. ChildFailedError when a worker fails."""
+    set) and `planner.profiling.conditions.STEADY_MALLOC` glibc settings (as `planner profile`
+    has, on CPU and GPU alike: they matter to host-side steps only). `before` sees the workers'
+    conditions (`conditions.current_conditions`) first. ChildFailedError when a worker fails."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
-    if cpu:
-        for name, value in STEADY_MALLOC.items():
-            os.environ.setdefault(name, value)
+    for name, value in STEADY_MALLOC.items():
+        os.environ.setdefault(name, value)
     if before is not None:
         before(current_conditions(int(os.environ["OMP_NUM_THREADS"])))
     from torch.distributed.run import get_args_parser, run

@@ -1,7 +1,8 @@
 """What one rank of the engine did and when: an `OpTime` per schedule action, for run reports.
 
 Times are `time.perf_counter()` seconds on the rank's own clock (CLOCK_MONOTONIC on Linux: one
-clock for every process of a machine). `clock_offset_s()` turns them into wall-clock seconds
+clock for every process of a machine); on a GPU the engine's compute actions are timed by CUDA
+events and placed on that clock (`StepClock`), so an action spans its kernels, not their launches. `clock_offset_s()` turns them into wall-clock seconds
 (`time.time()`), to line up ranks of several machines.
 
 - `forward`, `backward`: the compute thread running the stage (with the recomputed forward of a
@@ -19,8 +20,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Sequence
 
-__all__ = ["OpTime", "clock_offset_s"]
+import torch
+
+__all__ = ["OpTime", "StepClock", "clock_offset_s"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,40 @@ class OpTime:
     start_s: float
     end_s: float
     stage: int = -1
+
+
+class StepClock:
+    """Marks that time one step's actions, read as `perf_counter` seconds once the step is over.
+
+    On a CPU a mark is `time.perf_counter()`. On a GPU it is a CUDA event recorded on the current
+    stream: it fires when the kernels launched before it have run, and no synchronization between
+    actions stops the host from launching ahead of the device. The clock synchronizes the device
+    when it is made and records its origin event then, at `origin_s` by the host's clock (the device
+    idle, the event fires at once); `seconds` synchronizes again and places each event at
+    origin_s + its time since the origin (`torch.cuda.Event.elapsed_time`, ms).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else None
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self.origin_s = time.perf_counter()
+            self.origin = self.mark()
+
+    def mark(self) -> Any:
+        """Now, on the host (float seconds) or on the device's current stream (a CUDA event)."""
+        if self.device is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, marks: Sequence[Any]) -> list[float]:
+        """The marks as `perf_counter` seconds (on a GPU, after waiting for the device to finish)."""
+        if self.device is None:
+            return list(marks)
+        torch.cuda.synchronize(self.device)
+        return [self.origin_s + self.origin.elapsed_time(mark) / 1000.0 for mark in marks]
 
 
 def clock_offset_s(readings: int = 32) -> float:

@@ -13,11 +13,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """`cpu`, `cuda` or `cuda:N` as a torch.device that exists here, else DeviceError."""
+    """`auto`, `cpu`, `cuda` or `cuda:N` as a torch.device that exists here, else DeviceError.
+
+    `auto` is the device `planner train` runs on by default: the current GPU where torch sees one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise DeviceError(name, "not a device name; use cpu, cuda or cuda:N") from None
+        raise DeviceError(name, "not a device name; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != "cuda":

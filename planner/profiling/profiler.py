@@ -70,7 +70,7 @@ class ProfileSettings:
 
     batch_size: int = 8
     other_batch_sizes: tuple[int, ...] = ()
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "float32"
     warmup: int = 3
     iters: int = 10

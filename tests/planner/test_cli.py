@@ -260,7 +260,7 @@ def test_profile_unknown_split_point_on_mlp(tmp_path: Path) -> None:
 def test_profile_error_raised_while_profiling_is_the_only_stderr_output(tmp_path: Path) -> None:
     path = write(tmp_path, TINY)
     result = profile(tmp_path, path, *FAST, "--device", "nonsense")
-    assert result.stderr == "error: device 'nonsense': not a device name; use cpu, cuda or cuda:N\n"
+    assert result.stderr == "error: device 'nonsense': not a device name; use auto, cpu, cuda or cuda:N\n"
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
 from planner.files.plan import Plan, load_plan
 from planner.files.profile import load_profile
+from planner.files.run_report import load_run_report
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import TrainingError, check_setup, parse_args, rank_count, warmup_steps
 from runtime.train import main as train_main  # (its checks, in this process)
@@ -171,28 +172,29 @@ def resumed_run(source: Path, step: int, plan: Path, nproc: int, steps: int,
     return resumed
 
 
-def single_device_training(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The mlp's state_dict and losses after `steps` SGD steps (lr 0.01, momentum 0.9: runtime.train's) on one
-    device, on the model file's data_loader batches of 4 x MICROBATCH (8 an epoch: the second is reshuffled)."""
+def single_device_training(steps: int, device: str = "cpu") -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The mlp's state_dict (on the CPU) and losses after `steps` SGD steps (lr 0.01, momentum 0.9: runtime.train's)
+    on one `device`, on the model file's data_loader batches of 4 x MICROBATCH (8 an epoch: the second is
+    reshuffled); the model is built on the CPU after seeding, as runtime.train builds it."""
     source = model_file("mlp")
     torch.manual_seed(0)
-    model = source.build_model()
+    model = source.build_model().to(device)
     loader = source.data_loader(4 * MICROBATCH)
     batches = [*loader, *loader][:steps]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     expected_losses = []
     for inputs, target in batches:
-        loss = default_loss(model(inputs), target)
+        loss = default_loss(model(inputs.to(device)), target.to(device))
         expected_losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return model.state_dict(), expected_losses
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}, expected_losses
 
 
-def assert_trained_as_on_one_device(run_folder: Path, steps: int) -> None:
-    """The run's newest checkpoint, exported to one state_dict, and its losses equal `steps` steps on one device."""
-    expected_state, expected_losses = single_device_training(steps)
+def assert_trained_as_on_one_device(run_folder: Path, steps: int, device: str = "cpu") -> None:
+    """The run's newest checkpoint, exported to one state_dict, and its losses equal `steps` steps on one `device`."""
+    expected_state, expected_losses = single_device_training(steps, device)
     exported = export_checkpoint(run_folder / "checkpoints")
     fresh = model_file("mlp").build_model()
     fresh.load_state_dict(exported)  # strict: every name of the model, nothing else
@@ -207,6 +209,19 @@ def assert_trained_as_on_one_device(run_folder: Path, steps: int) -> None:
 def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> None:
     """The checkpoint of step 10, exported to one state_dict, equals 10 SGD steps on one device."""
     assert_trained_as_on_one_device(uninterrupted, 10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_one_gpu_plan_trains_on_the_gpu_as_plain_pytorch_there(tmp_path: Path) -> None:
+    """`--device auto` on a machine with a GPU: NCCL, the GPU, gradients of 4 microbatches accumulated; the
+    weights and losses of plain PyTorch on that GPU, and the peak memory read from CUDA's allocator."""
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(1), schedule="1f1b",
+                     microbatches=4).save(tmp_path / "plan.json")
+    checkpointed_run(plan, tmp_path, 4)
+    assert_trained_as_on_one_device(tmp_path, 4, device="cuda")
+    report = load_run_report(tmp_path / "report.json")
+    assert report.memory_method == "cuda-allocator"
+    assert report.measured[0].peak_memory_bytes > 0 and report.predicted[0].peak_memory_bytes > 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The CUDA paths on a machine with one GPU, in one script for a lent device: the suite's GPU-only tests, then the
+# default path measured against predicted on the GPU (measured_vs_predicted.py --gpus 1), then a profile at
+# microbatch sizes 1-8 (how far from linear the GPU's times are). Models as arguments (default below).
+#     OUT=folder bash benchmarks/cuda_path.sh [gpt2-medium gpt2 gpt ...]
+set -uo pipefail
+out=${OUT:-/tmp/cuda-path}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+models=("${@:-gpt2-medium gpt2 gpt}")
+python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+echo "== GPU-only tests"
+timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/runtime/test_rng.py \
+    tests/runtime/test_train.py tests/runtime/test_trace.py tests/planner/profiling/test_profiler.py 2>&1 | tail -25
+echo "== measured vs predicted on one GPU"
+timeout "${PATH_S:-230}" python3 benchmarks/measured_vs_predicted.py --gpus 1 --schedules 1f1b --steps 12 \
+    ${MVP_FLAGS:-} --models ${models[*]} --keep /tmp/mvp 2>&1 | tee "$out/measured_vs_predicted.txt"
+cp /tmp/mvp/gpt2-medium.json /tmp/mvp/gpt2-medium-1f1b.report.json "$out/" 2>/dev/null
+python3 - ${models[*]} <<'PY'
+import sys
+from planner.files.profile import load_profile
+from planner.files.run_report import load_run_report
+print("| model | forward ms measured / profiled | backward ms measured / profiled | library MiB |")
+print("|---|---|---|---|")
+for model in sys.argv[1:]:
+    try:
+        profile, report = load_profile(f"/tmp/mvp/{model}.json"), load_run_report(f"/tmp/mvp/{model}-1f1b.report.json")
+    except Exception as exc:
+        print(f"| {model} | not measured: {exc} | | |")
+        continue
+    found = report.measured[0]
+    print(f"| {model} | {found.forward_ms:.2f} / {profile.total_fwd_ms:.2f} | {found.backward_ms:.2f} / "
+          f"{profile.total_bwd_ms:.2f} | {profile.library_bytes / 2**20:.1f} |")
+PY
+[ "${SIZES_S:-60}" = 0 ] && exit 0
+echo "== gpt2-medium at microbatch sizes 1, 2, 4, 8"
+timeout "${SIZES_S:-60}" python3 -m planner profile benchmarks/models/gpt2_medium.py --batch-size 1,2,4,8 \
+    --out "$out/gpt2-medium-sizes.json" 2>&1 | tail -4
+python3 - "$out/gpt2-medium-sizes.json" <<'PY'
+import sys
+from planner.files.profile import load_profile
+try:
+    profile = load_profile(sys.argv[1])
+except Exception as exc:
+    sys.exit(f"no profile at sizes 1-8: {exc}")
+full = profile.total_fwd_ms + profile.total_bwd_ms
+print(f"batch {profile.batch_size}: layers {full:.3f} ms, step {profile.step_ms:.3f} ms")
+for sized in profile.size_times:
+    layers = sum(sized.fwd_ms) + sum(sized.bwd_ms)
+    print(f"batch {sized.batch_size}: layers {layers:.3f} ms, step {sized.step_ms:.3f} ms; "
+          f"x{layers / full * profile.batch_size / sized.batch_size:.2f} of linear scaling from batch {profile.batch_size}")
+PY
