@@ -99,7 +99,9 @@ class Profile:
     """Measurements of a model's layers on one device at one mini-batch size.
 
     `step_ms` is the median end-to-end training step (forward, loss and backward; no optimizer)
-    measured without instrumentation; the layers' `fwd_ms + bwd_ms` add up to about it.
+    measured without instrumentation; the layers' `fwd_ms + bwd_ms` add up to it (`settings["instrumented_ratio"]`:
+    how much longer the instrumented steps that shared it out were; before 2026-11-26 the layers added up to
+    `step_ms` x that ratio).
     `peak_memory_bytes` is the peak of memory during one such step, measured as
     `peak_memory_method` says ("cuda-allocator": torch.cuda.max_memory_allocated;
     "live-tensors": peak bytes of live tensor storage tracked per operation on CPU;

@@ -83,6 +83,45 @@ def test_each_layer_gets_its_own_forward_and_backward_time() -> None:
     assert sum(fwd_ms) + sum(bwd_ms) == pytest.approx(step_ms, abs=2 * TOLERANCE_MS)
 
 
+class _ManyTinyOps(nn.Module):
+    """200 scalar multiplications: 200 autograd nodes of a few microseconds each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(200):
+            x = x * self.scale
+        return x
+
+
+class _CostlyClock(HostClock):
+    """A host clock whose every mark costs 20 us first, as recording a CUDA event and its hook's Python delay the
+    next kernel's launch on a GPU whose step is bound by launches."""
+
+    def mark(self) -> float:
+        until = time.perf_counter() + 20e-6
+        while time.perf_counter() < until:
+            pass
+        return super().mark()
+
+
+def test_the_instrumentations_own_cost_is_taken_out_of_the_layers_times() -> None:
+    """Where marking costs more than the work, the instrumented step is several times the plain one; the
+    layers' times still add up to the plain step, what training takes, shared as the instrumented steps share
+    it, and the ratio is kept apart."""
+    model = nn.Sequential(_ManyTinyOps(), _ManyTinyOps())
+    x = torch.randn(1)
+    layers = find_layers(model, lambda: model(x))
+    times = time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), _CostlyClock(),
+                        warmup=2, iters=9)
+    assert times.instrumented_ratio > 1.5
+    assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(times.step_ms, rel=1e-9)
+    assert times.fwd_ms[0] == pytest.approx(times.fwd_ms[1], rel=0.5)
+    assert times.bwd_ms[0] == pytest.approx(times.bwd_ms[1], rel=0.5)
+
+
 def test_functional_ops_count_toward_the_layer_before_them() -> None:
     fwd_ms, bwd_ms, _ = _times(_WithFunctionalSleep())
     assert fwd_ms == pytest.approx([10 + 20, 5], abs=TOLERANCE_MS)
