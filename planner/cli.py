@@ -352,7 +352,8 @@ def compare(
         if simulated is None:
             console.print("predicted idle shares need the plan's profile: give --profile PATH")
         if out is not None and simulated is not None:
-            figure = comparison_figure(simulated, measured_timeline(report, simulated.stage_times))
+            measured = measured_timeline(report, simulated.stage_times, simulated.library_bytes)
+            figure = comparison_figure(simulated, measured)
             console.print(f"wrote {save_figure(figure, out)} (simulated and measured schedules)")
 
     _run(debug, action)

@@ -110,7 +110,9 @@ class CostInputs:
     """What the cost model needs besides the plan: layers, cluster, schedule and limits.
 
     `scale`: microbatch size / profiled batch size; `input_bytes`: the model input per profiled
-    batch (what a recomputing first stage keeps); `memory_bytes`: per device, or None.
+    batch (what a recomputing first stage keeps); `memory_bytes`: per device, or None;
+    `library_bytes`: what every device holds beyond tensors (`Profile.library_bytes`: CUDA libraries'
+    workspaces), once per device.
     """
 
     arrays: LayerArrays
@@ -126,6 +128,7 @@ class CostInputs:
     accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
     step_s_per_tensor: float = 0.0  # one optimizer step, seconds per parameter tensor (on top of per byte)
     chunks: int = 1  # stages per rank: v under a chunked schedule (`stage_placement`), else 1
+    library_bytes: float = 0.0  # L: held by every device beyond tensors, bytes
 
     @property
     def class_size(self) -> int:
@@ -256,15 +259,16 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     microbatch in flight (the bytes entering the stage when recomputing), rebuilt = what a backward
     holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
     it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
-    bytes per parameter byte), memory = base + max(n held + rebuilt, scratch) with n = `in_flight`
-    (the step runs when the activations are gone); pipedream keeps n weight versions (base - W,
+    bytes per parameter byte), memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
+    (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
+    memory alone: a device holding several stages holds it once); pipedream keeps n weight versions (base - W,
     held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
     zb-h1's in-flight count grows with the devices before the stage too: it is counted as if the plan used
     every device of the cluster (exact for such plans, an upper bound for plans on fewer), so that a
     stage's memory depends only on the stages after it, as the optimizer builds plans. Under zb-h1 a
     microbatch between its B and its W also keeps `deferred_bytes` (g, the gradients W starts from; 0 for a
     first stage): right after the B of microbatch k + d, the d + 1 microbatches k .. k + d keep theirs
-    (d = `weight_deferral`), so memory = base + max(n held + min(d + 1, ceil(m / r)) g + rebuilt, scratch).
+    (d = `weight_deferral`), so memory = L + base + max(n held + min(d + 1, ceil(m / r)) g + rebuilt, scratch).
     `deferred_bytes` is already scaled by sigma."""
     total = inputs.cluster.num_devices
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, total)
@@ -275,7 +279,8 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
     scratch = inputs.scratch_per_byte * weight_bytes
     deferred = deferred_count(inputs, replicas, devices_from_here) * deferred_bytes
-    return base, held, rebuilt, scratch, base + np.maximum(flights * held + deferred + rebuilt, scratch)
+    memory = inputs.library_bytes + base + np.maximum(flights * held + deferred + rebuilt, scratch)
+    return base, held, rebuilt, scratch, memory
 
 
 def deferred_count(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:

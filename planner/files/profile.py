@@ -131,6 +131,9 @@ class Profile:
     1,2,4,8` measures them; `batch_size` is then the largest, where memory was measured), which the cost
     model interpolates between (`planner.costs.layer_arrays.times_at_batch_size`); empty: measured at
     `batch_size` only (older files, PipeDream imports).
+    `library_bytes`: what the device holds beyond tensors once a step has run (CUDA: the cuBLAS and cuBLASLt
+    workspaces in PyTorch's allocator; `planner.profiling.memory.library_bytes`), once per device on top of
+    every plan's memory; 0 on CPU, in older files and in PipeDream imports.
     """
 
     model_name: str
@@ -158,6 +161,7 @@ class Profile:
     split_backward_ratio: float | None = None
     deferred_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
+    library_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "param_tensors", "deferred_bytes"):
@@ -165,6 +169,8 @@ class Profile:
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
         self._check_size_times()
+        if self.library_bytes < 0:
+            raise ValueError(f"library_bytes {self.library_bytes} is negative")
 
     def _check_size_times(self) -> None:
         """ValueError naming `size_times[k]` where an entry has not one time per layer, or a batch size
@@ -234,8 +240,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
-        `bwd_input_ms`, an unmeasured `split_backward_ratio` (None) and empty `deferred_bytes` and `size_times` (and a
-        size's empty `bwd_input_ms`) are left out, so that a profile
+        `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
+        size's empty `bwd_input_ms`) and `library_bytes` 0 are left out, so that a profile
         without them has the same body, and the same digest (`planner.files.plan.profile_digest`), as
         when it was made before they were measured."""
         body = dataclasses.asdict(self)
@@ -251,6 +257,8 @@ class Profile:
             del body["split_backward_ratio"]
         if not body["deferred_bytes"]:
             del body["deferred_bytes"]
+        if not body["library_bytes"]:
+            del body["library_bytes"]
         return body
 
     @classmethod
@@ -295,7 +303,7 @@ class Profile:
                 split_backward_ratio=None if body.get("split_backward_ratio") is None
                 else float(body["split_backward_ratio"]),
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
-                size_times=size_times,
+                size_times=size_times, library_bytes=int(body.get("library_bytes", 0)),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None

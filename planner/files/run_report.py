@@ -318,13 +318,13 @@ def _spans(layers: Sequence[tuple[int, int]]) -> str:
     return " ".join(f"[{start}, {stop})" for start, stop in layers)
 
 
-def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes]) -> Timeline:
+def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes], library_bytes: float = 0.0) -> Timeline:
     """The representative measured step as a Timeline (iterations=1), for the plots; `stage_times`
-    (e.g. the plan's simulation's) give the memory terms that `Timeline.memory` plays out."""
+    and `library_bytes` (e.g. the plan's simulation's) give the memory terms that `Timeline.memory` plays out."""
     if len(stage_times) != len(report.stage_layers):
         raise RunReportError(f"{report.source}: {len(report.stage_layers)} stages, but {len(stage_times)} stage "
                              "times were given; pass the simulation of the plan the run used")
-    return Timeline(report.events.copy(), report.schedule, report.microbatches, 1, tuple(stage_times))
+    return Timeline(report.events.copy(), report.schedule, report.microbatches, 1, tuple(stage_times), library_bytes)
 
 
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:

@@ -49,13 +49,15 @@ class StageTimes:
 @dataclass(frozen=True)
 class Timeline:
     """The simulated ops: `events` has one row per op (columns COLUMNS; sends are the transfers,
-    on the sender's rank, `peer` the receiver), plus what the summaries need."""
+    on the sender's rank, `peer` the receiver), plus what the summaries need (`library_bytes`: what
+    every device holds beyond its stages' tensors, `Profile.library_bytes`)."""
 
     events: pd.DataFrame
     schedule: str
     microbatches: int
     iterations: int
     stage_times: tuple[StageTimes, ...]
+    library_bytes: float = 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -93,11 +95,11 @@ class Timeline:
 
     def memory(self) -> pd.DataFrame:
         """Memory per device over time: columns rank, stage (the device's first stage), time_s, bytes (a
-        step function: the value holds from time_s until the rank's next row): the base bytes of every
-        stage the device holds (several under a chunked schedule), held bytes from each forward to the end
-        of its backward (zero-bubble schedules: of its W, autograd keeps the graph until then, and deferred
-        bytes from the end of its B to the end of its W: the gradients W starts from), rebuilt bytes during
-        a backward (and a W), scratch bytes during each optimizer step."""
+        step function: the value holds from time_s until the rank's next row): the device's library bytes
+        and the base bytes of every stage it holds (several under a chunked schedule), held bytes from each
+        forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph until
+        then, and deferred bytes from the end of its B to the end of its W: the gradients W starts from),
+        rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
         term = {name: np.array([getattr(times, name) for times in self.stage_times], dtype=float)
@@ -122,7 +124,7 @@ class Timeline:
             own = np.unique(stage[rank == device])
             mine = ranks == device
             order = np.lexsort((deltas[mine], times[mine]))  # by time; frees before allocations at one instant
-            level = float(term["base_bytes"][own].sum())
+            level = self.library_bytes + float(term["base_bytes"][own].sum())
             frames.append(pd.DataFrame({
                 "rank": int(device), "stage": int(own.min()),
                 "time_s": np.concatenate([[0.0], times[mine][order]]),

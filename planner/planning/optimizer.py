@@ -214,7 +214,7 @@ class _Evaluator:
         weights, saved = p.weights[pair], p.saved[pair]
         per_flight = np.where(recompute, p.entering[pair], saved)
         in_backward = np.where(recompute, saved, 0.0) + p.workspace[pair]  # rebuilt (memory_terms)
-        base = weights * (2 + inputs.optimizer_copies) + in_backward
+        base = inputs.library_bytes + weights * (2 + inputs.optimizer_copies) + in_backward
         if inputs.schedule == "pipedream":
             per_flight, base = per_flight + weights, base - weights
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -359,8 +359,9 @@ class _StageGrid:
             base, held, rebuilt, scratch, _ = memory_terms(inputs, 1, 1, p.weights, p.saved, p.entering, flag,
                                                            p.workspace)
             bounded = np.all(held >= 0) and np.all(p.deferred >= 0)
-            floors.append(base + np.maximum(held + rebuilt, scratch) if bounded else np.full(len(held), -np.inf))
-            ceilings.append(base + np.maximum(flights * held + deferred * p.deferred + rebuilt, scratch) if bounded
+            fixed = inputs.library_bytes + base  # (memory_terms)
+            floors.append(fixed + np.maximum(held + rebuilt, scratch) if bounded else np.full(len(held), -np.inf))
+            ceilings.append(fixed + np.maximum(flights * held + deferred * p.deferred + rebuilt, scratch) if bounded
                             else np.full(len(held), np.inf))
         self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()
 

@@ -91,7 +91,7 @@ def partition(
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, 1.0, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
-        *per_weight_byte(profile, optimizer),
+        *per_weight_byte(profile, optimizer), library_bytes=float(profile.library_bytes),
     )
     schedules = AUTO_SCHEDULES if schedule == AUTO else (schedule,)
     unmeasured = schedule == AUTO and profile.split_backward_ratio is None

@@ -17,7 +17,7 @@ from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.profiling.layers import Layer, find_layers
 from planner.profiling.deferred_memory import measure_deferred_bytes
-from planner.profiling.memory import measure_peak_memory, measure_workspace
+from planner.profiling.memory import library_bytes, measure_peak_memory, measure_workspace
 from planner.profiling.model_file import (
     ModelFile,
     build_checked_model,
@@ -226,6 +226,7 @@ def _measure(
         lambda: measure_peak_memory(model, (*inputs, step.target), step.loss, device),
     )
     step.zero_grad()
+    library = library_bytes(model, (*inputs, step.target), device)
     workspace = _phase(model_file, "measuring each layer's backward memory",
                        lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
     step.zero_grad()
@@ -276,7 +277,7 @@ def _measure(
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
         param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
-        deferred_bytes=tuple(deferred), size_times=size_times,
+        deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library,
     )
 
 

@@ -26,6 +26,7 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
         plan.microbatches or 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
         *per_weight_byte(profile, optimizer or plan.optimizer), chunks=plan.chunks,
+        library_bytes=float(profile.library_bytes),
     )
 
 

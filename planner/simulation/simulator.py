@@ -20,7 +20,8 @@ the other holders before its step: when every holder rank has reached its step, 
 Transfer time = latency + bytes / bandwidth of the link between the two ranks (`schedule_cost.link_terms`); 0 between
 two stages of one rank (zbv's turn of the V, interleaved-1f1b on one rank).
 
-Memory per device (bytes): `base_bytes`, plus `held_bytes` per microbatch from the start of its
+Memory per device (bytes): the profile's `library_bytes` (once per device), `base_bytes` of each of its
+stages, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
 its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds): the
 terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
@@ -56,7 +57,8 @@ from planner.schedules.schedule import (
 from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_terms, replicas_of, stage_costs
 from planner.costs.schedule_cost import transfer_s as message_s
 
-def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None) -> Timeline:
+def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None,
+                      library_bytes: float = 0.0) -> Timeline:
     """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
     if len(stage_times) != schedule.num_stages:
         raise ValueError(f"{len(stage_times)} stage times for a schedule of {schedule.num_stages} stages")
@@ -158,7 +160,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
         raise ValueError(f"the schedule deadlocks on ranks {stuck}; run schedule.validate for where")
     events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
     return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
-                    tuple(stage_times))
+                    tuple(stage_times), library_bytes)
 
 
 def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
@@ -214,4 +216,4 @@ def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int
         count = inputs.microbatches
     schedule = build_schedule(inputs.schedule, replicas_of(stages), count, iterations,
                               stage_ranks(inputs, stages), chunks=inputs.chunks)
-    return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster)
+    return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster, inputs.library_bytes)

@@ -291,6 +291,24 @@ def test_gpipe_memory_keeps_every_microbatch_of_a_replica() -> None:
     assert second == pytest.approx(4 * 2e9 + 3 * 7e8, rel=REL)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+def test_a_devices_library_bytes_are_held_once_per_device_on_top_of_its_stages(schedule: str) -> None:
+    """L (CUDA libraries' workspaces) adds to every device's memory once, in the cost model and in the simulated
+    timeline, also where a device holds two stages (chunked schedules), and changes no other term."""
+    arrays = layers([1.0] * 4, fwd=[0.3] * 4, params=[1e6] * 4, saved=[2e6] * 4, workspace=[1e5] * 4)
+    chunks = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
+    inputs = CostInputs(arrays, flat(4 // chunks), schedule, 4, chunks=chunks)
+    stages = one_layer_per_stage(4)
+    with_library = dataclasses.replace(inputs, library_bytes=6.4e7)
+    without, held = stage_costs(inputs, stages), stage_costs(with_library, stages)
+    assert [cost.memory_bytes for cost in held] == pytest.approx([cost.memory_bytes + 6.4e7 for cost in without],
+                                                                 rel=REL)
+    assert [dataclasses.replace(cost, memory_bytes=0.0) for cost in held] == \
+        [dataclasses.replace(cost, memory_bytes=0.0) for cost in without]
+    peaks, plain = simulate_stages(with_library, stages).peak_memory(), simulate_stages(inputs, stages).peak_memory()
+    assert list(peaks) == pytest.approx(list(plain + 6.4e7), rel=REL)
+
+
 def test_1f1b_memory_is_capped_by_devices_from_here() -> None:
     # n = min(ceil(8 / 2), ceil(5 / 2)) = 3 and min(ceil(8 / 3), ceil(3 / 3)) = 1
     first, second = two_stage_memory("1f1b")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.errors import FileFormatError
+from planner.errors import FileFormatError, PlannerError
 from planner.files.plan import profile_digest
 from planner.display.tables import profile_table
 from planner.files.profile import (
@@ -95,12 +95,25 @@ def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path:
 
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
-    del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"]
+    del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
     assert profile == _measured() and profile.split_backward_ratio is None and profile.size_times == ()
     assert profile.to_dict() == body and profile.batch_sizes == (8,)
+
+
+def test_library_bytes_are_kept_and_a_file_without_them_has_none(tmp_path: Path) -> None:
+    """A GPU profile's library bytes survive the file; a CPU profile's 0 is left out of it (same digest as before
+    they were measured); a negative count is refused with the file's name."""
+    held = dataclasses.replace(_measured(), library_bytes=64 << 20)
+    assert load_profile(held.save(tmp_path / "gpu.json")).library_bytes == 64 << 20
+    assert "library_bytes" not in _measured().to_dict()
+    body = {"format": PROFILE_FORMAT, "version": 3, "planner_version": "0.1.0", **held.to_dict(),
+            "library_bytes": -1}
+    (tmp_path / "bad.json").write_text(json.dumps(body))
+    with pytest.raises(PlannerError, match=r"bad\.json.*library_bytes -1 is negative"):
+        load_profile(tmp_path / "bad.json")
 
 
 def _sized() -> Profile:

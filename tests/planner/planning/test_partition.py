@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from planner.cli import app
+from planner.errors import InfeasiblePlanError, PlannerError
 from planner.files.cluster import make_cluster
 from planner.costs.schedule_cost import CostInputs, Stage, samples_per_s
 from planner.planning.partition import (
@@ -27,6 +28,7 @@ from planner.files.profile import Profile, SizeTimes, load_profile
 from tests.planner.layer_strategies import layer_arrays
 from tests.conftest import PROFILES_V1
 
+REPO = Path(__file__).resolve().parents[3]
 PIPEDREAM_DIR = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles"
 PIPEDREAM_FILES = sorted(PIPEDREAM_DIR.glob("*.txt")) if PIPEDREAM_DIR.is_dir() else []
 SKIP_GRAPH = Path(__file__).resolve().parents[2] / "data" / "pipedream_skip.txt"
@@ -136,6 +138,29 @@ def _chain_graph(tmp_path: Path, layers: int = 6) -> Path:
     path = tmp_path / "chain.txt"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_a_profiles_library_bytes_are_in_every_devices_memory_and_its_limit(schedule: str) -> None:
+    """A GPU profile's library bytes (L: cuBLAS workspaces) are in each stage's predicted memory once, chunked
+    schedules' devices of two stages included, and a device's limit must hold them too: at the memory the plan
+    without them needed, every stage of the plan with them fits under that limit (or none is found)."""
+    profile = load_profile(REPO / "profiles" / "gpt.json")
+    held = dataclasses.replace(profile, library_bytes=64 << 20)
+    options = dict(straight=True, schedule=schedule, microbatches=4)
+    free = partition(profile, make_cluster(2), **options)
+    plan = partition(held, make_cluster(2), **options)
+    assert [stage.memory_bytes for stage in plan.stages] == \
+        pytest.approx([stage.memory_bytes + (64 << 20) for stage in free.stages], abs=1)
+    limit = max(stage.memory_bytes for stage in free.stages)
+    try:
+        tight = partition(held, make_cluster(2, memory=limit), **options)
+    except InfeasiblePlanError as exc:
+        assert exc.smallest_memory_bytes > limit
+    except PlannerError as exc:  # chunked schedules name the chunk counts tried instead
+        assert f"no {schedule} plan" in str(exc) and "fits in" in str(exc)
+    else:
+        assert all(stage.memory_bytes <= limit for stage in tight.stages)
 
 
 def test_memory_limit_shapes_the_plan_and_is_reported(tmp_path: Path) -> None:

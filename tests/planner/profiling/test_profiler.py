@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
@@ -47,7 +48,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert profile.grad_accumulation_ms > 0
     assert profile.layers[-1].cut_bytes == 0
     assert all(layer.cut_bytes > 0 for layer in profile.layers[:-1])
-    assert profile.peak_memory_method == "live-tensors"
+    assert profile.peak_memory_method == "live-tensors" and profile.library_bytes == 0
     assert len(profile.workspace_bytes) == profile.num_layers and all(w >= 0 for w in profile.workspace_bytes)
     assert set(profile.optimizer_step_per_tensor_ms) == {"sgd", "adam"}
     assert all(0 < ms < profile.optimizer_step_ms[name] for name, ms in profile.optimizer_step_per_tensor_ms.items())
@@ -136,3 +137,17 @@ def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_larg
     assert [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in sized.layers] == \
         [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in single.layers]
     assert sized.input_bytes == single.input_bytes and sized.workspace_bytes == single.workspace_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_machine_the_profile_is_measured_on_the_gpu() -> None:
+    """The default device is the GPU (what `planner train` uses there): CUDA events time the layers and the
+    allocator's peak is the memory; the layer times add up to the plain step (on an H200 the instrumented
+    steps of this launch-bound model took 1.45x as long)."""
+    profile = profile_model(load_model_file(EXAMPLES / "gpt.py"), ProfileSettings(batch_size=8, iters=20))
+    assert profile.device.startswith("cuda") and profile.device_name == torch.cuda.get_device_name()
+    assert profile.peak_memory_method == "cuda-allocator"
+    assert 0 < profile.library_bytes < 1 << 30  # cuBLAS's workspaces (64 MiB on an H200)
+    assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
+    assert profile.total_fwd_ms + profile.total_bwd_ms == pytest.approx(profile.step_ms, rel=1e-9)
+    assert all(layer.fwd_ms > 0 and layer.bwd_ms > 0 for layer in profile.layers)
