@@ -49,5 +49,6 @@ print(f"batch {profile.batch_size}: layers {full:.3f} ms, step {profile.step_ms:
 for sized in profile.size_times:
     layers = sum(sized.fwd_ms) + sum(sized.bwd_ms)
     print(f"batch {sized.batch_size}: layers {layers:.3f} ms, step {sized.step_ms:.3f} ms; "
-          f"x{layers / full * profile.batch_size / sized.batch_size:.2f} of linear scaling from batch {profile.batch_size}")
+          f"x{layers / full * profile.batch_size / sized.batch_size:.2f} of linear scaling "
+          f"from batch {profile.batch_size}")
 PY

@@ -79,7 +79,7 @@ def profile(
         "the smaller sizes (everything else at the largest), and plans interpolate between them.",
     ),
     device: str = typer.Option(
-        "auto", help="auto (what `planner train` uses: the GPU where torch sees one, else the CPU), cpu, cuda or cuda:N.",
+        "auto", help="auto (what `planner train` uses: the GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.",
     ),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),

@@ -379,12 +379,16 @@ class Engine:
         timed: list[tuple[Any, ...]] = []  # OpTime's fields with the clock's marks for start_s and end_s
         started: list[Any] = [None]
 
+        def timed_here(action: Action) -> bool:  # (sends to another rank: in the sender thread)
+            return action.op not in SENDS or action.peer == self.rank
+
         def before(action: Action) -> None:
             self._where = (action.stage, action.microbatch if action.microbatch >= 0 else None)
-            started[0] = clock.mark()
+            if timed_here(action):
+                started[0] = clock.mark()
 
         def after(action: Action) -> None:
-            if action.op not in SENDS or action.peer == self.rank:
+            if timed_here(action):
                 timed.append((step, action.op, action.iteration, action.microbatch, action.peer, started[0],
                               clock.mark(), action.stage))
 
@@ -393,8 +397,8 @@ class Engine:
         run_program(self.program.actions, self.runners, messages, chunks, targets, scales, before, after)
         self._where = None
         loss = self._loss(shares) if self.schedule.num_stages - 1 in self.runners else None
-        starts, ends = clock.seconds([fields[5] for fields in timed]), clock.seconds([fields[6] for fields in timed])
-        ops.extend(OpTime(*fields[:5], start, end, fields[7]) for fields, start, end in zip(timed, starts, ends))
+        seconds = clock.seconds([mark for fields in timed for mark in fields[5:7]])
+        ops.extend(OpTime(*fields[:5], seconds[2 * k], seconds[2 * k + 1], fields[7]) for k, fields in enumerate(timed))
         return loss
 
     def _take(self, key: Hashable, peer: int, what: str) -> Any:

@@ -1,14 +1,17 @@
 """What one rank of the engine did and when: an `OpTime` per schedule action, for run reports.
 
 Times are `time.perf_counter()` seconds on the rank's own clock (CLOCK_MONOTONIC on Linux: one
-clock for every process of a machine); on a GPU the engine's compute actions are timed by CUDA
-events and placed on that clock (`StepClock`), so an action spans its kernels, not their launches. `clock_offset_s()` turns them into wall-clock seconds
-(`time.time()`), to line up ranks of several machines.
+clock for every process of a machine). On a GPU the compute thread's actions are timed by CUDA
+events on its stream and placed on that clock (`StepClock`): an action spans its kernels, not their
+launches, and a receive or an all-reduce spans the device's wait (from when the kernels before it
+finished). `clock_offset_s()` turns them into wall-clock seconds (`time.time()`), to line up ranks
+of several machines.
 
 - `forward`, `backward`: the compute thread running the stage (with the recomputed forward of a
   checkpointed stage in `backward`);
 - `send_activation`, `send_gradient`: the transfer, timed in the sender thread from its first
-  `torch.distributed.send` to the return of its last (the compute thread only queues the value);
+  `torch.distributed.send` to the return of its last (the compute thread only queues the value;
+  host times, also on a GPU, where NCCL's `send` may return before the transfer ends);
 - `recv_activation`, `recv_gradient`: the compute thread waiting for the message (zero long when
   it had already arrived);
 - `allreduce`: the replicas' gradient all-reduce, as the compute thread waits for it; and, with
@@ -51,17 +54,20 @@ class StepClock:
     """Marks that time one step's actions, read as `perf_counter` seconds once the step is over.
 
     On a CPU a mark is `time.perf_counter()`. On a GPU it is a CUDA event recorded on the current
-    stream: it fires when the kernels launched before it have run, and no synchronization between
-    actions stops the host from launching ahead of the device. The clock synchronizes the device
-    when it is made and records its origin event then, at `origin_s` by the host's clock (the device
-    idle, the event fires at once); `seconds` synchronizes again and places each event at
-    origin_s + its time since the origin (`torch.cuda.Event.elapsed_time`, ms).
+    stream, where the compute thread runs its work: it fires when the kernels launched before it have
+    run, and no synchronization between actions stops the host from launching ahead of the device.
+    The clock waits for that stream when it is made and records its origin event then, at `origin_s`
+    by the host's clock (the stream idle, the event fires at once); `seconds` waits for the stream
+    again and places each event at origin_s + its time since the origin
+    (`torch.cuda.Event.elapsed_time`, ms). It never waits for the whole device: receives posted on
+    NCCL's streams may wait for a peer that waits for this rank's next action.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device if device.type == "cuda" else None
         if self.device is not None:
-            torch.cuda.synchronize(self.device)
+            self.stream = torch.cuda.current_stream(self.device)
+            self.stream.synchronize()
             self.origin_s = time.perf_counter()
             self.origin = self.mark()
 
@@ -70,14 +76,14 @@ class StepClock:
         if self.device is None:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.stream)
         return event
 
     def seconds(self, marks: Sequence[Any]) -> list[float]:
-        """The marks as `perf_counter` seconds (on a GPU, after waiting for the device to finish)."""
+        """The marks as `perf_counter` seconds (on a GPU, after waiting for the stream to finish)."""
         if self.device is None:
             return list(marks)
-        torch.cuda.synchronize(self.device)
+        self.stream.synchronize()
         return [self.origin_s + self.origin.elapsed_time(mark) / 1000.0 for mark in marks]
 
 

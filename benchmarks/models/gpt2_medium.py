@@ -1,4 +1,4 @@
-"""benchmarks/models/gpt2.py at width 1024, 12 layers, context 512, vocabulary 16,384: big enough for a GPU's kernels to dominate."""
+"""benchmarks/models/gpt2.py at width 1024, 12 layers, context 512, vocabulary 16,384: a GPU's kernels dominate."""
 
 import sys
 from pathlib import Path

@@ -304,7 +304,7 @@ class StageCost:
     allreduce_s: float
     period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
     bound_s: float  # Q(s): what the plan's max is taken over
-    memory_bytes: float  # base_bytes + in_flight * held_bytes (+ deferred) + rebuilt_bytes
+    memory_bytes: float  # L + base_bytes + max(in_flight * held_bytes (+ deferred) + rebuilt_bytes, scratch_bytes)
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # held during a backward on top: its workspace (+ activations rebuilt when recomputing)

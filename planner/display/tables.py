@@ -59,16 +59,20 @@ def input_share(layer: LayerProfile) -> str:
 
 
 def profile_summary(profile: Profile) -> str:
-    """Totals: layer sums against the measured step, parameters, peak memory, shared parameters."""
+    """Totals: layer sums against the measured step (and how much longer the instrumented steps took), parameters,
+    peak memory (and the CUDA libraries' workspaces), shared parameters."""
     layer_sum = profile.total_fwd_ms + profile.total_bwd_ms
     bwd_input = profile.total_bwd_input_ms
     inputs = "" if bwd_input is None else f" (input gradients {format_ms(bwd_input)} ms)"
+    ratio = profile.settings.get("instrumented_ratio")
     step = (
-        f"measured step {format_ms(profile.step_ms)} ms" if profile.peak_memory_method != "unknown"
-        else "imported: no measured step"
+        f"measured step {format_ms(profile.step_ms)} ms"
+        + ("" if ratio is None else f" (x{float(ratio):.2f} with the timing hooks)")
+        if profile.peak_memory_method != "unknown" else "imported: no measured step"
     )
     peak = (
         f"peak memory {format_bytes(profile.peak_memory_bytes)} ({profile.peak_memory_method})"
+        + (f"; libraries' workspaces {format_bytes(profile.library_bytes)} per device" if profile.library_bytes else "")
         if profile.peak_memory_method != "unknown" else "peak memory unknown"
     )
     lines = [

@@ -496,9 +496,12 @@ def _partition_pipedream(
     """The plan minimising PipeDream's published objective (flat cluster; see `pipedream_cost`)."""
     bandwidth = _flat_bandwidth(cluster)
     arrays = LayerArrays.from_profile(profile)
-    solution = optimize_pipedream(
-        arrays, cluster.num_devices, bandwidth, straight, cluster.memory_bytes, optimizer
-    )
+    library = profile.library_bytes  # every device's, beside its stage (`Profile.library_bytes`)
+    limit = None if cluster.memory_bytes is None else cluster.memory_bytes - library
+    try:
+        solution = optimize_pipedream(arrays, cluster.num_devices, bandwidth, straight, limit, optimizer)
+    except InfeasiblePlanError as exc:
+        raise InfeasiblePlanError(cluster.memory_bytes or 0, exc.smallest_memory_bytes + library) from None
     stages = []
     next_rank = 0
     busy_s = 0.0
@@ -516,7 +519,7 @@ def _partition_pipedream(
             compute_ms=compute_s * 1000.0, comm_ms=comm_s * 1000.0,
             allreduce_ms=allreduce_unit * (replicas - 1.0) / replicas * 1000.0,
             period_ms=max(stage_time_s, comm_s) * 1000.0,
-            memory_bytes=_stage_memory_bytes(arrays, list(solution.stages), index, optimizer),
+            memory_bytes=library + _stage_memory_bytes(arrays, list(solution.stages), index, optimizer),
         ))
         next_rank += replicas
     bottleneck_s = solution.objective_s
@@ -575,7 +578,8 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None
         bandwidth = _flat_bandwidth(cluster)
         return [
             BaselineResult(name, tuple(stages), pipedream_bottleneck_s(arrays, stages, bandwidth),
-                           max(_stage_memory_bytes(arrays, stages, index, optimizer) for index in range(len(stages))))
+                           profile.library_bytes + max(_stage_memory_bytes(arrays, stages, index, optimizer)
+                                                       for index in range(len(stages))))
             for name, stages in found.items()
         ]
     inputs = plan_cost_inputs(profile, plan, optimizer)
@@ -621,7 +625,8 @@ def predicted_iteration_s(inputs: CostInputs, stages: list[Stage]) -> float:
 
 
 def _stage_memory_bytes(arrays: LayerArrays, stages: list[tuple[int, int, int]], index: int, optimizer: str) -> int:
-    """Memory per device of stage `index` of a plan (`pipedream_cost.pipedream_stage_memory_bytes`)."""
+    """Memory per device of stage `index` of a plan (`pipedream_cost.pipedream_stage_memory_bytes`), less the
+    device's library bytes."""
     start, stop, replicas = stages[index]
     downstream = sum(r for _, _, r in stages[index + 1:])
     return int(pipedream_stage_memory_bytes(

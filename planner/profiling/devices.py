@@ -25,7 +25,7 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != "cuda":
-        raise DeviceError(name, f"device type {device.type!r} is not supported; use cpu, cuda or cuda:N")
+        raise DeviceError(name, f"device type {device.type!r} is not supported; use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         raise DeviceError(name, "CUDA is not available on this machine (torch.cuda.is_available() is False); use --device cpu")
     count = torch.cuda.device_count()

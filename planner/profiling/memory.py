@@ -135,7 +135,7 @@ def peak_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tup
 def library_bytes(model: torch.nn.Module, present: tuple[torch.Tensor, ...], device: torch.device) -> int:
     """Bytes the device holds beyond tensors once a step has run, at rest: on CUDA, the allocator's bytes in
     use less the storages of the model's parameters, buffers and gradients and of the `present` tensors
-    (cuBLAS and cuBLASLt keep their workspaces in PyTorch's allocator from their first call on: 64 MiB on an
+    (cuBLAS and cuBLASLt keep their workspaces in PyTorch's allocator from their first call on: 65 MiB on an
     H200, x1.35-1.43 of a small model's predicted peak before the planner counted them); 0 on CPU, whose
     memory is counted by tensors alone."""
     if device.type != "cuda":

@@ -488,9 +488,9 @@ def time_input_gradients(
 
     Why ratios within pairs rather than the frozen steps' own medians times `time_layers`'s scale
     factor: these steps come after `time_layers`'s, and the machine's speed drifts by several
-    percent over seconds, which a ratio of two steps run back to back cancels (as `time_layers`'s
-    own factor does for its pairs). Multiplying by `bwd_ms` puts the result in its units, that
-    factor included, and `bwd_ms[i] - bwd_input_ms[i]` is the weights' part.
+    percent over seconds, which a ratio of two steps run back to back cancels. Multiplying by
+    `bwd_ms` puts the result in its units (shares of the plain step), and `bwd_ms[i] - bwd_input_ms[i]`
+    is the weights' part.
     """
     parameters = list(parameters)
     output_flags: OutputFlags = [None] * len(layers)  # set by the warm-up's normal step

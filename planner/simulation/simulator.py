@@ -1,6 +1,6 @@
 """Event-driven simulation of a schedule: when each op runs, per rank, and what memory it holds (pure).
 
-`simulate_schedule(schedule, stage_times, cluster)` plays the `schedule.Schedule` with op
+`simulate_schedule(schedule, stage_times, cluster, library_bytes)` plays the `schedule.Schedule` with op
 durations in seconds: each rank runs its compute ops (forward, backward, all-reduce, step) one
 at a time in program order; a send starts a transfer on the sender's channel for that direction
 (activations, gradients: one transfer at a time each, overlapped with compute; under a chunked schedule

@@ -104,10 +104,12 @@ def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_p
 
 
 def test_library_bytes_are_kept_and_a_file_without_them_has_none(tmp_path: Path) -> None:
-    """A GPU profile's library bytes survive the file; a CPU profile's 0 is left out of it (same digest as before
-    they were measured); a negative count is refused with the file's name."""
+    """A GPU profile's library bytes survive the file and name another profile to the plans made of it; a CPU
+    profile's 0 is left out of it (same digest as before they were measured); a negative count is refused with
+    the file's name."""
     held = dataclasses.replace(_measured(), library_bytes=64 << 20)
     assert load_profile(held.save(tmp_path / "gpu.json")).library_bytes == 64 << 20
+    assert profile_digest(held) != profile_digest(_measured())
     assert "library_bytes" not in _measured().to_dict()
     body = {"format": PROFILE_FORMAT, "version": 3, "planner_version": "0.1.0", **held.to_dict(),
             "library_bytes": -1}

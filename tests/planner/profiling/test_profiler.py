@@ -28,10 +28,9 @@ def profiles() -> dict[str, Profile]:
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_layer_times_add_up_to_the_measured_step(profiles: dict[str, Profile], name: str) -> None:
-    """The layers share out the plain step; on CPU the instrumented steps that gave the shares took about as
-    long (the hooks' cost is small against the work, so the shares are the work's)."""
+    """The layers share out the plain step (`test_timing` pins that); on CPU the instrumented steps that gave the
+    shares took about as long (the hooks' cost is small against the work, so the shares are the work's)."""
     profile = profiles[name]
-    assert profile.total_fwd_ms + profile.total_bwd_ms == pytest.approx(profile.step_ms, rel=1e-9)
     assert profile.settings["instrumented_ratio"] == pytest.approx(1.0, rel=0.10)
     assert all(layer.fwd_ms >= 0 and layer.bwd_ms >= 0 for layer in profile.layers)
 
@@ -142,12 +141,10 @@ def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_larg
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_machine_the_profile_is_measured_on_the_gpu() -> None:
     """The default device is the GPU (what `planner train` uses there): CUDA events time the layers and the
-    allocator's peak is the memory; the layer times add up to the plain step (on an H200 the instrumented
-    steps of this launch-bound model took 1.45x as long)."""
+    allocator's peak is the memory and what it holds beyond tensors the libraries' workspaces."""
     profile = profile_model(load_model_file(EXAMPLES / "gpt.py"), ProfileSettings(batch_size=8, iters=20))
     assert profile.device.startswith("cuda") and profile.device_name == torch.cuda.get_device_name()
     assert profile.peak_memory_method == "cuda-allocator"
-    assert 0 < profile.library_bytes < 1 << 30  # cuBLAS's workspaces (64 MiB on an H200)
+    assert 0 < profile.library_bytes < 1 << 30  # cuBLAS's workspaces (65 MiB on an H200)
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
-    assert profile.total_fwd_ms + profile.total_bwd_ms == pytest.approx(profile.step_ms, rel=1e-9)
     assert all(layer.fwd_ms > 0 and layer.bwd_ms > 0 for layer in profile.layers)
