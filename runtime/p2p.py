@@ -18,10 +18,22 @@ receiver thread therefore keeps up to `RECEIVES_AHEAD` receives posted (`torch.d
 in the channel's order) for the messages whose structure it already knows, so a sender does not
 wait for this thread to be scheduled between two messages: on a busy 2-core machine that wait was
 0.3-12 ms a message against a 0.06 ms link.
+
+On a GPU (NCCL) each thread sends or receives on a CUDA stream of its own. NCCL's `wait()` does
+not block the host: it orders the calling thread's current stream after the transfer, and on the
+compute thread's stream a receive posted ahead would hold back every kernel launched after it,
+the forwards whose activations the peer needs before it can send that gradient: a deadlock from
+three stages up (reasoned from NCCL's semantics: no run on several GPUs has checked this path yet,
+only one GPU was ever lent). So a sender waits on the host for the value's kernels (an event the compute
+thread recorded when it queued the value) and for its sends to finish; a receiver waits on the
+host for its receives, then hands the tensors over marked as used by the compute stream
+(`record_stream`, so that the allocator does not give their memory to the next receive while the
+compute stream still reads them). Transfers are then timed as on a CPU, from start to finish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import queue
 import threading
@@ -139,7 +151,8 @@ class Links:
 
         def run() -> None:
             try:
-                loop(peer, jobs)
+                with self._own_stream():
+                    loop(peer, jobs)
             except BaseException as exc:  # reported to the compute thread by `failure`
                 if self.error is None:
                     self.error = (f"{what} rank {peer}", exc, peer)
@@ -149,15 +162,27 @@ class Links:
         self._threads.append(thread)
         return jobs
 
+    def _own_stream(self) -> Any:
+        """On a GPU, a context making a new CUDA stream the thread's current one (module docstring)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
+
     def send(self, peer: int, value: Any, with_structure: bool, tag: Hashable | None = None) -> None:
-        """Queue `value` for `peer` (never blocks); its structure goes first if `with_structure`.
+        """Queue `value` for `peer` (never blocks); its structure goes first if `with_structure`. On a GPU,
+        the value's kernels are those launched on the caller's current stream so far.
 
         With a `tag`, the sender thread appends (tag, start, end) to `transfers` when the transfer is
-        done (`time.perf_counter()` seconds, from its first send to the return of its last).
+        done (`time.perf_counter()` seconds, from its first send to the return of its last; on a GPU,
+        from when the value is ready to when the sends have finished).
         """
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         with self._sent:
             self._unsent += 1
-        self._outboxes[peer].put((value, with_structure, tag))
+        self._outboxes[peer].put((value, with_structure, tag, ready))
 
     def wait_sent(self, check: Callable[[], None]) -> None:
         """Wait until every queued value has been sent, calling `check()` (which may raise) every POLL_S."""
@@ -184,7 +209,9 @@ class Links:
     def _send_loop(self, peer: int, jobs: queue.Queue) -> None:
         group = self.groups[(self.rank, peer)]
         while (job := jobs.get()) is not _STOP:
-            value, with_structure, tag = job
+            value, with_structure, tag, ready = job
+            if ready is not None:
+                ready.synchronize()
             start = time.perf_counter()
             if with_structure:
                 blob = torch.frombuffer(bytearray(pickle.dumps(describe(value))), dtype=torch.uint8)
@@ -192,6 +219,8 @@ class Links:
                 dist.send(blob.to(self.device), peer, group=group)
             for tensor in tensors(value):
                 dist.send(tensor.detach().contiguous(), peer, group=group)
+            if ready is not None:  # NCCL's send returns once queued on this thread's stream
+                torch.cuda.current_stream(self.device).synchronize()
             if tag is not None:
                 self.transfers.append((tag, start, time.perf_counter()))
             with self._sent:
@@ -228,6 +257,11 @@ class Links:
             key, value, structure, works = posted.popleft()
             for work in works:
                 work.wait()
+            if self.device.type == "cuda":  # NCCL's wait orders this thread's stream only
+                torch.cuda.current_stream(self.device).synchronize()
+                compute = torch.cuda.default_stream(self.device)
+                for tensor in tensors(value):
+                    tensor.record_stream(compute)
             self.mailbox.put(key, (value, structure))
 
     def _known_now(self, job: Expected) -> bool:
