@@ -85,25 +85,45 @@ FLUSH = [(world, c) for world, cases in CASES.items() for c in cases if c["sched
 PIPEDREAM = [(world, c) for world, cases in CASES.items() for c in cases if c["schedule"] == "pipedream"]
 
 
-def torchrun(world: int, cases: list[dict[str, Any]], out: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """Run the worker on `world` CPU processes under torchrun; returns the finished process (output captured)."""
+def torchrun_command(world: int, cases: list[dict[str, Any]], out: Path) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run the worker on `world` CPU processes under torchrun (spec in `out`)."""
     spec = out / f"spec-{world}.json"
     spec.write_text(json.dumps({"cases": cases}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(WORKER), str(spec), str(out)]
+    return command, env
+
+
+def torchrun(world: int, cases: list[dict[str, Any]], out: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """Run the worker on `world` CPU processes under torchrun; returns the finished process (output captured)."""
+    command, env = torchrun_command(world, cases, out)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every case of CASES run under torchrun, one job per world size."""
+    """Every case of CASES run under torchrun, one job per world size, the jobs started at once: most of a job is
+    importing torch in each process or a rank waiting for its neighbour, so together they take less time than
+    one after another."""
     out = tmp_path_factory.mktemp("engine")
     replicated_mlp_plan().save(out / "mlp-2-1.plan.json")
+    jobs = {}
     for world, cases in CASES.items():
         cases = [{**c, "plan": str(out / c["plan"])} if "plan" in c else c for c in cases]
-        finished = torchrun(world, cases, out)
-        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+        command, env = torchrun_command(world, cases, out)
+        log = (out / f"job-{world}.log").open("w")
+        jobs[world] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env), log)
+    try:
+        for world, (job, log) in jobs.items():
+            job.wait(timeout=300)
+            log.close()
+            assert job.returncode == 0, (out / f"job-{world}.log").read_text()[-8000:]
+    finally:
+        for job, _ in jobs.values():
+            if job.poll() is None:
+                job.terminate()  # torchrun stops its workers
+                job.wait(timeout=60)
     return out
 
 
