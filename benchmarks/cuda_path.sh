@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/cuda-path}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" PLANNER_TEST_GPU=1  # (tests/conftest.py hides GPUs without it)
 models=("${@:-gpt2-medium gpt2 gpt}")
 python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'

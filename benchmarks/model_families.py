@@ -184,7 +184,8 @@ class Row:
 
 def two_stage_plan(model_file: ModelFile, schedule: str) -> tuple[Plan, list[str], str]:
     """The profile's layer names and the planner's straight plan on 2 devices (4 microbatches)."""
-    profile = profile_model(model_file, ProfileSettings(batch_size=BATCH // MICROBATCHES, warmup=1, iters=3, threads=1))
+    settings = ProfileSettings(batch_size=BATCH // MICROBATCHES, device="cpu", warmup=1, iters=3, threads=1)
+    profile = profile_model(model_file, settings)  # on the CPU its processes train on
     plan = partition(profile, make_cluster(2), straight=True, schedule=schedule, microbatches=MICROBATCHES)
     note = "" if len(plan.stages) == 2 else f"the planner chose {len(plan.stages)} stage(s)"
     return plan, [layer.name for layer in profile.layers], note

@@ -530,8 +530,9 @@ def merge_losses(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float
 
 
 def profile_microbatch(path: Path, microbatch_size: int, quick: bool) -> None:
-    """Profile the example at the microbatch size with one thread (train mode, as the profiler runs it)."""
-    settings = ProfileSettings(batch_size=microbatch_size, threads=1, warmup=2 if quick else 3,
+    """Profile the example at the microbatch size with one thread (train mode, as the profiler runs it), on the CPU
+    that the benchmark's processes train on."""
+    settings = ProfileSettings(batch_size=microbatch_size, device="cpu", threads=1, warmup=2 if quick else 3,
                                iters=5 if quick else 10)
     profile_model(model_file(), settings).save(path)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtime.rng import RandomStream
+from tests.conftest import gpu_only
 
 CPU = torch.device("cpu")
 
@@ -198,7 +199,7 @@ def test_a_device_type_without_a_generator_just_runs_the_function() -> None:
     assert (result, start, calls) == ("done", None, [1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu_only
 def test_cuda_stream_is_independent_of_the_cuda_default_generator() -> None:
     device = torch.device("cuda", 0)
     gpu_draw: Callable[[], torch.Tensor] = lambda: torch.rand(8, device=device)

@@ -8,6 +8,8 @@ from typing import Iterator
 import pytest
 import torch
 
+from tests.conftest import gpu_only
+
 from runtime import trace
 from runtime.trace import StepClock, clock_offset_s
 
@@ -34,7 +36,7 @@ def test_on_a_cpu_a_step_clocks_marks_are_the_hosts_perf_counter() -> None:
     assert clock.seconds(marks) == marks and before <= marks[0] <= marks[1] <= time.perf_counter()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu_only
 def test_on_a_gpu_a_step_clock_times_the_kernels_not_their_launch() -> None:
     """A product of two 4096 x 4096 matrices takes the device milliseconds while its launch returns at once: the
     event marks span the kernels, on the host's clock after the clock was made and before `seconds` returned."""

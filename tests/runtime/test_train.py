@@ -28,6 +28,7 @@ from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import TrainingError, check_setup, parse_args, rank_count, warmup_steps
 from runtime.train import main as train_main  # (its checks, in this process)
 from runtime_examples import model_file
+from tests.conftest import gpu_only
 
 REPO = Path(__file__).resolve().parents[2]
 MICROBATCH = 64  # samples: mlp steps of about 0.2 s, slow enough to kill a job between two checkpoints
@@ -211,7 +212,7 @@ def test_exported_weights_equal_single_device_training(uninterrupted: Path) -> N
     assert_trained_as_on_one_device(uninterrupted, 10)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu_only
 def test_a_one_gpu_plan_trains_on_the_gpu_as_plain_pytorch_there(tmp_path: Path) -> None:
     """`--device auto` on a machine with a GPU: NCCL, the GPU, gradients of 4 microbatches accumulated; the
     weights and losses of plain PyTorch on that GPU, and the peak memory read from CUDA's allocator."""

@@ -8,7 +8,7 @@ import torch
 from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
 from planner.profiling.profiler import ProfileSettings, profile_model
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, gpu_only
 
 # More measured steps than the default, and one torch thread, so that the medians are steady on a
 # shared 2-core machine: with two threads on two cores, any other process stalls torch's thread
@@ -138,7 +138,7 @@ def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_larg
     assert sized.input_bytes == single.input_bytes and sized.workspace_bytes == single.workspace_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu_only
 def test_on_a_gpu_machine_the_profile_is_measured_on_the_gpu() -> None:
     """The default device is the GPU (what `planner train` uses there): CUDA events time the layers and the
     allocator's peak is the memory and what it holds beyond tensors the libraries' workspaces."""
