@@ -11,7 +11,7 @@ of several machines.
   checkpointed stage in `backward`);
 - `send_activation`, `send_gradient`: the transfer, timed in the sender thread from its first
   `torch.distributed.send` to the return of its last (the compute thread only queues the value;
-  host times, also on a GPU, where NCCL's `send` may return before the transfer ends);
+  on a GPU, from when the value's kernels are done to when the sends have finished: `runtime.p2p`);
 - `recv_activation`, `recv_gradient`: the compute thread waiting for the message (zero long when
   it had already arrived);
 - `allreduce`: the replicas' gradient all-reduce, as the compute thread waits for it; and, with
