@@ -67,10 +67,11 @@ class _WithFunctionalSleep(nn.Module):
 def _times(model: nn.Module) -> tuple[list[float], list[float], float]:
     x = torch.randn(4, 8, requires_grad=False)
     layers = find_layers(model, lambda: model(x))
-    # medians of 5 pairs: with 3, one pair whose sleeps woke late (the suite's other worker and its torchrun
-    # jobs keep both cores busy) moved the instrumented/plain ratio by 15% in a clean-clone run
+    # medians of 9 pairs: with 3, one pair whose sleeps woke late (the suite's other worker and its torchrun
+    # jobs keep both cores busy) moved the instrumented/plain ratio by 15% in a clean-clone run; with 5, the
+    # plain steps' median (the layers' total) read 101 ms for 90 ms of sleeps in another
     times = time_layers(
-        layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), HostClock(), warmup=1, iters=5
+        layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), HostClock(), warmup=1, iters=9
     )
     return times.fwd_ms, times.bwd_ms, times.step_ms
 
