@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA paths on a machine with one GPU, in one script for a lent device: the suite's GPU-only tests, then the
 # default path measured against predicted on the GPU (measured_vs_predicted.py --gpus 1), then a profile at
-# microbatch sizes 1-8 (how far from linear the GPU's times are). Models as arguments (default below).
+# microbatch sizes 1-8 (how far from linear the GPU's times are), then issue 17's schedules simulated on profiles
+# made on the GPU (benchmarks/schedules.py: the gpt example, and gpt2-medium). Models as arguments (default below);
+# a section whose *_S variable is 0 is skipped.
 #     OUT=folder bash benchmarks/cuda_path.sh [gpt2-medium gpt2 gpt ...]
 set -uo pipefail
 out=${OUT:-/tmp/cuda-path}
@@ -12,9 +14,10 @@ python3 -c 'import sys, torch, transformers; print("python", sys.version.split()
 "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 echo "== GPU-only tests"
 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/runtime/test_rng.py \
-    tests/runtime/test_train.py tests/runtime/test_trace.py tests/planner/profiling/test_profiler.py 2>&1 | tail -25
+    tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py \
+    tests/planner/profiling/test_profiler.py 2>&1 | tail -25
 echo "== measured vs predicted on one GPU"
-timeout "${PATH_S:-230}" python3 benchmarks/measured_vs_predicted.py --gpus 1 --schedules 1f1b --steps 12 \
+[ "${PATH_S:-230}" != 0 ] && timeout "${PATH_S:-230}" python3 benchmarks/measured_vs_predicted.py --gpus 1 --schedules 1f1b --steps 12 \
     ${MVP_FLAGS:-} --models ${models[*]} --keep /tmp/mvp 2>&1 | tee "$out/measured_vs_predicted.txt"
 cp /tmp/mvp/gpt2-medium.json /tmp/mvp/gpt2-medium-1f1b.report.json "$out/" 2>/dev/null
 python3 - ${models[*]} <<'PY'
@@ -33,7 +36,7 @@ for model in sys.argv[1:]:
     print(f"| {model} | {found.forward_ms:.2f} / {profile.total_fwd_ms:.2f} | {found.backward_ms:.2f} / "
           f"{profile.total_bwd_ms:.2f} | {profile.library_bytes / 2**20:.1f} |")
 PY
-[ "${SIZES_S:-60}" = 0 ] && exit 0
+if [ "${SIZES_S:-60}" != 0 ]; then
 echo "== gpt2-medium at microbatch sizes 1, 2, 4, 8"
 timeout "${SIZES_S:-60}" python3 -m planner profile benchmarks/models/gpt2_medium.py --batch-size 1,2,4,8 \
     --out "$out/gpt2-medium-sizes.json" 2>&1 | tail -4
@@ -52,3 +55,8 @@ for sized in profile.size_times:
           f"x{layers / full * profile.batch_size / sized.batch_size:.2f} of linear scaling "
           f"from batch {profile.batch_size}")
 PY
+fi
+echo "== schedules simulated on GPU profiles (the gpt example, then gpt2-medium), microbatches of 8"
+[ "${SCHED_S:-150}" != 0 ] && timeout "${SCHED_S:-150}" bash -c "python3 benchmarks/schedules.py 2>&1 | head -12;
+    python3 -m planner profile benchmarks/models/gpt2_medium.py --out '$out/gpt2-medium-8.json' 2>&1 | tail -2;
+    python3 benchmarks/schedules.py --profile '$out/gpt2-medium-8.json' 2>&1 | head -12" | tee "$out/schedules.txt"

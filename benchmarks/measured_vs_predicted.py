@@ -23,7 +23,8 @@ On a GPU machine the profile and the training run on the GPU by default (`--devi
 Models: examples/mlp.py, examples/gpt.py, examples/resnet.py, benchmarks/models/gpt2.py (a
 transformers GPT-2 that no test or example uses) and benchmarks/models/gpt2_medium.py (the same
 at width 1024, 12 layers, context 512: big enough for a GPU's kernels to dominate; not a default,
-it takes minutes per step on CPU). The lines `planner train` printed about
+it takes minutes per step on CPU); examples/llama.py (a transformers Llama) and examples/vgg.py
+can be asked for too. The lines `planner train` printed about
 conditions that differ from the profile's are shown under the table. Takes about 3 minutes on
 the 2-core CPU machine; absolute times on a shared machine drift by tens of percent within
 minutes, so compare ratios, and rerun before reading much into one.
@@ -46,7 +47,8 @@ from planner.files.run_report import RunReport, load_run_report
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
           "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
-          "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py"}
+          "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py", "llama": REPO / "examples" / "llama.py",
+          "vgg": REPO / "examples" / "vgg.py"}
 DEFAULT_MODELS = ("mlp", "gpt", "resnet", "gpt2")
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = 4

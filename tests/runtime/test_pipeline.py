@@ -23,6 +23,7 @@ from planner.schedules.schedule import BACKWARD, FORWARD, build_schedule
 from runtime.pipeline import Pipeline, PipelineError
 from runtime.stages import split_model
 from runtime_examples import model_file
+from tests.conftest import gpu_only
 
 REPO = Path(__file__).resolve().parents[2]
 MICROBATCHES = 4
@@ -83,6 +84,27 @@ def test_gradients_and_sgd_step_equal_single_device_training(name: str, stages: 
     for network in (model, reference):
         torch.optim.SGD(network.parameters(), lr=0.1).step()
     assert_close(dict(reference.named_parameters()), dict(model.named_parameters()))
+
+
+@gpu_only
+@pytest.mark.parametrize("name, schedule, checkpoint", [
+    ("mlp", "1f1b", False), ("gpt", "1f1b", (True, False)), ("gpt", "zb-h1", False), ("mlp", "gpipe", False),
+])
+def test_stages_sharing_one_gpu_give_that_gpus_single_device_gradients(name: str, schedule: str,
+                                                                       checkpoint: Any) -> None:
+    """Two stages on one GPU, each in its own worker thread (kernels of both on the device's default stream), with
+    the mini-batch on the CPU: the loss and gradients of one forward and backward of the whole model on that GPU."""
+    model, inputs, target = fresh(name)
+    model.to("cuda")
+    reference = copy.deepcopy(model)
+    expected_loss = loss_of(name)(reference(*(x.to("cuda") for x in inputs)), target.to("cuda"))
+    expected_loss.backward()
+    split = split_model(model, SPLITS[(name, 2)])
+    with Pipeline(split, ["cuda", "cuda"], schedule, MICROBATCHES, checkpoint, model_file(name).loss_fn) as pipe:
+        loss = pipe.train_step(inputs, target)
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-5)
+    assert all(parameter.grad.is_cuda for parameter in model.parameters())
+    assert_close(gradients(reference), gradients(model))
 
 
 def test_tied_embedding_gets_both_stages_gradients() -> None:
