@@ -13,6 +13,7 @@ from torch import nn
 
 from planner.profiling.layers import find_layers
 from planner.profiling.timing import (
+    CudaClock,
     HostClock,
     _fill_forward,
     frozen,
@@ -128,6 +129,28 @@ def test_the_instrumentations_own_cost_is_taken_out_of_the_layers_times() -> Non
     assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(times.step_ms, rel=1e-9)
     assert times.fwd_ms[0] == pytest.approx(times.fwd_ms[1], rel=0.5)
     assert times.bwd_ms[0] == pytest.approx(times.bwd_ms[1], rel=0.5)
+
+
+class _LaggingDeviceClock(HostClock):
+    """A device that finishes 5 ms after the host's last mark: `synchronize` waits for it; the plain step is read
+    as CUDA's clock reads it (`CudaClock.step_ms`: the host's time until the device is done, or the marks' span)."""
+
+    def synchronize(self) -> None:
+        time.sleep(0.005)
+
+    step_ms = CudaClock.step_ms
+
+
+def test_on_a_device_the_plain_step_lasts_until_the_device_is_done() -> None:
+    """The plain step, so the layers' total, counts the host's time up to the end of the device's work, which the
+    marks alone miss (on a GPU, a launch-bound step's host work before its first kernel and after its last launch)."""
+    model = nn.Sequential(_SleepLayer(0.002, 0.003))
+    x = torch.randn(1, requires_grad=True)
+    layers = find_layers(model, lambda: model(x))
+    times = time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True),
+                        _LaggingDeviceClock(), warmup=1, iters=3)
+    assert times.step_ms >= 2 + 3 + 5
+    assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(times.step_ms, rel=1e-9)
 
 
 def test_functional_ops_count_toward_the_layer_before_them() -> None:
