@@ -142,9 +142,13 @@ def best_chunked(inputs: CostInputs, ranks: int) -> ChunkedChoice | None:
     return found
 
 
-def _judged(inputs: CostInputs, stages: tuple[Stage, ...]) -> ChunkedChoice | None:
-    """`stages` simulated: their iteration and each device's peak memory; None beyond the memory limit."""
+def _judged(inputs: CostInputs, stages: tuple[Stage, ...], memory: bool = True) -> ChunkedChoice | None:
+    """`stages` simulated: their iteration and each device's peak memory; None beyond the memory limit.
+    `memory=False` without a limit leaves the peaks out (empty): reading them from the timeline costs as much
+    as the simulation."""
     timeline = simulate_stages(inputs, list(stages))
+    if not memory and inputs.memory_bytes is None:
+        return ChunkedChoice(inputs, stages, timeline.iteration_s(), ())
     peaks = timeline.peak_memory()
     peak_bytes = tuple(float(peaks[stage]) for stage in range(len(stages)))
     if inputs.memory_bytes is not None and max(peak_bytes) > inputs.memory_bytes:
@@ -171,11 +175,11 @@ def refine_chunked(choice: ChunkedChoice, budget_ops: int = REFINE_OPS) -> Chunk
                 continue
             edges = [0, *cuts[:at], moved, *cuts[at + 1:], n]
             left -= 1
-            trial = _judged(choice.inputs, tuple(Stage(a, b, 1, False) for a, b in zip(edges, edges[1:])))
+            trial = _judged(choice.inputs, tuple(Stage(a, b, 1, False) for a, b in zip(edges, edges[1:])), False)
             if trial is not None and trial.iteration_s < choice.iteration_s * (1.0 - 1e-9):
                 choice, improved = trial, True
                 break
-    return choice
+    return choice if choice.peak_bytes else _judged(choice.inputs, choice.stages) or choice
 
 
 def chunked_count_ok(schedule: str, microbatches: int, ranks: int) -> bool:
