@@ -11,8 +11,9 @@ data the simulator and the plots use.
   pipedream);
 - communication: `runtime.p2p.Links` sends activations and gradients from background threads
   (a send never blocks compute) and pre-posts receives into a mailbox; each directed pair of
-  ranks has its own two-rank process group. Shapes and dtypes travel once per microbatch slot
-  and input shape, then only the tensors do;
+  ranks has its own two-rank process group. Shapes, dtypes and requires_grad flags travel once per
+  microbatch slot and input shape, then only the tensors do; a received tensor requires grad, and its
+  gradient goes back, only if it did on the sending stage (`StageRunner`'s follow_requires_grad);
 - replication: a stage with r replicas runs microbatch i on replica i mod r; its replicas
   all-reduce their gradients in their own process group before the optimizer step (flush
   schedules: sum, as each microbatch's loss is scaled by its share of the mini-batch;
@@ -191,7 +192,8 @@ class Engine:
         self.runners = {stage: StageRunner(module, self.device, last=stage == count - 1,
                                            loss_fn=loss_fn or default_loss, checkpoint=flags[stage],
                                            stash_weights=schedule == "pipedream",
-                                           split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+                                           split_backward=schedule in SPLIT_BACKWARD_SCHEDULES,
+                                           follow_requires_grad=True)
                         for stage, module in self.modules.items()}
         parameters = {id(p): p for module in self.modules.values() for p in module.parameters()}  # tied: once
         self.optimizer = optimizer(list(parameters.values())) if optimizer is not None else None
@@ -541,10 +543,11 @@ class Engine:
 
 def gradient_structure(structure: Any) -> list[TensorSpec | None]:
     """The structure of the gradients sent back for an activation of `structure` (`p2p.describe`): per
-    tensor, in `tensors` order, its spec if it is floating point or complex (it has a gradient), else None."""
+    tensor, in `tensors` order, its shape and dtype if it requires grad (the receiving stage's leaf does too,
+    and returns its gradient), else None."""
     specs: list[TensorSpec] = []
     map_leaves(specs.append, structure, TensorSpec)
-    return [spec if spec.dtype.is_floating_point or spec.dtype.is_complex else None for spec in specs]
+    return [TensorSpec(spec.shape, spec.dtype) if spec.requires_grad else None for spec in specs]
 
 
 def _checked_schedule(name: str, ranks: list[tuple[int, ...]], count: int, microbatches: int, chunks: int,

@@ -6,12 +6,13 @@ ranks (a -> b) has its own two-rank process group, so the messages of one direct
 matched in order (gloo and NCCL alike) and never wait behind the other direction's.
 
 A message is a nested value (`runtime.nested`) whose tensors are sent one by one with
-`torch.distributed.send`. Its structure (shapes, dtypes and any non-tensor values) travels
-once, before the first message that needs it: `describe` turns a value into a picklable
-structure with a `TensorSpec` for each tensor, sent as a length and a byte tensor; the receiver
-allocates the tensors with `materialize` and receives into them. Later messages of the same
-structure send the tensors only. Received values land in a `Mailbox` under the key the
-receiver was told to expect; compute threads wait there, checking for failures while they wait.
+`torch.distributed.send`. Its structure (shapes, dtypes, which tensors require grad and any
+non-tensor values) travels once, before the first message that needs it: `describe` turns a value
+into a picklable structure with a `TensorSpec` for each tensor, sent as a length and a byte tensor;
+the receiver allocates the tensors with `materialize`, receives into them and makes those that
+required grad on the sender require grad. Later messages of the same structure send the tensors
+only. Received values land in a `Mailbox` under the key the receiver was told to expect; compute
+threads wait there, checking for failures while they wait.
 
 A send (gloo and NCCL alike) completes only once the receiver has posted the matching receive. A
 receiver thread therefore keeps up to `RECEIVES_AHEAD` receives posted (`torch.distributed.irecv`,
@@ -56,15 +57,18 @@ _STOP = object()
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of one tensor of a message."""
+    """Shape and dtype of one tensor of a message, and whether it requires grad: the sender wants its
+    gradient back (the received tensor is made to require grad after its receive completes)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    requires_grad: bool = False
 
 
 def describe(value: Any) -> Any:
-    """`value` with each tensor replaced by its `TensorSpec` (picklable; equal for equal shapes and dtypes)."""
-    return map_tensors(lambda t: TensorSpec(tuple(t.shape), t.dtype), value)
+    """`value` with each tensor replaced by its `TensorSpec` (picklable; equal for equal shapes, dtypes and
+    requires_grad flags)."""
+    return map_tensors(lambda t: TensorSpec(tuple(t.shape), t.dtype, t.requires_grad), value)
 
 
 def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
@@ -76,6 +80,16 @@ def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.T
         return made[-1]
 
     return map_leaves(make, structure, TensorSpec), made
+
+
+def _flag_requires_grad(value: Any, structure: Any) -> None:
+    """Make each tensor of `value`, received into `materialize(structure)`'s tensors, require grad where its
+    `TensorSpec` says the sender's did (set once the receive is done: the receive writes into the tensor)."""
+    specs: list[TensorSpec] = []
+    map_leaves(specs.append, structure, TensorSpec)
+    for tensor, spec in zip(tensors(value), specs):
+        if spec.requires_grad:
+            tensor.requires_grad_()
 
 
 class Mailbox:
@@ -257,6 +271,7 @@ class Links:
             key, value, structure, works = posted.popleft()
             for work in works:
                 work.wait()
+            _flag_requires_grad(value, structure)
             if self.device.type == "cuda":  # NCCL's wait orders this thread's stream only
                 torch.cuda.current_stream(self.device).synchronize()
                 compute = torch.cuda.default_stream(self.device)

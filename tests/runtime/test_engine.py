@@ -28,8 +28,9 @@ from planner.schedules.schedule import (
     build_schedule,
 )
 from engine_worker import deliberate_failure
-from runtime.engine import Engine, EngineError, init_distributed
+from runtime.engine import Engine, EngineError, gradient_structure, init_distributed
 from runtime.nested import split_batch
+from runtime.p2p import TensorSpec, describe
 from runtime.stages import split_model
 from runtime_examples import model_file
 
@@ -341,6 +342,12 @@ def test_outside_torchrun_the_engine_says_how_to_launch(monkeypatch: pytest.Monk
         init_distributed()
     with pytest.raises(EngineError, match="torch.distributed is not initialized"):
         Engine([nn.Linear(2, 2)], "1f1b")
+
+
+def test_gradients_come_back_for_the_sent_tensors_that_require_grad_alone() -> None:
+    hidden, cos, ids = torch.zeros(2, 3, requires_grad=True), torch.zeros(1, 3), torch.arange(2)
+    sent = describe((hidden, cos, ids))
+    assert gradient_structure(sent) == [TensorSpec((2, 3), torch.float32), None, None]
 
 
 @pytest.fixture

@@ -44,12 +44,14 @@ def test_describe_replaces_each_tensor_by_its_shape_and_dtype() -> None:
     assert tensors(structure) == []
 
 
-def test_describe_is_equal_for_equal_shapes_and_dtypes_and_differs_otherwise() -> None:
+def test_describe_is_equal_for_equal_shapes_dtypes_and_flags_and_differs_otherwise() -> None:
     assert describe(message()) == describe(message())  # other values, same shapes
     assert describe((torch.zeros(2, 3),)) != describe((torch.zeros(3, 2),))
     assert describe((torch.zeros(2, 3),)) != describe((torch.zeros(2, 3, dtype=torch.float64),))
     assert describe((torch.zeros(2), "a")) != describe((torch.zeros(2), "b"))
     assert describe([torch.zeros(2)]) != describe((torch.zeros(2),))
+    assert describe((torch.zeros(2, requires_grad=True),)) == (TensorSpec((2,), torch.float32, True),)
+    assert describe((torch.zeros(2, requires_grad=True),)) != describe((torch.zeros(2),))
 
 
 def test_describe_is_picklable() -> None:
@@ -179,7 +181,7 @@ def activation(seed: int) -> dict[str, Any]:
     """A message of one structure (other values per seed): dtypes, a 0-d, an empty and a non-contiguous tensor."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        "x": torch.randn(3, 2, generator=generator),
+        "x": torch.randn(3, 2, generator=generator).requires_grad_(),  # the sender wants its gradient back
         "meta": ("tag", 4),
         "ids": [torch.randint(0, 100, (3,), generator=generator), None],
         "mask": torch.rand(3, 4, generator=generator) > 0.5,
@@ -255,6 +257,7 @@ def test_links_deliver_nested_values_with_and_without_their_structure(tmp_path: 
         assert describe(value) == describe(original)
         for found, expected in zip(tensors(value), tensors(original)):
             assert torch.equal(found, expected)
+            assert found.requires_grad == expected.requires_grad  # set once received: x alone
     gradient, structure = sender["gradient"]
     assert structure == [TensorSpec((3, 2), torch.float32), None]
     assert gradient[1] is None

@@ -284,6 +284,78 @@ def test_traced_stage_output_tuple_is_the_next_stage_arguments() -> None:
     torch.testing.assert_close(sent[1], sent[0] * 3)
 
 
+class WithTable(nn.Module):
+    """A first stage that also returns a table computed without grad (as a Llama's rotary cos and sin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            table = torch.cos(x)
+        return self.linear(x), table
+
+
+class ScaledByTable(nn.Module):
+    """The next stage: a linear map of the hidden state times the table, and the table passed on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, table = pair
+        return self.linear(hidden) * table, table
+
+
+def saved_bytes(module: nn.Module, run: Any) -> int:
+    """Bytes of the distinct storages autograd saves while `run()` runs, `module`'s parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    found: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            found[storage.data_ptr()] = storage.nbytes()
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(found.values())
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_received_tensor_sent_without_grad_gets_no_gradient_when_the_runners_follow_requires_grad(
+        follow: bool) -> None:
+    first = StageRunner(WithTable(), CPU, last=False, loss_fn=mse, follow_requires_grad=follow)
+    module, reference = ScaledByTable(), ScaledByTable()
+    second = StageRunner(module, CPU, last=False, loss_fn=mse, follow_requires_grad=follow)
+    x, grad = batch(), batch(5, 4, seed=2)
+    (sent,) = first.forward(0, (x,))  # a plain module's tuple result is one argument of the next stage
+    hidden, table = sent
+    assert hidden.requires_grad == follow and hidden.is_leaf and not table.requires_grad
+    second.receive(0, (sent,))
+    # 5 x 4 float32 = 80 bytes a tensor: the linear map saves its input (the received hidden state's clone), the
+    # product saves the table, and saves the linear map's output only if the table requires grad (for its gradient)
+    assert saved_bytes(module, lambda: second.forward(0)) == (80 + 80 if follow else 80 + 80 + 80)
+    second.receive_grads(0, [grad, None])
+    input_grads = second.backward(0)
+    hidden_ref = leaf(hidden.detach())
+    reference((hidden_ref, table))[0].backward(grad)
+    torch.testing.assert_close(input_grads[0], hidden_ref.grad)
+    assert (input_grads[1] is None) == follow  # without following, the table's gradient is computed and sent back
+    assert_grads_close(grads(reference), grads(module))
+
+
+def test_a_checkpointed_runner_that_follows_requires_grad_flags_every_float_output() -> None:
+    runner = StageRunner(TwoOutputs(), CPU, last=False, loss_fn=mse, checkpoint=True, follow_requires_grad=True)
+    (hidden, tripled, index), = runner.forward(0, (batch(), torch.arange(5)))  # its forward ran without grad
+    assert hidden.requires_grad and tripled.requires_grad and not index.requires_grad
+
+
 # --- checkpointing in training mode ----------------------------------------------------------------
 
 
