@@ -290,6 +290,18 @@ def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
     return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"), chunks=1)
 
 
+UNCHUNKED = {"interleaved-1f1b": "1f1b", "zbv": "zb-h1"}  # each chunked schedule's order with one stage per rank
+
+
+def _one_stage_per_rank_inputs(inputs: CostInputs) -> CostInputs:
+    """The inputs that judge plans of one stage per rank (the baselines) beside a chunked plan: its schedule with one
+    chunk per rank (UNCHUNKED: interleaved-1f1b's is 1f1b, zbv's zb-h1, B and W apart); the same inputs otherwise."""
+    if inputs.schedule not in CHUNKED_SCHEDULES:
+        return inputs
+    schedule = UNCHUNKED[inputs.schedule]
+    return replace(inputs, schedule=schedule, arrays=inputs.arrays.for_schedule(schedule), chunks=1)
+
+
 def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
     """The fastest chunked plan of `inputs` on every device of the cluster (`chunked.best_chunked`), with
     data parallelism simulated beside it for the speedup; None where none fits."""
@@ -579,7 +591,8 @@ class BaselineResult:
 
 def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None) -> list[BaselineResult]:
     """The baselines of `baselines.baseline_plans`, evaluated under the plan's cost model, schedule,
-    microbatches, cluster and optimizer (`optimizer` overrides the plan's)."""
+    microbatches, cluster and optimizer (`optimizer` overrides the plan's); beside a chunked plan, under its
+    schedule with one stage per rank (`_one_stage_per_rank_inputs`: the baselines have no chunks)."""
     optimizer = optimizer or plan.optimizer
     arrays = LayerArrays.from_profile(profile)
     cluster = plan.cluster
@@ -592,7 +605,7 @@ def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None
                                                        for index in range(len(stages))))
             for name, stages in found.items()
         ]
-    inputs = plan_cost_inputs(profile, plan, optimizer)
+    inputs = _one_stage_per_rank_inputs(plan_cost_inputs(profile, plan, optimizer))
     whole = _one_stage_inputs(inputs)
     results = []
     for name, stages in found.items():
