@@ -76,8 +76,8 @@ from runtime.export_split import ShapeGuard
 from runtime.gradients import all_reduce_gradients, comm_device, make_rank_gradient_groups
 from runtime.interpreter import run_program
 from runtime.liveness import Heartbeat, RankMissing
-from runtime.nested import map_leaves, split_minibatch, tensors
-from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe
+from runtime.nested import split_minibatch, tensors
+from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe, specs, without_flags
 from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner
 from runtime.stages import StageSplitError, Stages, build_stages
@@ -424,11 +424,11 @@ class Engine:
     def _send_activation(self, peer: int, key: Key, slot: Any, value: Any, tag: tuple) -> None:
         """Queue the activation of `key` = (iteration, sending stage, microbatch); its structure goes first the
         first time this stage sends this slot to `peer`."""
-        structure = describe(value)
         known = self._sent_structures.get((peer, key[1], slot))
-        if known is not None and known != structure:
-            raise EngineError(f"the values stage {key[1]} sent to rank {peer} for microbatch {key[2]} changed shape or "
-                              "type between steps at the same input shapes; the engine exchanges them once")
+        try:
+            structure = sent_structure(known, describe(value))
+        except EngineError as exc:
+            raise EngineError(f"stage {key[1]} to rank {peer}, microbatch {key[2]}: {exc}", self.rank, key[1]) from None
         self._sent_structures[(peer, key[1], slot)] = structure
         if known is None:  # this step's receive of the gradient waits for its structure (`_expect`)
             self._mailbox.put(("gradient structure", key), gradient_structure(structure))
@@ -541,13 +541,29 @@ class Engine:
 # --- set-up ---------------------------------------------------------------------------------------
 
 
+def sent_structure(known: Any, structure: Any) -> Any:
+    """The structure an activation of `structure` (`p2p.describe`) goes under, where `known` went first (None: the
+    first): the same, or EngineError. Structures travel once per slot, so shapes and types must stay; a tensor that
+    no longer requires grad (parameters frozen since) keeps `known`'s flag: the receiver still returns its gradient,
+    which the sender's backward leaves out (`StageRunner`'s roots are the outputs that require grad); one that
+    requires grad now but did not (parameters unfrozen since) is refused, as its receiver would return no gradient."""
+    if known is None or known == structure:
+        return structure
+    if without_flags(known) != without_flags(structure):
+        raise EngineError("the values sent changed shape or type between steps at the same input shapes; the engine "
+                          "exchanges them once")
+    if any(new.requires_grad and not old.requires_grad for old, new in zip(specs(known), specs(structure))):
+        raise EngineError("a value sent requires grad now but did not at the first step (parameters unfrozen since?): "
+                          "the engine settles at the first step which activations carry a gradient back; make a new "
+                          "Engine after changing which parameters train")
+    return known
+
+
 def gradient_structure(structure: Any) -> list[TensorSpec | None]:
     """The structure of the gradients sent back for an activation of `structure` (`p2p.describe`): per
     tensor, in `tensors` order, its shape and dtype if it requires grad (the receiving stage's leaf does too,
     and returns its gradient), else None."""
-    specs: list[TensorSpec] = []
-    map_leaves(specs.append, structure, TensorSpec)
-    return [TensorSpec(spec.shape, spec.dtype) if spec.requires_grad else None for spec in specs]
+    return [TensorSpec(spec.shape, spec.dtype) if spec.requires_grad else None for spec in specs(structure)]
 
 
 def _checked_schedule(name: str, ranks: list[tuple[int, ...]], count: int, microbatches: int, chunks: int,

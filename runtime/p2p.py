@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from runtime.nested import map_leaves, map_tensors, tensors
 
-__all__ = ["TensorSpec", "describe", "materialize", "Mailbox", "Links", "POLL_S", "RECEIVES_AHEAD"]
+__all__ = ["TensorSpec", "describe", "specs", "without_flags", "materialize", "Mailbox", "Links", "POLL_S",
+           "RECEIVES_AHEAD"]
 
 POLL_S = 0.05  # how often a waiting thread checks for failures (seconds)
 RECEIVES_AHEAD = 2  # messages per channel whose receives are posted before the first of them arrives
@@ -71,6 +72,18 @@ def describe(value: Any) -> Any:
     return map_tensors(lambda t: TensorSpec(tuple(t.shape), t.dtype, t.requires_grad), value)
 
 
+def specs(structure: Any) -> list[TensorSpec]:
+    """The `TensorSpec`s of a structure (`describe`), in `tensors` order."""
+    found: list[TensorSpec] = []
+    map_leaves(found.append, structure, TensorSpec)
+    return found
+
+
+def without_flags(structure: Any) -> Any:
+    """`structure` with every `TensorSpec`'s requires_grad flag off: what its tensors are, not which need gradients."""
+    return map_leaves(lambda spec: TensorSpec(spec.shape, spec.dtype), structure, TensorSpec)
+
+
 def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
     """A value of `structure` with empty tensors on `device`, and those tensors in `tensors` order."""
     made: list[torch.Tensor] = []
@@ -85,9 +98,7 @@ def materialize(structure: Any, device: torch.device) -> tuple[Any, list[torch.T
 def _flag_requires_grad(value: Any, structure: Any) -> None:
     """Make each tensor of `value`, received into `materialize(structure)`'s tensors, require grad where its
     `TensorSpec` says the sender's did (set once the receive is done: the receive writes into the tensor)."""
-    specs: list[TensorSpec] = []
-    map_leaves(specs.append, structure, TensorSpec)
-    for tensor, spec in zip(tensors(value), specs):
+    for tensor, spec in zip(tensors(value), specs(structure)):
         if spec.requires_grad:
             tensor.requires_grad_()
 

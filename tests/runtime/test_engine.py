@@ -28,7 +28,7 @@ from planner.schedules.schedule import (
     build_schedule,
 )
 from engine_worker import deliberate_failure
-from runtime.engine import Engine, EngineError, gradient_structure, init_distributed
+from runtime.engine import Engine, EngineError, gradient_structure, init_distributed, sent_structure
 from runtime.nested import split_batch
 from runtime.p2p import TensorSpec, describe
 from runtime.stages import split_model
@@ -342,6 +342,18 @@ def test_outside_torchrun_the_engine_says_how_to_launch(monkeypatch: pytest.Monk
         init_distributed()
     with pytest.raises(EngineError, match="torch.distributed is not initialized"):
         Engine([nn.Linear(2, 2)], "1f1b")
+
+
+def test_a_sent_structure_may_lose_a_requires_grad_flag_but_not_gain_one_or_change_shape() -> None:
+    """Structures travel once per slot: freezing the sending stage's parameters after the first step keeps the first
+    flags (its receiver's gradient is dropped), unfreezing them is refused in one line, as is a new shape."""
+    trained, frozen = describe((torch.zeros(2, 3, requires_grad=True),)), describe((torch.zeros(2, 3),))
+    assert sent_structure(None, frozen) == frozen and sent_structure(frozen, frozen) == frozen
+    assert sent_structure(trained, frozen) == trained
+    with pytest.raises(EngineError, match="requires grad now but did not at the first step .* make a new Engine"):
+        sent_structure(frozen, trained)
+    with pytest.raises(EngineError, match="changed shape or type"):
+        sent_structure(trained, describe((torch.zeros(3, 2, requires_grad=True),)))
 
 
 def test_gradients_come_back_for_the_sent_tensors_that_require_grad_alone() -> None:
