@@ -179,7 +179,11 @@ def refine_chunked(choice: ChunkedChoice, budget_ops: int = REFINE_OPS) -> Chunk
             if trial is not None and trial.iteration_s < choice.iteration_s * (1.0 - 1e-9):
                 choice, improved = trial, True
                 break
-    return choice if choice.peak_bytes else _judged(choice.inputs, choice.stages) or choice
+    if choice.peak_bytes:
+        return choice
+    judged = _judged(choice.inputs, choice.stages)  # without a memory limit: never None
+    assert judged is not None
+    return judged
 
 
 def chunked_count_ok(schedule: str, microbatches: int, ranks: int) -> bool:

@@ -41,10 +41,11 @@ from planner.schedules.schedule import (
 AUTO = "auto"
 MICROBATCH_CHOICES = tuple(2**k for k in range(8))  # 1 .. 128 tried by --microbatches auto
 MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its divisors up to this
-# Moving a chunked plan's cuts (`_refined`) never sped it up by more than 8.0% (gnmt, zbv on 8 GPUs) in 122 cases
-# (PipeDream's profiles, the shipped ones and gpt2-medium profiled on an H200, 2-16 GPUs, both chunked schedules):
-# a chunked plan further than 10% behind the fastest candidate is not refined (up to a second each), as it cannot win.
-REFINE_GAIN_CAP = 1.10
+# Moving a chunked plan's cuts (`_refined`) sped it up by at most 8.0% in 122 cases (PipeDream's profiles, the shipped
+# ones and gpt2-medium profiled on an H200, 2-16 GPUs, both chunked schedules, 2 microbatches per GPU), and by 21% in
+# a review's sweep (vgg16, zbv on 2 GPUs, 2 microbatches): observed, not proven. A chunked plan further than this
+# behind the fastest candidate is not refined (up to a second each): a heuristic that may miss a plan.
+REFINE_GAIN_CAP = 1.25
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
 # on equal throughput: least memory first
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
@@ -249,7 +250,7 @@ def _choose(
 
 def _refined(found: _Candidate) -> _Candidate:
     """A chunked plan with its cuts moved while that shortens the simulated iteration (`refine_chunked`; up to a
-    second): each chunked schedule's plan that could win (REFINE_GAIN_CAP), before they are compared (compared
+    second): each chunked schedule's plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared
     unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of 270.3 ms that refines
     to 262.7 ms: gpt2-medium on 4 GPUs)."""
     start = ChunkedChoice(found.inputs, tuple(found.solution.stages), found.iteration_s, found.peak_bytes)
@@ -287,7 +288,12 @@ def _one_stage_inputs(inputs: CostInputs) -> CostInputs:
     inputs under the other schedules."""
     if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES + CHUNKED_SCHEDULES:
         return inputs
-    return replace(inputs, schedule="1f1b", arrays=inputs.arrays.for_schedule("1f1b"), chunks=1)
+    return _under(inputs, "1f1b")
+
+
+def _under(inputs: CostInputs, schedule: str) -> CostInputs:
+    """`inputs` for `schedule`, with one stage per rank: its arrays (`LayerArrays.for_schedule`) and no chunks."""
+    return replace(inputs, schedule=schedule, arrays=inputs.arrays.for_schedule(schedule), chunks=1)
 
 
 UNCHUNKED = {"interleaved-1f1b": "1f1b", "zbv": "zb-h1"}  # each chunked schedule's order with one stage per rank
@@ -296,10 +302,7 @@ UNCHUNKED = {"interleaved-1f1b": "1f1b", "zbv": "zb-h1"}  # each chunked schedul
 def _one_stage_per_rank_inputs(inputs: CostInputs) -> CostInputs:
     """The inputs that judge plans of one stage per rank (the baselines) beside a chunked plan: its schedule with one
     chunk per rank (UNCHUNKED: interleaved-1f1b's is 1f1b, zbv's zb-h1, B and W apart); the same inputs otherwise."""
-    if inputs.schedule not in CHUNKED_SCHEDULES:
-        return inputs
-    schedule = UNCHUNKED[inputs.schedule]
-    return replace(inputs, schedule=schedule, arrays=inputs.arrays.for_schedule(schedule), chunks=1)
+    return _under(inputs, UNCHUNKED[inputs.schedule]) if inputs.schedule in CHUNKED_SCHEDULES else inputs
 
 
 def _chunked_candidate(inputs: CostInputs, size: int) -> _Candidate | None:
