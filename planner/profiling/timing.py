@@ -122,7 +122,7 @@ class CudaClock:
 
     def step_ms(self, start: torch.cuda.Event, end: torch.cuda.Event, wall_ms: float) -> float:
         """The host's time until the device finished, `wall_ms`, or the events' span if longer: a launch-bound
-        step's host work before its first kernel and after its last launch, which the events miss (5-7% of a
+        step's host work before its first kernel and after its last launch, which the events miss (6-7% of a
         small transformer's step on an H200), is paid in training too."""
         return max(wall_ms, self.elapsed_ms(start, end))
 
@@ -313,13 +313,16 @@ class _InstrumentedStep:
 def _instrumented_ms(
     layers: Sequence[Layer], run_step: Callable[[], torch.Tensor], after_step: Callable[[], None], clock: Clock,
     record_outputs: bool = False, replace_outputs: OutputFlags | None = None,
-) -> tuple[list[float], list[float], OutputFlags]:
+) -> tuple[list[float], list[float], OutputFlags, float]:
     """One instrumented step (`_InstrumentedStep`, which takes the last two arguments): per-layer
-    forward and backward ms, unscaled, and the output flags recorded. A loss that needs no gradient
-    (nothing to differentiate) gives no backward time."""
+    forward and backward ms, unscaled, the output flags recorded, and how many times its marks' span the
+    step reads by the plain step's clock (`Clock.step_ms`: 1 on a CPU; on a GPU the host's time until the
+    device is done over the events' span). A loss that needs no gradient (nothing to differentiate) gives
+    no backward time."""
     step = _InstrumentedStep(layers, clock, record_outputs, replace_outputs)
     try:
         with _gc_paused():
+            began_s = time.perf_counter()
             step.fwd_marks[0] = clock.mark()
             loss = run_step()
             step.fwd_marks[-1] = clock.mark()
@@ -332,9 +335,12 @@ def _instrumented_ms(
     finally:
         step.remove()
     clock.synchronize()
+    wall_ms = (time.perf_counter() - began_s) * 1e3
     after_step()
+    span_ms = clock.elapsed_ms(step.fwd_marks[0], backward_end)
+    stretch = clock.step_ms(step.fwd_marks[0], backward_end, wall_ms) / span_ms if span_ms > 0 else 1.0
     forward_ms = _segment_ms(clock, _fill_forward(step.fwd_marks))
-    return forward_ms, step.backward_ms(backward_start, backward_end), step.output_flags
+    return forward_ms, step.backward_ms(backward_start, backward_end), step.output_flags, stretch
 
 
 def _fill_forward(marks: list[Any]) -> list[Any]:
@@ -378,6 +384,7 @@ def time_layers(
     fwd_samples: list[list[float]] = []
     bwd_samples: list[list[float]] = []
     step_samples: list[float] = []
+    stretches: list[float] = []  # per instrumented step: its `Clock.step_ms` over its marks' span
 
     def plain() -> float:
         with _gc_paused():
@@ -392,9 +399,9 @@ def time_layers(
         after_step()
         return clock.step_ms(start, end, wall_ms)
 
-    def measured() -> tuple[list[float], list[float]]:
-        fwd, bwd, _ = _instrumented_ms(layers, run_step, after_step, clock)
-        return fwd, bwd
+    def measured() -> tuple[list[float], list[float], float]:
+        fwd, bwd, _, stretch = _instrumented_ms(layers, run_step, after_step, clock)
+        return fwd, bwd, stretch
 
     total = warmup + iters
     iteration = 0
@@ -408,13 +415,14 @@ def time_layers(
         else:
             if iteration % 2 == 0:
                 step_ms = plain()
-                fwd, bwd = measured()
+                fwd, bwd, stretch = measured()
             else:
-                fwd, bwd = measured()
+                fwd, bwd, stretch = measured()
                 step_ms = plain()
             step_samples.append(step_ms)
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)
+            stretches.append(stretch)
             if iteration == warmup and min_seconds > 0:  # the first measured iteration sets the pace
                 total = warmup + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
         iteration += 1
@@ -424,9 +432,10 @@ def time_layers(
     bwd_ms = [statistics.median(column) for column in zip(*bwd_samples)]
     step_ms = statistics.median(step_samples)
     # The layers' medians keep each layer's share and are scaled to add up to the plain step, what
-    # training takes. The instrumentation's cost is reported as median(instrumented_k / plain_k):
+    # training takes. The instrumentation's cost is reported as median(instrumented_k / plain_k), both
+    # read by the plain step's clock (the layers' sum stretched as that clock read the step's span):
     # the machine's drift over seconds cancels within a pair, not between medians of each kind.
-    totals = [sum(fwd) + sum(bwd) for fwd, bwd in zip(fwd_samples, bwd_samples)]
+    totals = [(sum(fwd) + sum(bwd)) * stretch for fwd, bwd, stretch in zip(fwd_samples, bwd_samples, stretches)]
     ratio = statistics.median(total / plain for total, plain in zip(totals, step_samples) if plain > 0)
     medians_sum = sum(fwd_ms) + sum(bwd_ms)
     scale = step_ms / medians_sum if medians_sum > 0 else 1.0
