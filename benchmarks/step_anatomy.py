@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from planner.profiling.devices import resolve_device  # noqa: E402
 from planner.profiling.model_file import checked_example_batch, default_loss, load_model_file  # noqa: E402
 from runtime.engine import Engine, init_distributed  # noqa: E402
+from runtime.nested import map_tensors  # noqa: E402
 from runtime.stage_runner import StageRunner  # noqa: E402
 from runtime.trace import StepClock  # noqa: E402
 
@@ -89,18 +90,22 @@ def build_ways(name: str, device: torch.device, microbatches: int, size: int) ->
     torch.manual_seed(0)
     model = model_file.build_model().to(device).train()
     loss_fn = model_file.loss_fn or default_loss
-    batches = [checked_example_batch(model_file, size) for _ in range(microbatches)]
+    batches = [checked_example_batch(model_file, size) for _ in range(microbatches)]  # (inputs: a tuple, target)
+
+    def to(value: Any, where: torch.device) -> Any:
+        return map_tensors(lambda tensor: tensor.to(where), value)
+
     on_device = [(to(inputs, device), to(target, device)) for inputs, target in batches]
     share = 1.0 / microbatches
 
     def plain() -> None:
         for inputs, target in on_device:
-            (loss_fn(model(*as_args(inputs)), target) * share).backward()
+            (loss_fn(model(*inputs), target) * share).backward()
         model.zero_grad(set_to_none=True)
 
     def copies() -> None:
         for inputs, target in batches:
-            loss = loss_fn(model(*as_args(to(inputs, device))), to(target, device)) * share
+            loss = loss_fn(model(*to(inputs, device)), to(target, device)) * share
             float(loss.detach())
             loss.backward()
         model.zero_grad(set_to_none=True)
@@ -111,7 +116,7 @@ def build_ways(name: str, device: torch.device, microbatches: int, size: int) ->
             start = torch.cuda.Event(enable_timing=True) if events else None
             if start is not None:
                 start.record()
-            loss_fn(model(*as_args(inputs)), target).backward()
+            loss_fn(model(*inputs), target).backward()
             end = torch.cuda.Event(enable_timing=True) if events else None
             if end is not None:
                 end.record()
@@ -133,7 +138,7 @@ def build_ways(name: str, device: torch.device, microbatches: int, size: int) ->
                 if timer is not None:
                     marks.append(timer.mark())
                 if action == "forward":
-                    runner.forward(key, as_args(inputs), target, share)
+                    runner.forward(key, inputs, target, share)
                 else:
                     runner.backward(key)
                 if timer is not None:
@@ -162,18 +167,6 @@ def without_gc(run: Callable[[], None]) -> None:
         run()
     finally:
         gc.enable()
-
-
-def as_args(inputs: Any) -> tuple[Any, ...]:
-    """A model's arguments: a tuple as is, one value as a 1-tuple."""
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def to(value: Any, device: torch.device) -> Any:
-    """`value` (a tensor or a tuple of them) on `device`."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(to(item, device) for item in value)
-    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 if __name__ == "__main__":
