@@ -71,7 +71,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any]) -> CapturedModel:
     """Export `model` at `example_inputs` and rewrite the graph to read the model's own tensors."""
     inputs = tuple(example_inputs)
     program = _export(model, inputs)
-    return _rewrite(model, program, inputs)
+    captured = _rewrite(model, program, inputs)
+    _causal_attention(captured)
+    return captured
 
 
 def first_nodes(graph: fx.Graph, names: Sequence[str]) -> dict[str, fx.Node]:
@@ -255,6 +257,91 @@ def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
             return torch.export.export(model, inputs, strict=False)
     except Exception as exc:  # any capture failure: say which construct and where
         raise ExportFailure(_construct(exc)) from exc
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _causal_attention(captured: CapturedModel) -> None:
+    """Attention as eager mode runs it: SDPA calls whose mask depends on no input and is the causal one get
+    `is_causal=True` and no mask, and the mask's computation goes.
+
+    Under torch.export transformers materialises the causal mask (an exported model may later run at other
+    lengths, where `is_causal` would be wrong); a stage runs only at the example's shapes (`ShapeGuard`), where the
+    two agree. The mask cost every layer a saved mask (examples/llama.py: 0.13 MB a layer and microbatch beyond what
+    the profiler measures in eager mode) and keeps SDPA on a GPU off its flash kernel. A mask computed from an input
+    (padding) stays. The masks are evaluated once here, on the capture device, from the graph's constants alone."""
+    calls = {node: _mask_of(node) for node in captured.graph.nodes if node.op == "call_function" and node.target is _SDPA}
+    constant = {node: mask for node, mask in calls.items()
+                if isinstance(mask, fx.Node) and not any(n.op == "placeholder" for n in _ancestors(mask))}
+    if not constant:
+        return
+    values = _evaluate(captured, set(constant.values()))
+    for node, mask in constant.items():
+        arguments = dict(zip(_SDPA_ARGUMENTS, node.args)) | dict(node.kwargs)
+        if arguments.get("is_causal") or not _is_causal_mask(values[mask]):
+            continue
+        arguments.update(attn_mask=None, is_causal=True)
+        node.args = tuple(arguments.pop(name) for name in _SDPA_ARGUMENTS[:3])
+        node.kwargs = {name: value for name, value in arguments.items() if name != "attn_mask"}
+    for mask in set(constant.values()):
+        _erase_unused(captured.graph, mask)
+
+
+def _mask_of(node: fx.Node) -> Any:
+    """The attn_mask argument of an SDPA call node (None if not given)."""
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` is computed from, itself included."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def _evaluate(captured: CapturedModel, wanted: set[fx.Node]) -> dict[fx.Node, Any]:
+    """The values of `wanted` nodes, which depend on no placeholder: their ancestors run in graph order."""
+    needed = set().union(*(_ancestors(node) for node in wanted))
+    values: dict[fx.Node, Any] = {}
+    for node in captured.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "get_attr":
+            values[node] = captured.attributes[node.target]
+        else:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda used: values[used])
+            values[node] = node.target(*args, **kwargs)
+    return {node: values[node] for node in wanted}
+
+
+def _is_causal_mask(mask: Any) -> bool:
+    """Whether `mask` (boolean: True attends; or additive float: 0 attends) is SDPA's is_causal mask: square in its
+    last two dimensions, query i attending to keys 0..i alone, for every batch and head it broadcasts over."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    attends = mask if mask.dtype == torch.bool else mask == 0
+    if mask.dtype != torch.bool and not bool(torch.all(mask[..., ~causal] <= torch.finfo(mask.dtype).min / 2)):
+        return False
+    return bool(torch.equal(attends, causal.expand_as(attends)))
+
+
+def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` if nothing uses it, then each of its inputs that this leaves unused (not placeholders)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.users or current.op in ("placeholder", "output"):
+            continue
+        inputs = current.all_input_nodes
+        graph.erase_node(current)
+        stack.extend(inputs)
 
 
 _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')

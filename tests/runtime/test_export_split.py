@@ -176,9 +176,40 @@ def test_boundaries_of_an_exported_split_are_described_without_running_it() -> N
     _, stages, inputs = _split_shared("gpt2")
     (first, second) = describe_boundaries(stages, *inputs)
     assert [value.kind for value in first + second] == ["tensor"] * (len(first) + len(second))
-    assert {value.dtype for value in first} == {torch.bool, torch.float32}  # the causal mask and the hidden state
+    assert {value.dtype for value in first} == {torch.float32}  # the hidden state: no causal mask (SDPA's is_causal)
     with pytest.raises(StageSplitError, match=r"\[4x12\]"):
         describe_boundaries(stages, torch.randint(0, 96, (4, 12)))
+
+
+class _Attention(nn.Module):
+    """SDPA with a mask built in the forward: causal (`causal`), attending everywhere, or the input's (`given`)."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.mask = mask
+        self.project = nn.Linear(4, 12)
+
+    def forward(self, x: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x).unsqueeze(1).chunk(3, dim=-1)
+        length = x.shape[1]
+        mask = {"causal": torch.ones(length, length, dtype=torch.bool).tril(),
+                "everywhere": torch.ones(length, length, dtype=torch.bool), "given": given}[self.mask]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask, causal", [("causal", True), ("everywhere", False), ("given", False)])
+def test_a_constant_causal_mask_becomes_sdpas_is_causal_and_the_others_stay(mask: str, causal: bool) -> None:
+    """As eager transformers runs it (no mask, is_causal) where export materialised the causal mask, whose
+    computation goes; a constant mask of another pattern, or one from an input (padding), is kept. (That the
+    rewritten graphs compute what the models do: the exported GPT-2 and Llama tests here and in test_real_models.)"""
+    torch.manual_seed(0)
+    model = _Attention(mask)
+    x, given = torch.randn(2, 5, 4), torch.ones(5, 5, dtype=torch.bool).tril()
+    captured = capture(model, (x, given))
+    (call,) = [node for node in captured.graph.nodes if node.target is torch.ops.aten.scaled_dot_product_attention.default]
+    arguments = dict(zip(("query", "key", "value", "attn_mask"), call.args)) | dict(call.kwargs)
+    assert (arguments.get("attn_mask") is None) == causal and bool(arguments.get("is_causal")) == causal
+    assert not causal or not any(node.target is torch.ops.aten.tril.default for node in captured.graph.nodes)
 
 
 class _Routed(nn.Module):
