@@ -212,6 +212,41 @@ def test_a_constant_causal_mask_becomes_sdpas_is_causal_and_the_others_stay(mask
     assert not causal or not any(node.target is torch.ops.aten.tril.default for node in captured.graph.nodes)
 
 
+class _GroupedQuery(nn.Module):
+    """Causal attention of 4 query heads over 2 key-value heads repeated to 4 (transformers' repeat_kv), or (`plain`)
+    over values of 4 heads of their own."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.plain = plain
+        self.query, self.key_value = nn.Linear(8, 4 * 3), nn.Linear(8, 2 * 3 * 2)
+
+    @staticmethod
+    def repeat(x: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.query(x).view(b, s, 4, 3).transpose(1, 2)
+        k, v = self.key_value(x).view(b, s, 2, 6).transpose(1, 2).chunk(2, dim=-1)
+        v = self.query(x).view(b, s, 4, 3).transpose(1, 2) if self.plain else self.repeat(v)
+        return torch.nn.functional.scaled_dot_product_attention(q, self.repeat(k), v, is_causal=True)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_repeated_keys_and_values_become_sdpas_grouped_query_attention(plain: bool) -> None:
+    """Keys and values both repeated over the query heads: SDPA takes them unrepeated with enable_gqa, as eager
+    transformers does without a mask, and the repetition goes; values of their own heads: nothing changes."""
+    torch.manual_seed(0)
+    model, x = _GroupedQuery(plain), torch.randn(2, 5, 8)
+    captured = capture(model, (x,))
+    (call,) = [node for node in captured.graph.nodes if node.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert bool(call.kwargs.get("enable_gqa")) != plain
+    assert (call.args[1].meta["val"].shape[1] == 2) != plain  # the key's heads: 2 unrepeated, 4 repeated
+    assert any(node.target is torch.ops.aten.expand.default for node in captured.graph.nodes) == plain
+
+
 class _Routed(nn.Module):
     """Mixture-of-experts routing with a branch on tensor values, in a forward torch.fx must trace."""
 
