@@ -278,7 +278,10 @@ def _causal_attention(captured: CapturedModel) -> None:
                 if isinstance(mask, fx.Node) and not any(n.op == "placeholder" for n in _ancestors(mask))}
     if not constant:
         return
-    values = _evaluate(captured, set(constant.values()))
+    try:
+        values = _evaluate(captured, set(constant.values()))
+    except Exception:  # an operation that cannot run outside export (a model's own construct): masks stay as they are
+        return
     for node, mask in constant.items():
         arguments = dict(zip(_SDPA_ARGUMENTS, node.args)) | dict(node.kwargs)
         if arguments.get("is_causal") or not _is_causal_mask(values[mask]):
