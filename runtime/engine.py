@@ -13,7 +13,7 @@ data the simulator and the plots use.
   (a send never blocks compute) and pre-posts receives into a mailbox; each directed pair of
   ranks has its own two-rank process group. Shapes, dtypes and requires_grad flags travel once per
   microbatch slot and input shape, then only the tensors do; a received tensor requires grad, and its
-  gradient goes back, only if it did on the sending stage (`StageRunner`'s follow_requires_grad);
+  gradient goes back, only if it did on the sending stage (`runtime.stage_runner`);
 - replication: a stage with r replicas runs microbatch i on replica i mod r; its replicas
   all-reduce their gradients in their own process group before the optimizer step (flush
   schedules: sum, as each microbatch's loss is scaled by its share of the mini-batch;
@@ -192,8 +192,7 @@ class Engine:
         self.runners = {stage: StageRunner(module, self.device, last=stage == count - 1,
                                            loss_fn=loss_fn or default_loss, checkpoint=flags[stage],
                                            stash_weights=schedule == "pipedream",
-                                           split_backward=schedule in SPLIT_BACKWARD_SCHEDULES,
-                                           follow_requires_grad=True)
+                                           split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
                         for stage, module in self.modules.items()}
         parameters = {id(p): p for module in self.modules.values() for p in module.parameters()}  # tied: once
         self.optimizer = optimizer(list(parameters.values())) if optimizer is not None else None

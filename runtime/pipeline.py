@@ -16,7 +16,7 @@ Design:
   between workers, each step has one activation queue and one gradient queue per stage
   (sends never block, receives wait); the sender puts detached tensors, flagged requires_grad where
   the stage's outputs were, the receiver moves them to its device (`.to(device)`) and makes them leaves
-  that require grad where they arrive flagged (`StageRunner`'s follow_requires_grad);
+  that require grad where they arrive flagged (`runtime.stage_runner`);
 - a worker's exception comes back as a value on the reply queue; the caller then puts an abort
   marker on every queue of the step (so blocked receives end), waits for every worker, shuts the
   workers down and raises `PipelineError` naming the stage and microbatch, chained to the
@@ -243,7 +243,7 @@ class Pipeline:
         programs = {program.stage: program for program in self.schedule.programs}
         # every runner first: one that cannot be built leaves no thread of an earlier stage running
         runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index],
-                               split_backward=schedule in SPLIT_BACKWARD_SCHEDULES, follow_requires_grad=True)
+                               split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
                    for index, (stage, device) in enumerate(zip(stages, self.devices))]
         self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
         self._workers = [_Worker(index, runner, programs[index], self._replies) for index, runner in enumerate(runners)]

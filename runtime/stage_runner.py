@@ -21,13 +21,12 @@ needs, between `forward(key)` and `backward(key)`:
 The last stage computes `loss_fn(output, target) * scale` (scale: the microbatch's share of the
 mini-batch, so summed gradients are those of the mini-batch mean).
 
-Which received tensors require grad: by default every floating-point one. With `follow_requires_grad`
-(both runtimes: the engine's messages carry the flag, `p2p.TensorSpec`; the in-process pipeline's queues pass
-the tensors themselves) only those that arrive requiring grad, and
-`forward` returns outputs that keep their own flag (a checkpointed stage, whose forward runs without grad,
-flags every floating-point output). An output that needs no gradient, such as a Llama's rotary cos and
-sin tables passed from stage to stage, then gets none downstream: as a leaf requiring grad it made every
-layer after it save its query and key products for that gradient, 0.79 MB a layer and microbatch on
+Which received tensors require grad: those that arrive requiring grad (the engine's messages carry the flag,
+`p2p.TensorSpec`; the in-process pipeline's queues pass the tensors themselves), and `forward` returns outputs
+that keep their own flag (a checkpointed stage, whose forward runs without grad, flags every floating-point
+output). An output that needs no gradient, such as a Llama's rotary cos and sin tables passed from stage to
+stage, so gets none downstream: when every received floating-point tensor became a leaf requiring grad, it made
+every layer after it save its query and key products for that gradient, 0.79 MB a layer and microbatch on
 `examples/llama.py`, 15% over the activations the profile counts.
 """
 
@@ -63,11 +62,9 @@ class _Micro:
     grads: list[Any] | None = None  # received gradients of the outputs
 
 
-def _leaf(tensor: torch.Tensor, device: torch.device, follow: bool = False) -> torch.Tensor:
-    """A received tensor on `device`: a leaf that requires grad if it is floating point (`follow`: if it arrived
-    requiring grad)."""
-    moved = tensor.to(device).detach()
-    return moved.requires_grad_(tensor.requires_grad if follow else _differentiable(moved))
+def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received tensor on `device`: a leaf that requires grad if it arrived requiring grad."""
+    return tensor.to(device).detach().requires_grad_(tensor.requires_grad)
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -90,18 +87,16 @@ class StageRunner:
 
     `last`: the stage computes the loss; `checkpoint`: recompute the forward in the backward;
     `stash_weights`: each forward runs on its own copy of the parameters; `split_backward`: `backward`
-    computes input gradients only and `backward_weight` the parameters' (not with the other two);
-    `follow_requires_grad`: received tensors and returned outputs keep their requires_grad flag (module docstring).
+    computes input gradients only and `backward_weight` the parameters' (not with the other two).
+    Received tensors and returned outputs keep their requires_grad flag (module docstring).
     """
 
     def __init__(self, module: nn.Module, device: torch.device, *, last: bool, loss_fn: LossFn,
-                 checkpoint: bool = False, stash_weights: bool = False, split_backward: bool = False,
-                 follow_requires_grad: bool = False) -> None:
+                 checkpoint: bool = False, stash_weights: bool = False, split_backward: bool = False) -> None:
         if split_backward and (checkpoint or stash_weights):
             raise ValueError("split_backward runs neither with checkpoint nor with stash_weights")
         self.module, self.device, self.last, self.loss_fn = module, device, last, loss_fn
         self.checkpoint, self.stash_weights, self.split_backward = checkpoint, stash_weights, split_backward
-        self.follow_requires_grad = follow_requires_grad
         self.stream = RandomStream(device)
         self.micro: dict[Hashable, _Micro] = {}
         self.pending: dict[Hashable, PendingWeights] = {}  # split_backward: W still to run, per microbatch
@@ -117,8 +112,7 @@ class StageRunner:
 
     def receive(self, key: Hashable, args: tuple[Any, ...]) -> None:
         """Arguments of microbatch `key` from the previous stage: they become leaves on this device."""
-        follow = self.follow_requires_grad
-        self.micro[key] = _Micro(args=map_tensors(lambda t: _leaf(t, self.device, follow), args), received=True)
+        self.micro[key] = _Micro(args=map_tensors(lambda t: _leaf(t, self.device), args), received=True)
 
     def receive_grads(self, key: Hashable, grads: list[Any]) -> None:
         """Gradients of microbatch `key`'s outputs (in `tensors` order; None for outputs without one)."""
@@ -128,10 +122,8 @@ class StageRunner:
                 scale: float = 1.0) -> tuple[Any, ...] | None:
         """Run the stage on microbatch `key` (`inputs`: the model's arguments, first stage only).
 
-        Returns the next stage's arguments, detached (None on the last stage, which keeps the loss); with
-        `follow_requires_grad` each a leaf that requires grad where the output does (checkpointed: where it
-        is floating point).
-        """
+        Returns the next stage's arguments, detached (None on the last stage, which keeps the loss): each a leaf
+        that requires grad where the output does (checkpointed: where it is floating point)."""
         state = self.micro.get(key)
         if state is None:
             state = self.micro[key] = _Micro(args=map_tensors(lambda t: t.to(self.device), inputs))
@@ -151,8 +143,6 @@ class StageRunner:
             return None
         output = stage_args(self.module, output)
         state.output = None if self.checkpoint else output
-        if not self.follow_requires_grad:
-            return map_tensors(torch.Tensor.detach, output)
         return map_tensors(lambda t: t.detach().requires_grad_(_differentiable(t) if self.checkpoint
                                                                 else t.requires_grad), output)
 

@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
+from runtime.nested import map_tensors
 from runtime.stage_runner import StageRunner
 
 CPU = torch.device("cpu")
@@ -56,6 +57,11 @@ def batch(rows: int = 5, width: int = 4, seed: int = 1) -> torch.Tensor:
 
 def leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone().requires_grad_(True)
+
+
+def as_sent(args: Any) -> Any:
+    """Arguments as a previous stage sends them: its floating-point outputs, made with grad, require grad."""
+    return map_tensors(lambda tensor: tensor.detach().requires_grad_(tensor.is_floating_point()), args)
 
 
 class Double(nn.Module):
@@ -124,7 +130,7 @@ def test_first_stage_gives_the_module_output_and_plain_parameter_gradients(check
     expected = reference(x)
     assert isinstance(sent, tuple) and len(sent) == 1
     torch.testing.assert_close(sent[0], expected.detach())
-    assert not sent[0].requires_grad
+    assert sent[0].is_leaf and sent[0].requires_grad  # detached from this stage's graph; its gradient is wanted back
     expected.backward(grad)
     runner.receive_grads(0, [grad])
     assert runner.backward(0) is None
@@ -136,7 +142,7 @@ def test_middle_stage_gives_plain_parameter_and_input_gradients(checkpoint: bool
     module, reference = mlp(), mlp()
     x, grad = batch(), batch(5, 3, seed=2)
     runner = make_runner(module, checkpoint=checkpoint)
-    runner.receive(0, (x,))
+    runner.receive(0, as_sent((x,)))
     sent = runner.forward(0)
     x_ref = leaf(x)
     expected = reference(x_ref)
@@ -156,7 +162,7 @@ def test_last_stage_loss_is_loss_fn_times_scale_and_its_gradients_are_plain(chec
     module, reference = mlp(), mlp()
     x, target = batch(), batch(5, 3, seed=3)
     runner = make_runner(module, last=True, checkpoint=checkpoint)
-    runner.receive(7, (x,))
+    runner.receive(7, as_sent((x,)))
     assert runner.forward(7, target=target, scale=scale) is None
     x_ref = leaf(x)
     expected = mse(reference(x_ref), target) * scale
@@ -171,7 +177,7 @@ def test_last_stage_records_its_loss_at_the_forward_without_checkpointing() -> N
     module, reference = mlp(), mlp()
     x, target = batch(), batch(5, 3, seed=3)
     runner = make_runner(module, last=True)
-    runner.receive("a", (x,))
+    runner.receive("a", as_sent((x,)))
     runner.forward("a", target=target, scale=0.5)
     assert runner.losses["a"] == pytest.approx(mse(reference(x), target).item() * 0.5, rel=1e-6)
 
@@ -193,7 +199,7 @@ def test_microbatches_in_flight_accumulate_their_gradients() -> None:
     targets = [batch(5, 3, seed=s) for s in (4, 5, 6)]
     runner = make_runner(module, last=True)
     for key, x in enumerate(xs):
-        runner.receive(key, (x,))
+        runner.receive(key, as_sent((x,)))
         runner.forward(key, target=targets[key], scale=1 / 3)
     returned = {key: runner.backward(key) for key in (2, 0, 1)}
     for key, (x, target) in enumerate(zip(xs, targets)):
@@ -210,7 +216,7 @@ def test_middle_stage_may_modify_its_received_input_in_place(checkpoint: bool) -
     x, grad = batch(), batch(5, 3, seed=2)
     kept = x.clone()
     runner = make_runner(module, checkpoint=checkpoint)
-    runner.receive(0, (x,))
+    runner.receive(0, as_sent((x,)))
     runner.forward(0)
     runner.receive_grads(0, [grad])
     input_grads = runner.backward(0)
@@ -241,7 +247,7 @@ def test_backward_returns_zeros_for_unused_float_inputs_and_none_for_integer_inp
     x, unused, index = batch(), batch(5, 2, seed=4), torch.tensor([1, 4, 4, 0, 9])
     grad = batch(5, 3, seed=2)
     runner = make_runner(module, checkpoint=checkpoint)
-    runner.receive(0, (x, {"unused": unused, "index": index}))
+    runner.receive(0, as_sent((x, {"unused": unused, "index": index})))
     runner.forward(0)
     runner.receive_grads(0, [grad])
     input_grads = runner.backward(0)
@@ -260,7 +266,7 @@ def test_outputs_without_a_received_gradient_are_not_backpropagated(checkpoint: 
     x, index = batch(), torch.arange(5)
     grad = batch(5, 4, seed=2)
     runner = make_runner(module, checkpoint=checkpoint)
-    runner.receive(0, (x, index))
+    runner.receive(0, as_sent((x, index)))
     sent = runner.forward(0)
     hidden, tripled, passed = sent[0]  # a plain module's tuple result is one argument of the next stage
     torch.testing.assert_close(tripled, hidden * 3)
@@ -327,31 +333,32 @@ def saved_bytes(module: nn.Module, run: Any) -> int:
     return sum(found.values())
 
 
-@pytest.mark.parametrize("follow", [False, True])
-def test_a_received_tensor_sent_without_grad_gets_no_gradient_when_the_runners_follow_requires_grad(
-        follow: bool) -> None:
-    first = StageRunner(WithTable(), CPU, last=False, loss_fn=mse, follow_requires_grad=follow)
+def test_a_received_tensor_sent_without_grad_gets_no_gradient() -> None:
+    """A table the first stage computes without grad (as a Llama's rotary cos and sin) arrives not requiring grad: the
+    next stage saves nothing for its gradient and returns none; the hidden state's gradient and the weights' are
+    autograd's."""
+    first = StageRunner(WithTable(), CPU, last=False, loss_fn=mse)
     module, reference = ScaledByTable(), ScaledByTable()
-    second = StageRunner(module, CPU, last=False, loss_fn=mse, follow_requires_grad=follow)
+    second = StageRunner(module, CPU, last=False, loss_fn=mse)
     x, grad = batch(), batch(5, 4, seed=2)
     (sent,) = first.forward(0, (x,))  # a plain module's tuple result is one argument of the next stage
     hidden, table = sent
-    assert hidden.requires_grad == follow and hidden.is_leaf and not table.requires_grad
+    assert hidden.requires_grad and hidden.is_leaf and not table.requires_grad
     second.receive(0, (sent,))
-    # 5 x 4 float32 = 80 bytes a tensor: the linear map saves its input (the received hidden state's clone), the
-    # product saves the table, and saves the linear map's output only if the table requires grad (for its gradient)
-    assert saved_bytes(module, lambda: second.forward(0)) == (80 + 80 if follow else 80 + 80 + 80)
+    # 5 x 4 float32 = 80 bytes a tensor: the linear map saves its input (the received hidden state's clone) and the
+    # product saves the table; the linear map's output would be saved too (80 more) were the table requiring grad
+    assert saved_bytes(module, lambda: second.forward(0)) == 80 + 80
     second.receive_grads(0, [grad, None])
     input_grads = second.backward(0)
     hidden_ref = leaf(hidden.detach())
     reference((hidden_ref, table))[0].backward(grad)
     torch.testing.assert_close(input_grads[0], hidden_ref.grad)
-    assert (input_grads[1] is None) == follow  # without following, the table's gradient is computed and sent back
+    assert input_grads[1] is None
     assert_grads_close(grads(reference), grads(module))
 
 
-def test_a_checkpointed_runner_that_follows_requires_grad_flags_every_float_output() -> None:
-    runner = StageRunner(TwoOutputs(), CPU, last=False, loss_fn=mse, checkpoint=True, follow_requires_grad=True)
+def test_a_checkpointed_runner_flags_every_float_output() -> None:
+    runner = StageRunner(TwoOutputs(), CPU, last=False, loss_fn=mse, checkpoint=True)
     (hidden, tripled, index), = runner.forward(0, (batch(), torch.arange(5)))  # its forward ran without grad
     assert hidden.requires_grad and tripled.requires_grad and not index.requires_grad
 
@@ -368,7 +375,7 @@ def run_two_microbatches(module: nn.Module, checkpoint: bool, kind: str, seed: i
         if kind == "first":
             sent.append(runner.forward(key, (xs[key],)))
         else:
-            runner.receive(key, (xs[key],))
+            runner.receive(key, as_sent((xs[key],)))
             sent.append(runner.forward(key, target=targets[key], scale=0.5))
     input_grads = {}
     for key in (1, 0):
@@ -424,7 +431,7 @@ def test_checkpointing_batch_norm_updates_running_statistics_once(last: bool) ->
     runner = make_runner(module, last=last, checkpoint=True)
     returned = {}
     for key in (0, 1):
-        runner.receive(key, (xs[key],))
+        runner.receive(key, as_sent((xs[key],)))
         runner.forward(key, target=targets[key], scale=0.5)
     for key in (0, 1):
         if not last:
@@ -455,7 +462,7 @@ def test_stashed_forward_backpropagates_through_the_old_weights(last: bool, chec
     old = copy.deepcopy(module)
     x, target = batch(), batch(5, 3, seed=3)
     runner = make_runner(module, last=last, checkpoint=checkpoint, stash=True)
-    runner.receive(1, (x,))
+    runner.receive(1, as_sent((x,)))
     runner.forward(1, target=target)
     perturb(module)
     new = copy.deepcopy(module)
@@ -489,7 +496,7 @@ def test_several_stashed_microbatches_in_flight_each_use_their_forward_weights(c
     runner = make_runner(module, last=True, checkpoint=checkpoint, stash=True)
     weights = []  # the module at each forward
     for key in (0, 1):
-        runner.receive(key, (x[key],))
+        runner.receive(key, as_sent((x[key],)))
         weights.append(copy.deepcopy(module))
         runner.forward(key, target=target[key])
         perturb(module)
@@ -524,7 +531,7 @@ def test_stashing_with_a_tied_parameter_gives_the_plain_gradient(change: bool) -
     old = copy.deepcopy(module)
     x, target = batch(), batch(5, 4, seed=3)
     runner = make_runner(module, last=True, stash=True)
-    runner.receive(0, (x,))
+    runner.receive(0, as_sent((x,)))
     runner.forward(0, target=target)
     if change:
         perturb(module)
@@ -541,14 +548,14 @@ def test_reset_forgets_microbatches_and_losses() -> None:
     module, reference = mlp(), mlp()
     x, target = batch(), batch(5, 3, seed=3)
     runner = make_runner(module, last=True)
-    runner.receive(0, (x * 10,))
+    runner.receive(0, as_sent((x * 10,)))
     runner.forward(0, target=target)
     assert 0 in runner.losses
     runner.reset(0)
     assert runner.losses == {}
     with pytest.raises(KeyError):
         runner.backward(0)
-    runner.receive(0, (x,))
+    runner.receive(0, as_sent((x,)))
     runner.forward(0, target=target)
     runner.backward(0)
     mse(reference(x), target).backward()
