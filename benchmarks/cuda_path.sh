@@ -15,7 +15,7 @@ python3 -c 'import sys, torch, transformers; print("python", sys.version.split()
 if [ "${TESTS_S:-120}" != 0 ]; then
 echo "== GPU-only tests"
 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/runtime/test_rng.py \
-    tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py \
+    tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py tests/planner/profiling/test_backward_split.py \
     tests/planner/profiling/test_profiler.py 2>&1 | tail -25
 fi
 if [ "${PATH_S:-230}" != 0 ]; then

@@ -18,7 +18,9 @@ parameter are *W nodes*; their subgraphs hold no B node. A B node with a W child
    (the weight matmul, not the input one) and no other node runs. Boundaries are batched into one
    `torch.autograd.grad` call when no child of one leads to a frontier edge of the batch (a chain of
    layers needs one call per layer: a B child that leads to a captured edge would run again and
-   count its gradients twice);
+   count its gradients twice). Each such call walks the graph below its boundaries, so batches of
+   the nodes that Linear, LayerNorm, scales and bias adds leave are computed from their saved tensors
+   instead (`weight_formulas.frontier_grads`: the same gradients, no walk), the rest through autograd;
 2. one `torch.autograd.grad` call runs every W node, from the frontier gradients of phase 1 and
    from the outputs that do not depend on any input, to the parameters; the results are added to
    `.grad` as AccumulateGrad would.
@@ -47,6 +49,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from planner.errors import PlannerError
+from planner.profiling.weight_formulas import frontier_grads
 
 __all__ = ["PendingWeights", "backward_inputs", "backward_weights", "held_gradients"]
 
@@ -414,7 +417,9 @@ def backward_weights(pending: PendingWeights) -> None:
     try:
         roots = pending.roots
         for call in pending.weight_calls:
-            grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
+            grads = frontier_grads(call.roots, call.grads, call.captures)
+            if grads is None:
+                grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
             for key, edge, grad in zip(call.keys, call.captures, grads):
                 if grad is None:
                     continue

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import PlannerError
 from planner.profiling.backward_split import PendingWeights, _accumulate, backward_inputs, backward_weights
+from tests.conftest import gpu_only
 
 Forward = Callable[..., Sequence[torch.Tensor]]
 
@@ -88,6 +89,32 @@ def test_mlp_stage() -> None:
     pending = split_vs_plain(mlp, lambda m, x: [m(x)], [torch.randn(5, 6, requires_grad=True)])
     assert pending.boundaries == 3 and pending.calls == 3 and pending.promoted == 0
     assert pending.done and not pending.weight_calls and not pending.roots and not pending.params
+
+
+class MixedStage(nn.Module):
+    """A convolution, batch norm, Linear on tokens, layer norm, a scale and a bias: every weight formula of
+    `weight_formulas` in one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(3, 4, 3, padding=1), nn.BatchNorm1d(4)
+        self.linear, self.layer_norm = nn.Linear(4, 8), nn.LayerNorm(8)
+        self.scale, self.shift = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.norm(self.conv(x)).transpose(1, 2)
+        return self.layer_norm(self.linear(tokens)) * self.scale + self.shift
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_only)])
+def test_every_weight_formula_in_one_stage(device: str) -> None:
+    """B then W of a stage whose boundaries all have formulas equals plain backward, on the CPU and on a GPU
+    (float64 there: TF32 convolutions would round B's and plain backward's products differently)."""
+    torch.manual_seed(19)
+    dtype = torch.float64 if device == "cuda" else torch.float32
+    stage = MixedStage().to(device, dtype)
+    split_vs_plain(stage, lambda m, x: [m(x)], [torch.randn(2, 3, 5, device=device, dtype=dtype, requires_grad=True)],
+                   microbatches=2)
 
 
 class PositionStage(nn.Module):
@@ -373,11 +400,22 @@ def _all_nodes(tensor: torch.Tensor) -> list[Any]:
     return list(seen.values())
 
 
-def test_w_does_not_redo_the_work_of_b() -> None:
+@pytest.mark.parametrize("layer", ["linear", "prelu"])
+def test_w_does_not_redo_the_work_of_b(layer: str) -> None:
+    """No node runs twice in a phase. A Linear's boundary (AddmmBackward0) has a formula (`weight_formulas`): B runs
+    one input-gradient product per layer, W one weight-gradient product from the saved input, without running the
+    node again. A PReLU's boundary has none: W runs it again through autograd (its kernel computes both sides at
+    once, in B as in W) and nothing else of B."""
     torch.manual_seed(17)
     depth = 4
-    chain = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(8, 8), nn.ReLU())])
-    x = torch.randn(5, 8, requires_grad=True)
+    if layer == "linear":
+        chain = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(8, 8), nn.ReLU())])
+        x = torch.randn(5, 8, requires_grad=True)
+        product, in_b, in_w = "mm", {"AddmmBackward0", "ReluBackward0"}, {"TBackward0"}
+    else:
+        chain = nn.Sequential(*[nn.PReLU(3) for _ in range(depth)])
+        x = torch.randn(2, 3, 7, requires_grad=True)
+        product, in_b, in_w = "_prelu_kernel_backward", {"PreluKernelBackward0"}, {"PreluKernelBackward0", "ViewBackward0"}
     with _Ops() as plain:
         copy.deepcopy(chain)(x.detach().clone().requires_grad_()).sum().backward()
     out = chain(x)
@@ -398,15 +436,13 @@ def test_w_does_not_redo_the_work_of_b() -> None:
         backward_weights(pending)
     for handle in handles:
         handle.remove()
-    # one matmul per layer for the input gradients in B, one per layer for the weights in W
-    assert plain.names.count("mm") == 2 * depth
-    assert b_ops.names.count("mm") == depth and w_ops.names.count("mm") == depth
-    assert w_ops.names.count("threshold_backward") == 0 and b_ops.names.count("sum") == 0
-    assert all(n == 1 for counts in runs.values() for n in counts.values())  # no node twice in a phase
     by_id = {id(node): node.name() for node in nodes}
-    assert {by_id[i] for i in runs["B"].keys() & runs["W"].keys()} == {"AddmmBackward0"}  # the boundaries
-    assert {by_id[i] for i in runs["B"]} == {"AddmmBackward0", "ReluBackward0"}
-    assert {by_id[i] for i in runs["W"]} == {"AddmmBackward0", "TBackward0"}
+    assert {by_id[i] for i in runs["B"]} == in_b and {by_id[i] for i in runs["W"]} == in_w
+    assert all(n == 1 for counts in runs.values() for n in counts.values())  # no node twice in a phase
+    assert b_ops.names.count(product) == depth and w_ops.names.count(product) == depth
+    if layer == "linear":  # one matmul per layer for the input gradients in B, one per layer for the weights in W
+        assert plain.names.count("mm") == 2 * depth
+        assert w_ops.names.count("threshold_backward") == 0 and b_ops.names.count("sum") == 0
 
 
 def test_w_drops_the_graph() -> None:
