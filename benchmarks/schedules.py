@@ -1,13 +1,15 @@
 """Simulated schedules side by side: each schedule's best plan of one profile, and bubbles against the textbook.
 
     python benchmarks/schedules.py [--profile PROFILE.json] [--gpus 4] [--global-batch 64] [--microbatch-size 8]
+                                   [--figure docs/gpt-4gpu-schedules.png]
 
 1. The profile (default: examples/gpt.py profiled here at the microbatch size, so that its layers
    carry measured input-gradient times, `bwd_input_ms`) planned straight on `--gpus` devices
    (a flat cluster at the planner's default links) with `--global-batch` samples per step in
    microbatches of `--microbatch-size`, once per synchronous schedule and once with `--schedule
    auto`: the simulated iteration of each, its ratio to 1f1b's, the bubble and the peak memory,
-   and which schedule auto picks.
+   and which schedule auto picks. `--figure` draws 1f1b's plan over auto's (`plots.schedules_figure`,
+   the README's schedules figure).
 2. Equal stages (F = B = W = 1 ms, no transfers) on p stages and m microbatches: each schedule's
    simulated bubble against its textbook formula: gpipe and 1f1b (p - 1)(F + B + W), zb-h1
    (p - 1)(F + B - W) (Qi et al., ICLR 2024), interleaved-1f1b with 2 chunks per rank (the same work
@@ -27,6 +29,7 @@ import datetime
 import tempfile
 from pathlib import Path
 
+from planner.display.plots import schedules_figure
 from planner.files.cluster import make_cluster
 from planner.files.profile import Profile, load_profile
 from planner.files.timeline import StageTimes
@@ -34,6 +37,7 @@ from planner.planning.partition import partition
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import ProfileSettings, profile_model
 from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, build_schedule
+from planner.simulation.plan_simulation import simulate
 from planner.simulation.simulator import simulate_schedule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,8 +54,9 @@ def measured_profile(microbatch_size: int) -> Profile:
         return load_profile(profile.save(Path(folder) / "gpt.json"))
 
 
-def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatch_size: int) -> None:
-    """Part 1: one straight plan per schedule and auto's, simulated."""
+def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatch_size: int,
+                       figure: Path | None = None) -> None:
+    """Part 1: one straight plan per schedule and auto's, simulated; 1f1b's over auto's drawn into `figure`."""
     cluster = make_cluster(gpus)
     print(f"1. {profile.model_name} on {gpus} devices, straight, {microbatches} microbatches of {microbatch_size} "
           f"(global batch {microbatches * microbatch_size}); input-gradient times "
@@ -77,6 +82,9 @@ def plans_side_by_side(profile: Profile, gpus: int, microbatches: int, microbatc
               f"{profile.split_backward_ratio:.2f}x, which zb-h1's row counts)")
     best = min(FLUSH_SCHEDULES, key=lambda schedule: found[schedule].predicted.iteration_ms)
     print(f"   fastest: {best}; auto picked {found['auto'].schedule}")
+    if figure is not None:
+        schedules_figure([simulate(found[name], profile) for name in ("1f1b", "auto")]).savefig(figure, dpi=110)
+        print(f"   wrote {figure}: 1f1b over auto's {found['auto'].schedule}")
 
 
 def textbook_bubbles() -> None:
@@ -103,10 +111,12 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--microbatch-size", type=int, default=8)
+    parser.add_argument("--figure", type=Path, help="write 1f1b's plan over auto's as a PNG here")
     args = parser.parse_args()
     print(f"# {datetime.date.today()}: schedules simulated side by side")
     profile = load_profile(args.profile) if args.profile else measured_profile(args.microbatch_size)
-    plans_side_by_side(profile, args.gpus, args.global_batch // args.microbatch_size, args.microbatch_size)
+    plans_side_by_side(profile, args.gpus, args.global_batch // args.microbatch_size, args.microbatch_size,
+                       args.figure)
     textbook_bubbles()
 
 
