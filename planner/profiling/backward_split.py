@@ -413,8 +413,9 @@ def _parameter_gradient(edge: GradientEdge, grad: torch.Tensor, chosen: dict[int
             return None
         node, grad = below[0][0], grad.t()
     parameter = getattr(node, "variable", None)
-    if parameter is None or chosen.get(id(parameter)) is not parameter or grad.shape != parameter.shape:
-        return None
+    if (parameter is None or chosen.get(id(parameter)) is not parameter or grad.shape != parameter.shape
+            or grad.dtype != parameter.dtype or grad.device != parameter.device):
+        return None  # (what autograd would cast or move, it does)
     return parameter, grad
 
 

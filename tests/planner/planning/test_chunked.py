@@ -25,6 +25,9 @@ from planner.simulation.plan_simulation import simulate
 from planner.simulation.simulator import simulate_stages
 
 GPT = Path(__file__).resolve().parents[3] / "profiles" / "gpt.json"
+# the gpt profile shipped until 2026-11-26 (2-core CPU, split backward 1.19x), kept for tests of what its numbers
+# give: the shipped one is remade as the profiler changes (and `./dev.sh demo` overwrites it)
+GPT_FROZEN = Path(__file__).resolve().parents[3] / "tests" / "data" / "profiles-cpu" / "gpt.json"
 
 
 def arrays_of(times: list[float]) -> LayerArrays:
@@ -133,8 +136,9 @@ def test_a_zbv_plan_places_two_chunks_per_rank_in_a_v_and_states_what_it_simulat
 
 def test_refining_a_chunked_cut_only_shortens_the_simulated_iteration_within_memory() -> None:
     """gpt under zbv on 4 ranks: moving cuts one layer at a time finds a faster cut than the rank-balanced one
-    (the head's chunk ends every microbatch), never a slower one, within the memory limit and the budget."""
-    arrays = LayerArrays.from_profile(load_profile(GPT)).for_schedule("zbv")
+    (the head's chunk ends every microbatch), never a slower one, within the memory limit and the budget. (On the
+    frozen profile: on the one shipped now, refining gains less than 1e-7.)"""
+    arrays = LayerArrays.from_profile(load_profile(GPT_FROZEN)).for_schedule("zbv")
     inputs = CostInputs(arrays, make_cluster(4, None, ["10GB/s"]), "zbv", 8, chunks=2)
     start = best_chunked(inputs, 4)
     refined = refine_chunked(start)
