@@ -333,6 +333,23 @@ def _size_times_from(index: int, row: Any) -> SizeTimes:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile file of version 1..PROFILE_VERSION; refuses other formats and newer versions
-    with a FileFormatError."""
-    document = read_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION)
+    with a FileFormatError (a PipeDream graph.txt passed as a profile: with the command that converts it)."""
+    try:
+        document = read_versioned_json(path, PROFILE_FORMAT, PROFILE_VERSION)
+    except FileFormatError as error:
+        if _is_pipedream_graph(Path(path)):
+            raise FileFormatError(str(path), "a PipeDream profile (graph.txt), not a planner profile",
+                                  f"convert it first: planner import-pipedream {path} --out PROFILE.json, "
+                                  "then pass PROFILE.json") from None
+        raise error
     return Profile.from_dict(document, source_path=str(path))
+
+
+def _is_pipedream_graph(path: Path) -> bool:
+    """Whether the file's first line is a PipeDream graph node ("nodeK -- ... -- forward_compute_time=...")."""
+    try:
+        with path.open(encoding="utf-8") as file:
+            first = file.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.startswith("node") and " -- " in first and "forward_compute_time=" in first

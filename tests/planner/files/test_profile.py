@@ -237,6 +237,19 @@ def test_another_format_is_refused_with_what_was_found(tmp_path: Path) -> None:
         load_profile(path)
 
 
+def test_a_pipedream_graph_passed_as_a_profile_names_the_command_that_converts_it(tmp_path: Path) -> None:
+    graph = tmp_path / "graph.txt"
+    graph.write_text("node1 -- Conv2d(3, 8, kernel_size=(3, 3)) -- forward_compute_time=1.0, "
+                     "backward_compute_time=2.0, activation_size=100.0, parameter_size=20.0\n")
+    with pytest.raises(FileFormatError, match=r"graph\.txt: a PipeDream profile \(graph\.txt\), not a planner profile; "
+                                              r"convert it first: planner import-pipedream .*graph\.txt --out"):
+        load_profile(graph)
+    other = tmp_path / "notes.txt"
+    other.write_text("node1 is where it starts\n")
+    with pytest.raises(FileFormatError, match="not valid JSON"):
+        load_profile(other)
+
+
 def test_a_newer_version_is_refused_with_what_is_supported(tmp_path: Path) -> None:
     path = _rewrite(tmp_path, version=7)
     with pytest.raises(FileFormatError, match=r"version 7 is newer than this planner supports \(1\.\.3\)"):
