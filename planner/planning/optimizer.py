@@ -541,7 +541,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
 
     best = solve(math.inf)
     if best is None:
-        raise InfeasiblePlanError(inputs.memory_bytes or 0, _smallest_memory(inputs, straight, options))
+        raise InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options))
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]  # data parallelism: a
     if not straight and plan_fits(inputs, everywhere) and max_bound(everywhere) < max_bound(best):  # first bound
         best = everywhere

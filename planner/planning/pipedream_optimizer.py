@@ -189,7 +189,7 @@ def optimize_pipedream(
 
     best = solve(math.inf)  # with no bound on time, only memory can make this fail
     if best is None:
-        raise InfeasiblePlanError(memory_bytes or 0, _smallest_memory(table, devices, straight, copies))
+        raise InfeasiblePlanError(memory_bytes or 0, lambda: _smallest_memory(table, devices, straight, copies))
     low = float(arrays.compute_s[-1]) / devices * (1.0 - 1e-9)  # no plan beats perfect division of the work
     best, best_value = smallest_bound(solve, lambda plan: pipedream_bottleneck_s(arrays, plan, bandwidth_Bps), best, low)
     # Among plans within the floating-point tie tolerance of the optimum, take the fewest devices:

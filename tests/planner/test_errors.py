@@ -1,0 +1,22 @@
+"""The typed errors: one line each, with the offending values."""
+
+from __future__ import annotations
+
+from planner.errors import InfeasiblePlanError
+
+
+def test_infeasible_plan_error_finds_the_smallest_memory_only_when_read() -> None:
+    """Given as a function, the smallest memory is searched for when the value or the message is first read, once;
+    a value given outright reads the same."""
+    calls: list[int] = []
+
+    def search() -> float:
+        calls.append(1)
+        return 12_345_678_901.0
+
+    error = InfeasiblePlanError(8e9, search)
+    assert calls == []
+    assert str(error) == ("no plan fits in 8 GB per device; the smallest memory that admits a plan is 12.346 GB "
+                          "(pass --memory 12.346GB or more, use more GPUs, or an optimizer with less state)")
+    assert error.smallest_memory_bytes == 12_345_678_901.0 and calls == [1]
+    assert str(InfeasiblePlanError(8e9, 12_345_678_901.0)) == str(error) and calls == [1]
