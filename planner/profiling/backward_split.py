@@ -11,7 +11,7 @@ A node that lies on a path to an input's gradient edge is a *B node*: `torch.aut
 with the inputs as targets runs exactly those nodes, and each computes only the outputs that lead
 to an input (a linear's backward skips its weight's matmul). The other nodes that lead to a
 parameter are *W nodes*; their subgraphs hold no B node. A B node with a W child is a
-*boundary*: during B a pre-hook records the gradients arriving at it. W then runs in two phases:
+*boundary*: B captures the gradients arriving at it (targets of its one call). W then runs in two phases:
 
 1. each boundary runs again from its recorded gradients, with the gradients flowing into its
    W children (the *frontier* edges) as the only targets, so it computes only those outputs
@@ -299,21 +299,19 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
     promoted = {node for node in promoted if not split.in_b[node]}
     promoted_edges = [(node, slot) for node in sorted(promoted) for slot in sorted(graph.slots[node])]
 
-    recorded: dict[int, tuple[torch.Tensor | None, ...]] = {}
+    # the gradients arriving at each boundary are captured as targets of B's one call (no Python hook runs)
     boundaries = [node for group in split.groups for node in group]
-    handles = []
-    try:
-        for node in boundaries:
-            handles.append(graph.nodes[node].register_prehook(
-                lambda grads, node=node: recorded.__setitem__(node, tuple(grads))))
-        captured = torch.autograd.grad(
-            [output for output, _ in pairs],
-            [inputs[position] for position in wanted]
-            + [GradientEdge(graph.nodes[node], slot) for node, slot in promoted_edges],
-            [grad for _, grad in pairs], retain_graph=True, allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    boundary_edges = [(node, slot) for node in boundaries for slot in sorted(graph.slots[node])]
+    captured = torch.autograd.grad(
+        [output for output, _ in pairs],
+        [inputs[position] for position in wanted]
+        + [GradientEdge(graph.nodes[node], slot) for node, slot in promoted_edges]
+        + [GradientEdge(graph.nodes[node], slot) for node, slot in boundary_edges],
+        [grad for _, grad in pairs], retain_graph=True, allow_unused=True)
+    recorded: dict[int, dict[int, torch.Tensor]] = {}
+    for (node, slot), grad in zip(boundary_edges, captured[len(wanted) + len(promoted_edges):]):
+        if grad is not None:
+            recorded.setdefault(node, {})[slot] = grad
     for position, grad in zip(wanted, captured):
         input_grads[position] = grad
 
@@ -339,7 +337,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
             target_grads[(node, edge.output_nr)] = grad  # the same edge twice: the same gradient
             if grad is not None:
                 pending.foreign_storages.add(_storage(grad))  # the caller holds it too
-    target_grads.update(zip(promoted_edges, captured[len(wanted):]))
+    target_grads.update(zip(promoted_edges, captured[len(wanted):len(wanted) + len(promoted_edges)]))
     for key, grad in target_grads.items():
         if grad is not None:
             add_root(key, grad)
@@ -347,13 +345,9 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
     for group in split.groups:
         call = _WeightCall([], [], [], [])
         for node in group:
-            if node not in recorded:
-                raise PlannerError(f"backward_inputs: the boundary node {graph.nodes[node].name()} did not run "
-                                   "in B; the autograd graph changed during backward")
-            for slot, grad in enumerate(recorded[node]):
-                if grad is not None:
-                    call.roots.append(GradientEdge(graph.nodes[node], slot))
-                    call.grads.append(grad)
+            for slot, grad in sorted(recorded.get(node, {}).items()):  # none: no gradient reached it, nothing to do
+                call.roots.append(GradientEdge(graph.nodes[node], slot))
+                call.grads.append(grad)
             for child, slot in graph.children[node]:
                 if child in split.frontier and (child, slot) not in call.keys:
                     call.keys.append((child, slot))
