@@ -93,44 +93,46 @@ class _Graph:
     """
 
     def __init__(self, roots: Sequence[GradientEdge]) -> None:
-        self.nodes: list[Node] = []
-        self.index: dict[int, int] = {}
-        self.children: list[list[_Edge]] = []
-        self.slots: list[set[int]] = []  # the input numbers by which edges (roots included) enter each node
-        self.order: list[int] = []  # post-order: every node after all its children
+        # (written with locals and no helper calls: it runs once per backward, over every node of the stage)
+        nodes: list[Node] = []
+        index: dict[int, int] = {}
+        children: list[list[_Edge]] = []
+        slots: list[set[int]] = []  # the input numbers by which edges (roots included) enter each node
+        order: list[int] = []  # post-order: every node after all its children
         for root in roots:
-            known = self.index.get(id(root.node))
+            top = root.node
+            known = index.get(id(top))
             if known is not None:
-                self.slots[known].add(root.output_nr)
+                slots[known].add(root.output_nr)
                 continue
-            start = self._add(root.node)
-            self.slots[start].add(root.output_nr)
-            stack = [(start, iter(root.node.next_functions))]
+            start = len(nodes)
+            index[id(top)] = start
+            nodes.append(top)
+            children.append([])
+            slots.append({root.output_nr})
+            stack = [(start, iter(top.next_functions))]
             while stack:
                 parent, remaining = stack[-1]
+                below = children[parent]
                 for child, slot in remaining:
                     if child is None:
                         continue
-                    known = self.index.get(id(child))
-                    new = known is None
-                    if known is None:
-                        known = self._add(child)
-                    self.children[parent].append((known, slot))
-                    self.slots[known].add(slot)
-                    if new:
+                    known = index.get(id(child))
+                    if known is None:  # first met: number it, then walk below it before the parent's next child
+                        known = len(nodes)
+                        index[id(child)] = known
+                        nodes.append(child)
+                        children.append([])
+                        slots.append({slot})
+                        below.append((known, slot))
                         stack.append((known, iter(child.next_functions)))
                         break
+                    below.append((known, slot))
+                    slots[known].add(slot)
                 else:
                     stack.pop()
-                    self.order.append(parent)
-
-    def _add(self, node: Node) -> int:
-        number = len(self.nodes)
-        self.index[id(node)] = number
-        self.nodes.append(node)
-        self.children.append([])
-        self.slots.append(set())
-        return number
+                    order.append(parent)
+        self.nodes, self.index, self.children, self.slots, self.order = nodes, index, children, slots, order
 
     def find(self, node: Node) -> int | None:
         """The number of `node`, None if it is not in the graph."""
