@@ -382,20 +382,32 @@ def held_gradients(pending: PendingWeights) -> list[tuple[Node, torch.Tensor]]:
 _ACCUMULATING = threading.Lock()  # as AccumulateGrad's own mutex: stages in threads may share a parameter
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """Adds `grad` into `param.grad` as AccumulateGrad does; copies a gradient that others may hold. One
-    thread at a time: the in-process pipeline runs gpt's embedding and its tied head, one Parameter, as
-    W's of two stage threads, whose read-then-write of `.grad` could otherwise lose one of them."""
+def _accumulate(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], taken: set[int]) -> None:
+    """Adds each `grad` into its `param.grad` as AccumulateGrad does; copies a gradient that others may hold.
+    Additions into existing dense gradients go out as one `torch._foreach_add_` per device and dtype pair (a
+    kernel launch or two for a stage's parameters, not one per parameter: W runs from the host, which a
+    launch-bound GPU waits for). One thread at a time: the in-process pipeline runs gpt's embedding and its tied
+    head, one Parameter, as W's of two stage threads, whose read-then-write of `.grad` could otherwise lose one."""
     with _ACCUMULATING, torch.no_grad():
-        if param.grad is None:
-            if grad.layout == torch.strided and (_storage(grad) in taken or grad.stride() != param.stride()):
-                grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
-            taken.add(_storage(grad))
-            param.grad = grad
-        elif param.grad.layout != torch.strided:
-            param.grad = param.grad + grad
-        else:
-            param.grad.add_(grad)
+        batched: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        queued: set[int] = set()
+        for param, grad in pairs:
+            if param.grad is None:
+                if grad.layout == torch.strided and (_storage(grad) in taken or grad.stride() != param.stride()):
+                    grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
+                taken.add(_storage(grad))
+                param.grad = grad
+            elif param.grad.layout != torch.strided:
+                param.grad = param.grad + grad
+            elif grad.layout != torch.strided or id(param) in queued:  # (a list holds a target once)
+                param.grad.add_(grad)
+            else:
+                queued.add(id(param))
+                targets, sources = batched.setdefault((grad.device, param.grad.dtype, grad.dtype), ([], []))
+                targets.append(param.grad)
+                sources.append(grad)
+        for targets, sources in batched.values():
+            torch._foreach_add_(targets, sources)
 
 
 def _parameter_gradient(edge: GradientEdge, grad: torch.Tensor, chosen: dict[int, torch.Tensor]
@@ -442,22 +454,21 @@ def backward_weights(pending: PendingWeights) -> None:
                     roots[key] = (roots[key][0], roots[key][1] + grad)
                 else:
                     roots[key] = (edge, grad)
-        taken = set(pending.foreign_storages)
         rest = {}
         chosen = {id(param): param for param in pending.params}
+        found: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, (edge, grad) in roots.items():
-            found = _parameter_gradient(edge, grad, chosen)
-            if found is None:
+            direct = _parameter_gradient(edge, grad, chosen)
+            if direct is None:
                 rest[key] = (edge, grad)
             else:
-                _accumulate(*found, taken)
+                found.append(direct)
         if rest and pending.params:
             edges = [edge for edge, _ in rest.values()]
             grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in rest.values()],
                                         allow_unused=True)
-            for param, grad in zip(pending.params, grads):
-                if grad is not None:
-                    _accumulate(param, grad, taken)
+            found += [(param, grad) for param, grad in zip(pending.params, grads) if grad is not None]
+        _accumulate(found, set(pending.foreign_storages))
     finally:
         pending.weight_calls = []
         pending.roots = {}

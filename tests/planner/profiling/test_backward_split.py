@@ -445,6 +445,28 @@ def test_w_does_not_redo_the_work_of_b(layer: str) -> None:
         assert w_ops.names.count("threshold_backward") == 0 and b_ops.names.count("sum") == 0
 
 
+def test_w_adds_into_existing_gradients_with_one_foreach_call() -> None:
+    """The second microbatch's W adds every parameter's gradient with one `_foreach_add_` (one kernel launch or two
+    for the stage on a GPU), not an `add_` per parameter, and the sums equal plain backward's."""
+    torch.manual_seed(23)
+    chain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8))
+    reference = copy.deepcopy(chain)
+    ops = []
+    for _ in range(2):
+        x = torch.randn(5, 8, requires_grad=True)
+        out = chain(x)
+        grad = torch.randn_like(out)
+        reference(x.detach().clone().requires_grad_()).backward(grad)
+        _, pending = backward_inputs([out], [grad], [x], list(chain.parameters()))
+        with _Ops() as w_ops:
+            backward_weights(pending)
+        ops.append(w_ops.names)
+    assert ops[0].count("_foreach_add_") == 0  # the first W assigns .grad
+    assert ops[1].count("_foreach_add_") == 1 and ops[1].count("add_") == 0 and ops[1].count("add") == 0
+    for param, expected in zip(chain.parameters(), reference.parameters()):
+        _same(param.grad, expected.grad, "accumulated .grad")
+
+
 def test_w_drops_the_graph() -> None:
     torch.manual_seed(18)
     l1, l2 = nn.Linear(4, 16), nn.Linear(16, 2)
@@ -499,7 +521,7 @@ def test_threads_adding_into_one_parameter_lose_nothing() -> None:
         def add() -> None:
             start.wait()
             for _ in range(200):
-                _accumulate(parameter, torch.ones(256, 256), set())
+                _accumulate([(parameter, torch.ones(256, 256))], set())
 
         threads = [threading.Thread(target=add) for _ in range(4)]
         for thread in threads:
