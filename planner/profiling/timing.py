@@ -32,8 +32,8 @@ gradients, and a layer whose own input needs no gradient (the first layer fed by
 Outputs that need no gradient in a normal step either (masks, rotary tables) are left alone.
 
 Split backward (`time_split_backward`): how much longer the backward takes when run as B then W
-(`planner.profiling.backward_split`: more autograd calls, boundary nodes run twice, products in
-another order) than run whole, as one ratio for the model: pairs of steps whose forward cuts the
+(`planner.profiling.backward_split`: B's bookkeeping of the graph, a second pass over the stage, boundary
+nodes without a weight formula run twice, products in another order) than run whole, as one ratio for the model: pairs of steps whose forward cuts the
 graph after the first layer (its outputs replaced by grad-requiring leaves, as a stage's received
 input), one differentiated by `backward_inputs` + `backward_weights`, the other by `loss.backward()`.
 """
@@ -589,8 +589,8 @@ def time_split_backward(
     replaced by copies of grad-requiring leaves (`StageInput`), so that the layers after it form a
     stage that received them, as every stage after a pipeline's first does. Then the split step runs
     `backward_inputs([loss], [None], leaves, parameters)` and `backward_weights`; the plain step
-    `loss.backward()`: both differentiate the same graph, so the ratio is the split's own cost (more
-    autograd calls, boundary nodes run twice, products in another order). Only the backward is
+    `loss.backward()`: both differentiate the same graph, so the ratio is the split's own cost (B's
+    bookkeeping, a second pass, boundary nodes without a weight formula run twice, products in another order). Only the backward is
     timed, from after the loss until the graph and gradients of the step are dropped, with `clock`.
     Pairs alternate which step goes first; one warm-up pair, then `iters` pairs or more while they
     take less than `min_seconds` (`_paired_iterations`, as `time_input_gradients`); `after_step` runs
