@@ -1,7 +1,7 @@
 """Measured against predicted on the default path a user takes: no hand-set bandwidth, no calibration.
 
     python benchmarks/measured_vs_predicted.py [--steps 12] [--models mlp gpt resnet gpt2]
-                                               [--schedules gpipe 1f1b] [--gpus 2] [--keep DIR]
+                                               [--schedules gpipe 1f1b zb-h1] [--gpus 2] [--keep DIR]
 
 In a fresh folder, exactly the commands of the README, with their defaults:
 
@@ -50,7 +50,8 @@ MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.p
           "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py", "llama": REPO / "examples" / "llama.py",
           "vgg": REPO / "examples" / "vgg.py"}
 DEFAULT_MODELS = ("mlp", "gpt", "resnet", "gpt2")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")  # the default; zb-h1 (one stage per rank, B and W apart) can be asked for too
+ASKABLE = (*SCHEDULES, "zb-h1")
 MICROBATCHES = 4
 TIMEOUT_S = 600
 
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
     parser.add_argument("--gpus", type=int, default=2, help="processes (GPUs); 1 plans one stage, no cluster probe")
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(ASKABLE))
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep its files")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
                         help="leave out the plans made for devices too small to hold the activations")
