@@ -13,14 +13,15 @@ the weight side is computed here from the node's saved tensors, with no walk:
     MulBackward0      out = self other:                       d self = sum_to(g other),  d other = sum_to(g self)
     AddBackward0      out = self + alpha other:               d self = sum_to(g),  d other = sum_to(alpha g)
     NativeLayerNormBackward0, ConvolutionBackward0, NativeBatchNormBackward0 (training mode): the aten
-        backward kernel autograd calls, with the output mask asking for the weight and bias only
+        backward kernel autograd calls, with the output mask asking for the weight and bias only;
+        CudnnBatchNormBackward0 (training mode): cuDNN's backward kernel, which has no mask
 
 (g: the gradient B recorded at the node; sum_to: summed over the dimensions broadcasting added, to the
 shape of the parameter the edge leads to.) Each result is what autograd would hand the edge: the same
 shape and dtype, equal to rounding (the products may be taken in another order: 1e-6 relative in
 float32; the kernels' results are autograd's own). `frontier_grads` answers for a whole phase-1 call
-or for none of it (None: the caller runs the call through autograd): a node of another kind (cuDNN's
-batch norm, a custom Function, a compiled graph), a sum_to or product into a node other than a
+or for none of it (None: the caller runs the call through autograd): a node of another kind (a custom
+Function, a compiled graph), a sum_to or product into a node other than a
 parameter's AccumulateGrad (whose shape and dtype only autograd knows), a complex or sparse tensor,
 or a saved tensor that cannot be read. Unlike autograd, no hook registered on these nodes or on the
 tensors between them and the parameters runs (W's own limits already exclude AccumulateGrad's
@@ -181,6 +182,26 @@ def _batch_norm(node: Node, grad: torch.Tensor, indices: Sequence[int],
         node._saved_result1, node._saved_result2, True, node._saved_eps, mask), indices)
 
 
+def _cudnn_batch_norm(node: Node, grad: torch.Tensor, indices: Sequence[int],
+                      children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """cuDNN's batch norm (float32 and half on a GPU): its backward kernel has no output mask, so it computes
+    the input's gradient again too (one pass over the activations; an autograd call would cost a graph walk)."""
+    if not node._saved_training or any(index not in (1, 2) for index in indices):
+        return [None] * len(indices)
+    source = node._saved_input
+    outputs = torch.ops.aten.cudnn_batch_norm_backward(
+        source, grad.contiguous(memory_format=_memory_format(source)), node._saved_weight,
+        node._saved_running_mean, node._saved_running_var, node._saved_result1, node._saved_result2,
+        node._saved_epsilon, node._saved_result3.clone())
+    return [outputs[index] for index in indices]
+
+
+def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """The layout autograd hands cuDNN's batch norm its gradient in (`suggest_memory_format`)."""
+    return torch.channels_last if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last) \
+        and not tensor.is_contiguous() else torch.contiguous_format
+
+
 # node name -> (node, gradient at it, indices of its captured edges, their nodes) -> a gradient per edge (None: none)
 _Formula = Callable[[Node, torch.Tensor, Sequence[int], Sequence[Node]], list["torch.Tensor | None"]]
 _FORMULAS: dict[str, _Formula] = {
@@ -191,4 +212,5 @@ _FORMULAS: dict[str, _Formula] = {
     "NativeLayerNormBackward0": _layer_norm,
     "ConvolutionBackward0": _convolution,
     "NativeBatchNormBackward0": _batch_norm,
+    "CudnnBatchNormBackward0": _cudnn_batch_norm,
 }

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.autograd.graph import GradientEdge
 
 from planner.profiling.weight_formulas import frontier_grads
+from tests.conftest import gpu_only
 
 Build = Callable[[torch.Tensor], tuple[torch.Tensor, list[int]]]  # input -> (output, weight-side edge indices)
 
@@ -109,6 +110,23 @@ def test_batch_norm_in_training_mode() -> None:
         norm.bias.normal_()
     _compare(lambda x: (norm(x), [1, 2]), torch.randn(4, 3, 5, 5, requires_grad=True))
     _compare(lambda x: (norm(x), [2]), torch.randn(4, 3, 5, 5, requires_grad=True))
+
+
+@gpu_only
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cudnn_batch_norm_on_a_gpu(channels_last: bool) -> None:
+    """float32 batch norm on a GPU runs cuDNN's (CudnnBatchNormBackward0): its weight and bias gradients are
+    cuDNN's own backward's, whose input gradient is computed again and dropped."""
+    torch.manual_seed(11)
+    norm = torch.nn.BatchNorm2d(3).cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(4, 3, 5, 5, device="cuda")
+    x = (x.to(memory_format=torch.channels_last) if channels_last else x).requires_grad_()
+    assert norm(x).grad_fn.name() == "CudnnBatchNormBackward0"
+    _compare(lambda x: (norm(x), [1, 2]), x)
+    _compare(lambda x: (norm(x), [2]), x)
 
 
 def test_what_has_no_formula_is_left_to_autograd() -> None:
