@@ -56,6 +56,9 @@ from planner.profiling.weight_formulas import frontier_grads
 __all__ = ["PendingWeights", "backward_inputs", "backward_weights", "held_gradients"]
 
 _Edge = tuple[int, int]  # (node index in _Graph, input number of that node)
+# boundaries are batched first-fit into the newest this many groups only: a chain of L layers fits none (each
+# reaches the next one's frontier), and trying every group cost O(L^2) per backward (gpt: 75 boundaries)
+GROUPS_TRIED = 16
 
 
 @dataclass(eq=False)
@@ -196,9 +199,10 @@ def _classify(graph: _Graph, targets: set[int], param_nodes: set[int]) -> tuple[
         if reached & own:
             promote.update(child for child, bit in frontier.items() if (reached & own) >> bit & 1)
     groups: list[tuple[int, int, list[int]]] = []
-    for node in reversed(boundaries):  # from the outputs down: first fit
+    for node in reversed(boundaries):  # from the outputs down: first fit among the newest GROUPS_TRIED groups
         reached, own = masks[node]
-        for position, (group_reached, group_own, members) in enumerate(groups):
+        for position in range(max(len(groups) - GROUPS_TRIED, 0), len(groups)):
+            group_reached, group_own, members = groups[position]
             if not (group_reached | reached) & (group_own | own):
                 groups[position] = (group_reached | reached, group_own | own, members + [node])
                 break
