@@ -19,8 +19,9 @@ parameter are *W nodes*; their subgraphs hold no B node. A B node with a W child
    `torch.autograd.grad` call when no child of one leads to a frontier edge of the batch (a chain of
    layers needs one call per layer: a B child that leads to a captured edge would run again and
    count its gradients twice). Each such call walks the graph below its boundaries, so batches of
-   the nodes that Linear, LayerNorm, scales and bias adds leave are computed from their saved tensors
-   instead (`weight_formulas.frontier_grads`: the same gradients, no walk), the rest through autograd;
+   the nodes that Linear, convolution, layer and batch norm, scales and bias adds leave are computed
+   from their saved tensors instead (`weight_formulas.frontier_grads`: the same gradients, no walk),
+   the rest through autograd;
 2. one `torch.autograd.grad` call runs every W node, from the frontier gradients of phase 1 and
    from the outputs that do not depend on any input, to the parameters; the results are added to
    `.grad` as AccumulateGrad would. A frontier gradient that goes straight into a parameter's

@@ -62,8 +62,8 @@ def frontier_grads(roots: Sequence[GradientEdge], grads: Sequence[torch.Tensor],
         try:
             with torch.no_grad():  # as autograd runs a node (no create_graph): no view records grad mode
                 found[key] = _FORMULAS[node.name()](node, grad, indices, children)
-        except RuntimeError:  # a saved tensor already freed, or shapes a formula cannot take
-            return None
+        except (RuntimeError, AttributeError, TypeError):  # a saved tensor freed, shapes a formula cannot take,
+            return None  # or a saved attribute another torch version names otherwise: autograd does it
     results = [found[key][position] for key, position in places]
     return None if any(result is None for result in results) else results  # type: ignore[return-value]
 
