@@ -37,6 +37,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["frontier_grads"]
 
+
 def frontier_grads(roots: Sequence[GradientEdge], grads: Sequence[torch.Tensor],
                    captures: Sequence[GradientEdge]) -> list[torch.Tensor] | None:
     """The gradient flowing into each of `captures` when `roots` (boundary nodes, each entered at input 0)
@@ -132,6 +133,7 @@ def _masked(kernel: Callable[[list[bool]], Sequence[torch.Tensor]], indices: Seq
 
 
 def _addmm(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """d mat2 = alpha mat1^T g (edge 2), d self = sum_to(beta g) (edge 0, into a parameter)."""
     def one(index: int, child: Node) -> torch.Tensor | None:
         if index == 2:
             return _matrix_grad(grad, node._saved_mat1, node._saved_alpha)
@@ -140,10 +142,12 @@ def _addmm(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Seq
 
 
 def _mm(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """d mat2 = self^T g (edge 1)."""
     return _each(indices, children, lambda index, _: _matrix_grad(grad, node._saved_self, 1) if index == 1 else None)
 
 
 def _mul(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """d self = sum_to(g other), d other = sum_to(g self), each into a parameter."""
     def one(index: int, child: Node) -> torch.Tensor | None:
         other = node._saved_other if index == 0 else node._saved_self if index == 1 else None
         return _into_parameter(child, grad * other) if _plain(other) else None
@@ -151,6 +155,7 @@ def _mul(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Seque
 
 
 def _add(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """d self = sum_to(g), d other = sum_to(alpha g), each into a parameter."""
     def one(index: int, child: Node) -> torch.Tensor | None:
         if index not in (0, 1):
             return None
@@ -160,6 +165,7 @@ def _add(node: Node, grad: torch.Tensor, indices: Sequence[int], children: Seque
 
 def _layer_norm(node: Node, grad: torch.Tensor, indices: Sequence[int],
                 children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """Weight and bias gradients by `native_layer_norm_backward`, masked to them."""
     return _masked(lambda mask: torch.ops.aten.native_layer_norm_backward(
         grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
         node._saved_weight, node._saved_bias, mask), indices)
@@ -167,6 +173,7 @@ def _layer_norm(node: Node, grad: torch.Tensor, indices: Sequence[int],
 
 def _convolution(node: Node, grad: torch.Tensor, indices: Sequence[int],
                  children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """Weight and bias gradients by `convolution_backward`, masked to them."""
     return _masked(lambda mask: torch.ops.aten.convolution_backward(
         grad, node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
         node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
@@ -175,6 +182,7 @@ def _convolution(node: Node, grad: torch.Tensor, indices: Sequence[int],
 
 def _batch_norm(node: Node, grad: torch.Tensor, indices: Sequence[int],
                 children: Sequence[Node]) -> list[torch.Tensor | None]:
+    """Weight and bias gradients by `native_batch_norm_backward` in training mode, masked to them."""
     if not node._saved_training:  # (evaluation mode: left to autograd)
         return [None] * len(indices)
     return _masked(lambda mask: torch.ops.aten.native_batch_norm_backward(
