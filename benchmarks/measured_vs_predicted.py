@@ -43,12 +43,9 @@ from pathlib import Path
 
 from planner.files.cluster import MIN_MEMORY_BYTES
 from planner.files.run_report import RunReport, load_run_report
+from model_files import MODEL_FILES  # (beside this script)
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
-          "resnet": REPO / "examples" / "resnet.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
-          "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py", "llama": REPO / "examples" / "llama.py",
-          "vgg": REPO / "examples" / "vgg.py"}
 DEFAULT_MODELS = ("mlp", "gpt", "resnet", "gpt2")
 SCHEDULES = ("gpipe", "1f1b")  # the default; zb-h1 (one stage per rank, B and W apart) can be asked for too
 ASKABLE = (*SCHEDULES, "zb-h1")
@@ -109,14 +106,14 @@ def recompute_row(model: str, schedule: str, free_plan: str, steps: int, gpus: i
     planner("partition", f"{model}.json", *cluster_arguments(folder, gpus, limit), *arguments, "--out", plan,
             folder=folder)
     flags = "".join("r" if stage["recompute"] else "-" for stage in json.loads((folder / plan).read_text())["stages"])
-    planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
+    planner("train", str(MODEL_FILES[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
     return row(model, f"{schedule}, {limit / 1e6:.0f} MB, recompute {flags}", load_run_report(folder / report))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODEL_FILES))
     parser.add_argument("--gpus", type=int, default=2, help="processes (GPUs); 1 plans one stage, no cluster probe")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(ASKABLE))
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep its files")
@@ -134,12 +131,12 @@ def main() -> None:
     print("|" + "---|" * len(headers), flush=True)
     warnings = []
     for model in args.models:
-        planner("profile", str(MODELS[model]), "--out", f"{model}.json", folder=folder)
+        planner("profile", str(MODEL_FILES[model]), "--out", f"{model}.json", folder=folder)
         for schedule in args.schedules:
             plan = f"{model}-{schedule}.json"
             planner("partition", f"{model}.json", *cluster_arguments(folder, args.gpus), "--straight",
                     "--schedule", schedule, "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
-            said = planner("train", str(MODELS[model]), "--plan", plan, "--steps", str(args.steps), "--report",
+            said = planner("train", str(MODEL_FILES[model]), "--plan", plan, "--steps", str(args.steps), "--report",
                            f"{model}-{schedule}.report.json", folder=folder)
             warnings += [f"{model} {schedule}: {line}" for line in said.splitlines()
                          if line.startswith(("warning:", "note:"))]

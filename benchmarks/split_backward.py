@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,15 +34,13 @@ from planner.profiling.layers import find_layers  # noqa: E402
 from planner.profiling.model_file import checked_example_batch, default_loss, load_model_file  # noqa: E402
 from planner.profiling.timing import StageInput  # noqa: E402
 from runtime.nested import map_tensors  # noqa: E402
+from model_files import MODEL_FILES  # noqa: E402 (beside this script)
 
-MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
-          "resnet": REPO / "examples" / "resnet.py", "llama": REPO / "examples" / "llama.py",
-          "gpt2": REPO / "benchmarks" / "models" / "gpt2.py"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt", "llama", "mlp", "resnet"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["gpt", "llama", "mlp", "resnet"], choices=list(MODEL_FILES))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--steps", type=int, default=25)
@@ -57,7 +56,7 @@ def main() -> None:
 
 def measure(name: str, size: int, device: torch.device, steps: int) -> str:
     """One row: the medians of each part for model `name` at batch `size`."""
-    model_file = load_model_file(MODELS[name])
+    model_file = load_model_file(MODEL_FILES[name])
     torch.manual_seed(0)
     model = model_file.build_model().to(device).train()
     loss_fn = model_file.loss_fn or default_loss
@@ -88,10 +87,10 @@ def measure(name: str, size: int, device: torch.device, steps: int) -> str:
             loss = loss_fn(model(*inputs), target)
             bookkeeping.reset()
             b_ms, b_host, (_, pending) = timed(
-                lambda: backward_split.backward_inputs([loss], [None], stage.leaves, parameters))
+                partial(backward_split.backward_inputs, [loss], [None], stage.leaves, parameters))
             walked = bookkeeping.total_ms
             calls.reset()
-            w_ms, w_host, _ = timed(lambda: backward_split.backward_weights(pending))
+            w_ms, w_host, _ = timed(partial(backward_split.backward_weights, pending))
             del loss, pending
             model.zero_grad(set_to_none=True)
             if step >= 5:

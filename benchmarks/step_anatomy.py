@@ -47,15 +47,13 @@ from runtime.engine import Engine, init_distributed  # noqa: E402
 from runtime.nested import map_tensors  # noqa: E402
 from runtime.stage_runner import StageRunner  # noqa: E402
 from runtime.trace import StepClock  # noqa: E402
+from model_files import MODEL_FILES  # noqa: E402 (beside this script)
 
-MODELS = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
-          "resnet": REPO / "examples" / "resnet.py", "llama": REPO / "examples" / "llama.py",
-          "gpt2": REPO / "benchmarks" / "models" / "gpt2.py"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "gpt2", "resnet"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["llama", "gpt2", "resnet"], choices=list(MODEL_FILES))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -86,7 +84,7 @@ def main() -> None:
 def build_ways(name: str, device: torch.device, microbatches: int, size: int) -> dict[str, Callable[[], Any]]:
     """The ways of running one step of model `name`: functions that run one step and return None (timed by
     the harness's wall clock) or the ms their own clock read."""
-    model_file = load_model_file(MODELS[name])
+    model_file = load_model_file(MODEL_FILES[name])
     torch.manual_seed(0)
     model = model_file.build_model().to(device).train()
     loss_fn = model_file.loss_fn or default_loss

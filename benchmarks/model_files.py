@@ -1,0 +1,11 @@
+"""The model files the benchmarks run, by short name (the examples, and transformers models no test uses)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_FILES = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
+               "resnet": REPO / "examples" / "resnet.py", "vgg": REPO / "examples" / "vgg.py",
+               "llama": REPO / "examples" / "llama.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
+               "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py"}
