@@ -13,9 +13,11 @@ from torch import nn
 
 from planner.profiling.layers import find_layers
 from planner.profiling.timing import (
+    MAX_ITERS_FACTOR,
     CudaClock,
     HostClock,
     _fill_forward,
+    _measured_iterations,
     frozen,
     needs_grad_flags,
     requiring_grad,
@@ -204,8 +206,16 @@ def test_a_layer_that_never_began_takes_zero_forward_time() -> None:
     assert _fill_forward([0.0, None, 5.0, 9.0]) == [0.0, 5.0, 5.0, 9.0]
 
 
+def test_the_iterations_measured_fill_min_seconds_at_the_first_pace_within_the_cap() -> None:
+    assert _measured_iterations(2, 0.0, 0.01) == 2  # the floor is off: the iterations asked for
+    assert _measured_iterations(2, 0.2, 0.02) == 10  # 0.2 s at 20 ms each
+    assert _measured_iterations(2, 0.2, 0.15) == 2  # slow iterations: never fewer than asked for
+    assert _measured_iterations(2, 0.2, 0.0) == 2 * MAX_ITERS_FACTOR  # never more than the cap
+    assert _measured_iterations(3, 0.1, 0.03) == 4  # rounded up: 3 x 30 ms falls short of 0.1 s
+
+
 def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
-    # one iteration (a plain and an instrumented step) takes about 2 x 10 ms: 0.2 s needs about 10 of them
+    # the pace arithmetic is above; here the floor and the cap as the timing loop applies them, whatever the load
     model = nn.Sequential(_SleepLayer(0.003, 0.002))
     x = torch.randn(4, 8)
     layers = find_layers(model, lambda: model(x))
@@ -218,12 +228,8 @@ def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
 
     run(0.0, 2)
     assert seen[-1] == (3, 3)  # the floor is off: warm-up + iters
-    run(0.2, 2)
-    done, total = seen[-1]
-    assert done == total and 1 + 5 <= total <= 1 + 20  # about 10 measured, well past the 2 asked for
-    assert [step for step, _ in seen] == list(range(1, total + 1))
-    run(60.0, 2)
-    assert seen[-1] == (1 + 2 * 20, 1 + 2 * 20)  # never more than MAX_ITERS_FACTOR x iters
+    run(60.0, 2)  # an iteration takes about 10 ms: far short of 60 s, so the cap binds
+    assert [step for step, _ in seen] == list(range(1, 1 + 2 * MAX_ITERS_FACTOR + 1))  # well past the 2 asked for
 
 
 # Input gradients ---------------------------------------------------------------------------------
@@ -379,10 +385,9 @@ def test_input_gradient_steps_are_measured_until_min_seconds_have_passed() -> No
     layers = find_layers(model, lambda: model(x))
     seen: list[tuple[int, int]] = []
     time_input_gradients(layers, lambda: model(x).sum(), lambda: None, HostClock(), model.parameters(), [4.0],
-                         iters=2, progress=lambda done, total: seen.append((done, total)), min_seconds=0.15)
-    done, total = seen[-1]
-    assert done == total and 1 + 4 <= total <= 1 + 2 * 20  # a pair takes a few ms: well past the 2 asked for
-    assert [step for step, _ in seen] == list(range(1, total + 1))
+                         iters=2, progress=lambda done, total: seen.append((done, total)), min_seconds=60.0)
+    # a pair takes a few ms, far short of 60 s: the cap binds, well past the 2 asked for, whatever the load
+    assert [step for step, _ in seen] == list(range(1, 1 + 2 * MAX_ITERS_FACTOR + 1))
 
 
 class _Rotary(nn.Module):
