@@ -38,8 +38,10 @@ stops bounds every plan it did not simulate (`SimulatedChoice.lower_bound_s`).
 
 zb-h1 sends a gradient back after B and runs W later: in its bounds a round trip and the chains of
 loops count B alone (t - W), each stage's own W where it must come (after its last B, side by side
-with the trip back), and the flow-shop bound b_s = B_s (with the forwards' 1f1b order); the brute-force
-test covers it as the other flush schedules. pipedream's simulated time is measured on a window of a
+with the trip back), and the flow-shop bound b_s = B_s (with the forwards' 1f1b order); a device's share
+of the layers not yet placed counts their W's (every W runs within the iteration on some device: with B
+alone, 33 of the 108 plans of `benchmarks/model_agreement.py` were proven within 2%, with W 49); the
+brute-force test covers it as the other flush schedules. pipedream's simulated time is measured on a window of a
 finite run (`Timeline.iteration_s`), which can end before the pipeline settles into its steady state
 and so read below the steady-state bounds above: for pipedream the search is a heuristic that proves
 nothing (`exhaustive` False, lower bound 0).
@@ -182,12 +184,13 @@ class _StageBounds:
         self.fwd_before = sigma * arrays.fwd_s
         self.bwd_before = sigma * (arrays.compute_s - arrays.fwd_s) - weight
         self.compute_before = sigma * arrays.compute_s - weight
+        self.work_before = sigma * arrays.compute_s  # every op a device runs, W included
         self.cut = sigma * np.concatenate([arrays.cut_bytes, [0.0]])
         layer_fwd, layer_both = sigma * np.diff(arrays.fwd_s), sigma * np.diff(arrays.compute_s) - np.diff(weight)
         # the largest single layer's forward, backward and both among layers [0, i), at index i
-        self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before = (
+        self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before, self.layer_work_before = (
             np.concatenate([[0.0], np.maximum.accumulate(values)])
-            for values in (layer_fwd, layer_both - layer_fwd, layer_both))
+            for values in (layer_fwd, layer_both - layer_fwd, layer_both, sigma * np.diff(arrays.compute_s)))
         self.prefix_table = self._build_prefix_table() if straight else None
 
     def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
@@ -255,7 +258,7 @@ class _StageBounds:
                 left = devices - downstream - replicas  # for the layers before the stage
                 prefix = self._prefix_peaks(starts, left)
                 count = 1 if inputs.schedule == "pipedream" else inputs.microbatches
-                child_bound = np.maximum(child_bound, count * (prefix[2] if self.straight else prefix[3]))
+                child_bound = np.maximum(child_bound, count * (prefix[3] if self.straight else prefix[4]))
                 peak_fwd = np.maximum.reduce([np.full(stop, peaks[0]), fwd, comm_in, np.full(stop, comm_out)])
                 own_bwd = compute - fwd - weight + (0.0 if self.split else accumulate)  # (W accumulates, not B)
                 peak_bwd = np.maximum.reduce([np.full(stop, peaks[1]), own_bwd, comm_in, np.full(stop, comm_out)])
@@ -279,11 +282,12 @@ class _StageBounds:
                                   (float(peak_fwd[start]), float(peak_bwd[start]))))
         return found
 
-    def _prefix_peaks(self, starts: np.ndarray, left: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Lower bounds on the largest forward, backward and both of one stage among layers [0, start) on `left`
-        devices, unreplicated (a stage holds whole layers, and `left` stages share the sums), and on a device's
-        share of the forward and backward of one microbatch through them (replicas allowed); inf where layers
-        are left without devices, 0 where no layer is."""
+    def _prefix_peaks(self, starts: np.ndarray, left: int) -> tuple[np.ndarray, ...]:
+        """Lower bounds on the largest forward, backward (B alone for zero-bubble schedules) and both of one
+        stage among layers [0, start) on `left` devices, unreplicated (a stage holds whole layers, and `left`
+        stages share the sums), on the largest work of one such stage (W included: a device runs its W's within
+        the iteration too), and on a device's share of the work of one microbatch through them (W included,
+        replicas allowed); inf where layers are left without devices, 0 where no layer is."""
         with np.errstate(divide="ignore", invalid="ignore"):
             def share(before: np.ndarray, largest: np.ndarray | None) -> np.ndarray:
                 each = before[starts] / left if left > 0 else np.full(len(starts), np.inf)
@@ -292,7 +296,8 @@ class _StageBounds:
                 return np.where(starts > 0, each, 0.0)
 
             return (share(self.fwd_before, self.layer_fwd_before), share(self.bwd_before, self.layer_bwd_before),
-                    share(self.compute_before, self.layer_both_before), share(self.compute_before, None))
+                    share(self.compute_before, self.layer_both_before), share(self.work_before, self.layer_work_before),
+                    share(self.work_before, None))
 
     def _path_bound(self, round_trip: np.ndarray, fwd: np.ndarray, backward: np.ndarray, flights: int,
                     peak_fwd: np.ndarray, peak_bwd: np.ndarray, prefix: tuple[np.ndarray, ...],
@@ -307,7 +312,7 @@ class _StageBounds:
 
         with the layers before the stage bounded by `prefix` (k_s at most the devices from there on)."""
         m = self.inputs.microbatches
-        prefix_fwd, prefix_bwd, prefix_both, _ = prefix
+        prefix_fwd, prefix_bwd, prefix_both = prefix[:3]
         if self.inputs.schedule == "gpipe":
             return round_trip + _times(m - 1, np.maximum(peak_fwd, prefix_fwd) + np.maximum(peak_bwd, prefix_bwd))
         stage = round_trip + _times(m - 1, backward) + _times(max(m - int(flights), 0), fwd)
