@@ -22,11 +22,11 @@ import numpy as np
 
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage
+from planner.planning.local_search import REFINE_OPS, cut_moves, descend, simulated_ops
 from planner.schedules.schedule import FIXED_CHUNKS, stage_placement
 from planner.simulation.simulator import simulate_stages
 
 CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
-REFINE_OPS = 100_000  # simulated ops `refine_chunked` may play: about 1 s on the 2-core CPU machine
 
 
 @dataclass(frozen=True)
@@ -158,30 +158,18 @@ def _judged(inputs: CostInputs, stages: tuple[Stage, ...], memory: bool = True) 
 
 def refine_chunked(choice: ChunkedChoice, budget_ops: int = REFINE_OPS) -> ChunkedChoice:
     """`choice` with its cuts moved one layer at a time while that shortens the simulated iteration (within
-    the memory limit), first improvement taken, until no move helps or the simulations have played
-    `budget_ops` ops (each plays about 6 x stages x microbatches): the rank-balanced cut leaves a
+    the memory limit; `local_search.descend` over `cut_moves` of one layer): the rank-balanced cut leaves a
     pipeline's path uneven (a V's first and last chunks share rank 0; a heavy head's chunk ends every
     microbatch). Never slower than `choice`; deterministic."""
-    per_simulation = 6 * len(choice.stages) * choice.inputs.microbatches
-    left = budget_ops // max(per_simulation, 1)
-    n = choice.inputs.arrays.num_layers
-    improved = True
-    while improved and left > 0:
-        improved = False
-        cuts = [stage.start for stage in choice.stages[1:]]
-        for at, delta in ((at, delta) for at in range(len(cuts)) for delta in (-1, 1)):
-            moved = cuts[at] + delta
-            if not (cuts[at - 1] if at else 0) < moved < (cuts[at + 1] if at + 1 < len(cuts) else n) or left <= 0:
-                continue
-            edges = [0, *cuts[:at], moved, *cuts[at + 1:], n]
-            left -= 1
-            trial = _judged(choice.inputs, tuple(Stage(a, b, 1, False) for a, b in zip(edges, edges[1:])), False)
-            if trial is not None and trial.iteration_s < choice.iteration_s * (1.0 - 1e-9):
-                choice, improved = trial, True
-                break
-    if choice.peak_bytes:
+    def judge(stages: tuple[Stage, ...]) -> float | None:
+        trial = _judged(choice.inputs, stages, False)
+        return None if trial is None else trial.iteration_s
+
+    stages, _ = descend(choice.stages, choice.iteration_s, lambda plan: cut_moves(plan, (-1, 1)), judge, budget_ops,
+                        lambda plan: simulated_ops(choice.inputs, plan))
+    if stages == choice.stages and (choice.peak_bytes or choice.inputs.memory_bytes is not None):
         return choice
-    judged = _judged(choice.inputs, choice.stages)  # without a memory limit: never None
+    judged = _judged(choice.inputs, stages)  # the peaks read once, at the end
     assert judged is not None
     return judged
 

@@ -20,6 +20,7 @@ from planner.errors import InfeasiblePlanError, PlannerError
 from planner.planning.optimizer import Solution, optimize
 from planner.planning.pipedream_optimizer import optimize_pipedream
 from planner.planning.chunked import ChunkedChoice, best_chunked, chunk_choices, chunked_counts, refine_chunked
+from planner.planning.local_search import refine_plan
 from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
@@ -238,21 +239,29 @@ def _choose(
             results.append(_final_choice(found, straight, recompute))
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
-    chunked = sorted((index for index, result in enumerate(results) if result.inputs.chunks > 1),
-                     key=lambda index: -results[index].samples_per_s)
-    for index in chunked:
+    unproven = sorted((index for index, result in enumerate(results) if not result.exhaustive),
+                      key=lambda index: -results[index].samples_per_s)
+    for index in unproven:
         if results[index].samples_per_s * REFINE_GAIN_CAP >= max(result.samples_per_s for result in results):
-            results[index] = _refined(results[index])
+            results[index] = _refined(results[index], straight)
     best = max(result.samples_per_s for result in results)
     fastest = [result for result in results if result.samples_per_s >= best * (1.0 - 1e-9)]
     return min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
 
 
-def _refined(found: _Candidate) -> _Candidate:
-    """A chunked plan with its cuts moved while that shortens the simulated iteration (`refine_chunked`; up to a
-    second): each chunked schedule's plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared
-    unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of 270.3 ms that refines
-    to 262.7 ms: gpt2-medium on 4 GPUs)."""
+def _refined(found: _Candidate, straight: bool) -> _Candidate:
+    """A plan the final choice did not prove fastest, after a local search under the simulator (up to a second):
+    a chunked plan's cuts moved (`refine_chunked`), another's cuts moved, stages split and merged and replicas
+    moved (`local_search.refine_plan`); each schedule's plan within REFINE_GAIN_CAP of the fastest, before they are
+    compared (compared unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of
+    270.3 ms that refines to 262.7 ms: gpt2-medium on 4 GPUs)."""
+    if found.inputs.chunks == 1:
+        start = tuple(found.solution.stages)
+        stages, iteration = refine_plan(found.inputs, start, found.iteration_s, straight)
+        if stages == start:
+            return found
+        return replace(found, solution=Solution(stages, objective_s(found.inputs, list(stages))), iteration_s=iteration,
+                       samples_per_s=samples_per_s(found.inputs, iteration, found.microbatch_size))
     start = ChunkedChoice(found.inputs, tuple(found.solution.stages), found.iteration_s, found.peak_bytes)
     choice = refine_chunked(start)
     if choice is start:
@@ -469,6 +478,9 @@ def _planner_plan(
                  "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated "
                  "run may not reach)" if not flush else
                  "the search stopped at its cap before proving that no other plan simulates faster")
+        if not chosen.exhaustive:
+            proof += ("; then its cuts were moved, stages split and merged and replicas moved while the simulated "
+                      "time shortened")
         notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
                      f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
                      f"simulated, chosen among the plans a lower bound could not rule out: {proof}")

@@ -18,6 +18,7 @@ from planner.cli import app
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.files.cluster import make_cluster
 from planner.costs.schedule_cost import CostInputs, Stage, samples_per_s
+import planner.planning.partition as partition_module
 from planner.planning.partition import (
     AUTO_MICROBATCH_SHARE, MICROBATCH_CHOICES, _auto_microbatches, partition, predicted_iteration_s,
     throughput_ceiling,
@@ -418,3 +419,20 @@ def test_auto_compares_chunked_plans_after_their_cuts_are_refined() -> None:
     for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"):
         other = partition(profile, cluster, straight=True, schedule=schedule, microbatches=8, microbatch_size=8)
         assert plan.predicted.samples_per_s >= other.predicted.samples_per_s * (1 - 1e-9), schedule
+
+
+def test_a_plan_the_final_choice_did_not_prove_fastest_is_refined_by_local_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frozen CPU gpt profile straight on 8 GPUs, gpipe, 8 microbatches, with the final choice's search given
+    no budget (as on a profile too deep for its bounds): the dynamic program's 5 stages simulate 548.3 ms; moving
+    cuts and splitting stages (`local_search.refine_plan`) reaches 8 stages and 539.0 ms, which the plan states."""
+    profile = load_profile(REPO / "tests" / "data" / "profiles-cpu" / "gpt.json")
+    capped = partition_module.best_simulated
+    monkeypatch.setattr(partition_module, "best_simulated",
+                        lambda *args: capped(*args, max_simulations=0, max_expansions=0))
+    plan = partition(profile, make_cluster(8), straight=True, schedule="gpipe", microbatches=8)
+    monkeypatch.setattr(partition_module, "refine_plan", lambda inputs, start, start_s, straight: (start, start_s))
+    unrefined = partition(profile, make_cluster(8), straight=True, schedule="gpipe", microbatches=8)
+    assert len(unrefined.stages) == 5 and len(plan.stages) == 8
+    assert plan.predicted.iteration_ms < 0.99 * unrefined.predicted.iteration_ms
+    assert any("stages split and merged" in note for note in plan.notes)

@@ -1,0 +1,108 @@
+"""planner.planning.local_search: the descent's rules, the moves, and refined plans against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
+from planner.files.cluster import Cluster, make_cluster
+from planner.planning.local_search import Plan, cut_moves, descend, plan_moves, refine_plan
+from planner.planning.optimizer import optimize
+from planner.planning.simulated_choice import simulated_s
+from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES
+from tests.planner.layer_strategies import layer_arrays
+from tests.planner.planning.test_optimizer import clusters, every_plan
+from tests.planner.planning.test_simulated_choice import brute_force
+
+CONTIGUOUS = tuple(name for name in SCHEDULES if name not in CHUNKED_SCHEDULES)
+
+
+def _plan(*stages: tuple[int, int, int]) -> Plan:
+    return tuple(Stage(start, stop, replicas, False) for start, stop, replicas in stages)
+
+
+def _covers(plan: Plan, layers: int) -> bool:
+    return plan[0].start == 0 and plan[-1].stop == layers and all(
+        a.stop == b.start for a, b in zip(plan, plan[1:])) and all(stage.start < stage.stop for stage in plan)
+
+
+def test_a_first_stage_whose_forwards_hide_in_the_warm_up_wants_every_device() -> None:
+    # 1f1b, 4 microbatches, no transfers: a first layer of f 4 + b 6 ms, six of f 0.8 + b 1.2 ms. The closed form,
+    # sum t + (m - 1) max t = 22 + 3 x 10 ms for any cut whose stages take at most 10 ms, keeps the fewest devices
+    # (3 stages, 52 ms simulated); on 4 stages the first runs its 4 forwards while the first microbatch goes round
+    # (8.8 ms down, 7.2 ms back), so the iteration is its busy time, 4 x 10 = 40 ms
+    forward, both = [4.0] + [0.8] * 6, [10.0] + [2.0] * 6
+    arrays = LayerArrays(compute_s=np.concatenate([[0.0], np.cumsum(both)]) / 1e3, param_bytes=np.zeros(8),
+                         cut_bytes=np.zeros(7), fwd_s=np.concatenate([[0.0], np.cumsum(forward)]) / 1e3)
+    inputs = CostInputs(arrays, make_cluster(4, None, ["100GB/s"]), "1f1b", 4)
+    seed = tuple(optimize(inputs, straight=True).stages)
+    assert len(seed) == 3 and simulated_s(inputs, list(seed)) == pytest.approx(0.052)
+    refined, refined_s = refine_plan(inputs, seed, simulated_s(inputs, list(seed)), straight=True)
+    assert len(refined) == 4 and refined_s == pytest.approx(0.040)
+    assert refined_s == simulated_s(inputs, list(refined))
+    assert refined_s == pytest.approx(brute_force(inputs, straight=True, allow_recompute=False)[0])
+    assert refine_plan(inputs, seed, simulated_s(inputs, list(seed)), True, budget_ops=0) == (
+        seed, simulated_s(inputs, list(seed)))
+
+
+def test_descend_takes_the_first_faster_move_and_as_fast_on_fewer_devices_and_stops_on_its_budget() -> None:
+    times = {_plan((0, 2, 2)): 10.0, _plan((0, 1, 1), (1, 2, 1)): 10.0, _plan((0, 2, 1)): 10.0 + 1e-12,
+             _plan((0, 1, 2), (1, 2, 1)): 9.0}
+    order = list(times)
+    judged: list[Plan] = []
+
+    def judge(plan: Plan) -> float:
+        judged.append(plan)
+        return times[plan]
+
+    def moves(plan: Plan):
+        return (other for other in order if other != plan)
+
+    # from 2 devices: the 2-stage plan is no faster; one device within TIE is taken; then nothing beats it but
+    # the 3-device plan of 9, taken at once
+    plan, plan_s = descend(order[0], 10.0, moves, judge, 10**6, lambda plan: 6 * len(plan))
+    assert (plan, plan_s) == (_plan((0, 1, 2), (1, 2, 1)), 9.0)
+    assert judged[:2] == [order[1], order[2]]
+    judged.clear()
+    assert descend(order[0], 10.0, moves, judge, 6, lambda plan: 6 * len(plan)) == (order[0], 10.0)  # its first trial (2 stages: 12 ops) spends 6
+    assert judged == [order[1]]
+
+
+def test_cut_moves_keep_every_stage_and_plan_moves_split_merge_and_move_replicas() -> None:
+    plan = _plan((0, 3, 1), (3, 5, 2), (5, 9, 1))
+    moved = list(cut_moves(plan, (-1, 1, 4)))
+    assert _plan((0, 2, 1), (2, 5, 2), (5, 9, 1)) in moved and _plan((0, 3, 1), (3, 6, 2), (6, 9, 1)) in moved
+    assert all(_covers(other, 9) for other in moved) and len(moved) == 4  # 3 + 4 and 5 + 4 would empty a stage
+    everything = list(plan_moves(plan, devices=6, straight=False))
+    assert _plan((0, 1, 1), (1, 3, 1), (3, 5, 2), (5, 9, 1)) in everything  # split, a device free
+    assert _plan((0, 5, 3), (5, 9, 1)) in everything  # merged onto both's devices
+    assert _plan((0, 3, 2), (3, 5, 1), (5, 9, 1)) in everything  # a replica moved
+    assert all(_covers(other, 9) and sum(s.replicas for s in other) <= 6 for other in everything)
+    straight = list(plan_moves(_plan((0, 3, 1), (3, 9, 1)), devices=2, straight=True))
+    assert _plan((0, 9, 1)) in straight and all(s.replicas == 1 for other in straight for s in other)
+    assert not any(len(other) == 3 for other in straight)  # no device free: no split
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(CONTIGUOUS),
+       microbatches=st.integers(1, 6), memory=st.sampled_from([None, 2e9, 4e9]), straight=st.booleans())
+def test_a_refined_plan_fits_and_simulates_between_its_start_and_the_best(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None, straight: bool,
+) -> None:
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory)
+    plans = every_plan(arrays.num_layers, cluster.num_devices, straight, False)
+    if not any(plan_fits(inputs, list(plan)) for plan in plans):
+        return
+    seed = tuple(optimize(inputs, straight, allow_recompute=False).stages)
+    seed_s = simulated_s(inputs, list(seed))
+    refined, refined_s = refine_plan(inputs, seed, seed_s, straight)
+    assert plan_fits(inputs, list(refined)) and _covers(refined, arrays.num_layers)
+    assert refined_s == simulated_s(inputs, list(refined)) <= seed_s
+    assert not straight or all(stage.replicas == 1 for stage in refined)
+    best, _ = brute_force(inputs, straight, allow_recompute=False)
+    assert refined_s >= best * (1 - 1e-9)
