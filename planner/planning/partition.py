@@ -243,21 +243,21 @@ def _choose(
                       key=lambda index: -results[index].samples_per_s)
     for index in unproven:
         if results[index].samples_per_s * REFINE_GAIN_CAP >= max(result.samples_per_s for result in results):
-            results[index] = _refined(results[index], straight)
+            results[index] = _refined(results[index], straight, recompute)
     best = max(result.samples_per_s for result in results)
     fastest = [result for result in results if result.samples_per_s >= best * (1.0 - 1e-9)]
     return min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
 
 
-def _refined(found: _Candidate, straight: bool) -> _Candidate:
+def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
     """A plan the final choice did not prove fastest, after a local search under the simulator (up to a second):
     a chunked plan's cuts moved (`refine_chunked`), another's cuts moved, stages split and merged and replicas
-    moved (`local_search.refine_plan`); each schedule's plan within REFINE_GAIN_CAP of the fastest, before they are
-    compared (compared unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of
+    moved (`local_search.refine_plan`; on several nodes also from the optimizer's plan on one); each schedule's
+    plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of
     270.3 ms that refines to 262.7 ms: gpt2-medium on 4 GPUs)."""
     if found.inputs.chunks == 1:
         start = tuple(found.solution.stages)
-        stages, iteration = refine_plan(found.inputs, start, found.iteration_s, straight)
+        stages, iteration = refine_plan(found.inputs, start, found.iteration_s, straight, recompute)
         if stages == start:
             return found
         return replace(found, solution=Solution(stages, objective_s(found.inputs, list(stages))), iteration_s=iteration,
