@@ -69,7 +69,7 @@ def main() -> None:
                     choice = best_simulated(inputs, seeds, straight, True)
                     chosen_s, gap = choice.simulated_s, choice.gap
                     if not choice.exhaustive:  # as `planner partition` does (its `_refined`)
-                        _, chosen_s = refine_plan(inputs, choice.stages, choice.simulated_s, straight, True)
+                        chosen_s = refine_plan(inputs, choice.stages, choice.simulated_s, straight, True).seconds
                         gap = chosen_s / choice.lower_bound_s if choice.lower_bound_s > 0 else math.inf
                     seconds = time.perf_counter() - started
                     ratio = simulated / solution.objective_s

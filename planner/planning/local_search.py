@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
 from planner.errors import InfeasiblePlanError
@@ -94,16 +94,28 @@ def plan_moves(plan: Plan, devices: int, straight: bool) -> Iterator[Plan]:
                                    after._replace(replicas=after.replicas - 1)) + plan[at + 2:]
 
 
+class Refined(NamedTuple):
+    """A refined plan, its simulated seconds and how many plans the refinement simulated."""
+
+    stages: Plan
+    seconds: float
+    simulated: int
+
+
 def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool, allow_recompute: bool = True,
-                budget_ops: int = REFINE_OPS) -> tuple[Plan, float]:
+                budget_ops: int = REFINE_OPS) -> Refined:
     """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves`, judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
     from each of the `group_plans` on a share of it. Both: the faster start does not always descend further
     (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and halving the budget
     of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b)."""
+    simulated = 0
+
     def judge(plan: Plan) -> float | None:
+        nonlocal simulated
         if not plan_fits(inputs, list(plan)):
             return None
+        simulated += 1
         value = simulated_s(inputs, list(plan))
         return value if math.isfinite(value) else None
 
@@ -115,7 +127,7 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                         budget_ops if index == 0 else budget_ops // GROUP_SHARE, lambda plan: simulated_ops(inputs, plan))
         if found[1] < best[1] * (1.0 - TIE):
             best = found
-    return best
+    return Refined(*best, simulated)
 
 
 def group_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> list[Plan]:

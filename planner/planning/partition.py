@@ -257,11 +257,12 @@ def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
     270.3 ms that refines to 262.7 ms: gpt2-medium on 4 GPUs)."""
     if found.inputs.chunks == 1:
         start = tuple(found.solution.stages)
-        stages, iteration = refine_plan(found.inputs, start, found.iteration_s, straight, recompute)
+        stages, iteration, simulated = refine_plan(found.inputs, start, found.iteration_s, straight, recompute)
         if stages == start:
-            return found
+            return replace(found, simulated=found.simulated + simulated)
         return replace(found, solution=Solution(stages, objective_s(found.inputs, list(stages))), iteration_s=iteration,
-                       samples_per_s=samples_per_s(found.inputs, iteration, found.microbatch_size))
+                       samples_per_s=samples_per_s(found.inputs, iteration, found.microbatch_size),
+                       simulated=found.simulated + simulated)
     start = ChunkedChoice(found.inputs, tuple(found.solution.stages), found.iteration_s, found.peak_bytes)
     choice = refine_chunked(start)
     if choice is start:

@@ -6,6 +6,7 @@ import dataclasses
 
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -431,8 +432,10 @@ def test_a_plan_the_final_choice_did_not_prove_fastest_is_refined_by_local_searc
     monkeypatch.setattr(partition_module, "best_simulated",
                         lambda *args: capped(*args, max_simulations=0, max_expansions=0))
     plan = partition(profile, make_cluster(8), straight=True, schedule="gpipe", microbatches=8)
-    monkeypatch.setattr(partition_module, "refine_plan", lambda inputs, start, start_s, *flags: (start, start_s))
+    monkeypatch.setattr(partition_module, "refine_plan", lambda inputs, start, start_s, *flags: (start, start_s, 0))
     unrefined = partition(profile, make_cluster(8), straight=True, schedule="gpipe", microbatches=8)
     assert len(unrefined.stages) == 5 and len(plan.stages) == 8
     assert plan.predicted.iteration_ms < 0.99 * unrefined.predicted.iteration_ms
     assert any("stages split and merged" in note for note in plan.notes)
+    counted = re.search(r"The plan is the fastest of (\d+) simulated", " ".join(plan.notes))
+    assert counted and int(counted.group(1)) > 8  # the search's 1 (its budget was 0) and the local search's
