@@ -166,7 +166,7 @@ def refine_chunked(choice: ChunkedChoice, budget_ops: int = REFINE_OPS) -> Chunk
         return None if trial is None else trial.iteration_s
 
     stages, _ = descend(choice.stages, choice.iteration_s, lambda plan: cut_moves(plan, (-1, 1)), judge, budget_ops,
-                        lambda plan: simulated_ops(choice.inputs, plan))
+                        lambda plan: simulated_ops(choice.inputs, plan), resume=False)
     if stages == choice.stages and (choice.peak_bytes or choice.inputs.memory_bytes is not None):
         return choice
     judged = _judged(choice.inputs, stages)  # the peaks read once, at the end

@@ -35,34 +35,40 @@ Plan = tuple[Stage, ...]
 
 
 def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]],
-            judge: Callable[[Plan], float | None], budget_ops: int, ops: Callable[[Plan], int]) -> tuple[Plan, float]:
+            judge: Callable[[Plan], float | None], budget_ops: int, ops: Callable[[Plan], int],
+            resume: bool = True) -> tuple[Plan, float]:
     """The plan reached from `start` (simulating `start_s` seconds) by taking, over and over, a move of
-    `moves(plan)` that `judge` (seconds, None where it does not fit) finds faster by more than a relative TIE, or
-    as fast within TIE on fewer devices, until none is or the trials have spent `budget_ops`, `ops(plan)` each
-    (`simulated_ops`). After a move is taken the next plan's moves are tried from the same position in their
-    order on (wrapping round), not from the first: the moves before it had just failed and mostly still do
-    (resnet50 straight on 16 GPUs at 8 per node, 1f1b: x1.028 -> x1.057 faster on the same budget). Never
-    slower than `start`; deterministic."""
+    `moves(plan)` that `judge` (seconds, None where it does not fit) finds better (`better`), until none is or the
+    next trial would pass `budget_ops`, at `ops(plan)` each (`simulated_ops`). With `resume`, after a move is taken
+    the next plan's moves are tried from the same position in their order on (wrapping round; a position only,
+    when moves come and go with the stages), not from the first: the moves before it had just failed and mostly
+    still do (resnet50 straight on 16 GPUs at 8 per node, 1f1b: x1.028 -> x1.057 faster on the same budget; for
+    chunked plans the first-move order did better: gpt, interleaved-1f1b on 4 ranks, 32 microbatches, 2126.2
+    against 2320.2 ms). Never slower than `start` by more than a relative TIE a move (ties go to fewer devices);
+    deterministic."""
     plan, plan_s = start, start_s
     left, at = budget_ops, 0
-    while left > 0:
+    while True:
         trials = list(moves(plan))
-        if not trials:
-            break
-        at %= len(trials)
+        at = at % len(trials) if resume and trials else 0
         for step in range(len(trials)):
             trial = trials[(at + step) % len(trials)]
-            if left <= 0:
-                break
-            left -= ops(trial)
+            cost = ops(trial)
+            if cost > left:
+                return plan, plan_s
+            left -= cost
             trial_s = judge(trial)
-            if trial_s is not None and (trial_s < plan_s * (1.0 - TIE) or (
-                    trial_s <= plan_s * (1.0 + TIE) and _devices(trial) < _devices(plan))):
+            if trial_s is not None and better(trial, trial_s, plan, plan_s):
                 plan, plan_s, at = trial, trial_s, at + step
                 break
         else:
-            break  # a whole round of moves without a better plan
-    return plan, plan_s
+            return plan, plan_s  # a whole round of moves without a better plan
+
+
+def better(plan: Plan, plan_s: float, than: Plan, than_s: float) -> bool:
+    """Whether `plan` (simulating `plan_s` seconds) is better than `than`: faster by more than a relative TIE, or
+    as fast within TIE on fewer devices (as `simulated_choice.best_simulated` breaks ties)."""
+    return plan_s < than_s * (1.0 - TIE) or (plan_s <= than_s * (1.0 + TIE) and _devices(plan) < _devices(than))
 
 
 def cut_moves(plan: Plan, shifts: Sequence[int] = SHIFTS) -> Iterator[Plan]:
@@ -115,9 +121,10 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                 budget_ops: int = REFINE_OPS) -> Refined:
     """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves`, judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
-    from each of the `group_plans` on a share of it. Both: the faster start does not always descend further
-    (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and halving the budget
-    of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b)."""
+    from each of the `group_plans` on a share of it; the best by `better`; `start` as it is on a budget of 0. From
+    both: the faster start does not always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node
+    plan alone, x0.90 the speed), and halving the budget of `start` lost up to 5% on deep pipelines
+    (squeezenet1_0 straight on 16 GPUs, 1f1b)."""
     simulated = 0
 
     def judge(plan: Plan) -> float | None:
@@ -128,14 +135,16 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
         value = simulated_s(inputs, list(plan))
         return value if math.isfinite(value) else None
 
+    if budget_ops <= 0:
+        return Refined(start, start_s, 0)
     starts = [(start, start_s)] + [(plan, plan_s) for plan in group_plans(inputs, straight, allow_recompute)
                                    if (plan_s := judge(plan)) is not None]
     best = (start, start_s)
-    for index, (first, first_s) in enumerate(starts):  # the first wins ties
+    for index, (first, first_s) in enumerate(starts):
         found = descend(first, first_s, lambda plan: plan_moves(plan, inputs.cluster.num_devices, straight), judge,
                         budget_ops if index == 0 else budget_ops // GROUP_SHARE,
                         lambda plan: simulated_ops(inputs, plan))
-        if found[1] < best[1] * (1.0 - TIE):
+        if better(found[0], found[1], best[0], best[1]):
             best = found
     return Refined(*best, simulated)
 

@@ -162,6 +162,7 @@ class _Candidate:
     peak_bytes: tuple[float, ...] = ()  # chunked plans: per stage, the simulated peak of the device holding it
     exhaustive: bool = True  # the final choice proved no plan simulates faster (`simulated_choice`)
     simulated: int = 1  # plans the final choice simulated
+    refined: bool | None = None  # whether the local search (`_refined`) found a faster plan; None: not run
 
 
 def _choose(
@@ -253,16 +254,17 @@ def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
     """A plan the final choice did not prove fastest, after a local search under the simulator (up to a second):
     a chunked plan's cuts moved (`refine_chunked`), another's cuts moved, stages split and merged and replicas
     moved (`local_search.refine_plan`; on several nodes also from the optimizer's plan on one); each schedule's
-    plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared unrefined, `--schedule auto` chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of
-    270.3 ms that refines to 262.7 ms: gpt2-medium on 4 GPUs)."""
+    plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared unrefined, `--schedule auto`
+    chose an interleaved-1f1b plan of 266.0 ms over a zbv plan of 270.3 ms that refines to 262.7 ms: gpt2-medium
+    on 4 GPUs)."""
     if found.inputs.chunks == 1:
         start = tuple(found.solution.stages)
         stages, iteration, simulated = refine_plan(found.inputs, start, found.iteration_s, straight, recompute)
         if stages == start:
-            return replace(found, simulated=found.simulated + simulated)
+            return replace(found, simulated=found.simulated + simulated, refined=False)
         return replace(found, solution=Solution(stages, objective_s(found.inputs, list(stages))), iteration_s=iteration,
                        samples_per_s=samples_per_s(found.inputs, iteration, found.microbatch_size),
-                       simulated=found.simulated + simulated)
+                       simulated=found.simulated + simulated, refined=True)
     start = ChunkedChoice(found.inputs, tuple(found.solution.stages), found.iteration_s, found.peak_bytes)
     choice = refine_chunked(start)
     if choice is start:
@@ -479,12 +481,13 @@ def _planner_plan(
                  "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated "
                  "run may not reach)" if not flush else
                  "the search stopped at its cap before proving that no other plan simulates faster")
-        if not chosen.exhaustive:
-            proof += ("; then its cuts were moved, stages split and merged and replicas moved while the simulated "
-                      "time shortened")
+        moves = "cuts moved and stages split and merged" + ("" if straight else ", replicas moved")
+        if chosen.refined is not None:
+            proof += (f"; then a local search ({moves}, each simulated) "
+                      + ("found this faster plan" if chosen.refined else "found no faster plan"))
         notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
                      f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
-                     f"simulated, chosen among the plans a lower bound could not rule out: {proof}")
+                     f"simulated, searched in order of a lower bound on their time: {proof}")
     if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
                      "iteration_ms is the steady-state time per microbatch. Weights update after every "

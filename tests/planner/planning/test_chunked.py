@@ -148,3 +148,12 @@ def test_refining_a_chunked_cut_only_shortens_the_simulated_iteration_within_mem
     limited = dataclasses.replace(inputs, memory_bytes=max(start.peak_bytes))
     within = refine_chunked(dataclasses.replace(start, inputs=limited))
     assert within.iteration_s <= start.iteration_s and max(within.peak_bytes) <= max(start.peak_bytes)
+
+
+def test_refining_a_chunked_cut_tries_each_plans_moves_from_the_first() -> None:
+    """gpt (frozen profile) under interleaved-1f1b on 4 ranks, 32 microbatches: moving cuts one layer at a time,
+    each new cut's moves tried from the first, goes from 2481.9 to 2125.3 ms; going on from the last move taken
+    (`descend(resume=True)`, better for one-stage-per-rank plans) stopped at 2320.2 ms here."""
+    arrays = LayerArrays.from_profile(load_profile(GPT_FROZEN)).for_schedule("interleaved-1f1b")
+    start = best_chunked(CostInputs(arrays, make_cluster(4), "interleaved-1f1b", 32), 4)
+    assert refine_chunked(start).iteration_s <= 0.87 * start.iteration_s

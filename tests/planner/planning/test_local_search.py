@@ -88,9 +88,20 @@ def test_descend_takes_a_faster_move_or_as_fast_on_fewer_devices_goes_on_from_th
     # the moves of each new plan are tried from the position of the move just taken on, wrapping round
     assert judged == [order[1], order[2], order[1], order[3], order[2], order[0], order[1]]
     judged.clear()
-    # its first trial (2 stages: 12 ops) spends the 6 ops
+    # its first trial (2 stages: 12 ops) would pass a budget of 6 ops: nothing is tried
     assert descend(order[0], 10.0, moves, judge, 6, lambda plan: 6 * len(plan)) == (order[0], 10.0)
+    assert descend(order[0], 10.0, moves, judge, 12, lambda plan: 6 * len(plan)) == (order[0], 10.0)
     assert judged == [order[1]]
+
+
+def test_a_refined_plan_as_fast_on_fewer_devices_is_taken() -> None:
+    # gpipe, 1 microbatch, 4 layers of 10 ms, no transfers: 2 stages take 40 ms as 1 does, on one more device
+    arrays = LayerArrays(compute_s=np.arange(5) / 100.0, param_bytes=np.zeros(5), cut_bytes=np.zeros(4),
+                         fwd_s=np.arange(5) / 250.0)
+    inputs = CostInputs(arrays, make_cluster(2, None, ["100GB/s"]), "gpipe", 1)
+    two = _plan((0, 2, 1), (2, 4, 1))
+    refined, refined_s, _ = refine_plan(inputs, two, simulated_s(inputs, list(two)), straight=True)
+    assert refined == _plan((0, 4, 1)) and refined_s == pytest.approx(simulated_s(inputs, list(two)), rel=1e-9)
 
 
 def test_cut_moves_keep_every_stage_and_plan_moves_split_merge_and_move_replicas() -> None:
