@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from planner.profiling import timing
 from planner.profiling.layers import find_layers
 from planner.profiling.timing import (
     MAX_ITERS_FACTOR,
@@ -212,6 +213,21 @@ def test_the_iterations_measured_fill_min_seconds_at_the_first_pace_within_the_c
     assert _measured_iterations(2, 0.2, 0.15) == 2  # slow iterations: never fewer than asked for
     assert _measured_iterations(2, 0.2, 0.0) == 2 * MAX_ITERS_FACTOR  # never more than the cap
     assert _measured_iterations(3, 0.1, 0.03) == 4  # rounded up: 3 x 30 ms falls short of 0.1 s
+
+
+def test_the_paired_loop_takes_its_count_from_the_first_pairs_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a clock that only the pairs move: 20 ms each, so 0.2 s is 10 pairs, whatever the machine's load
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def pair(k: int) -> int:
+        now[0] += 0.020
+        return k
+
+    seen: list[tuple[int, int]] = []
+    results = timing._paired_iterations(lambda: True, pair, 2, lambda done, total: seen.append((done, total)), 0.2)
+    assert results == list(range(1, 11)) and seen[-1] == (11, 11) and seen[0] == (1, 3)  # warm-up, then the pace
+    assert timing._paired_iterations(lambda: False, pair, 2, None, 0.2) == []  # a failed warm-up measures nothing
 
 
 def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
