@@ -19,12 +19,11 @@ import dataclasses
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
-from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
+from planner.costs.schedule_cost import CostInputs, Stage, plan_fits, replicas_of
 from planner.errors import InfeasiblePlanError
 from planner.files.cluster import Cluster
-from planner.planning.bound_search import TIE
 from planner.planning.optimizer import optimize
-from planner.planning.simulated_choice import simulated_s
+from planner.planning.simulated_choice import better, simulated_s
 from planner.simulation.simulator import SimulationTooLongError, simulated_pipedream_microbatches
 
 REFINE_OPS = 100_000  # simulated ops a refinement may play: about 1 s on the 2-core CPU machine
@@ -38,7 +37,8 @@ def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]]
             judge: Callable[[Plan], float | None], budget_ops: int, ops: Callable[[Plan], int],
             resume: bool = True) -> tuple[Plan, float]:
     """The plan reached from `start` (simulating `start_s` seconds) by taking, over and over, a move of
-    `moves(plan)` that `judge` (seconds, None where it does not fit) finds better (`better`), until none is or the
+    `moves(plan)` that `judge` (seconds, None where it does not fit) finds `better` (faster by more than a relative
+    TIE, or as fast on fewer devices, as the final choice breaks ties), until none is or the
     next trial would pass `budget_ops`, at `ops(plan)` each (`simulated_ops`). With `resume`, after a move is taken
     the next plan's moves are tried from the same position in their order on (wrapping round; a position only,
     when moves come and go with the stages), not from the first: the moves before it had just failed and mostly
@@ -65,12 +65,6 @@ def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]]
             return plan, plan_s  # a whole round of moves without a better plan
 
 
-def better(plan: Plan, plan_s: float, than: Plan, than_s: float) -> bool:
-    """Whether `plan` (simulating `plan_s` seconds) is better than `than`: faster by more than a relative TIE, or
-    as fast within TIE on fewer devices (as `simulated_choice.best_simulated` breaks ties)."""
-    return plan_s < than_s * (1.0 - TIE) or (plan_s <= than_s * (1.0 + TIE) and _devices(plan) < _devices(than))
-
-
 def cut_moves(plan: Plan, shifts: Sequence[int] = SHIFTS) -> Iterator[Plan]:
     """`plan` with one cut moved by one of `shifts` layers, cut by cut (every stage keeps a layer)."""
     for at in range(len(plan) - 1):
@@ -86,7 +80,7 @@ def plan_moves(plan: Plan, devices: int, straight: bool) -> Iterator[Plan]:
     middle of its layers, where a device is free; two neighbours merged onto one device, or (replicas allowed)
     onto both's devices; one replica moved to a neighbour. `plan_fits` is left to the judge."""
     yield from cut_moves(plan)
-    if sum(stage.replicas for stage in plan) < devices:
+    if sum(replicas_of(plan)) < devices:
         for at, stage in enumerate(plan):
             if stage.replicas == 1 and stage.stop - stage.start >= 2:
                 middle = (stage.start + stage.stop) // 2
@@ -175,8 +169,3 @@ def simulated_ops(inputs: CostInputs, plan: Plan) -> int:
         return 6 * len(plan) * simulated_pipedream_microbatches(plan)
     except SimulationTooLongError:
         return 0
-
-
-def _devices(plan: Plan) -> int:
-    """Devices a plan uses."""
-    return sum(stage.replicas for stage in plan)

@@ -53,6 +53,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -67,6 +68,7 @@ from planner.costs.schedule_cost import (
     memory_terms,
     placement_ok,
     plan_fits,
+    replicas_of,
     step_terms,
     transfer_s,
 )
@@ -104,6 +106,13 @@ class SimulatedChoice:
         return self.simulated_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
 
 
+def better(plan: Sequence[Stage], plan_s: float, than: Sequence[Stage], than_s: float) -> bool:
+    """Whether `plan` (simulating `plan_s` seconds) is better than `than`: faster by more than a relative TIE, or
+    as fast within TIE on fewer devices."""
+    return plan_s < than_s * (1.0 - TIE) or (
+        plan_s <= than_s * (1.0 + TIE) and sum(replicas_of(plan)) < sum(replicas_of(than)))
+
+
 def simulated_s(inputs: CostInputs, stages: list[Stage]) -> float:
     """What a plan states as its time: the simulated iteration (flush) or steady-state time per
     microbatch (pipedream); inf when a pipedream plan's replica counts make simulation too long."""
@@ -119,16 +128,15 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
     replicas unless `straight`, recompute where allowed and a memory limit is set, within memory and
     the placement rule), by the module docstring's search; `seeds` (plans that fit, e.g. the dynamic
     program's) are simulated first. Ties within a relative TIE go to the fewest devices."""
-    best: tuple[float, int, tuple[Stage, ...]] | None = None
+    best: tuple[float, tuple[Stage, ...]] | None = None
     simulations = 0
 
     def consider(stages: tuple[Stage, ...]) -> None:
         nonlocal best, simulations
         value = simulated_s(inputs, list(stages))
         simulations += 1
-        devices = sum(stage.replicas for stage in stages)
-        if best is None or value < best[0] * (1.0 - TIE) or (value <= best[0] * (1.0 + TIE) and devices < best[1]):
-            best = (value, devices, stages)
+        if best is None or better(stages, value, best[1], best[0]):
+            best = (value, stages)
 
     for seed in seeds:
         consider(tuple(Stage(*stage) for stage in seed))
@@ -166,7 +174,7 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
     lower = best[0] if exhaustive else min(best[0], heap[0][0])
     if inputs.schedule in HEURISTIC_SCHEDULES:
         exhaustive, lower = False, 0.0
-    return SimulatedChoice(best[2], best[0], exhaustive, simulations, lower)
+    return SimulatedChoice(best[1], best[0], exhaustive, simulations, lower)
 
 
 class _StageBounds:
