@@ -70,7 +70,7 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
     for name, value in STEADY_MALLOC.items():
         os.environ.setdefault(name, value)
     if before is not None:
-        before(current_conditions(int(os.environ["OMP_NUM_THREADS"])))
+        before(current_conditions(int(os.environ["OMP_NUM_THREADS"]), count))
     from torch.distributed.run import get_args_parser, run
 
     run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", "--module", module, *argv]))

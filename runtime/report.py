@@ -54,6 +54,7 @@ How each figure of the report (`planner.files.run_report` has the schema) is mea
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 from collections import defaultdict
@@ -143,11 +144,13 @@ def gather_traces(engine: Any) -> list[RankTrace] | None:
 
 def run_meta(engine: Any, traces: Sequence[RankTrace] = ()) -> dict[str, Any]:
     """What the run ran on: backend, device, torch version, torch threads (of this rank), world
-    size, the hosts of `traces`, and this rank's `conditions` (`planner.profiling.conditions`)."""
+    size, the hosts of `traces`, and this rank's `conditions` (`planner.profiling.conditions`; its processes:
+    the ranks on this rank's machine, torchrun's LOCAL_WORLD_SIZE)."""
     return {
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": str(getattr(engine, "device", "")), "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(), "conditions": current_conditions(torch.get_num_threads()),
+        "threads": torch.get_num_threads(), "conditions": current_conditions(
+            torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
         "world_size": dist.get_world_size() if dist.is_initialized() else len(traces),
         "hosts": sorted({trace.hostname for trace in traces}),
     }

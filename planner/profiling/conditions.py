@@ -41,10 +41,12 @@ def worker_threads(profiled: int | None, ranks: int) -> int:
     return profiled if fits else default_cpu_threads(ranks)
 
 
-def current_conditions(threads: int) -> dict[str, Any]:
-    """This process's conditions: torch `threads`, the machine's `cores`, and the `malloc`
-    settings of STEADY_MALLOC's variables (None where unset)."""
-    return {"threads": threads, "cores": cores(), "malloc": {name: os.environ.get(name) for name in STEADY_MALLOC}}
+def current_conditions(threads: int, processes: int = 1) -> dict[str, Any]:
+    """This process's conditions: torch `threads`, the machine's `cores`, the `processes` sharing them (a
+    training job's ranks on this machine), and the `malloc` settings of STEADY_MALLOC's variables (None where
+    unset)."""
+    return {"threads": threads, "cores": cores(), "processes": processes,
+            "malloc": {name: os.environ.get(name) for name in STEADY_MALLOC}}
 
 
 def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> list[str]:
@@ -56,6 +58,13 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
         found.append(f"the profile was measured with {was} threads per process, training runs {now}: compute may "
                      f"take up to {max(was, now) / min(was, now):.2g}x {'longer' if now < was else 'less'} than "
                      f"predicted (profile with --threads {now}, or give each process {was})")
+    processes, threads, machine = training.get("processes"), training.get("threads"), training.get("cores")
+    if profiled and processes and threads and machine and processes * threads > machine:
+        share, slower = machine / (processes * threads), processes * threads / machine
+        found.append(f"{processes} processes x {threads} thread{'s' if threads != 1 else ''} share {machine} cores: "
+                     f"each thread gets {share:.2g} of a core, so CPU work (all of it on a CPU machine) may take up "
+                     f"to {slower:.2g}x longer than predicted (train on fewer processes, or on a machine with a core "
+                     "per thread)")
     if "malloc" in profiled and "malloc" in training and dict(profiled["malloc"]) != dict(training["malloc"]):
         found.append(f"the profile was measured with malloc settings {dict(profiled['malloc'])}, training runs "
                      f"{dict(training['malloc'])}: CPU steps may differ by 5-10%")
