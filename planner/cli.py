@@ -90,6 +90,10 @@ def profile(
     threads: Optional[int] = typer.Option(
         None, help="CPU threads (default on CPU: cores / 2, what `planner train` gives each of 2 processes)."
     ),
+    processes: Optional[int] = typer.Option(
+        None, help="CPU: processes computing at once while timing, this one and N-1 that train the model beside it, "
+        "as N training processes on this machine will (default: 2 where the cores hold them; 1 on a GPU).",
+    ),
     depth: Optional[int] = typer.Option(None, help="Take the modules this many calls below the model as layers."),
     split_points: Optional[str] = typer.Option(
         None, "--split-points", help="Comma-separated module names at which layers begin, e.g. h.4,h.8."
@@ -110,7 +114,7 @@ def profile(
         settings = ProfileSettings(
             batch_size=largest, other_batch_sizes=tuple(other_sizes),
             device=device, dtype=dtype, warmup=warmup, iters=iters, min_seconds=min_seconds,
-            threads=threads, depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
+            threads=threads, processes=processes, depth=depth, split_points=tuple(p.strip() for p in (split_points or "").split(",") if p.strip()),
         )
         settings.check()  # option mistakes are reported before the model file is imported
         model_file_ = load_model_file(model_file)

@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "cores", "current_conditions", "default_cpu_threads", "differences",
-           "steady_malloc", "worker_threads"]
+__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "cores", "current_conditions", "default_cpu_processes",
+           "default_cpu_threads", "differences", "steady_malloc", "worker_threads"]
 
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless --threads says otherwise
@@ -34,6 +34,13 @@ def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:
     return max(1, cores() // ranks)
 
 
+def default_cpu_processes(threads: int) -> int:
+    """Processes a CPU profile of `threads` threads each is measured among by default: DEFAULT_RANKS, what
+    `planner train` starts for a plan of that many ranks, as far as the cores hold them (threads x
+    processes <= cores; at least 1). `planner.profiling.companions` runs the others."""
+    return max(1, min(DEFAULT_RANKS, cores() // threads))
+
+
 def worker_threads(profiled: int | None, ranks: int) -> int:
     """Threads for each of `ranks` training processes on this machine: the profile's count where
     the cores allow it (profiled x ranks <= cores), else cores // ranks."""
@@ -41,10 +48,11 @@ def worker_threads(profiled: int | None, ranks: int) -> int:
     return profiled if fits else default_cpu_threads(ranks)
 
 
-def current_conditions(threads: int, processes: int = 1) -> dict[str, Any]:
-    """This process's conditions: torch `threads`, the machine's `cores`, the `processes` sharing them (a
-    training job's ranks on this machine), and the `malloc` settings of STEADY_MALLOC's variables (None where
-    unset)."""
+def current_conditions(threads: int, processes: int | None = 1) -> dict[str, Any]:
+    """This process's conditions: torch `threads`, the machine's `cores`, the `processes` computing on them
+    at once (a training job's ranks on this machine; a CPU profile's companions and itself; None for a GPU
+    profile, whose training processes have a device each), and the `malloc` settings of STEADY_MALLOC's
+    variables (None where unset)."""
     return {"threads": threads, "cores": cores(), "processes": processes,
             "malloc": {name: os.environ.get(name) for name in STEADY_MALLOC}}
 
@@ -58,6 +66,12 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
         found.append(f"the profile was measured with {was} threads per process, training runs {now}: compute may "
                      f"take up to {max(was, now) / min(was, now):.2g}x {'longer' if now < was else 'less'} than "
                      f"predicted (profile with --threads {now}, or give each process {was})")
+    was, now = profiled.get("processes"), training.get("processes")
+    if was is not None and now is not None and was != now:
+        found.append(f"the profile was measured with {was} process{'es' if was != 1 else ''} computing on this "
+                     f"machine, training runs {now}: processes on one CPU share its caches and memory bandwidth "
+                     f"(5-8% longer steps with a second one on the 2-core test machine), so compute may take "
+                     f"{'longer' if now > was else 'less'} than predicted (profile with --processes {now})")
     processes, threads, machine = training.get("processes"), training.get("threads"), training.get("cores")
     if profiled and processes and threads and machine and processes * threads > machine:
         share, slower = machine / (processes * threads), processes * threads / machine

@@ -10,7 +10,8 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from planner.profiling.conditions import current_conditions, default_cpu_threads
+from planner.profiling.companions import companions
+from planner.profiling.conditions import current_conditions, default_cpu_processes, default_cpu_threads
 from planner.profiling.optimizer_step import time_grad_accumulation, time_optimizer_steps
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
@@ -66,7 +67,11 @@ class ProfileSettings:
     times are measured too (`Profile.size_times`; `planner profile --batch-size 1,2,4,8` makes the largest
     `batch_size` and the others these).
     `threads` None: on CPU, `conditions.default_cpu_threads()` (cores / 2: what `planner train`
-    gives each of two processes on this machine); on CUDA, torch's current setting."""
+    gives each of two processes on this machine); on CUDA, torch's current setting.
+    `processes`: on CPU, how many processes compute at once while the layers are timed, this one and
+    `processes - 1` companions training the model beside it (`planner.profiling.companions`), as that
+    many training processes will; None: `conditions.default_cpu_processes` (2 where the cores hold
+    them: `planner profile`'s default). A GPU profile takes 1 (each training process has its own GPU)."""
 
     batch_size: int = 8
     other_batch_sizes: tuple[int, ...] = ()
@@ -76,6 +81,7 @@ class ProfileSettings:
     iters: int = 10
     min_seconds: float = 0.0  # timing runs more than `iters` steps if they take less (`timing.time_layers`)
     threads: int | None = None
+    processes: int | None = 1
     depth: int | None = None
     split_points: tuple[str, ...] = ()
 
@@ -95,6 +101,8 @@ class ProfileSettings:
             raise ProfileError(f"--warmup must be 0 or more, got {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise ProfileError(f"--threads must be at least 1, got {self.threads}")
+        if self.processes is not None and self.processes < 1:
+            raise ProfileError(f"--processes must be at least 1, got {self.processes}")
         if self.depth is not None and self.depth < 1:
             raise ProfileError(f"--depth must be at least 1, got {self.depth}")
 
@@ -185,11 +193,23 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     threads = settings.threads if settings.threads is not None or device.type != "cpu" else default_cpu_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    processes = _processes(settings.processes, device, torch.get_num_threads())
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return _measure(model_file, settings, device, dtype, report)
+            return _measure(model_file, settings, device, dtype, report, processes)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _processes(asked: int | None, device: torch.device, threads: int) -> int:
+    """The processes computing at once while timing (`ProfileSettings.processes`); ProfileError for more than one
+    on a GPU."""
+    if device.type != "cpu":
+        if asked is not None and asked > 1:
+            raise ProfileError(f"--processes {asked} applies to CPU profiles only: on {device} each training "
+                               "process has a GPU of its own; leave --processes out")
+        return 1
+    return asked if asked is not None else default_cpu_processes(threads)
 
 
 def _phase(model_file: ModelFile, phase: str, action: Callable[[], T]) -> T:
@@ -206,16 +226,29 @@ def _phase(model_file: ModelFile, phase: str, action: Callable[[], T]) -> T:
 
 
 def _measure(
-    model_file: ModelFile, settings: ProfileSettings, device: torch.device, dtype: torch.dtype, report: Progress
+    model_file: ModelFile, settings: ProfileSettings, device: torch.device, dtype: torch.dtype, report: Progress,
+    processes: int,
 ) -> Profile:
-    """The measuring phases of `profile_model`, with the device and threads already set."""
+    """The measuring phases of `profile_model`, with the device and threads already set: the model is checked,
+    then `processes - 1` companions start (`planner.profiling.companions`) and the rest runs beside them."""
     report("check", 0, 1)
     model = build_checked_model(model_file).to(device=device, dtype=dtype)
     model.train()
     step = _step_at(model_file, model, settings.batch_size, device, dtype)
-    inputs = step.inputs
     step.check()
     report("check", 1, 1)
+    with companions(model_file.path, processes - 1, settings.batch_size, torch.get_num_threads(),
+                    settings.dtype) as companions_ready:
+        return _measure_checked(model_file, settings, device, dtype, report, processes, companions_ready, model, step)
+
+
+def _measure_checked(
+    model_file: ModelFile, settings: ProfileSettings, device: torch.device, dtype: torch.dtype, report: Progress,
+    processes: int, companions_ready: Callable[[], None], model: nn.Module, step: _Step,
+) -> Profile:
+    """`_measure` once the model ran a step: layers, bytes and memory, then (once the companions have started)
+    the timings."""
+    inputs = step.inputs
     split_points = list(settings.split_points) or None
     layers = _phase(model_file, "finding layers", lambda: find_layers(model, step.forward, settings.depth, split_points))
     report("layers", 1, 1)
@@ -231,6 +264,9 @@ def _measure(
                        lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
     step.zero_grad()
     report("memory", 1, 1)
+    if processes > 1:
+        report(f"starting {processes - 1} process{'es' if processes > 2 else ''} to train beside the profile", 0, 1)
+        companions_ready()
     times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report)
     input_iters = min(settings.iters, INPUT_GRADIENT_ITERS)
     # B + W against a plain backward (zero-bubble schedules' extra cost): as many pairs, or a quarter of --min-seconds
@@ -272,7 +308,8 @@ def _measure(
             "warmup": settings.warmup, "iters": settings.iters, "min_seconds": settings.min_seconds,
             "depth": settings.depth,
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
-            "instrumented_ratio": times.instrumented_ratio, "conditions": current_conditions(threads),
+            "instrumented_ratio": times.instrumented_ratio,
+            "conditions": current_conditions(threads, processes if device.type == "cpu" else None),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,

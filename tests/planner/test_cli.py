@@ -16,11 +16,12 @@ from typer.testing import CliRunner, Result
 from planner import load_profile
 from planner.cli import app
 from planner.errors import ModelFileError
+from planner.profiling.conditions import default_cpu_processes
 from planner.files.profile import PROFILE_FORMAT, PROFILE_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = REPO / "examples" / "mlp.py"
-FAST = ["--batch-size", "2", "--iters", "1", "--warmup", "0"]
+FAST = ["--batch-size", "2", "--iters", "1", "--warmup", "0", "--processes", "1"]  # alone: no companion to start
 
 TINY = """
 import torch
@@ -359,6 +360,8 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     assert saved.batch_size == 8
     assert [layer.name for layer in saved.layers] == [str(i) for i in range(13)]
     assert saved.settings["iters"] == 2 and saved.settings["warmup"] == 0
+    # measured as training runs by default: among as many processes as `planner train` starts (companions)
+    assert saved.settings["conditions"]["processes"] == default_cpu_processes(saved.threads)
 
     inspected = invoke("inspect", out)
     assert inspected.exit_code == 0, inspected.output
@@ -369,7 +372,8 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
 
 def test_profile_at_several_batch_sizes_writes_their_times(tmp_path: Path) -> None:
     path = write(tmp_path, TWO_PARTS, "two_parts.py")
-    result = profile(tmp_path, path, "--batch-size", "2, 1", "--iters", "1", "--warmup", "0", "--min-seconds", "0")
+    result = profile(tmp_path, path, "--batch-size", "2, 1", "--iters", "1", "--warmup", "0", "--min-seconds", "0",
+                     "--processes", "1")
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["version"] == PROFILE_VERSION == 3 and document["batch_size"] == 2

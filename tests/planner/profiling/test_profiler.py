@@ -7,7 +7,9 @@ import torch
 
 from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
-from planner.profiling.profiler import ProfileSettings, profile_model
+from planner.errors import ProfileError
+from planner.profiling.conditions import default_cpu_processes
+from planner.profiling.profiler import ProfileSettings, _processes, profile_model
 from tests.conftest import EXAMPLES, gpu_only
 
 # More measured steps than the default, and one torch thread, so that the medians are steady on a
@@ -144,6 +146,18 @@ def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_larg
     assert [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in sized.layers] == \
         [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in single.layers]
     assert sized.input_bytes == single.input_bytes and sized.workspace_bytes == single.workspace_bytes
+
+
+def test_a_cpu_profile_records_the_processes_it_was_measured_among() -> None:
+    """`processes=2` times the layers beside a companion training the model (test_companions); the profile says
+    so, and a GPU profile cannot ask for it."""
+    mlp = load_model_file(EXAMPLES / "mlp.py")
+    fast = dict(batch_size=2, warmup=0, iters=1, threads=1)
+    assert profile_model(mlp, ProfileSettings(**fast, processes=2)).settings["conditions"]["processes"] == 2
+    with pytest.raises(ProfileError, match="--processes 2 applies to CPU profiles only"):
+        _processes(2, torch.device("cuda"), 1)
+    assert _processes(None, torch.device("cuda"), 1) == 1
+    assert _processes(None, torch.device("cpu"), 1) == default_cpu_processes(1)
 
 
 @gpu_only

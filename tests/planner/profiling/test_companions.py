@@ -1,0 +1,108 @@
+"""Companion processes that train the model beside a CPU profile: started, ready, stopped, never left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.errors import ProfileError
+from planner.profiling.companions import companions
+from tests.conftest import EXAMPLES
+
+MLP = str(EXAMPLES / "mlp.py")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def companion_pids(parent: int) -> list[int]:
+    """Processes whose parent is `parent` and that run planner.profiling.companions (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"planner.profiling.companions" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The `pids` still alive (not zombies) after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in pids if _running(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_companions_train_while_the_block_runs_and_are_gone_after() -> None:
+    with companions(MLP, 2, 2, 1, "float32") as ready:
+        ready()  # both have taken their first steps
+        pids = companion_pids(os.getpid())
+        assert len(pids) == 2
+        assert all(_running(pid) for pid in pids)
+    assert wait_gone(pids, 0.0) == []  # stopped and reaped before the block's end returned
+    with companions(MLP, 0, 2, 1, "float32") as ready:  # none: nothing starts
+        ready()
+        assert companion_pids(os.getpid()) == []
+
+
+def test_a_companion_that_cannot_start_is_one_profile_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise OSError('dataset directory is missing')\n")
+    with pytest.raises(ProfileError) as raised, companions(str(broken), 1, 2, 1, "float32") as ready:
+        ready()
+    message = str(raised.value)
+    assert "companion" in message and "dataset directory is missing" in message and "--processes 1" in message
+    assert "\n" not in message
+
+
+def test_a_companion_that_does_not_start_in_time_is_stopped(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(60)\n")
+    started = time.monotonic()
+    with pytest.raises(ProfileError, match=r"did not start within 0.5 s"), \
+            companions(str(slow), 1, 2, 1, "float32", timeout_s=0.5) as ready:
+        ready()
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_companions_end_when_their_profiler_is_killed() -> None:
+    """A profiler killed outright (SIGKILL: no finally runs) leaves no companion training on: they exit when
+    their standard input closes."""
+    script = ("import sys, time\nfrom planner.profiling.companions import companions\n"
+              f"with companions({MLP!r}, 1, 2, 1, 'float32') as ready:\n"
+              "    ready(); print('up', flush=True); time.sleep(120)\n")
+    profiler = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert profiler.stdout is not None and profiler.stdout.readline().strip() == "up"
+        pids = companion_pids(profiler.pid)
+        assert len(pids) == 1
+        profiler.send_signal(signal.SIGKILL)
+        profiler.wait()
+        assert wait_gone(pids, 15.0) == []
+    finally:
+        if profiler.poll() is None:
+            profiler.kill()
+            profiler.wait()
