@@ -3,8 +3,8 @@
 `planner train` runs one process per rank, and on a CPU machine they compute at the same time on cores
 that share the last-level cache and the memory bandwidth. Measured alone, a layer reads faster than it
 runs in training: on the 2-core machine with a second process training beside it, the examples' steps
-took 5-8% longer (mlp 9.95 -> 10.52 ms, resnet 21.5 -> 23.2 ms), and the default path's measured /
-predicted iteration of resnet went from x1.13-1.26 to x1.04-1.13 (2026-11-26, benchmarks/RESULTS.md).
+took 5-8% longer (mlp 9.95 -> 10.52 ms, resnet 21.5 -> 23.2 ms), and so do the predictions made from
+them, which had read 13-26% short of training for those two examples (2026-11-26, benchmarks/RESULTS.md).
 
 `planner profile --processes N` (on CPU: 2 by default, the processes the default threads assume)
 therefore measures with N - 1 companions: each `python -m planner.profiling.companions MODEL BATCH

@@ -68,8 +68,8 @@ def test_more_threads_than_cores_is_named_with_how_much_slower() -> None:
 
 
 def test_a_profile_measured_among_other_processes_than_training_runs_is_named() -> None:
-    # a CPU profile measured alone predicted the resnet example's iteration x1.13-1.26 short of training on 2
-    # processes (they share the caches and the memory bandwidth); measured beside a second one, x1.04-1.13
+    # a CPU profile measured alone predicted the resnet example's iteration 13-26% short of training on 2
+    # processes (they share the caches and the memory bandwidth)
     alone = {"threads": 1, "cores": 2, "processes": 1, "malloc": dict(STEADY_MALLOC)}
     found = differences(alone, {**alone, "processes": 2})
     assert len(found) == 1 and "measured with 1 process computing on this machine, training runs 2" in found[0]
