@@ -4,7 +4,8 @@ SPEC: {"plan": a plan file, "batch": samples per mini-batch, "steps", "lr"}. Eve
 model (seed 0; every dropout probability 0, attention's too: DeepSpeed's train_batch puts the module
 in training mode) and the mini-batch (seed 1), makes `runtime.deepspeed.pipeline_module` on the fx split of
 the model, `deepspeed.initialize` with SGD and the plan's `deepspeed_config`, and runs
-`engine.train_batch` over the mini-batch's microbatches `steps` times. It writes
+`engine.train_batch` over its pipeline's share of the mini-batch's microbatches (with two pipelines, every
+other one) `steps` times. It writes
 OUT_DIR/rank{R}.pt: {"losses": [loss per step, or None off the last stage], "params": {model
 parameter name: tensor after the last step} for this rank's stage}, or OUT_DIR/rank{R}.error.
 """
@@ -59,7 +60,9 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(module.parameters(), lr=spec["lr"])
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
                                       config={**deepspeed_config(plan), "steps_per_print": 10 ** 9})
-    losses = [float(engine.train_batch(iter(microbatches)).item()) for _ in range(spec["steps"])]
+    pipelines = module.topology().get_dim("data")
+    mine = microbatches[module.topology().get_coord(dist.get_rank()).data::pipelines]
+    losses = [float(engine.train_batch(iter(mine)).item()) for _ in range(spec["steps"])]
     mine = {id(parameter) for parameter in module.parameters()}
     params = {name: parameter.detach().clone() for name, parameter in model.named_parameters()
               if id(parameter) in mine}

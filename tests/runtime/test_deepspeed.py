@@ -1,9 +1,10 @@
 """runtime.deepspeed: DeepSpeed's pipeline engine trains a plan's stages to the weights of single-process training;
 plans DeepSpeed cannot run as planned are refused in one line; the config matches the plan.
 
-Here: examples/gpt.py (split by torch.fx, tied embedding and head) on 2 processes under torchrun.
-test_real_models.py trains transformers models (GPT-2, Llama: the torch.export split) the same way,
-on 2 and on 4 processes (two pipelines).
+Here: examples/gpt.py (split by torch.fx, tied embedding and head) as two pipelines of 2 stages on 4
+processes under torchrun: the tied weight is summed within each pipeline, and DeepSpeed averages the
+gradients across them. test_real_models.py trains transformers models (GPT-2, Llama: the torch.export
+split) in one pipeline on 2 processes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ WORKER = Path(__file__).resolve().parent / "deepspeed_worker.py"
 MICROBATCHES = 4
 STEPS = 3
 LR = 0.1
+RANKS = 4  # two pipelines of two stages
 TIED = "transformer.wte.weight"  # also lm_head.weight
 
 
@@ -42,16 +44,24 @@ def gpt_plan(**changes: object) -> Plan:
     return dataclasses.replace(planned("gpt", 2), **{"schedule": "1f1b", **changes})
 
 
+def two_pipelines(plan: Plan) -> Plan:
+    """A 2-stage `plan` made 2x2 on 4 ranks: every stage on 2 ranks (DeepSpeed's data-parallel degree 2)."""
+    first, second = plan.stages
+    return dataclasses.replace(plan, stages=(dataclasses.replace(first, replicas=2, ranks=(0, 1)),
+                                             dataclasses.replace(second, replicas=2, ranks=(2, 3))))
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Plan, Path]:
-    """The 2-stage gpt plan (4 microbatches) trained STEPS steps by deepspeed_worker.py under torchrun, 2 processes."""
+    """The 2-stage gpt plan as two pipelines (4 microbatches, 2 each) trained STEPS steps by deepspeed_worker.py
+    under torchrun, 4 processes."""
     out = tmp_path_factory.mktemp("deepspeed")
-    plan = gpt_plan(microbatches=MICROBATCHES)
+    plan = two_pipelines(gpt_plan(microbatches=MICROBATCHES))
     spec = out / "spec.json"
     spec.write_text(json.dumps({"plan": str(plan.save(out / "plan.json")), "steps": STEPS, "lr": LR,
                                 "batch": plan.microbatch_size * MICROBATCHES}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
                str(WORKER), str(spec), str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     errors = "".join(path.read_text() for path in sorted(out.glob("rank*.error")))
@@ -84,26 +94,31 @@ def test_deepspeed_trains_the_plans_stages_to_the_weights_of_single_process_sgd(
         trained: tuple[Plan, Path]) -> None:
     plan, out = trained
     expected_losses, expected = single_process(plan.microbatch_size * MICROBATCHES)
-    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(RANKS)]
     for rank, found in enumerate(ranks):
         for name, parameter in found["params"].items():
             torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-7,
                                        msg=lambda m, where=f"rank {rank} {name}": f"{where}: {m}")
-    assert set(ranks[0]["params"]) | set(ranks[1]["params"]) == set(expected)  # every parameter, somewhere
-    assert ranks[0]["losses"] == [None] * STEPS
-    assert ranks[1]["losses"] == pytest.approx(expected_losses, rel=1e-6)  # the mini-batch's mean loss
+    assert set(ranks[0]["params"]) | set(ranks[2]["params"]) == set(expected)  # every parameter, somewhere
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()  # a stage's replicas hold the same weights
+    assert ranks[2]["params"].keys() == ranks[3]["params"].keys()
+    for rank in (0, 1):
+        assert ranks[rank]["losses"] == [None] * STEPS
+    for rank in (2, 3):  # each pipeline's last stage: the mini-batch's mean loss, averaged across the pipelines
+        assert ranks[rank]["losses"] == pytest.approx(expected_losses, rel=1e-6)
 
 
 @pytest.mark.slow
 def test_the_tied_weight_is_on_both_stages_and_trained_with_the_summed_gradient(trained: tuple[Plan, Path]) -> None:
-    """examples/gpt.py's embedding is its head: both stages hold it (stages.shared), DeepSpeed declares no tie,
-    and both copies equal single-process training (each stage's own gradient alone would not)."""
+    """examples/gpt.py's embedding is its head: both stages of each pipeline hold it (stages.shared), DeepSpeed
+    declares no tie, and all four copies equal single-process training (each stage's own gradient alone would
+    not, nor one pipeline's sum without the other's)."""
     plan, out = trained
     torch.manual_seed(0)
     stages = build_stages(model_file("gpt").build_model(), plan)
     assert [(shared.names, shared.stages) for shared in stages.shared] == [((TIED, "lm_head.weight"), (0, 1))]
     _, expected = single_process(plan.microbatch_size * MICROBATCHES)
-    for rank in range(2):
+    for rank in range(RANKS):
         torch.testing.assert_close(torch.load(out / f"rank{rank}.pt")["params"][TIED], expected[TIED],
                                    rtol=1e-5, atol=1e-7)
 
