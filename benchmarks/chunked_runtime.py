@@ -13,10 +13,12 @@ and both runtimes train that same plan, the same split and the same batches:
   ScheduleInterleaved1F1B, ScheduleZBVZeroBubble), then `finish_gradients` (the tied embedding's sum).
 
 Every step is a whole training step (forward, backward, gradient sums, optimizer step), timed between
-two barriers; rounds run every runner once, in an order that rotates each round, after one warm-up
-round. Printed: the median step per runner, torch's over ours per schedule (above 1: ours is faster),
+two barriers; rounds run every runner once, in an order that rotates each round, after two warm-up
+rounds. Printed: the median step per runner, torch's over ours per schedule (above 1: ours is faster),
 and each schedule over 1f1b on both sides. Absolute times on a shared 2-core machine drift; compare
-ratios measured in the same run.
+ratios measured in the same run. The paired columns take torch's step over ours within each round (the two
+ran seconds apart, so a slow spell of the machine moves both) and give the median and the quartiles of those
+ratios: where the quartiles straddle 1.0, the run cannot tell the two runtimes apart.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 LR = 1e-3
+# the engine measures the memory its step needs on its second step (`Engine.memory_step`), which that slows (gpt:
+# 838 ms against 580-620): timed, it counted against ours in one round of every run
+WARMUP_ROUNDS = 2
 
 
 def make_plans(folder: Path, microbatches: int, microbatch_size: int) -> dict[str, str]:
@@ -95,7 +100,7 @@ def worker(spec_path: str) -> None:
         runners[f"torch {schedule}"] = torch_step
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(spec["rounds"] + 1):
+    for round_index in range(spec["rounds"] + WARMUP_ROUNDS):
         torch.manual_seed(1000 + round_index)
         inputs, target = source.example_batch(batch)
         shift = round_index % len(names)
@@ -104,13 +109,13 @@ def worker(spec_path: str) -> None:
             started = time.perf_counter()
             runners[name](inputs, target)
             dist.barrier(group=timing)
-            if round_index > 0:  # round 0 warms up
+            if round_index >= WARMUP_ROUNDS:
                 times[name].append(time.perf_counter() - started)
     for engine in engines:
         engine.close()
     if rank == 0:
-        medians = {name: 1000.0 * statistics.median(values) for name, values in times.items()}
-        Path(spec["out"]).write_text(json.dumps(medians))
+        Path(spec["out"]).write_text(json.dumps({name: [1000.0 * value for value in values]
+                                                 for name, values in times.items()}))
     dist.destroy_process_group()
 
 
@@ -128,7 +133,7 @@ def main() -> None:
         folder = Path(scratch)
         spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size), "rounds": args.rounds,
                 "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-                "out": str(folder / "medians.json")}
+                "out": str(folder / "steps.json")}
         (folder / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
                "MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
@@ -138,13 +143,19 @@ def main() -> None:
                                   capture_output=True)
         if finished.returncode != 0:
             raise SystemExit(finished.stdout[-3000:] + finished.stderr[-5000:])
-        medians = json.loads((folder / "medians.json").read_text())
+        steps_ms = json.loads((folder / "steps.json").read_text())
+    medians = {name: statistics.median(values) for name, values in steps_ms.items()}
     print(f"# {time.strftime('%Y-%m-%d')}: gpt example, 2 CPU processes, {args.microbatches} microbatches of "
-          f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms")
-    print(f"{'schedule':18s} {'ours':>8s} {'torch':>8s} {'torch/ours':>11s} {'ours / 1f1b':>12s} {'torch / 1f1b':>13s}")
+          f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms; "
+          f"paired: torch / ours within each round, median [quartiles]")
+    print(f"{'schedule':18s} {'ours':>8s} {'torch':>8s} {'torch/ours':>11s} {'paired':>22s} {'ours / 1f1b':>12s} "
+          f"{'torch / 1f1b':>13s}")
     for schedule in SCHEDULES:
         ours, theirs = medians[f"ours {schedule}"], medians[f"torch {schedule}"]
-        print(f"{schedule:18s} {ours:8.1f} {theirs:8.1f} {theirs / ours:11.3f} {ours / medians['ours 1f1b']:12.3f} "
+        paired = [t / o for o, t in zip(steps_ms[f"ours {schedule}"], steps_ms[f"torch {schedule}"])]
+        low, middle, high = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        print(f"{schedule:18s} {ours:8.1f} {theirs:8.1f} {theirs / ours:11.3f} "
+              f"{f'{middle:.3f} [{low:.3f}, {high:.3f}]':>22s} {ours / medians['ours 1f1b']:12.3f} "
               f"{theirs / medians['torch 1f1b']:13.3f}")
 
 
