@@ -103,6 +103,9 @@ class ProfileSettings:
             raise ProfileError(f"--threads must be at least 1, got {self.threads}")
         if self.processes is not None and self.processes < 1:
             raise ProfileError(f"--processes must be at least 1, got {self.processes}")
+        if self.processes is not None and self.processes > 1 and self.device != "auto" and \
+                not self.device.startswith("cpu"):  # refused before the model file is imported
+            raise _one_process_per_gpu(self.processes, self.device)
         if self.depth is not None and self.depth < 1:
             raise ProfileError(f"--depth must be at least 1, got {self.depth}")
 
@@ -206,10 +209,15 @@ def _processes(asked: int | None, device: torch.device, threads: int) -> int:
     on a GPU."""
     if device.type != "cpu":
         if asked is not None and asked > 1:
-            raise ProfileError(f"--processes {asked} applies to CPU profiles only: on {device} each training "
-                               "process has a GPU of its own; leave --processes out")
+            raise _one_process_per_gpu(asked, str(device))
         return 1
     return asked if asked is not None else default_cpu_processes(threads)
+
+
+def _one_process_per_gpu(asked: int, device: str) -> ProfileError:
+    """The error for `--processes` above 1 on a GPU."""
+    return ProfileError(f"--processes {asked} applies to CPU profiles only: on {device} each training process has "
+                        "a GPU of its own; leave --processes out")
 
 
 def _phase(model_file: ModelFile, phase: str, action: Callable[[], T]) -> T:

@@ -106,3 +106,87 @@ def test_companions_end_when_their_profiler_is_killed() -> None:
         if profiler.poll() is None:
             profiler.kill()
             profiler.wait()
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks `pid` has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+MLP_THAT_PRINTS = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+from mlp import build_model as _build, example_batch
+print("a model file that talks while it loads", flush=True)
+print("and one line without its end...", end="", flush=True)
+
+
+def build_model():
+    model = _build()
+    model.register_forward_hook(lambda *_: print("x" * 4096, flush=True))  # 4 KB a step: a pipe fills in 16
+    return model
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_model_that_prints_neither_hides_the_signal_nor_stalls_its_companion(tmp_path: Path) -> None:
+    """Its output goes to the log, not to a pipe: printed before the ready signal (a whole line, a partial one)
+    it does not delay it, and printed every step it does not fill a pipe that nobody reads."""
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text(MLP_THAT_PRINTS)
+    with companions(str(chatty), 1, 2, 1, "float32", timeout_s=60) as ready:
+        ready()  # within the timeout: the signal was not left behind the model's output
+        pid, = companion_pids(os.getpid())
+        time.sleep(1.0)  # more than 16 steps of 4 KB
+        before = cpu_ticks(pid)
+        time.sleep(1.0)
+        assert cpu_ticks(pid) - before >= 20  # still training: at least a fifth of a core over that second
+
+
+def test_a_companion_that_stops_during_the_profile_fails_it(tmp_path: Path) -> None:
+    """As if the machine ran out of memory after the companion's first steps: the profile's times were not all
+    taken beside it, so the block's normal end raises instead of recording a second process."""
+    dies = tmp_path / "dies.py"
+    dies.write_text(f"""
+import os, sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+from mlp import build_model as _build, example_batch
+calls = []
+
+
+def build_model():
+    model = _build()
+    def hook(*_):
+        calls.append(1)
+        if len(calls) == 4 and os.environ.get("DIE_IN_THE_COMPANION"):
+            os._exit(137)
+    model.register_forward_hook(hook)
+    return model
+""")
+    os.environ["DIE_IN_THE_COMPANION"] = "1"
+    try:
+        with pytest.raises(ProfileError) as raised, companions(str(dies), 1, 2, 1, "float32") as ready:
+            ready()
+            time.sleep(2.0)
+    finally:
+        del os.environ["DIE_IN_THE_COMPANION"]
+    message = str(raised.value)
+    assert "stopped before the profile was done" in message and "exit status 137" in message, message
+    assert "\n" not in message
+
+
+def test_a_companion_imports_the_model_file_with_the_profilers_sys_path(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model file that imports a module only the profiler's sys.path finds (a script that put its project
+    folder there) starts in the companion too."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper_for_companions.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom mlp import build_model, example_batch\n")
+    model = tmp_path / "model.py"
+    model.write_text("from helper_for_companions import build_model, example_batch\n")
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with companions(str(model), 1, 2, 1, "float32", timeout_s=120) as ready:
+        ready()

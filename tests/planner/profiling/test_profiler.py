@@ -156,6 +156,10 @@ def test_a_cpu_profile_is_timed_among_the_processes_asked_for_and_a_gpu_profile_
     assert _processes(None, torch.device("cuda"), 1) == 1
     assert _processes(None, torch.device("cpu"), 1) == default_cpu_processes(1)
     assert _processes(3, torch.device("cpu"), 1) == 3
+    with pytest.raises(ProfileError, match="--processes 2 applies to CPU profiles only"):
+        ProfileSettings(device="cuda", processes=2).check()  # before the model file is imported
+    ProfileSettings(device="cpu", processes=2).check()
+    ProfileSettings(device="auto", processes=2).check()  # decided once the device is known
 
 
 @gpu_only
