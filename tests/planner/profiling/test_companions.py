@@ -114,7 +114,7 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-MLP_THAT_PRINTS = f"""
+HELPER_THAT_PRINTS = f"""
 import sys
 sys.path.insert(0, {str(EXAMPLES)!r})
 from mlp import build_model as _build, example_batch
@@ -130,12 +130,19 @@ def build_model():
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_a_model_that_prints_neither_hides_the_signal_nor_stalls_its_companion(tmp_path: Path) -> None:
-    """Its output goes to the log, not to a pipe: printed before the ready signal (a whole line, a partial one)
-    it does not delay it, and printed every step it does not fill a pipe that nobody reads."""
-    chatty = tmp_path / "chatty.py"
-    chatty.write_text(MLP_THAT_PRINTS)
-    with companions(str(chatty), 1, 2, 1, "float32", timeout_s=60) as ready:
+def test_a_companion_imports_with_the_profilers_sys_path_and_a_model_that_prints_does_not_stall_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model file imports a module only the profiler's sys.path finds (a script put its project folder
+    there), and that module prints: at import (a whole line, a partial one), which must not delay the ready
+    signal, and 4 KB every step, which must not fill a pipe that nobody reads and stall the companion."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper_for_companions.py").write_text(HELPER_THAT_PRINTS)
+    model = tmp_path / "model.py"
+    model.write_text("from helper_for_companions import build_model, example_batch\n")
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with companions(str(model), 1, 2, 1, "float32", timeout_s=60) as ready:
         ready()  # within the timeout: the signal was not left behind the model's output
         pid, = companion_pids(os.getpid())
         time.sleep(1.0)  # more than 16 steps of 4 KB
@@ -174,19 +181,3 @@ def build_model():
     message = str(raised.value)
     assert "stopped before the profile was done" in message and "exit status 137" in message, message
     assert "\n" not in message
-
-
-def test_a_companion_imports_the_model_file_with_the_profilers_sys_path(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model file that imports a module only the profiler's sys.path finds (a script that put its project
-    folder there) starts in the companion too."""
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "helper_for_companions.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom mlp import build_model, example_batch\n")
-    model = tmp_path / "model.py"
-    model.write_text("from helper_for_companions import build_model, example_batch\n")
-    monkeypatch.syspath_prepend(str(project))
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    with companions(str(model), 1, 2, 1, "float32", timeout_s=120) as ready:
-        ready()
