@@ -38,11 +38,12 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
         raise TrainingError(f"--nproc must be at least 1, got {count}")
     setup = check_setup(options, 0, count, 0)
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
+    on_cpu = setup.device.type == "cpu"
     del setup  # the workers build their own models
     profiled = _profile_conditions(plan)
     threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
-        run_module("runtime.train", argv, count, threads=threads,
+        run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
                    before=lambda training: _warn_differences(profiled, training, plan.profile.path))
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
@@ -59,18 +60,19 @@ def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
         raise PlannerError(f"measuring the cluster failed: {_failures(exc)}; each rank's own error is above") from None
 
 
-def run_module(module: str, argv: Sequence[str], count: int, threads: int | None = None,
+def run_module(module: str, argv: Sequence[str], count: int, threads: int | None = None, cpu: bool = True,
                before: Callable[[dict[str, Any]], None] | None = None) -> None:
     """`python -m MODULE *argv` on `count` processes under torchrun's launcher (`--standalone`);
     each worker gets `threads` torch threads (default cores // count; `OMP_NUM_THREADS` wins if
     set) and `planner.profiling.conditions.STEADY_MALLOC` glibc settings (as `planner profile`
     has, on CPU and GPU alike: they matter to host-side steps only). `before` sees the workers'
-    conditions (`conditions.current_conditions`) first. ChildFailedError when a worker fails."""
+    conditions (`conditions.current_conditions`; processes: `count` on a CPU, None where each has a GPU, as a
+    profile records them) first. ChildFailedError when a worker fails."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
     for name, value in STEADY_MALLOC.items():
         os.environ.setdefault(name, value)
     if before is not None:
-        before(current_conditions(int(os.environ["OMP_NUM_THREADS"]), count))
+        before(current_conditions(int(os.environ["OMP_NUM_THREADS"]), count if cpu else None))
     from torch.distributed.run import get_args_parser, run
 
     run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", "--module", module, *argv]))

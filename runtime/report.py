@@ -145,12 +145,15 @@ def gather_traces(engine: Any) -> list[RankTrace] | None:
 def run_meta(engine: Any, traces: Sequence[RankTrace] = ()) -> dict[str, Any]:
     """What the run ran on: backend, device, torch version, torch threads (of this rank), world
     size, the hosts of `traces`, and this rank's `conditions` (`planner.profiling.conditions`; its processes:
-    the ranks on this rank's machine, torchrun's LOCAL_WORLD_SIZE)."""
+    the ranks on this rank's machine, torchrun's LOCAL_WORLD_SIZE, on a CPU; None on a GPU, as a profile records
+    them: each rank has a device of its own)."""
+    device = getattr(engine, "device", None)
+    on_cpu = device is None or torch.device(device).type == "cpu"
     return {
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": str(getattr(engine, "device", "")), "torch_version": torch.__version__,
         "threads": torch.get_num_threads(), "conditions": current_conditions(
-            torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+            torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if on_cpu else None),
         "world_size": dist.get_world_size() if dist.is_initialized() else len(traces),
         "hosts": sorted({trace.hostname for trace in traces}),
     }

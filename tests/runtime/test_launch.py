@@ -56,3 +56,19 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
     assert _profile_conditions(plan) is None  # the profile is gone: nothing to compare
     _warn_differences(None, profiled, str(path))
     assert f"the plan's profile {path} is not there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cpu, processes", [(True, 3), (False, None)])
+def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkeypatch: pytest.MonkeyPatch, cpu: bool,
+                                                                          processes: int | None) -> None:
+    """As a profile records them: processes share a CPU's caches; on GPUs each rank computes on its own device."""
+    import torch.distributed.run
+
+    from runtime.launch import run_module
+
+    launched: list[object] = []
+    monkeypatch.setattr(torch.distributed.run, "run", launched.append)  # no job: the arguments only
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen: list[dict] = []
+    run_module("runtime.train", ["m.py"], 3, cpu=cpu, before=seen.append)
+    assert [conditions["processes"] for conditions in seen] == [processes] and len(launched) == 1
