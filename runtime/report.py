@@ -151,7 +151,7 @@ def run_meta(engine: Any, traces: Sequence[RankTrace] = ()) -> dict[str, Any]:
     on_cpu = device is None or torch.device(device).type == "cpu"
     return {
         "backend": dist.get_backend() if dist.is_initialized() else None,
-        "device": str(getattr(engine, "device", "")), "torch_version": torch.__version__,
+        "device": "" if device is None else str(device), "torch_version": torch.__version__,
         "threads": torch.get_num_threads(), "conditions": current_conditions(
             torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if on_cpu else None),
         "world_size": dist.get_world_size() if dist.is_initialized() else len(traces),

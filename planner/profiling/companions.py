@@ -185,20 +185,18 @@ def _train(model_path: str, batch_size: int, threads: int, dtype_name: str, read
     import torch
 
     from planner.profiling.devices import resolve_dtype
-    from planner.profiling.model_file import checked_example_batch, default_loss, load_model_file
+    from planner.profiling.model_file import build_checked_model, load_model_file
+    from planner.profiling.profiler import training_step
 
     torch.set_num_threads(threads)
     dtype = resolve_dtype(dtype_name)
     model_file = load_model_file(model_path)
-    model = model_file.build_model().to(dtype=dtype).train()
-    inputs, target = checked_example_batch(model_file, batch_size)
-    inputs = tuple(tensor.to(dtype=dtype) if tensor.is_floating_point() else tensor for tensor in inputs)
-    target = target.to(dtype=dtype) if target.is_floating_point() else target
-    loss_fn = model_file.loss_fn or default_loss
+    model = build_checked_model(model_file).to(dtype=dtype).train()
+    step = training_step(model_file, model, batch_size, torch.device("cpu"), dtype)  # the profiler's, on its batch
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     steps = 0
     while True:
-        loss_fn(model(*inputs), target).backward()
+        step.loss().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps += 1

@@ -48,7 +48,7 @@ def worker_threads(profiled: int | None, ranks: int) -> int:
     return profiled if fits else default_cpu_threads(ranks)
 
 
-def current_conditions(threads: int, processes: int | None = 1) -> dict[str, Any]:
+def current_conditions(threads: int, processes: int | None) -> dict[str, Any]:
     """This process's conditions: torch `threads`, the machine's `cores`, the `processes` computing on them
     at once (a training job's ranks on this machine; a CPU profile's companions and itself; None for a GPU
     profile, whose training processes have a device each), and the `malloc` settings of STEADY_MALLOC's

@@ -174,7 +174,7 @@ def _to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -
     return tensor.to(device=device)
 
 
-def _step_at(model_file: ModelFile, model: nn.Module, size: int, device: torch.device, dtype: torch.dtype) -> _Step:
+def training_step(model_file: ModelFile, model: nn.Module, size: int, device: torch.device, dtype: torch.dtype) -> _Step:
     """A training step of `model` on `example_batch(size)`, moved to `device` (floating point to `dtype`)."""
     raw_inputs, raw_target = checked_example_batch(model_file, size)
     inputs = tuple(_to_device(t, device, dtype) for t in raw_inputs)
@@ -242,7 +242,7 @@ def _measure(
     report("check", 0, 1)
     model = build_checked_model(model_file).to(device=device, dtype=dtype)
     model.train()
-    step = _step_at(model_file, model, settings.batch_size, device, dtype)
+    step = training_step(model_file, model, settings.batch_size, device, dtype)
     step.check()
     report("check", 1, 1)
     with companions(model_file.path, processes - 1, settings.batch_size, torch.get_num_threads(),
@@ -352,7 +352,7 @@ def _size_times(
     device: torch.device, dtype: torch.dtype, report: Progress,
 ) -> SizeTimes:
     """The layers' times on a batch of `size` samples (`example_batch(size)`), measured as at the main size."""
-    step = _step_at(model_file, model, size, device, dtype)
+    step = training_step(model_file, model, size, device, dtype)
     times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report, f" at batch size {size}")
     step.zero_grad()
     return SizeTimes(batch_size=size, fwd_ms=tuple(times.fwd_ms), bwd_ms=tuple(times.bwd_ms),

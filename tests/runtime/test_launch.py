@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from planner.files.cluster import make_cluster
+from planner.profiling.conditions import STEADY_MALLOC
 from planner.profiling.model_file import load_model_file
 from planner.planning.partition import partition
 from planner.profiling.profiler import ProfileSettings, profile_model
@@ -68,7 +69,8 @@ def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkey
 
     launched: list[object] = []
     monkeypatch.setattr(torch.distributed.run, "run", launched.append)  # no job: the arguments only
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name, value in {"OMP_NUM_THREADS": "1", **STEADY_MALLOC}.items():
+        monkeypatch.setenv(name, value)  # what run_module sets where unset, undone after the test
     seen: list[dict] = []
     run_module("runtime.train", ["m.py"], 3, cpu=cpu, before=seen.append)
     assert [conditions["processes"] for conditions in seen] == [processes] and len(launched) == 1

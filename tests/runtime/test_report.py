@@ -599,10 +599,6 @@ def test_a_boundary_transfer_is_the_median_so_a_sender_thread_resuming_late_does
     assert _boundary_transfer_ms(ops, [[0], [1]], [1]) == pytest.approx([0.5])
 
 
-if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
-
-
 @pytest.mark.parametrize("device, processes", [("cpu", 4), ("cuda:0", None)])
 def test_a_runs_conditions_count_its_machines_processes_on_a_cpu_and_none_on_gpus(
         monkeypatch: pytest.MonkeyPatch, device: str, processes: int | None) -> None:
@@ -610,3 +606,7 @@ def test_a_runs_conditions_count_its_machines_processes_on_a_cpu_and_none_on_gpu
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert run_meta(SimpleNamespace(device=device))["conditions"]["processes"] == processes
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

@@ -39,7 +39,7 @@ def test_workers_get_the_profiles_threads_where_the_cores_allow(sixteen_cores: N
 def test_current_conditions_name_threads_cores_and_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in STEADY_MALLOC:
         monkeypatch.delenv(name, raising=False)
-    found = current_conditions(3)
+    found = current_conditions(3, 1)
     assert found["threads"] == 3 and found["cores"] >= 1 and found["processes"] == 1
     assert current_conditions(1, 8)["processes"] == 8
     assert found["malloc"] == dict.fromkeys(STEADY_MALLOC)
