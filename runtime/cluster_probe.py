@@ -47,6 +47,7 @@ from planner.files.fileformat import write_atomically
 from planner.profiling.links import fit_allreduce, fit_link
 from runtime.engine import init_distributed
 from runtime.p2p import Expected, Links, Mailbox, describe
+from runtime.worker_exit import exit_worker
 
 __all__ = ["SIZES_BYTES", "measure", "main"]
 
@@ -227,10 +228,12 @@ def summary(body: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, write the cluster file on rank 0; the exit status (a PlannerError: one line on stderr, 1)."""
     args = parse_args(argv)
     if args.trials < 1:
-        sys.exit(f"error: --trials must be at least 1, got {args.trials}")
+        print(f"error: --trials must be at least 1, got {args.trials}", file=sys.stderr)
+        return 1
     try:
         rank, _, device = init_distributed(args.backend)
         body = measure(QUICK_SIZES_BYTES if args.quick else SIZES_BYTES, args.trials, device)
@@ -245,8 +248,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.barrier()
         dist.destroy_process_group()
     except PlannerError as exc:
-        sys.exit(f"error: rank {os.environ.get('RANK', '?')}: {exc}")
+        print(f"error: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    exit_worker(main())

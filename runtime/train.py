@@ -60,6 +60,7 @@ from planner.profiling.conditions import steady_malloc
 from planner.profiling.optimizer_step import make_optimizer
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
+from runtime.worker_exit import exit_worker
 
 __all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch", "rank_count"]
 
@@ -582,11 +583,4 @@ def _finish(options: TrainOptions, setup: Setup, engine: Engine, losses: list[tu
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's and torch's exit-time clean-up: after a lost peer, threads may
-    # still be blocked in a receive; and about one successful run in five on 2 busy cores ended in
-    # "terminate called without an active exception" (SIGABRT) in torch's teardown after
-    # destroy_process_group. Every file is written and synced by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_worker(main())  # every file is written and synced by now

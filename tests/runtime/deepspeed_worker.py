@@ -13,7 +13,6 @@ parameter name: tensor after the last step} for this rank's stage}, or OUT_DIR/r
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from datetime import timedelta
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner.files.plan import load_plan  # noqa: E402
 from runtime.deepspeed import deepspeed_config, pipeline_module  # noqa: E402
 from runtime.nested import split_batch  # noqa: E402
+from runtime.worker_exit import exit_worker  # noqa: E402
 from runtime_examples import model_file  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -87,8 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without torch's exit-time clean-up, as runtime.train does (slow on busy cores, sometimes aborts).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_worker(main())

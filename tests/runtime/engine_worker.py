@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner.files.plan import load_plan  # noqa: E402
 from runtime.engine import Engine, EngineError, init_distributed  # noqa: E402
 from runtime.stages import split_model  # noqa: E402
+from runtime.worker_exit import exit_worker  # noqa: E402
 from runtime_examples import model_file  # noqa: E402
 
 
@@ -85,4 +86,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

@@ -27,6 +27,7 @@ from planner.files.plan import load_plan  # noqa: E402
 from runtime.engine import Engine, init_distributed  # noqa: E402
 from runtime.nested import split_batch  # noqa: E402
 from runtime.pippy import PippyError, build  # noqa: E402
+from runtime.worker_exit import exit_worker  # noqa: E402
 from runtime_examples import model_file  # noqa: E402
 
 
@@ -86,4 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

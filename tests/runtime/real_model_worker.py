@@ -22,7 +22,6 @@ once per process.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from functools import lru_cache
@@ -38,6 +37,7 @@ from planner.files.plan import load_plan
 from runtime.engine import Engine, init_distributed
 from runtime.nested import split_batch
 from runtime.pippy import build
+from runtime.worker_exit import exit_worker
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "data" / "models"
@@ -184,9 +184,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without torch's exit-time clean-up, as runtime.train does: it takes a while on busy cores and
-    # sometimes aborts ("terminate called without an active exception"); every result file is closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_worker(main())

@@ -609,4 +609,7 @@ def test_a_runs_conditions_count_its_machines_processes_on_a_cpu_and_none_on_gpu
 
 
 if __name__ == "__main__":
+    from runtime.worker_exit import exit_worker
+
     worker(Path(sys.argv[1]))
+    exit_worker(0)
