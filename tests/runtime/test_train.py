@@ -267,14 +267,13 @@ def test_an_interleaved_checkpoint_resumes(plans: dict[str, Path], interleaved: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan_name, nproc", [("mlp-2-1", 3), ("mlp-interleaved", 2)])
-def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path, plan_name: str,
-                                  nproc: int) -> None:
-    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 zb-h1 plan cut elsewhere, or on 2
-    ranks of 3 interleaved stages each (through `runtime.train`, as `planner train` runs it): the weights and SGD
-    momentum are re-split by name, so the losses follow the uninterrupted 1f1b run."""
+def test_resume_with_another_plan(plans: dict[str, Path], uninterrupted: Path, tmp_path: Path) -> None:
+    """The step-6 checkpoint of the 1-1 plan continues on 3 ranks with a 2-1 zb-h1 plan cut elsewhere (through
+    `runtime.train`, as `planner train` runs it): the weights and SGD momentum are re-split by name, so the losses
+    follow the uninterrupted 1f1b run. (Into stages of several per rank: the zbv case of
+    test_an_interleaved_checkpoint_resumes.)"""
     folder = tmp_path / "checkpoints"
-    resumed = resumed_run(uninterrupted, 6, plans[plan_name], nproc, 8, tmp_path)
+    resumed = resumed_run(uninterrupted, 6, plans["mlp-2-1"], 3, 8, tmp_path)
     assert "made with another plan" in resumed.stdout
     after = losses(tmp_path / "report.json")
     reference = losses(uninterrupted / "report.json")
@@ -404,36 +403,42 @@ def test_a_bad_setup_is_one_line_from_a_real_process(plans: dict[str, Path]) -> 
     assert expected in finished.stderr
 
 
+def main_in_this_process(args: list[str], monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> int:
+    """runtime.train's main here with torchrun's `variables` (the others unset), from the repository; its
+    SIGTERM handler and torch's generator (its checks seed it) restored after. A real process's exit and
+    stderr: test_a_bad_setup_is_one_line_from_a_real_process."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return train_main(args)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
 @pytest.mark.parametrize("args, expected", BAD_SETUPS)
 def test_bad_setups_are_one_line(plans: dict[str, Path], args: list[str], expected: str,
                                  monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # runtime.train's main in this process (the real process's exit and stderr: the test above), with
-    # torchrun's variables set by hand as `single_rank` sets them: its checks run before any process group
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.chdir(REPO)
+    # torchrun's variables as `single_rank` sets them: the checks run before any process group
     if "nccl" in args and torch.cuda.is_available():
         pytest.skip("with CUDA devices --backend nccl passes its checks and would start a process group here")
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        with torch.random.fork_rng(devices=[]):  # its checks seed torch's generator
-            code = train_main(bad_setup_arguments(plans, args))
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    code = main_in_this_process(bad_setup_arguments(plans, args), monkeypatch, {
+        "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1 and err.startswith("error: rank 0: "), err
     assert expected in err
 
 
-def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path]) -> None:
-    env = {name: value for name, value in environment().items() if name not in ("RANK", "WORLD_SIZE")}
-    finished = subprocess.run([sys.executable, "-m", "runtime.train", "examples/mlp.py", "--plan",
-                               str(plans["mlp-1-1"])], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert finished.returncode == 1
-    assert "not started by torchrun" in finished.stderr and "planner train" in finished.stderr
+def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_in_this_process(["examples/mlp.py", "--plan", str(plans["mlp-1-1"])], monkeypatch, {}) == 1
+    err = capsys.readouterr().err
+    assert "not started by torchrun" in err and "planner train" in err
 
 
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
