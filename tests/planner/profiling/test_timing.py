@@ -30,6 +30,34 @@ from planner.profiling.timing import (
 TOLERANCE_MS = 4.0  # sleeps overshoot by scheduler latency; python hooks add microseconds
 
 
+class VirtualTime:
+    """A clock that only sleeps move: `time.sleep(s)` adds s to what `time.perf_counter()` reads and returns at once.
+
+    The tests of where a step's time lands sleep in their layers; with real sleeps, beside the suite's torchrun
+    jobs (9 processes on 2 cores) a 10 ms sleep read 25 ms in a clean run. On this clock every sleep lasts
+    exactly what it asks, the hooks' own work takes no time, and the timing loop's pacing (`min_seconds`) counts
+    the sleeps alone."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+@pytest.fixture
+def virtual_time(monkeypatch: pytest.MonkeyPatch) -> VirtualTime:
+    """`VirtualTime` in place of time.perf_counter and time.sleep for the test (HostClock and the timing loop
+    read time.perf_counter)."""
+    clock = VirtualTime()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    return clock
+
+
 class _Sleep(torch.autograd.Function):
     """Identity whose forward sleeps `fwd_s` and whose backward sleeps `bwd_s`."""
 
@@ -69,26 +97,18 @@ class _WithFunctionalSleep(nn.Module):
 
 
 def _times(model: nn.Module, sleeps_ms: float) -> tuple[list[float], list[float]]:
-    """The layers' forward and backward ms, rescaled to add up to `sleeps_ms`, what the model sleeps in a step.
-
-    These tests check how a step is shared out among the layers, which the instrumented steps measure; what
-    the shares add up to is the plain steps' median (`test_the_instrumentations_own_cost_...` pins that).
-    Beside the other worker's torchrun jobs the sleeps overshoot: steps of 94-108 ms for 90 ms of sleeps,
-    the instrumented ones 0-7% shorter than their plain partners, so that three clean-clone runs read a 35 ms
-    backward as 39.3 ms (the scaling to the instrumented steps' total used before passed there)."""
+    """The layers' forward and backward ms on `VirtualTime` (the test's `virtual_time` fixture), where they add up
+    to `sleeps_ms`, what the model sleeps in a step, exactly."""
     x = torch.randn(4, 8, requires_grad=False)
     layers = find_layers(model, lambda: model(x))
-    # medians of 9 pairs: with 3, one pair whose sleeps woke late (the suite's other worker and its torchrun
-    # jobs keep both cores busy) moved the instrumented/plain ratio by 15% in a clean-clone run; with 5, the
-    # plain steps' median (the layers' total) read 101 ms for 90 ms of sleeps in another
     times = time_layers(
-        layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), HostClock(), warmup=1, iters=9
+        layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), HostClock(), warmup=1, iters=3
     )
-    scale = sleeps_ms / (sum(times.fwd_ms) + sum(times.bwd_ms))
-    return [ms * scale for ms in times.fwd_ms], [ms * scale for ms in times.bwd_ms]
+    assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(sleeps_ms) and times.instrumented_ratio == 1.0
+    return times.fwd_ms, times.bwd_ms
 
 
-def test_each_layer_gets_its_own_forward_and_backward_time() -> None:
+def test_each_layer_gets_its_own_forward_and_backward_time(virtual_time: VirtualTime) -> None:
     model = nn.Sequential(_SleepLayer(0.020, 0.040), _SleepLayer(0.010, 0.005), _SleepLayer(0.0, 0.015))
     fwd_ms, bwd_ms = _times(model, 20 + 10 + 40 + 5 + 15)
     assert fwd_ms == pytest.approx([20, 10, 0], abs=TOLERANCE_MS)
@@ -144,7 +164,7 @@ class _LaggingDeviceClock(HostClock):
     step_ms = CudaClock.step_ms
 
 
-def test_on_a_device_the_plain_step_lasts_until_the_device_is_done() -> None:
+def test_on_a_device_the_plain_step_lasts_until_the_device_is_done(virtual_time: VirtualTime) -> None:
     """The plain step, so the layers' total, counts the host's time up to the end of the device's work, which the
     marks alone miss (on a GPU, a launch-bound step's host work before its first kernel and after its last launch)."""
     model = nn.Sequential(_SleepLayer(0.002, 0.003))
@@ -152,11 +172,11 @@ def test_on_a_device_the_plain_step_lasts_until_the_device_is_done() -> None:
     layers = find_layers(model, lambda: model(x))
     times = time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True),
                         _LaggingDeviceClock(), warmup=1, iters=3)
-    assert times.step_ms >= 2 + 3 + 5
+    assert times.step_ms == pytest.approx(2 + 3 + 5)  # on virtual time, exactly: the sleeps and the device's lag
     assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(times.step_ms, rel=1e-9)
 
 
-def test_functional_ops_count_toward_the_layer_before_them() -> None:
+def test_functional_ops_count_toward_the_layer_before_them(virtual_time: VirtualTime) -> None:
     fwd_ms, bwd_ms = _times(_WithFunctionalSleep(), 30 + 5 + 35 + 20)
     assert fwd_ms == pytest.approx([10 + 20, 5], abs=TOLERANCE_MS)
     assert bwd_ms == pytest.approx([5 + 30, 20], abs=TOLERANCE_MS)
@@ -178,7 +198,7 @@ class _Branches(nn.Module):
         return self.head(self.a(h) + self.b(h) + self.c(h))
 
 
-def test_branches_sharing_an_input_each_get_their_own_backward() -> None:
+def test_branches_sharing_an_input_each_get_their_own_backward(virtual_time: VirtualTime) -> None:
     fwd_ms, bwd_ms = _times(_Branches(), 20 + 66)
     assert fwd_ms == pytest.approx([2, 4, 4, 4, 6], abs=TOLERANCE_MS)
     assert bwd_ms == pytest.approx([4, 10, 20, 30, 2], abs=TOLERANCE_MS)
@@ -196,7 +216,7 @@ class _ConstantInput(nn.Module):
         return self.first(x) + self.second(torch.ones_like(x))
 
 
-def test_a_layer_whose_input_needs_no_gradient_still_gets_its_backward() -> None:
+def test_a_layer_whose_input_needs_no_gradient_still_gets_its_backward(virtual_time: VirtualTime) -> None:
     fwd_ms, bwd_ms = _times(_ConstantInput(), 15 + 35)
     assert fwd_ms == pytest.approx([10, 5], abs=TOLERANCE_MS)
     assert bwd_ms == pytest.approx([20, 15], abs=TOLERANCE_MS)
@@ -230,7 +250,7 @@ def test_the_paired_loop_takes_its_count_from_the_first_pairs_pace(monkeypatch: 
     assert timing._paired_iterations(lambda: False, pair, 2, None, 0.2) == []  # a failed warm-up measures nothing
 
 
-def test_short_steps_are_measured_until_min_seconds_have_passed() -> None:
+def test_short_steps_are_measured_until_min_seconds_have_passed(virtual_time: VirtualTime) -> None:
     # the pace arithmetic is above; here the floor and the cap as the timing loop applies them, whatever the load
     model = nn.Sequential(_SleepLayer(0.003, 0.002))
     x = torch.randn(4, 8)
@@ -295,7 +315,7 @@ def _input_gradients(model: nn.Module, x: torch.Tensor, loss: Callable[[torch.Te
                                               times.bwd_ms, iters=iters)
 
 
-def test_the_input_gradients_are_the_part_of_the_backward_with_frozen_weights() -> None:
+def test_the_input_gradients_are_the_part_of_the_backward_with_frozen_weights(virtual_time: VirtualTime) -> None:
     model = nn.Sequential(_SplitLayer(0.010, 0.020), _SplitLayer(0.005, 0.015), _SplitLayer(0.010, 0.005))
     bwd_ms, bwd_input_ms = _input_gradients(model, torch.randn(4, 8))  # the data needs no gradient
     # the first layer's input is data: it has no input gradient to compute, whatever it would cost
@@ -395,7 +415,7 @@ def test_an_error_in_a_frozen_step_restores_the_flags() -> None:
     assert not any(layer.module._forward_hooks or layer.module._forward_pre_hooks for layer in layers)  # removed
 
 
-def test_input_gradient_steps_are_measured_until_min_seconds_have_passed() -> None:
+def test_input_gradient_steps_are_measured_until_min_seconds_have_passed(virtual_time: VirtualTime) -> None:
     model = nn.Sequential(_SplitLayer(0.002, 0.002))
     x = torch.randn(4, 8)
     layers = find_layers(model, lambda: model(x))
@@ -428,7 +448,7 @@ class _UsesTable(nn.Module):
         return self.second(h * table)
 
 
-def test_outputs_that_need_no_gradient_in_a_normal_step_get_none_when_frozen() -> None:
+def test_outputs_that_need_no_gradient_in_a_normal_step_get_none_when_frozen(virtual_time: VirtualTime) -> None:
     model = _UsesTable()
     layers = find_layers(model, lambda: model(torch.randn(4, 8)))
     x = torch.randn(4, 8)
@@ -459,7 +479,7 @@ def test_the_split_backward_ratio_of_a_linear_mlp_is_measured() -> None:
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # after_step ran
 
 
-def test_the_split_backward_times_the_layers_after_the_first_split_into_b_and_w() -> None:
+def test_the_split_backward_times_the_layers_after_the_first_split_into_b_and_w(virtual_time: VirtualTime) -> None:
     # a custom Function computes all its gradients whenever it runs, so B runs layers 1 and 2 whole and W
     # runs them again: twice the plain backward. The first layer, cut off as a stage's input would be, and
     # its 30 ms weight gradient count in neither (uncut: (40 + 30) / (20 + 30) = 1.4).
