@@ -125,6 +125,9 @@ FAMILIES = (
         vocab_size=128, decoder_vocab_size=128, d_model=32, decoder_layers=2, encoder_layers=2,
         decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64,
         max_position_embeddings=32, pad_token_id=0, decoder_start_token_id=0, **NO_DROPOUT), "seq2seq"),
+    Family("T5", "T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0), "seq2seq"),
     Family("DistilBERT", "DistilBertConfig", "DistilBertForSequenceClassification", dict(
         vocab_size=128, dim=32, n_layers=4, n_heads=2, hidden_dim=64, max_position_embeddings=32, num_labels=4,
         dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0), "classify"),
@@ -156,6 +159,9 @@ FAMILIES = (
         "embeddings = model.model.deit.embeddings\n"
         "for tensor in (embeddings.cls_token, embeddings.distillation_token, embeddings.position_embeddings):\n"
         "    torch.nn.init.normal_(tensor, std=0.02)"),
+    Family("ViT", "ViTConfig", "ViTForImageClassification", dict(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "image"),
     Family("Swin", "SwinConfig", "SwinForImageClassification", dict(
         image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=4,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), "image"),
