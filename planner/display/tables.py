@@ -8,6 +8,7 @@ from rich import box
 from rich.table import Table
 
 from planner.planning.partition import BaselineResult
+from planner.profiling.conditions import oversubscribed
 from planner.files.plan import Plan
 from planner.files.profile import LayerProfile, Profile
 from planner.schedules.schedule import BACKWARD, FORWARD, WEIGHT
@@ -85,6 +86,10 @@ def profile_summary(profile: Profile) -> str:
             f"* shared: {', '.join(shared.names)} ({format_bytes(shared.nbytes)}) used by layers "
             f"{', '.join(str(i) for i in shared.layers)}"
         )
+    crowded = oversubscribed(profile.settings.get("conditions") or {})
+    if crowded:
+        lines.append(f"note: measured while {crowded}: the times are a crowded machine's, and training with a core "
+                     "per thread runs faster than they predict (profile with --processes x --threads at most the cores)")
     return "\n".join(lines)
 
 

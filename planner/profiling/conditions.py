@@ -17,7 +17,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 __all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "cores", "current_conditions", "default_cpu_processes",
-           "default_cpu_threads", "differences", "steady_malloc", "worker_threads"]
+           "default_cpu_threads", "differences", "oversubscribed", "steady_malloc", "worker_threads"]
 
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless --threads says otherwise
@@ -57,6 +57,16 @@ def current_conditions(threads: int, processes: int | None) -> dict[str, Any]:
             "malloc": {name: os.environ.get(name) for name in STEADY_MALLOC}}
 
 
+def oversubscribed(conditions: Mapping[str, Any]) -> str | None:
+    """"P processes x T threads share C cores (each thread gets C / (P T) of a core)" where the conditions' processes
+    x threads exceed their cores (a CPU run or profile), else None (a GPU profile records no processes)."""
+    processes, threads, machine = conditions.get("processes"), conditions.get("threads"), conditions.get("cores")
+    if not (processes and threads and machine and processes * threads > machine):
+        return None
+    return (f"{processes} processes x {threads} thread{'s' if threads != 1 else ''} share {machine} "
+            f"core{'s' if machine != 1 else ''} (each thread gets {machine / (processes * threads):.2g} of a core)")
+
+
 def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> list[str]:
     """Sentences naming each condition that differs between a profile's and a training run's, with
     how far it may move the predictions; [] when they match (or the profile recorded none)."""
@@ -72,13 +82,11 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
                      f"machine, training runs {now}: processes on one CPU share its caches and memory bandwidth "
                      f"(5-8% longer steps with a second one on the 2-core test machine), so compute may take "
                      f"{'longer' if now > was else 'less'} than predicted (profile with --processes {now})")
-    processes, threads, machine = training.get("processes"), training.get("threads"), training.get("cores")
-    if profiled and processes and threads and machine and processes * threads > machine:
-        share, slower = machine / (processes * threads), processes * threads / machine
-        found.append(f"{processes} processes x {threads} thread{'s' if threads != 1 else ''} share {machine} cores: "
-                     f"each thread gets {share:.2g} of a core, so CPU work (all of it on a CPU machine) may take up "
-                     f"to {slower:.2g}x longer than predicted (train on fewer processes, or on a machine with a core "
-                     "per thread)")
+    crowded = oversubscribed(training)
+    if profiled and crowded:
+        slower = training["processes"] * training["threads"] / training["cores"]
+        found.append(f"{crowded}, so CPU work (all of it on a CPU machine) may take up to {slower:.2g}x longer than "
+                     "predicted (train on fewer processes, or on a machine with a core per thread)")
     if "malloc" in profiled and "malloc" in training and dict(profiled["malloc"]) != dict(training["malloc"]):
         found.append(f"the profile was measured with malloc settings {dict(profiled['malloc'])}, training runs "
                      f"{dict(training['malloc'])}: CPU steps may differ by 5-10%")

@@ -368,6 +368,21 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     assert inspected.stderr == ""
     inspected_layers = re.findall(r"^\s*\d+\s+(\S+)\s+(?:Linear|ReLU)\s", inspected.stdout, flags=re.MULTILINE)
     assert inspected_layers == [str(i) for i in range(13)]
+    assert "crowded" not in result.stdout + inspected.stdout  # the defaults fit the cores
+
+
+def test_a_profile_measured_on_more_threads_than_cores_says_so(tmp_path: Path) -> None:
+    # `planner profile --processes 4 --threads 2` on the 2-core machine read a step 20 times the mlp's, and its
+    # timing hooks x0.34, with nothing said
+    document = json.loads((REPO / "profiles" / "mlp.json").read_text())
+    document["settings"]["conditions"].update(processes=4, threads=2, cores=2)
+    path = tmp_path / "crowded.json"
+    path.write_text(json.dumps(document))
+    inspected = invoke("inspect", path)
+    assert inspected.exit_code == 0, inspected.output
+    text = " ".join(inspected.stdout.split())  # the table's caption wraps
+    assert "note: measured while 4 processes x 2 threads share 2 cores (each thread gets 0.25 of a core)" in text
+    assert "--processes x --threads at most the cores" in text
 
 
 def test_profile_at_several_batch_sizes_writes_their_times(tmp_path: Path) -> None:

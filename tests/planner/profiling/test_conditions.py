@@ -11,6 +11,7 @@ from planner.profiling.conditions import (
     default_cpu_processes,
     default_cpu_threads,
     differences,
+    oversubscribed,
     worker_threads,
 )
 
@@ -65,6 +66,16 @@ def test_more_threads_than_cores_is_named_with_how_much_slower() -> None:
     assert len(crowded) == 1 and "8 processes x 1 thread share 2 cores" in crowded[0] and "4x longer" in crowded[0]
     assert differences(same, {**same, "processes": 2}) == []  # a core each
     assert differences({}, {**same, "processes": 8}) == []  # no profile conditions: launch says so instead
+
+
+def test_more_processes_x_threads_than_cores_are_oversubscribed() -> None:
+    assert oversubscribed({"processes": 4, "threads": 2, "cores": 2}) == (
+        "4 processes x 2 threads share 2 cores (each thread gets 0.25 of a core)")
+    assert oversubscribed({"processes": 3, "threads": 1, "cores": 1}) == (
+        "3 processes x 1 thread share 1 core (each thread gets 0.33 of a core)")
+    assert oversubscribed({"processes": 2, "threads": 1, "cores": 2}) is None  # a core each
+    assert oversubscribed({"processes": None, "threads": 8, "cores": 2}) is None  # a GPU profile
+    assert oversubscribed({}) is None
 
 
 def test_a_profile_measured_among_other_processes_than_training_runs_is_named() -> None:
