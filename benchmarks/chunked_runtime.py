@@ -127,8 +127,10 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from runtime.worker_exit import exit_worker
+
         worker(args.worker)
-        return
+        exit_worker(0)  # (torch's gloo teardown at exit aborts now and then: runtime.worker_exit)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size), "rounds": args.rounds,

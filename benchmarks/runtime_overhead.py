@@ -705,8 +705,10 @@ def main() -> None:
     if args.batch_size % args.microbatches:
         parser.error("--batch-size must be a multiple of --microbatches")
     if args.worker:
+        from runtime.worker_exit import exit_worker
+
         worker(args)
-        return
+        exit_worker(0)  # (torch's gloo teardown at exit aborts now and then: runtime.worker_exit)
     torch.set_num_threads(1)
     busy_before, own_before, started = cpu_busy_s(), own_cpu_s(), time.perf_counter()
     source = model_file()
