@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,8 +201,16 @@ class Plan:
         return body
 
     def save(self, path: str | Path) -> Path:
-        """Write the plan as versioned JSON (atomically); returns the path."""
-        return write_versioned_json(path, PLAN_FORMAT, PLAN_VERSION, self.to_dict())
+        """Write the plan as versioned JSON (atomically); returns the path.
+
+        The profile's path is kept as given (from the directory the plan was made in) and, where that
+        file is there now, also from the plan's own folder (`profile.path_from_plan`), so that
+        `load_plan` finds it from another directory too."""
+        body = self.to_dict()
+        if Path(self.profile.path).is_file() and not Path(self.profile.path).is_absolute():
+            folder = Path(path).resolve().parent
+            body["profile"]["path_from_plan"] = os.path.relpath(Path(self.profile.path).resolve(), folder)
+        return write_versioned_json(path, PLAN_FORMAT, PLAN_VERSION, body)
 
     def _repr_html_(self) -> str:
         """Jupyter: the stage table and predictions (`html.plan_html`)."""
@@ -321,5 +330,16 @@ def _field_type(prediction_field: dataclasses.Field) -> type:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan file; refuses other formats and newer versions with a FileFormatError."""
-    return plan_from_dict(read_versioned_json(path, PLAN_FORMAT, PLAN_VERSION), str(path))
+    """Read a plan file; refuses other formats and newer versions with a FileFormatError.
+
+    Its `profile.path` is the recorded one where that file is there from this directory, else the one
+    recorded from the plan's folder where that is (`Plan.save`): `planner train plans/x.json` run from
+    another directory than the partition still finds the profile's conditions."""
+    body = read_versioned_json(path, PLAN_FORMAT, PLAN_VERSION)
+    plan = plan_from_dict(body, str(path))
+    from_plan = body["profile"].get("path_from_plan")
+    if isinstance(from_plan, str) and not Path(plan.profile.path).is_file():
+        found = Path(path).parent / from_plan
+        if found.is_file():
+            return dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, path=os.path.normpath(found)))
+    return plan

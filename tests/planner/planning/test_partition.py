@@ -105,6 +105,26 @@ def test_plan_round_trips_exactly(tmp_path: Path) -> None:
     assert load_plan(plan.save(tmp_path / "p.json")) == plan
 
 
+def test_a_saved_plan_finds_its_profile_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # partitioned in tmp (profiles/skip.json, plans/skip.json), then used from tmp/elsewhere: the recorded path is
+    # relative to tmp, so it used to be "not there" (planner train then chose threads blind, simulate needed --profile)
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    profile = import_pipedream(SKIP_GRAPH)
+    profile.save(tmp_path / "profiles" / "skip.json")
+    monkeypatch.chdir(tmp_path)
+    plan = partition(load_profile("profiles/skip.json"), make_cluster(2, bandwidths=[BANDWIDTH_BPS]),
+                     profile_path="profiles/skip.json")
+    plan.save(tmp_path / "plans" / "skip.json")
+    assert load_plan("plans/skip.json") == plan  # from where it was made: as recorded
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    moved = load_plan("../plans/skip.json")
+    assert moved.profile.path == "../profiles/skip.json" and moved.simulate().iteration_s() > 0
+    assert dataclasses.replace(moved, profile=plan.profile) == plan  # nothing else changed
+    (tmp_path / "profiles" / "skip.json").unlink()
+    assert load_plan("../plans/skip.json").profile.path == "profiles/skip.json"  # gone: as recorded, for the error
+
+
 @pytest.mark.parametrize(
     ("arguments", "fragment"),
     [
