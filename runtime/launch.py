@@ -10,7 +10,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
 from planner.files.plan import Plan, load_plan
-from planner.profiling.conditions import STEADY_MALLOC, current_conditions, differences, worker_threads
+from planner.profiling.conditions import (
+    STEADY_MALLOC, busy_cores, busy_warning, current_conditions, differences, worker_threads,
+)
 from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
 from runtime.train import TrainingError, check_setup, example_microbatch, parse_args, rank_count
@@ -88,7 +90,12 @@ def _profile_conditions(plan: Plan) -> dict[str, Any] | None:
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:
-    """One line on stderr per condition that differs between profile and training (or that none can be compared)."""
+    """One line on stderr per condition that differs between profile and training (or that none can be compared),
+    and on a CPU job one if other processes keep this machine busy (`conditions.busy_cores`: 0.2 s)."""
+    if training.get("processes"):
+        busy = busy_warning(busy_cores(), os.cpu_count() or 1, training["processes"], training["threads"])
+        if busy:
+            print(f"warning: {busy}", file=sys.stderr)
     if profiled is None:
         print(f"note: the plan's profile {profile_path or '(no path recorded)'} is not there or recorded no "
               "conditions: cannot check that training runs as it was measured", file=sys.stderr)

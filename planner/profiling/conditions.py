@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Mapping, Sequence
 
-__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "cores", "current_conditions", "default_cpu_processes",
-           "default_cpu_threads", "differences", "oversubscribed", "steady_malloc", "worker_threads"]
+__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "busy_cores", "busy_share", "busy_warning", "cores", "current_conditions",
+           "default_cpu_processes", "default_cpu_threads", "differences", "oversubscribed", "steady_malloc",
+           "worker_threads"]
 
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless --threads says otherwise
@@ -26,6 +28,44 @@ DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless
 def cores() -> int:
     """CPU cores this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def busy_cores(interval_s: float = 0.2, stat_path: str = "/proc/stat") -> float | None:
+    """Cores' worth of CPU time the whole machine spends busy over the next `interval_s` seconds, by the
+    kernel's `cpu` line of /proc/stat (every tick but idle and iowait) x os.cpu_count(); None where that
+    file cannot be read (not Linux)."""
+    try:
+        before = _cpu_ticks(stat_path)
+        time.sleep(interval_s)
+        after = _cpu_ticks(stat_path)
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy_share(before, after) * (os.cpu_count() or 1)
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The busy share of the ticks between two (busy ticks, all ticks) readings: (b1 - b0) / (t1 - t0), 0 when
+    no tick passed."""
+    ticks = after[1] - before[1]
+    return (after[0] - before[0]) / ticks if ticks > 0 else 0.0
+
+
+def _cpu_ticks(stat_path: str) -> tuple[int, int]:
+    """(busy, all) ticks of /proc/stat's `cpu` line (fields: user nice system idle iowait irq softirq steal ...)."""
+    with open(stat_path, encoding="ascii") as handle:
+        fields = [int(value) for value in handle.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def busy_warning(busy: float | None, machine_cores: int, processes: int, threads: int) -> str | None:
+    """The sentence `planner train` prints when other processes keep at least half a core busy before its
+    job starts (`busy_cores`), else None."""
+    if busy is None or busy < 0.5:
+        return None
+    return (f"{busy:.1f} of this machine's {machine_cores} cores were busy before the job started (other "
+            f"processes): training shares them, so CPU work may take longer than predicted, and far longer where "
+            f"their threads and the job's {processes} x {threads} outnumber the cores (two jobs at once on 2 cores "
+            "ran a step a minute instead of a dozen a second)")
 
 
 def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:

@@ -39,8 +39,12 @@ def test_a_model_no_split_can_capture_is_one_line_before_anything_starts(tmp_pat
 
 
 def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.launch
     from runtime.launch import _profile_conditions, _warn_differences
+
+    monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 0.0)  # a quiet machine (the next test: a busy one)
 
     profile = profile_model(load_model_file(REPO / "examples" / "mlp.py"),
                             ProfileSettings(batch_size=4, warmup=0, iters=1, threads=2))
@@ -57,6 +61,21 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
     assert _profile_conditions(plan) is None  # the profile is gone: nothing to compare
     _warn_differences(None, profiled, str(path))
     assert f"the plan's profile {path} is not there" in capsys.readouterr().err
+
+
+def test_a_cpu_job_on_a_busy_machine_is_warned(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # two `planner train` jobs started at once on the 2-core machine ran a step a minute, with nothing said
+    import runtime.launch
+
+    training = {"threads": 2, "processes": 1, "cores": 2}
+    monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 1.6)
+    runtime.launch._warn_differences(dict(training), dict(training), "p.json")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: 1.6 of this machine's ") and "cores were busy before the job started" in line
+    assert "the job's 1 x 2 outnumber the cores" in line
+    runtime.launch._warn_differences(dict(training), {**training, "processes": None}, "p.json")  # GPUs: no check
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("cpu, processes", [(True, 3), (False, None)])

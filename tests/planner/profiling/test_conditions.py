@@ -1,12 +1,21 @@
-"""Measurement conditions: the default threads, the workers' threads, and the sentences for what differs."""
+"""Measurement conditions: the default threads, the workers' threads, the sentences for what differs, and how
+busy the machine is."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from planner.profiling import conditions
 from planner.profiling.conditions import (
     STEADY_MALLOC,
+    busy_cores,
+    busy_share,
+    busy_warning,
     current_conditions,
     default_cpu_processes,
     default_cpu_threads,
@@ -66,6 +75,32 @@ def test_more_threads_than_cores_is_named_with_how_much_slower() -> None:
     assert len(crowded) == 1 and "8 processes x 1 thread share 2 cores" in crowded[0] and "4x longer" in crowded[0]
     assert differences(same, {**same, "processes": 2}) == []  # a core each
     assert differences({}, {**same, "processes": 8}) == []  # no profile conditions: launch says so instead
+
+
+def test_the_busy_share_is_the_busy_ticks_over_all_between_two_readings(tmp_path: Path) -> None:
+    assert busy_share((100, 1000), (250, 1200)) == pytest.approx(0.75)
+    assert busy_share((100, 1000), (100, 1000)) == 0.0  # no tick passed
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 2 8 70 5 1 1 3 0 0\ncpu0 5 1 4 35 2 0 0 1 0 0\n")
+    assert conditions._cpu_ticks(str(stat)) == (10 + 2 + 8 + 1 + 1 + 3, 100)  # all but idle (70) and iowait (5)
+    assert busy_cores(0.0, str(stat)) == 0.0  # the same reading twice
+    assert busy_cores(0.0, str(tmp_path / "absent")) is None  # not Linux: nothing known
+
+
+def test_a_spinning_process_is_a_busy_core() -> None:
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # started
+        assert busy_cores(0.3) >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_the_busy_warning_starts_at_half_a_core() -> None:
+    assert busy_warning(None, 2, 1, 2) is None and busy_warning(0.4, 2, 1, 2) is None
+    found = busy_warning(1.0, 2, 2, 1)
+    assert found is not None and found.startswith("1.0 of this machine's 2 cores were busy before the job started")
 
 
 def test_more_processes_x_threads_than_cores_are_oversubscribed() -> None:
