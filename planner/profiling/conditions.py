@@ -65,7 +65,7 @@ def busy_warning(busy: float | None, machine_cores: int, processes: int, threads
     return (f"{busy:.1f} of this machine's {machine_cores} cores were busy before the job started (other "
             f"processes): training shares them, so CPU work may take longer than predicted, and far longer where "
             f"their threads and the job's {processes} x {threads} outnumber the cores (two jobs at once on 2 cores "
-            "ran a step a minute instead of a dozen a second)")
+            "took 13 s for a step of 77 ms)")
 
 
 def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:
