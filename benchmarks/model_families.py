@@ -42,7 +42,9 @@ BATCH = 8
 MICROBATCHES = 4
 LR = 0.1
 
-# token models: (batch, 12) ids of a 128-word vocabulary; image models: (batch, 3, 32, 32)
+# token models: (batch, 12) ids of a 128-word vocabulary; image models: (batch, 3, 32, 32); audio models:
+# (batch, 8, 32) log-mel features and (batch, 12) decoder ids; masked models: the ids and an attention mask that
+# hides each sequence's last three positions
 TOKENS = '''
 VOCAB, CONTEXT = 128, 12
 
@@ -51,9 +53,26 @@ def example_batch(batch_size):
     tokens = torch.randint(0, VOCAB, (batch_size, CONTEXT + 1))
     return tokens[:, :-1], {target}
 '''
+MASKED = '''
+VOCAB, CONTEXT = 128, 12
+
+
+def example_batch(batch_size):
+    mask = torch.ones(batch_size, CONTEXT, dtype=torch.long)
+    mask[:, -3:] = 0
+    return (torch.randint(0, VOCAB, (batch_size, CONTEXT)), mask), torch.randint(0, 4, (batch_size,))
+'''
 IMAGES = '''
 def example_batch(batch_size):
     return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 4, (batch_size,))
+'''
+AUDIO = '''
+VOCAB, CONTEXT, MELS, FRAMES = 128, 12, 8, 32
+
+
+def example_batch(batch_size):
+    tokens = torch.randint(0, VOCAB, (batch_size, CONTEXT + 1))
+    return (torch.randn(batch_size, MELS, FRAMES), tokens[:, :-1]), tokens[:, 1:]
 '''
 CAUSAL_LOSS = '''
 
@@ -74,7 +93,7 @@ class Wrapped(nn.Module):
         config = transformers.{config}(**{settings!r})
         self.model = transformers.{model}(config)
 
-    def forward(self, inputs):
+    def forward(self, {parameters}):
         return self.model({call}).logits
 
 
@@ -93,19 +112,28 @@ class Family:
     model: str
     settings: dict
     kind: str  # "causal" (next-token logits), "seq2seq" (the same, the tokens also fed to the decoder),
-    #            "classify" (one label per sequence) or "image" (one label per image)
+    #            "classify" (one label per sequence), "masked-classify" (the same with an attention mask),
+    #            "image" (one label per image) or "audio" (features to the encoder, tokens to the decoder)
     after_build: str = ""  # statements run on `model` after it is built (a user's own initialisation)
 
     def model_file_text(self) -> str:
         """The model file a user would write for it."""
-        call = {"causal": "input_ids=inputs, use_cache=False", "classify": "input_ids=inputs",
-                "image": "pixel_values=inputs",
-                "seq2seq": "input_ids=inputs, decoder_input_ids=inputs, use_cache=False"}[self.kind]
+        parameters, call = {
+            "causal": ("inputs", "input_ids=inputs, use_cache=False"), "classify": ("inputs", "input_ids=inputs"),
+            "masked-classify": ("inputs, mask", "input_ids=inputs, attention_mask=mask"),
+            "image": ("inputs", "pixel_values=inputs"),
+            "seq2seq": ("inputs", "input_ids=inputs, decoder_input_ids=inputs, use_cache=False"),
+            "audio": ("features, tokens", "input_features=features, decoder_input_ids=tokens, use_cache=False"),
+        }[self.kind]
         after_build = "".join(f"    {line}\n" for line in self.after_build.splitlines())
-        text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings, call=call,
-                            after_build=after_build)
+        text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings,
+                            parameters=parameters, call=call, after_build=after_build)
         if self.kind == "image":
             return text + IMAGES
+        if self.kind == "masked-classify":
+            return text + MASKED
+        if self.kind == "audio":
+            return text + AUDIO + CAUSAL_LOSS
         target = "torch.randint(0, 4, (batch_size,))" if self.kind == "classify" else "tokens[:, 1:]"
         text += TOKENS.format(target=target)
         return text if self.kind == "classify" else text + CAUSAL_LOSS
@@ -169,6 +197,34 @@ FAMILIES = (
         image_size=32, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2], num_labels=4,
         drop_path_rate=0.0),
         "image"),
+    Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        attention_dropout=0.0), "causal"),
+    Family("Gemma2", "Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=8,
+        attention_dropout=0.0), "causal"),
+    Family("Falcon", "FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, hidden_dropout=0.0,
+        attention_dropout=0.0), "causal"),
+    Family("BLOOM", "BloomConfig", "BloomForCausalLM", dict(
+        vocab_size=128, hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0), "causal"),
+    Family("GPT-J", "GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=128, n_embd=32, n_layer=4, n_head=4, rotary_dim=4, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), "causal"),
+    Family("BERT with mask", "BertConfig", "BertForSequenceClassification", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        "masked-classify"),
+    Family("Whisper", "WhisperConfig", "WhisperForConditionalGeneration", dict(
+        vocab_size=128, num_mel_bins=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=0, **NO_DROPOUT), "audio"),
+    Family("Qwen2-MoE", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
 )
 
 
@@ -206,9 +262,11 @@ def train_both(model_file: ModelFile, plan: Plan, steps: int) -> tuple[str, floa
     initial = copy.deepcopy(pipelined)
     torch.manual_seed(1)
     inputs, target = model_file.example_batch(BATCH)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     loss_fn = model_file.loss_fn or default_loss
     started = time.perf_counter()
-    with Pipeline.from_plan(pipelined, plan, example_inputs=inputs[: BATCH // MICROBATCHES], loss_fn=loss_fn) as pipe:
+    microbatch = tuple(tensor[: BATCH // MICROBATCHES] for tensor in inputs)
+    with Pipeline.from_plan(pipelined, plan, example_inputs=microbatch, loss_fn=loss_fn) as pipe:
         split_s = time.perf_counter() - started
         method = pipe.stages.method
         for model in (pipelined, plain):
@@ -217,7 +275,7 @@ def train_both(model_file: ModelFile, plan: Plan, steps: int) -> tuple[str, floa
                 if model is pipelined:
                     pipe.train_step(inputs, target)
                 else:
-                    loss_fn(model(inputs), target).backward()
+                    loss_fn(model(*inputs), target).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     return method, split_s, compare(initial, plain)[0], *compare(plain, pipelined)
