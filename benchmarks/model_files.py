@@ -8,4 +8,5 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_FILES = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "gpt.py",
                "resnet": REPO / "examples" / "resnet.py", "vgg": REPO / "examples" / "vgg.py",
                "llama": REPO / "examples" / "llama.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
-               "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py"}
+               "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py",
+               "whisper": REPO / "benchmarks" / "models" / "whisper.py"}
