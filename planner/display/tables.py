@@ -86,6 +86,8 @@ def profile_summary(profile: Profile) -> str:
             f"* shared: {', '.join(shared.names)} ({format_bytes(shared.nbytes)}) used by layers "
             f"{', '.join(str(i) for i in shared.layers)}"
         )
+    if profile.batch_coupling is not None:
+        lines += [f"note: {note}" for note in profile.batch_coupling.notes()]
     crowded = oversubscribed(profile.settings.get("conditions") or {})
     if crowded:
         lines.append(f"note: measured while {crowded}: the times are a crowded machine's, and training with a core "

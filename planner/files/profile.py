@@ -95,6 +95,39 @@ class SizeTimes:
 
 
 @dataclass(frozen=True)
+class BatchCoupling:
+    """What makes a pipeline's microbatches train differently from the whole batch
+    (`planner.profiling.batch_coupling`): `batch_norm`, the batch norm modules that normalise with the batch's
+    statistics; `across_samples`, how the outputs or the loss of the batch differ from those of its two halves
+    (None: they do not). Empty and None: nothing found."""
+
+    batch_norm: tuple[str, ...] = ()
+    across_samples: str | None = None
+
+    def notes(self, microbatch_size: int | None = None, microbatches: int | None = None) -> list[str]:
+        """What a pipeline changes, one sentence per finding: about any pipeline (no microbatch size), or about a
+        plan of microbatches of `microbatch_size` samples, `microbatches` of them per optimizer step (None: a
+        schedule that steps after every microbatch)."""
+        if microbatch_size is None:
+            each, whole = "each microbatch", "plain PyTorch on the whole batch"
+        else:
+            each = f"each microbatch of {microbatch_size} samples"
+            whole = ("plain PyTorch" if microbatches is None else
+                     f"plain PyTorch on batches of {microbatch_size * microbatches}")
+        notes = []
+        if self.batch_norm:
+            shown = ", ".join(self.batch_norm[:3]) + (", ..." if len(self.batch_norm) > 3 else "")
+            notes.append(f"batch norm in training mode ({len(self.batch_norm)} module"
+                         f"{'s' if len(self.batch_norm) != 1 else ''}: {shown}) normalises {each} with its own "
+                         f"statistics and moves its running statistics once per microbatch: training differs from "
+                         f"{whole}")
+        if self.across_samples is not None:
+            notes.append(f"the samples of a batch are not independent ({self.across_samples}): a pipeline computes "
+                         f"that over {each}, so training differs from {whole}")
+        return notes
+
+
+@dataclass(frozen=True)
 class Profile:
     """Measurements of a model's layers on one device at one mini-batch size.
 
@@ -134,6 +167,8 @@ class Profile:
     `library_bytes`: what the device holds beyond tensors once a step has run (CUDA: the cuBLAS and cuBLASLt
     workspaces in PyTorch's allocator; `planner.profiling.memory.library_bytes`), once per device on top of
     every plan's memory; 0 on CPU, in older files and in PipeDream imports.
+    `batch_coupling`: what the model computes across the samples of a batch (`BatchCoupling`); None: not
+    checked (older files, PipeDream imports).
     """
 
     model_name: str
@@ -162,6 +197,7 @@ class Profile:
     deferred_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
     library_bytes: int = 0
+    batch_coupling: BatchCoupling | None = None
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "param_tensors", "deferred_bytes"):
@@ -241,9 +277,9 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
-        size's empty `bwd_input_ms`) and `library_bytes` 0 are left out, so that a profile
-        without them has the same body, and the same digest (`planner.files.plan.profile_digest`), as
-        when it was made before they were measured."""
+        size's empty `bwd_input_ms`), `library_bytes` 0 and an unchecked `batch_coupling` (None) are left out, so
+        that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
+        as when it was made before they were measured."""
         body = dataclasses.asdict(self)
         if not body["size_times"]:
             del body["size_times"]
@@ -259,6 +295,8 @@ class Profile:
             del body["deferred_bytes"]
         if not body["library_bytes"]:
             del body["library_bytes"]
+        if body["batch_coupling"] is None:
+            del body["batch_coupling"]
         return body
 
     @classmethod
@@ -304,6 +342,7 @@ class Profile:
                 else float(body["split_backward_ratio"]),
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
                 size_times=size_times, library_bytes=int(body.get("library_bytes", 0)),
+                batch_coupling=_batch_coupling_from(body.get("batch_coupling")),
             )
         except KeyError as exc:
             raise FileFormatError(source_path, f"profile is missing the field {exc.args[0]!r}") from None
@@ -329,6 +368,17 @@ def _size_times_from(index: int, row: Any) -> SizeTimes:
         raise ValueError(f"size_times[{index}] is missing the field {exc.args[0]!r}") from None
     except (AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"size_times[{index}] is malformed: {exc}") from None
+
+
+def _batch_coupling_from(entry: Any) -> BatchCoupling | None:
+    """A file's `batch_coupling` (None where absent); ValueError where it is malformed."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("batch_norm", []), list) or \
+            not isinstance(entry.get("across_samples"), (str, type(None))):
+        raise ValueError(f"batch_coupling must be {{'batch_norm': [names], 'across_samples': text or null}}, "
+                         f"got {entry!r}")
+    return BatchCoupling(tuple(str(name) for name in entry.get("batch_norm", [])), entry.get("across_samples"))
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from planner.profiling.batch_coupling import find_batch_coupling
 from planner.profiling.companions import companions
 from planner.profiling.conditions import current_conditions, default_cpu_processes, default_cpu_threads
 from planner.profiling.optimizer_step import time_grad_accumulation, time_optimizer_steps
@@ -261,6 +262,8 @@ def _measure_checked(
     layers = _phase(model_file, "finding layers", lambda: find_layers(model, step.forward, settings.depth, split_points))
     report("layers", 1, 1)
     dataflow = _phase(model_file, "tracing tensors", lambda: measure_dataflow(model, layers, inputs, step.loss))
+    coupling = _phase(model_file, "running halves of the batch",
+                      lambda: find_batch_coupling(model, inputs, step.target, step.loss_fn))
     report("dataflow", 1, 1)
     peak_bytes, peak_method = _phase(
         model_file, "measuring memory",
@@ -322,7 +325,7 @@ def _measure_checked(
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
         param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
-        deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library,
+        deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library, batch_coupling=coupling,
     )
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from planner.errors import FileFormatError, PlannerError
 from planner.files.plan import profile_digest
-from planner.display.tables import profile_table
+from planner.display.tables import profile_summary, profile_table
 from planner.files.profile import (
     LAYER_COLUMNS,
+    BatchCoupling,
     PROFILE_FORMAT,
     PROFILE_VERSION,
     LayerProfile,
@@ -96,6 +97,7 @@ def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path:
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
     del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
+    del body["batch_coupling"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
@@ -116,6 +118,30 @@ def test_library_bytes_are_kept_and_a_file_without_them_has_none(tmp_path: Path)
     (tmp_path / "bad.json").write_text(json.dumps(body))
     with pytest.raises(PlannerError, match=r"bad\.json.*library_bytes -1 is negative"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_batch_coupling_round_trips_and_a_file_without_it_has_none(tmp_path: Path) -> None:
+    """What couples a batch's samples survives the file; a profile that did not check it keeps the body of before,
+    and the digest leaves it out (plans take notes from it, not times); a malformed entry is refused with the file's
+    name."""
+    coupled = dataclasses.replace(_measured(), batch_coupling=BatchCoupling(("bn1", "layer1.bn2"), "the loss differs"))
+    assert load_profile(coupled.save(tmp_path / "coupled.json")) == coupled
+    checked = dataclasses.replace(_measured(), batch_coupling=BatchCoupling())
+    assert load_profile(checked.save(tmp_path / "checked.json")).batch_coupling == BatchCoupling()
+    assert "batch_coupling" not in _measured().to_dict() and _measured().batch_coupling is None
+    assert profile_digest(coupled) == profile_digest(_measured())
+    body = {"format": PROFILE_FORMAT, "version": 3, "planner_version": "0.1.0", **_measured().to_dict(),
+            "batch_coupling": {"batch_norm": "bn1"}}
+    (tmp_path / "bad.json").write_text(json.dumps(body))
+    with pytest.raises(PlannerError, match=r"bad\.json.*batch_coupling must be"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_the_table_says_what_couples_a_batch() -> None:
+    coupled = dataclasses.replace(_measured(), batch_coupling=BatchCoupling(("bn1",), None))
+    assert ("note: batch norm in training mode (1 module: bn1) normalises each microbatch with its own statistics"
+            in " ".join(profile_summary(coupled).split()))
+    assert "note:" not in profile_summary(dataclasses.replace(_measured(), batch_coupling=BatchCoupling()))
 
 
 def _sized() -> Profile:

@@ -26,7 +26,7 @@ from planner.planning.partition import (
 )
 from planner.files.pipedream import import_pipedream
 from planner.files.plan import PlanProfileMismatchError, load_plan
-from planner.files.profile import Profile, SizeTimes, load_profile
+from planner.files.profile import BatchCoupling, Profile, SizeTimes, load_profile
 from tests.planner.layer_strategies import layer_arrays
 from tests.conftest import PROFILES_V1
 
@@ -384,6 +384,22 @@ def test_a_global_batch_with_a_fixed_microbatch_size_fixes_the_count() -> None:
     without = partition(gpt, make_cluster(4, None, ["10GB/s"]), straight=True, microbatch_size=8, microbatches=8)
     assert without.stages == plan.stages and without.predicted == plan.predicted
     assert "a global batch of 64 per optimizer step" in " ".join(plan.notes)
+
+
+def test_a_plan_says_what_its_microbatches_change_where_the_samples_of_a_batch_are_coupled() -> None:
+    """Batch norm found by the profiler: a plan that cuts the batch into microbatches says each is normalised on
+    its own (with the sizes); one that does not cut it, and a profile without batch norm, say nothing."""
+    gpt = load_profile(GPT)
+    coupled = dataclasses.replace(gpt, batch_coupling=BatchCoupling(("transformer.h.0.bn",), None))
+    plan = partition(coupled, make_cluster(2, None, ["10GB/s"]), straight=True, schedule="1f1b", microbatches=4)
+    assert ("batch norm in training mode (1 module: transformer.h.0.bn) normalises each microbatch of 8 samples with "
+            "its own statistics and moves its running statistics once per microbatch: training differs from plain "
+            "PyTorch on batches of 32") in plan.notes
+    whole = partition(coupled, make_cluster(1), schedule="gpipe", microbatches=1)
+    assert not any("batch norm" in note for note in whole.notes)
+    plain = partition(dataclasses.replace(gpt, batch_coupling=BatchCoupling()), make_cluster(2, None, ["10GB/s"]),
+                      straight=True, schedule="1f1b", microbatches=4)
+    assert plain.notes == tuple(note for note in plan.notes if "batch norm" not in note)
 
 
 def test_a_profile_of_several_batch_sizes_prices_a_microbatch_between_them_by_interpolation() -> None:

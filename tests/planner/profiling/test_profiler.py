@@ -69,6 +69,11 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert all(nbytes > 0 for nbytes, layer in zip(profile.deferred_bytes[1:], profile.layers[1:]) if layer.param_bytes)
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
+    # resnet's batch norms (a stem's, two per block, one per projection skip) normalise with the batch's statistics
+    norms = ("bn1", "layer1.0.bn1", "layer1.0.bn2") if name == "resnet" else ()
+    assert profile.batch_coupling is not None and profile.batch_coupling.batch_norm[:3] == norms
+    assert len(profile.batch_coupling.batch_norm) == (15 if name == "resnet" else 0)
+    assert profile.batch_coupling.across_samples is None
 
 
 def test_gpt_records_the_tied_embedding_once(profiles: dict[str, Profile]) -> None:
