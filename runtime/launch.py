@@ -53,11 +53,13 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
 
 def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
     """`python -m runtime.cluster_probe --out OUT` on `nproc` processes of this machine (module
-    docstring of `runtime.cluster_probe`), with the workers' threads and malloc settings of `launch`."""
+    docstring of `runtime.cluster_probe`), with the workers' threads and malloc settings of `launch`; a line on
+    stderr first when other processes keep the machine busy (their load would read as slow links)."""
     if nproc < 2:
         raise PlannerError(f"--nproc must be at least 2 to measure a link between two processes, got {nproc}")
     try:
-        run_module("runtime.cluster_probe", ["--out", out, *(["--quick"] if quick else [])], nproc)
+        run_module("runtime.cluster_probe", ["--out", out, *(["--quick"] if quick else [])], nproc,
+                   before=lambda measuring: _warn_busy(measuring, "cluster"))
     except ChildFailedError as exc:
         raise PlannerError(f"measuring the cluster failed: {_failures(exc)}; each rank's own error is above") from None
 
@@ -93,15 +95,21 @@ def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any],
     """One line on stderr per condition that differs between profile and training (or that none can be compared),
     and on a CPU job one if other processes keep this machine busy (`conditions.busy_cores`: 0.2 s)."""
     if training.get("processes"):
-        busy = busy_warning(busy_cores(), os.cpu_count() or 1, training["processes"], training["threads"])
-        if busy:
-            print(f"warning: {busy}", file=sys.stderr)
+        _warn_busy(training, "training")
     if profiled is None:
         print(f"note: the plan's profile {profile_path or '(no path recorded)'} is not there or recorded no "
               "conditions: cannot check that training runs as it was measured", file=sys.stderr)
         return
     for line in differences(profiled, training):
         print(f"warning: {line}", file=sys.stderr)
+
+
+def _warn_busy(conditions: dict[str, Any], job: str) -> None:
+    """One line on stderr when other processes keep this machine busy before `job` starts (`conditions.busy_warning`;
+    0.2 s of `/proc/stat`)."""
+    busy = busy_warning(busy_cores(), os.cpu_count() or 1, conditions["processes"] or 1, conditions["threads"], job)
+    if busy:
+        print(f"warning: {busy}", file=sys.stderr)
 
 
 def _failures(exc: ChildFailedError) -> str:

@@ -57,15 +57,21 @@ def _cpu_ticks(stat_path: str) -> tuple[int, int]:
     return sum(fields) - fields[3] - fields[4], sum(fields)
 
 
-def busy_warning(busy: float | None, machine_cores: int, processes: int, threads: int) -> str | None:
-    """The sentence `planner train` prints when other processes keep at least half a core busy before its
-    job starts (`busy_cores`), else None."""
+def busy_warning(busy: float | None, machine_cores: int, processes: int, threads: int,
+                 job: str = "training") -> str | None:
+    """The sentence `planner train` (`job` "training") or `planner cluster` ("cluster") prints when other processes
+    keep at least half a core busy before its job starts (`busy_cores`), else None."""
     if busy is None or busy < 0.5:
         return None
-    return (f"{busy:.1f} of this machine's {machine_cores} cores were busy before the job started (other "
-            f"processes): training shares them, so CPU work may take longer than predicted, and far longer where "
-            f"their threads and the job's {processes} x {threads} outnumber the cores (two jobs at once on 2 cores "
-            "took 13 s for a step of 77 ms)")
+    said = (f"{busy:.1f} of this machine's {machine_cores} cores were busy before the job started (other "
+            f"processes): ")
+    if job == "cluster":
+        return said + (f"the {processes} measuring processes share them, so messages and all-reduces may read slower "
+                       "than this machine's links are, and plans made with this cluster file will expect that "
+                       "(measure again on a quiet machine)")
+    return said + (f"training shares them, so CPU work may take longer than predicted, and far longer where "
+                   f"their threads and the job's {processes} x {threads} outnumber the cores (two jobs at once on "
+                   "2 cores took 13 s for a step of 77 ms)")
 
 
 def default_cpu_threads(ranks: int = DEFAULT_RANKS) -> int:

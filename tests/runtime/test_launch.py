@@ -78,6 +78,28 @@ def test_a_cpu_job_on_a_busy_machine_is_warned(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().err == ""
 
 
+def test_measuring_the_cluster_on_a_busy_machine_is_warned_before_the_processes_start(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # the probe's message and all-reduce times become the cluster file every plan is priced with
+    import torch.distributed.run
+
+    import runtime.launch
+    from planner.profiling.conditions import STEADY_MALLOC
+
+    for name, value in {"OMP_NUM_THREADS": "1", **STEADY_MALLOC}.items():  # what run_module sets, restored after
+        monkeypatch.setenv(name, value)
+    started: list[list[str]] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: started.append(args.training_script_args))
+    monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 1.2)
+    runtime.launch.measure_cluster("c.json")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: 1.2 of this machine's ") and "the 2 measuring processes share them" in line
+    assert started == [["--out", "c.json"]]
+    monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 0.1)
+    runtime.launch.measure_cluster("c.json", quick=True)
+    assert capsys.readouterr().err == "" and started[-1] == ["--out", "c.json", "--quick"]
+
+
 @pytest.mark.parametrize("cpu, processes", [(True, 3), (False, None)])
 def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkeypatch: pytest.MonkeyPatch, cpu: bool,
                                                                           processes: int | None) -> None:

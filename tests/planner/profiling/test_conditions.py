@@ -101,6 +101,10 @@ def test_the_busy_warning_starts_at_half_a_core() -> None:
     assert busy_warning(None, 2, 1, 2) is None and busy_warning(0.4, 2, 1, 2) is None
     found = busy_warning(1.0, 2, 2, 1)
     assert found is not None and found.startswith("1.0 of this machine's 2 cores were busy before the job started")
+    assert "training shares them" in found
+    measuring = busy_warning(1.0, 2, 2, 1, "cluster")
+    assert measuring is not None and measuring.startswith("1.0 of this machine's 2 cores were busy")
+    assert "the 2 measuring processes share them, so messages and all-reduces may read slower" in measuring
 
 
 def test_more_processes_x_threads_than_cores_are_oversubscribed() -> None:
