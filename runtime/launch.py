@@ -17,7 +17,7 @@ from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
 from runtime.train import TrainingError, check_setup, example_microbatch, parse_args, rank_count
 
-__all__ = ["launch", "measure_cluster", "run_module"]
+__all__ = ["batch_coupling_notes", "launch", "measure_cluster", "run_module"]
 
 
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
@@ -43,6 +43,8 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     on_cpu = setup.device.type == "cpu"
     del setup  # the workers build their own models
     profiled = _profile_conditions(plan)
+    for note in batch_coupling_notes(plan):
+        print(f"note: {note}", file=sys.stderr)
     threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
         run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
@@ -89,6 +91,19 @@ def _profile_conditions(plan: Plan) -> dict[str, Any] | None:
         return resolve_profile(plan).settings.get("conditions")
     except PlannerError:
         return None
+
+
+def batch_coupling_notes(plan: Plan) -> list[str]:
+    """What the plan's microbatches change from plain training on its batches, as its profile found
+    (`Profile.batch_coupling`): nothing where the plan does not cut the batch, or its profile is not there or
+    did not check."""
+    try:
+        coupling = resolve_profile(plan).batch_coupling
+    except PlannerError:
+        return []
+    if coupling is None or plan.microbatches == 1:
+        return []
+    return coupling.notes(plan.microbatch_size, plan.microbatches)
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:

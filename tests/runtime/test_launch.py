@@ -115,3 +115,23 @@ def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkey
     seen: list[dict] = []
     run_module("runtime.train", ["m.py"], 3, cpu=cpu, before=seen.append)
     assert [conditions["processes"] for conditions in seen] == [processes] and len(launched) == 1
+
+
+def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path) -> None:
+    # a profile that found batch norm: a plan of 4 microbatches trains differently from plain PyTorch on its batch
+    import dataclasses
+
+    from planner.files.profile import BatchCoupling, load_profile
+    from runtime.launch import batch_coupling_notes
+
+    profile = dataclasses.replace(load_profile(REPO / "profiles" / "mlp.json"),
+                                  batch_coupling=BatchCoupling(("2",), None))
+    path = profile.save(tmp_path / "mlp.json")
+    plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=4, profile_path=str(path))
+    assert batch_coupling_notes(plan) == [
+        "batch norm in training mode (1 module: 2) normalises each microbatch of 8 samples with its own statistics and "
+        "moves its running statistics once per microbatch: training differs from plain PyTorch on batches of 32"]
+    whole = partition(profile, make_cluster(1), schedule="gpipe", microbatches=1, profile_path=str(path))
+    assert batch_coupling_notes(whole) == []  # the batch is not cut
+    path.unlink()
+    assert batch_coupling_notes(plan) == []  # no profile to ask
