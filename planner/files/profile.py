@@ -99,15 +99,16 @@ class BatchCoupling:
     """What makes a pipeline's microbatches train differently from the whole batch
     (`planner.profiling.batch_coupling`): `batch_norm`, the batch norm modules that normalise with the batch's
     statistics; `across_samples`, how the outputs or the loss of the batch differ from those of its two halves
-    (None: they do not). Empty and None: nothing found."""
+    (None: they do not, or it was not checked); `unchecked`, why that could not be checked (None: it was)."""
 
     batch_norm: tuple[str, ...] = ()
     across_samples: str | None = None
+    unchecked: str | None = None
 
     def notes(self, microbatch_size: int | None = None, microbatches: int | None = None) -> list[str]:
-        """What a pipeline changes, one sentence per finding: about any pipeline (no microbatch size), or about a
-        plan of microbatches of `microbatch_size` samples, `microbatches` of them per optimizer step (None: a
-        schedule that steps after every microbatch)."""
+        """What a pipeline changes, one sentence per finding: about any pipeline (no microbatch size; then also
+        what could not be checked), or about a plan of microbatches of `microbatch_size` samples, `microbatches`
+        of them per optimizer step (None: a schedule that steps after every microbatch)."""
         if microbatch_size is None:
             each, whole = "each microbatch", "plain PyTorch on the whole batch"
         else:
@@ -117,13 +118,14 @@ class BatchCoupling:
         notes = []
         if self.batch_norm:
             shown = ", ".join(self.batch_norm[:3]) + (", ..." if len(self.batch_norm) > 3 else "")
-            notes.append(f"batch norm in training mode ({len(self.batch_norm)} module"
-                         f"{'s' if len(self.batch_norm) != 1 else ''}: {shown}) normalises {each} with its own "
-                         f"statistics and moves its running statistics once per microbatch: training differs from "
-                         f"{whole}")
+            notes.append(f"batch norm ({len(self.batch_norm)} module{'s' if len(self.batch_norm) != 1 else ''}: "
+                         f"{shown}) normalises {each} with that microbatch's statistics, and moves running statistics "
+                         f"once per microbatch: training differs from {whole}")
         if self.across_samples is not None:
             notes.append(f"the samples of a batch are not independent ({self.across_samples}): a pipeline computes "
                          f"that over {each}, so training differs from {whole}")
+        if self.unchecked is not None and microbatch_size is None:
+            notes.append(f"whether the samples of a batch are independent was not checked: {self.unchecked}")
         return notes
 
 
@@ -374,11 +376,12 @@ def _batch_coupling_from(entry: Any) -> BatchCoupling | None:
     """A file's `batch_coupling` (None where absent); ValueError where it is malformed."""
     if entry is None:
         return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("batch_norm", []), list) or \
-            not isinstance(entry.get("across_samples"), (str, type(None))):
-        raise ValueError(f"batch_coupling must be {{'batch_norm': [names], 'across_samples': text or null}}, "
-                         f"got {entry!r}")
-    return BatchCoupling(tuple(str(name) for name in entry.get("batch_norm", [])), entry.get("across_samples"))
+    if not isinstance(entry, dict) or not isinstance(entry.get("batch_norm", []), list) or not all(
+            isinstance(entry.get(key), (str, type(None))) for key in ("across_samples", "unchecked")):
+        raise ValueError("batch_coupling must be {'batch_norm': [names], 'across_samples': text or null, "
+                         f"'unchecked': text or null}}, got {entry!r}")
+    return BatchCoupling(tuple(str(name) for name in entry.get("batch_norm", [])), entry.get("across_samples"),
+                         entry.get("unchecked"))
 
 
 def load_profile(path: str | Path) -> Profile:

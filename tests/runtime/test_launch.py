@@ -129,8 +129,8 @@ def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path) -
     path = profile.save(tmp_path / "mlp.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=4, profile_path=str(path))
     assert batch_coupling_notes(plan) == [
-        "batch norm in training mode (1 module: 2) normalises each microbatch of 8 samples with its own statistics and "
-        "moves its running statistics once per microbatch: training differs from plain PyTorch on batches of 32"]
+        "batch norm (1 module: 2) normalises each microbatch of 8 samples with that microbatch's statistics, and moves "
+        "running statistics once per microbatch: training differs from plain PyTorch on batches of 32"]
     whole = partition(profile, make_cluster(1), schedule="gpipe", microbatches=1, profile_path=str(path))
     assert batch_coupling_notes(whole) == []  # the batch is not cut
     path.unlink()

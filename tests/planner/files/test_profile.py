@@ -124,7 +124,8 @@ def test_batch_coupling_round_trips_and_a_file_without_it_has_none(tmp_path: Pat
     """What couples a batch's samples survives the file; a profile that did not check it keeps the body of before,
     and the digest leaves it out (plans take notes from it, not times); a malformed entry is refused with the file's
     name."""
-    coupled = dataclasses.replace(_measured(), batch_coupling=BatchCoupling(("bn1", "layer1.bn2"), "the loss differs"))
+    coupled = dataclasses.replace(_measured(), batch_coupling=BatchCoupling(("bn1", "layer1.bn2"), "the loss differs",
+                                                                            "the forward draws random numbers"))
     assert load_profile(coupled.save(tmp_path / "coupled.json")) == coupled
     checked = dataclasses.replace(_measured(), batch_coupling=BatchCoupling())
     assert load_profile(checked.save(tmp_path / "checked.json")).batch_coupling == BatchCoupling()
@@ -139,7 +140,7 @@ def test_batch_coupling_round_trips_and_a_file_without_it_has_none(tmp_path: Pat
 
 def test_the_table_says_what_couples_a_batch() -> None:
     coupled = dataclasses.replace(_measured(), batch_coupling=BatchCoupling(("bn1",), None))
-    assert ("note: batch norm in training mode (1 module: bn1) normalises each microbatch with its own statistics"
+    assert ("note: batch norm (1 module: bn1) normalises each microbatch with that microbatch's statistics"
             in " ".join(profile_summary(coupled).split()))
     assert "note:" not in profile_summary(dataclasses.replace(_measured(), batch_coupling=BatchCoupling()))
 

@@ -392,8 +392,8 @@ def test_a_plan_says_what_its_microbatches_change_where_the_samples_of_a_batch_a
     gpt = load_profile(GPT)
     coupled = dataclasses.replace(gpt, batch_coupling=BatchCoupling(("transformer.h.0.bn",), None))
     plan = partition(coupled, make_cluster(2, None, ["10GB/s"]), straight=True, schedule="1f1b", microbatches=4)
-    assert ("batch norm in training mode (1 module: transformer.h.0.bn) normalises each microbatch of 8 samples with "
-            "its own statistics and moves its running statistics once per microbatch: training differs from plain "
+    assert ("batch norm (1 module: transformer.h.0.bn) normalises each microbatch of 8 samples with that "
+            "microbatch's statistics, and moves running statistics once per microbatch: training differs from plain "
             "PyTorch on batches of 32") in plan.notes
     whole = partition(coupled, make_cluster(1), schedule="gpipe", microbatches=1)
     assert not any("batch norm" in note for note in whole.notes)

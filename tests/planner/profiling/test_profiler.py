@@ -73,7 +73,7 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     norms = ("bn1", "layer1.0.bn1", "layer1.0.bn2") if name == "resnet" else ()
     assert profile.batch_coupling is not None and profile.batch_coupling.batch_norm[:3] == norms
     assert len(profile.batch_coupling.batch_norm) == (15 if name == "resnet" else 0)
-    assert profile.batch_coupling.across_samples is None
+    assert profile.batch_coupling.across_samples is None and profile.batch_coupling.unchecked is None
 
 
 def test_gpt_records_the_tied_embedding_once(profiles: dict[str, Profile]) -> None:
