@@ -21,7 +21,8 @@ ROUTED = REPO / "tests" / "data" / "models" / "routed.py"
 
 @pytest.mark.slow
 def test_a_model_no_split_can_capture_is_one_line_before_anything_starts(tmp_path: Path) -> None:
-    profile = profile_model(load_model_file(ROUTED), ProfileSettings(batch_size=4, warmup=1, iters=1, threads=1))
+    profile = profile_model(load_model_file(ROUTED), ProfileSettings(batch_size=4, warmup=1, iters=1, threads=1,
+                                                                     processes=1))
     profile_path = profile.save(tmp_path / "routed.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2)
     assert len(plan.stages) == 2

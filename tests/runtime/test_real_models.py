@@ -44,7 +44,7 @@ TRAIN_STEPS = 3  # of `planner train`
 @pytest.fixture(scope="module")
 def profiles() -> dict[str, Profile]:
     """Both tiny models profiled in this process (few timing iterations), once per module."""
-    settings = ProfileSettings(batch_size=MICROBATCH, warmup=1, iters=2, threads=1)
+    settings = ProfileSettings(batch_size=MICROBATCH, warmup=1, iters=2, threads=1, processes=1)  # no companion
     return {name: profile_model(model_file(name), settings) for name in (GPT2, LLAMA)}
 
 

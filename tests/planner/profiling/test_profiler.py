@@ -24,6 +24,8 @@ SETTINGS = {"mlp": (8, 40), "resnet": (8, 30), "gpt": (8, 12)}
 # shares, a median of 5 pairs of the mlp's ~10 ms steps otherwise, read the middle layers' B at 0.29 of their
 # backward (0.41-0.44 on a quiet machine) in one clean-clone run, below twice the first layer's
 MIN_SECONDS = 1.0
+# alone (processes=1): a companion would train each model on the other core for the whole fixture, beside the
+# suite's other worker; profiles among companions run in test_companions.py and test_cli.py's default profile
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def profiles() -> dict[str, Profile]:
     return {
         name: profile_model(
             load_model_file(EXAMPLES / f"{name}.py"),
-            ProfileSettings(batch_size=batch, iters=iters, threads=1, min_seconds=MIN_SECONDS)
+            ProfileSettings(batch_size=batch, iters=iters, threads=1, min_seconds=MIN_SECONDS, processes=1)
         )
         for name, (batch, iters) in SETTINGS.items()
     }
@@ -135,7 +137,7 @@ def test_a_backward_split_into_b_and_w_costs_about_as_much_as_one_or_somewhat_mo
 
 def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_largest() -> None:
     mlp = load_model_file(EXAMPLES / "mlp.py")
-    fast = {"warmup": 0, "iters": 1, "threads": 1}
+    fast = {"warmup": 0, "iters": 1, "threads": 1, "processes": 1}
     phases: list[str] = []
     sized = profile_model(mlp, ProfileSettings(batch_size=2, other_batch_sizes=(1,), **fast),
                           lambda phase, done, total: phases.append(phase))
