@@ -118,20 +118,27 @@ def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkey
     assert [conditions["processes"] for conditions in seen] == [processes] and len(launched) == 1
 
 
-def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path) -> None:
+def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     # a profile that found batch norm: a plan of 4 microbatches trains differently from plain PyTorch on its batch
     import dataclasses
 
+    import runtime.launch
     from planner.files.profile import BatchCoupling, load_profile
-    from runtime.launch import batch_coupling_notes
+    from runtime.launch import batch_coupling_notes, launch
 
     profile = dataclasses.replace(load_profile(REPO / "profiles" / "mlp.json"),
                                   batch_coupling=BatchCoupling(("2",), None))
     path = profile.save(tmp_path / "mlp.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=4, profile_path=str(path))
-    assert batch_coupling_notes(plan) == [
-        "batch norm (1 module: 2) normalises each microbatch of 8 samples with that microbatch's statistics, and moves "
-        "running statistics once per microbatch: training differs from plain PyTorch on batches of 32"]
+    note = ("batch norm (1 module: 2) normalises each microbatch of 8 samples with that microbatch's statistics, and "
+            "moves running statistics once per microbatch: training differs from plain PyTorch on batches of 32")
+    assert batch_coupling_notes(plan) == [note]
+    # `planner train` says it before the job starts (the job itself left out here)
+    started: list[str] = []
+    monkeypatch.setattr(runtime.launch, "run_module", lambda module, *args, **kwargs: started.append(module))
+    launch([str(REPO / "examples" / "mlp.py"), "--plan", str(plan.save(tmp_path / "plan.json")), "--steps", "1"])
+    assert f"note: {note}" in capsys.readouterr().err.splitlines() and started == ["runtime.train"]
     whole = partition(profile, make_cluster(1), schedule="gpipe", microbatches=1, profile_path=str(path))
     assert batch_coupling_notes(whole) == []  # the batch is not cut
     path.unlink()
