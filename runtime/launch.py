@@ -10,6 +10,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
 from planner.files.plan import Plan, load_plan
+from planner.files.profile import Profile
 from planner.profiling.conditions import (
     STEADY_MALLOC, busy_cores, busy_warning, current_conditions, differences, worker_threads,
 )
@@ -17,7 +18,7 @@ from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
 from runtime.train import TrainingError, check_setup, example_microbatch, parse_args, rank_count
 
-__all__ = ["batch_coupling_notes", "launch", "measure_cluster", "run_module"]
+__all__ = ["launch", "measure_cluster", "run_module"]
 
 
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
@@ -42,9 +43,11 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
     on_cpu = setup.device.type == "cpu"
     del setup  # the workers build their own models
-    profiled = _profile_conditions(plan)
-    for note in batch_coupling_notes(plan):
-        print(f"note: {note}", file=sys.stderr)
+    profile = _plan_profile(plan)
+    profiled = profile.settings.get("conditions") if profile is not None else None
+    if profile is not None and profile.batch_coupling is not None:  # what the plan's microbatches change
+        for note in profile.batch_coupling.notes(plan.microbatch_size, plan.microbatches):
+            print(f"note: {note}", file=sys.stderr)
     threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
         run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
@@ -84,26 +87,13 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
     run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", "--module", module, *argv]))
 
 
-def _profile_conditions(plan: Plan) -> dict[str, Any] | None:
-    """The conditions the plan's profile was measured in, None when its file is not there (or is
-    another profile) or recorded none."""
+def _plan_profile(plan: Plan) -> Profile | None:
+    """The plan's profile (its conditions, what its microbatches change), None when its file is not there (or
+    is another profile)."""
     try:
-        return resolve_profile(plan).settings.get("conditions")
+        return resolve_profile(plan)
     except PlannerError:
         return None
-
-
-def batch_coupling_notes(plan: Plan) -> list[str]:
-    """What the plan's microbatches change from plain training on its batches, as its profile found
-    (`Profile.batch_coupling`): nothing where the plan does not cut the batch, or its profile is not there or
-    did not check."""
-    try:
-        coupling = resolve_profile(plan).batch_coupling
-    except PlannerError:
-        return []
-    if coupling is None or plan.microbatches == 1:
-        return []
-    return coupling.notes(plan.microbatch_size, plan.microbatches)
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:

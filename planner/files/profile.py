@@ -108,7 +108,10 @@ class BatchCoupling:
     def notes(self, microbatch_size: int | None = None, microbatches: int | None = None) -> list[str]:
         """What a pipeline changes, one sentence per finding: about any pipeline (no microbatch size; then also
         what could not be checked), or about a plan of microbatches of `microbatch_size` samples, `microbatches`
-        of them per optimizer step (None: a schedule that steps after every microbatch)."""
+        of them per optimizer step (None: a schedule that steps after every microbatch; 1: the batch is not cut,
+        nothing changes)."""
+        if microbatches == 1:
+            return []
         if microbatch_size is None:
             each, whole = "each microbatch", "plain PyTorch on the whole batch"
         else:

@@ -506,7 +506,7 @@ def _planner_plan(
         notes.append(batch_scaling_note(profile, size))
     if any(stage.recompute for stage in stages):
         notes.append("stages marked recompute keep only their inputs and redo the forward during backward")
-    if profile.batch_coupling is not None and (not flush or inputs.microbatches > 1):
+    if profile.batch_coupling is not None:
         notes += profile.batch_coupling.notes(size, inputs.microbatches if flush else None)
     if inputs.step_s_per_byte <= 0 and inputs.step_s_per_tensor <= 0:
         notes.append(f"the profile did not time the {optimizer} optimizer step (made before it did, or imported): "

@@ -75,19 +75,20 @@ def _halves_differ(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: t
     half = batch // 2
     parts = ((0, half), (half, batch))
     whole, drew = _forward(model, inputs)
-    outputs = [whole]
+    halves = []
     for start, stop in parts:
-        output, drew_too = _forward(model, tuple(t[start:stop] for t in inputs))
-        drew, outputs = drew or drew_too, outputs + [output]
+        output, drew_here = _forward(model, tuple(t[start:stop] for t in inputs))
+        drew = drew or drew_here
+        halves.append(output)
     if drew:
         return None, "the forward draws random numbers in eval mode"
-    for (start, stop), output in zip(parts, outputs[1:]):
+    for (start, stop), output in zip(parts, halves):
         found = _outputs_differ(whole, output, batch, start, stop)
         if found is not None:
             return found, None
     whole_loss = loss_fn(whole, target)
     mean = sum((stop - start) * float(loss_fn(output, target[start:stop]))
-               for (start, stop), output in zip(parts, outputs[1:])) / batch
+               for (start, stop), output in zip(parts, halves)) / batch
     value = float(whole_loss)
     # as precise as the least precise of the loss and the outputs it came from (a float32 loss of bf16 logits)
     tolerance = max([_tolerance(whole_loss), *(_tolerance(leaf) for leaf in pytree.tree_leaves(whole)

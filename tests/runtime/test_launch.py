@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from planner.files.cluster import make_cluster
+from planner.files.plan import Plan
 from planner.profiling.conditions import STEADY_MALLOC
 from planner.profiling.model_file import load_model_file
 from planner.planning.partition import partition
@@ -43,7 +44,7 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
                                                                           capsys: pytest.CaptureFixture[str],
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.launch
-    from runtime.launch import _profile_conditions, _warn_differences
+    from runtime.launch import _plan_profile, _warn_differences
 
     monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 0.0)  # a quiet machine (the next test: a busy one)
 
@@ -51,7 +52,7 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
                             ProfileSettings(batch_size=4, warmup=0, iters=1, threads=2))
     path = profile.save(tmp_path / "mlp.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2, profile_path=str(path))
-    profiled = _profile_conditions(plan)
+    profiled = _plan_profile(plan).settings.get("conditions")
     assert profiled is not None and profiled["threads"] == 2
     _warn_differences(profiled, {**profiled, "threads": 1}, str(path))
     lines = capsys.readouterr().err.strip().splitlines()
@@ -59,7 +60,7 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
     _warn_differences(profiled, dict(profiled), str(path))
     assert capsys.readouterr().err == ""
     path.unlink()
-    assert _profile_conditions(plan) is None  # the profile is gone: nothing to compare
+    assert _plan_profile(plan) is None  # the profile is gone: nothing to compare
     _warn_differences(None, profiled, str(path))
     assert f"the plan's profile {path} is not there" in capsys.readouterr().err
 
@@ -125,21 +126,24 @@ def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path, m
 
     import runtime.launch
     from planner.files.profile import BatchCoupling, load_profile
-    from runtime.launch import batch_coupling_notes, launch
+    from runtime.launch import launch
 
     profile = dataclasses.replace(load_profile(REPO / "profiles" / "mlp.json"),
                                   batch_coupling=BatchCoupling(("2",), None))
     path = profile.save(tmp_path / "mlp.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=4, profile_path=str(path))
-    note = ("batch norm (1 module: 2) normalises each microbatch of 8 samples with that microbatch's statistics, and "
-            "moves running statistics once per microbatch: training differs from plain PyTorch on batches of 32")
-    assert batch_coupling_notes(plan) == [note]
+    note = ("note: batch norm (1 module: 2) normalises each microbatch of 8 samples with that microbatch's statistics, "
+            "and moves running statistics once per microbatch: training differs from plain PyTorch on batches of 32")
     # `planner train` says it before the job starts (the job itself left out here)
     started: list[str] = []
     monkeypatch.setattr(runtime.launch, "run_module", lambda module, *args, **kwargs: started.append(module))
-    launch([str(REPO / "examples" / "mlp.py"), "--plan", str(plan.save(tmp_path / "plan.json")), "--steps", "1"])
-    assert f"note: {note}" in capsys.readouterr().err.splitlines() and started == ["runtime.train"]
+
+    def notes_of(trained: Plan) -> list[str]:
+        launch([str(REPO / "examples" / "mlp.py"), "--plan", str(trained.save(tmp_path / "plan.json")), "--steps", "1"])
+        return [line for line in capsys.readouterr().err.splitlines() if "batch norm" in line]
+
+    assert notes_of(plan) == [note] and started == ["runtime.train"]
     whole = partition(profile, make_cluster(1), schedule="gpipe", microbatches=1, profile_path=str(path))
-    assert batch_coupling_notes(whole) == []  # the batch is not cut
+    assert notes_of(whole) == []  # the batch is not cut
     path.unlink()
-    assert batch_coupling_notes(plan) == []  # no profile to ask
+    assert notes_of(plan) == []  # no profile to ask

@@ -170,6 +170,7 @@ def test_notes_say_what_a_plan_changes() -> None:
                        "computes that over each microbatch of 2 samples, so training differs from plain PyTorch on "
                        "batches of 8")
     assert coupling.notes(2, None)[1].endswith("so training differs from plain PyTorch")  # a step per microbatch
+    assert coupling.notes(8, 1) == []  # the batch is not cut: nothing changes
 
 
 @pytest.mark.parametrize("padded", [False, True])
