@@ -2,8 +2,10 @@
 # The CUDA paths on a machine with one GPU, in one script for a lent device: the suite's GPU-only tests, then the
 # default path measured against predicted on the GPU (measured_vs_predicted.py --gpus 1), then a profile at
 # microbatch sizes 1-8 (how far from linear the GPU's times are), then issue 17's schedules simulated on profiles
-# made on the GPU (benchmarks/schedules.py: the gpt example, and gpt2-medium). Models as arguments (default below);
-# a section whose *_S variable is 0 is skipped.
+# made on the GPU (benchmarks/schedules.py: the gpt example, and gpt2-medium), then how much longer a stage's ops take
+# after the rank waited (benchmarks/idle_penalty.py --device cuda), then `planner cluster` on this machine (one GPU:
+# the one line that says there is no link to measure). Models as arguments (default below); a section whose *_S
+# variable is 0 is skipped.
 #     OUT=folder bash benchmarks/cuda_path.sh [gpt2-medium gpt2 gpt ...]
 set -uo pipefail
 out=${OUT:-/tmp/cuda-path}
@@ -16,7 +18,7 @@ if [ "${TESTS_S:-120}" != 0 ]; then
 echo "== GPU-only tests"
 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/runtime/test_rng.py \
     tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py tests/planner/profiling/test_backward_split.py \
-    tests/planner/profiling/test_profiler.py 2>&1 | tail -25
+    tests/planner/profiling/test_profiler.py tests/planner/profiling/test_batch_coupling.py 2>&1 | tail -25
 fi
 if [ "${PATH_S:-230}" != 0 ]; then
 echo "== measured vs predicted on one GPU"
@@ -64,3 +66,13 @@ echo "== schedules simulated on GPU profiles (the gpt example, then gpt2-medium)
 [ "${SCHED_S:-150}" = 0 ] || timeout "${SCHED_S:-150}" bash -c "python3 benchmarks/schedules.py 2>&1 | head -12;
     python3 -m planner profile benchmarks/models/gpt2_medium.py --out '$out/gpt2-medium-8.json' 2>&1 | tail -2;
     python3 benchmarks/schedules.py --profile '$out/gpt2-medium-8.json' 2>&1 | head -12" | tee "$out/schedules.txt"
+if [ "${IDLE_S:-120}" != 0 ]; then
+echo "== a stage's ops after the rank waited, on the GPU"
+timeout "${IDLE_S:-120}" python3 benchmarks/idle_penalty.py --device cuda --models ${IDLE_MODELS:-whisper gpt mlp} \
+    --pauses 1 5 10 --repeats 20 2>&1 | grep -v Warning | tee "$out/idle_penalty.txt"
+fi
+if [ "${CLUSTER_S:-60}" != 0 ]; then
+echo "== planner cluster --quick on this machine"
+timeout "${CLUSTER_S:-60}" python3 -m planner cluster --quick --out "$out/cluster.json" 2>&1 | tail -6
+echo "exit status ${PIPESTATUS[0]}"
+fi

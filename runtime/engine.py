@@ -110,7 +110,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     The backend defaults to NCCL with one GPU per local rank when CUDA is available, gloo on CPU
     otherwise; `device` (e.g. a GPU under gloo) overrides the device the backend implies and
     becomes the current CUDA device. Raises EngineError outside torchrun (no RANK / WORLD_SIZE
-    in the environment).
+    in the environment), or under NCCL for a local rank without a GPU of its own.
     """
     if not dist.is_initialized():
         missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
@@ -121,7 +121,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
         elif chosen == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local_rank >= count:  # NCCL takes one GPU per rank (it refuses two ranks on one device)
+                raise EngineError(f"local rank {local_rank} needs GPU {local_rank} under NCCL, but this machine has "
+                                  f"{count}: start at most {count} processes per machine")
+            torch.cuda.set_device(local_rank)
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"

@@ -25,6 +25,7 @@ import contextlib
 import io
 import logging
 import operator
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -397,6 +398,7 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 
 
 _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch's own frames are not the user's
 
 
 def _construct(exc: Exception) -> str:
@@ -411,7 +413,8 @@ def _construct(exc: Exception) -> str:
     else:
         first = next((line.strip() for line in message.splitlines() if line.strip()), "")
         what = f"{type(exc).__name__}: {first[:200]}"
-    frames = [match for match in _USER_FRAME.finditer(message) if "/torch/" not in match.group(1)]
+    frames = [match for match in _USER_FRAME.finditer(message)
+              if not os.path.abspath(match.group(1)).startswith(_TORCH_DIR)]
     if frames:
         path, line, function, code = frames[-1].groups()
         return f"{what}, at {path.rsplit('/', 1)[-1]}:{line} in {function}: `{code.strip()}`"

@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
@@ -62,6 +63,11 @@ def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
     stderr first when other processes keep the machine busy (their load would read as slow links)."""
     if nproc < 2:
         raise PlannerError(f"--nproc must be at least 2 to measure a link between two processes, got {nproc}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    if gpus is not None and nproc > gpus:
+        raise PlannerError(f"--nproc {nproc} needs {nproc} GPUs (one per process under NCCL), but this machine has "
+                           f"{gpus}: " + (f"use --nproc {gpus}" if gpus >= 2 else
+                                          "one GPU has no link to another to measure; partition without --cluster"))
     try:
         run_module("runtime.cluster_probe", ["--out", out, *(["--quick"] if quick else [])], nproc,
                    before=lambda measuring: _warn_busy(measuring, "cluster"))

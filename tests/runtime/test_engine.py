@@ -340,6 +340,18 @@ def test_outside_torchrun_the_engine_says_how_to_launch(monkeypatch: pytest.Monk
         Engine([nn.Linear(2, 2)], "1f1b")
 
 
+def test_under_nccl_a_local_rank_without_a_gpu_of_its_own_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # e.g. `planner cluster --nproc 2` or a hand-started torchrun job on a one-GPU machine: torch's own error would be
+    # a traceback from set_device ("invalid device ordinal")
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "1",
+                        "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("no device may be set"))
+    with pytest.raises(EngineError, match="local rank 1 needs GPU 1 under NCCL, but this machine has 1: start at most 1"):
+        init_distributed("nccl")
+
+
 def test_a_sent_structure_may_lose_a_requires_grad_flag_but_not_gain_one_or_change_shape() -> None:
     """Structures travel once per slot: freezing the sending stage's parameters after the first step keeps the first
     flags (its receiver's gradient is dropped), unfreezing them is refused in one line, as is a new shape."""

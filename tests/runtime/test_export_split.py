@@ -5,6 +5,7 @@ refuse what they cannot run with one line."""
 from __future__ import annotations
 
 import copy
+import os
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -14,9 +15,10 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
 from real_model_worker import model_file  # noqa: E402
-from runtime.export_split import ExportFailure, capture, first_nodes  # noqa: E402
+from runtime.export_split import ExportFailure, _construct, capture, first_nodes  # noqa: E402
 from runtime.stages import StageSplitError, Stages, describe_boundaries, run_stages, split_model  # noqa: E402
 
 
@@ -287,6 +289,19 @@ def test_export_failures_carry_the_construct() -> None:
     with pytest.raises(ExportFailure) as raised:
         capture(_Routed(), (torch.randn(3, 4),))
     assert "tensor values" in raised.value.construct
+
+
+def test_the_construct_is_the_last_frame_outside_torch_even_where_python_lives_under_a_torch_folder() -> None:
+    """The device machines' Python lives in /opt/torch/.venv: a transformers frame there is the user's code (seen: a
+    Whisper's `if dropout_probability < self.layerdrop:` under transformers 5.17, which draws it unguarded)."""
+    torch_frame = os.path.join(os.path.dirname(torch.__file__), "fx", "experimental", "symbolic_shapes.py")
+    user = "/opt/torch/.venv/lib/python3.12/site-packages/transformers/models/whisper/modeling_whisper.py"
+    message = (f'Could not guard on data-dependent expression\n  File "{user}", line 634, in forward\n'
+               f'    if dropout_probability < self.layerdrop:  # skip the layer\n'
+               f'  File "{torch_frame}", line 10, in guard_bool\n    return self.evaluate()\n')
+    construct = _construct(GuardOnDataDependentSymNode(None, message))  # (its condition, then its message)
+    assert construct.endswith("at modeling_whisper.py:634 in forward: `if dropout_probability < self.layerdrop:  "
+                              "# skip the layer`"), construct
 
 
 class _Normed(nn.Module):

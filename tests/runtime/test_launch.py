@@ -102,6 +102,22 @@ def test_measuring_the_cluster_on_a_busy_machine_is_warned_before_the_processes_
     assert capsys.readouterr().err == "" and started[-1] == ["--out", "c.json", "--quick"]
 
 
+@pytest.mark.parametrize("gpus, fix", [(1, "one GPU has no link to another to measure"), (2, "use --nproc 2")])
+def test_measuring_the_cluster_on_fewer_gpus_than_processes_says_so_before_any_starts(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, fix: str) -> None:
+    # NCCL takes one GPU per process: rank 1 of 2 on a one-GPU machine would fail in torch with a traceback
+    import torch.distributed.run
+
+    import runtime.launch
+    from planner.errors import PlannerError
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: pytest.fail("no process may start"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(PlannerError, match=rf"--nproc 3 needs 3 GPUs .* this machine has {gpus}: {fix}"):
+        runtime.launch.measure_cluster("c.json", nproc=3)
+
+
 @pytest.mark.parametrize("cpu, processes", [(True, 3), (False, None)])
 def test_the_workers_conditions_count_processes_on_a_cpu_and_none_on_gpus(monkeypatch: pytest.MonkeyPatch, cpu: bool,
                                                                           processes: int | None) -> None:

@@ -4,6 +4,7 @@ what cannot be checked says why; the model's modes (through its own `train()`) a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,11 @@ from torch import nn
 
 from planner.files.profile import BatchCoupling
 from planner.profiling.batch_coupling import find_batch_coupling
-from planner.profiling.model_file import default_loss
+from planner.profiling.model_file import default_loss, load_model_file
+from runtime.nested import map_tensors
+from tests.conftest import EXAMPLES, REPO, gpu_only
+
+BENCHMARK_MODELS = REPO / "benchmarks" / "models"
 
 
 def batch(size: int = 6) -> tuple[tuple[torch.Tensor], torch.Tensor]:
@@ -187,3 +192,20 @@ def test_a_token_mean_with_padding_left_out_is_reported_as_weighing_microbatches
     assert (found.across_samples is not None) == padded
     if padded:
         assert "is not the mean of its two halves' losses weighted by their samples" in found.across_samples
+
+
+@gpu_only
+@pytest.mark.parametrize("path", [EXAMPLES / f"{name}.py" for name in ("mlp", "gpt", "llama", "resnet", "vgg")]
+                         + [BENCHMARK_MODELS / "whisper.py"], ids=lambda path: path.stem)
+def test_on_the_gpu_independent_samples_are_not_flagged_at_its_precision(path: Path) -> None:
+    """On CUDA a batch and its halves run other kernels (convolutions in TF32 by default, matrix products picked per
+    shape): rounding alone must not read as samples that mix; the batch norms are still named."""
+    model_file = load_model_file(path)
+    torch.manual_seed(0)
+    model = model_file.build_model().cuda().train()
+    inputs, target = map_tensors(lambda t: t.cuda(), model_file.example_batch(8))
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    found = find_batch_coupling(model, inputs, target, model_file.loss_fn or default_loss)
+    assert (found.across_samples, found.unchecked) == (None, None)
+    assert bool(found.batch_norm) == (path.stem == "resnet")
+    assert all(module.training for module in model.modules())
