@@ -1,6 +1,6 @@
 """Transformers families the tests do not cover, through the whole path: profile, a planner-made 2-stage plan, training.
 
-    python benchmarks/model_families.py [--families bart,opt] [--steps 3] [--schedule 1f1b]
+    python benchmarks/model_families.py [--families bart,opt] [--steps 3] [--schedule 1f1b] [--keep DIR]
 
 Each family is built from a small config (no weights downloaded; dropout probabilities 0, so the
 pipeline and plain PyTorch draw no masks) inside a model file written to a temporary folder, the
@@ -17,6 +17,7 @@ A family that fails says where, in one line, and the others go on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import tempfile
@@ -313,6 +314,8 @@ def main() -> None:
     parser.add_argument("--families", default="", help="comma-separated names (default: all)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="write the model files into this folder and keep them (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     wanted = {name.strip().lower() for name in args.families.split(",") if name.strip()}
@@ -325,7 +328,10 @@ def main() -> None:
     print("| family | model | layers found | plan's stages | split | split s | training moved | pipelined - plain "
           "| matches plain PyTorch | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory(prefix="model-families-") as folder:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(args.keep)) if args.keep is not None
+          else tempfile.TemporaryDirectory(prefix="model-families-")) as folder:
         for family in chosen:
             print(f"{family.name} ...", file=sys.stderr, flush=True)
             row = run_family(family, Path(folder), args.steps, args.schedule)

@@ -17,6 +17,13 @@ on the CPU run on each rank's GPU. The graph is specialised to the example's sha
 the model's training mode at capture: `ShapeGuard` refuses other shapes with one line.
 What export cannot capture (branches or loops on tensor values, such as mixture-of-experts
 routing) raises `ExportFailure` naming the file, line and code of the construct.
+
+One such branch is captured anyway: a layer skipped at random, `if torch.rand([]) < p` (LayerDrop, which
+transformers 4.x models such as BART, OPT, Marian and Whisper draw in every layer in training even where
+p is 0). Where the first capture fails on a value that depends on tensors, the model is captured again
+with each scalar `torch.rand` fixed (`runtime.random_skips`): with p <= 0 or p >= 1 the outcome is the same
+for every draw, so the graph holds it and no draw; with p strictly between, the skip is random in training
+and a pipeline's stages are fixed, so ExportFailure says to set p to 0.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
 __all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device",
@@ -253,12 +261,26 @@ def _quiet_torch():
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
-    """torch.export.export(strict=False) in the model's current mode; ExportFailure naming what failed."""
+    """torch.export.export(strict=False) in the model's current mode, again with scalar draws fixed where a value
+    depends on tensors (module docstring); ExportFailure naming what failed."""
     try:
         with _quiet_torch():
             return torch.export.export(model, inputs, strict=False)
     except Exception as exc:  # any capture failure: say which construct and where
-        raise ExportFailure(_construct(exc)) from exc
+        if not _data_dependent(exc):
+            raise ExportFailure(_construct(exc)) from exc
+        first = exc
+    draws = ScalarDraws()
+    try:
+        with _quiet_torch(), draws:
+            program = torch.export.export(model, inputs, strict=False)
+    except Exception:
+        if draws.random_skip is not None:
+            raise ExportFailure(draws.random_skip) from None
+        raise ExportFailure(_construct(first)) from first
+    if not draws.count:  # the retry found no draw to fix, so the branch it passed is not one of these
+        raise ExportFailure(_construct(first)) from first
+    return program
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -398,7 +420,11 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 
 
 _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch's own frames are not the user's
+
+
+def _data_dependent(exc: Exception) -> bool:
+    """Whether export failed on a branch, loop bound or size that depends on tensor values."""
+    return "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__
 
 
 def _construct(exc: Exception) -> str:
@@ -408,13 +434,13 @@ def _construct(exc: Exception) -> str:
     if unknown:
         return (f"the forward returns a {unknown.group(1).rsplit('.', 1)[-1]}, which is not tensors: make it return "
                 "tensors (a transformers model: wrap it to return `.logits`, and pass use_cache=False)")
-    if "data-dependent" in message or "GuardOnDataDependent" in type(exc).__name__:
+    if _data_dependent(exc):
         what = "control flow (if/while/loop bounds) or a size depends on tensor values"
     else:
         first = next((line.strip() for line in message.splitlines() if line.strip()), "")
         what = f"{type(exc).__name__}: {first[:200]}"
     frames = [match for match in _USER_FRAME.finditer(message)
-              if not os.path.abspath(match.group(1)).startswith(_TORCH_DIR)]
+              if not os.path.abspath(match.group(1)).startswith(TORCH_DIR)]
     if frames:
         path, line, function, code = frames[-1].groups()
         return f"{what}, at {path.rsplit('/', 1)[-1]}:{line} in {function}: `{code.strip()}`"

@@ -14,6 +14,7 @@ from torch import fx, nn
 from runtime.export_split import (
     ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
 )
+from runtime.random_skips import ScalarDraws
 from runtime.stage_types import StageSignature, StageSplitError
 
 __all__ = ["UntraceableError", "split_exported", "split_traced"]
@@ -130,9 +131,13 @@ def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.N
     enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
     tracer = _SplitTracer(split_modules, enclosing)
     saved = _model_state(model)
+    draws = ScalarDraws()  # a layer skipped at random: fx would keep the one outcome it drew
     try:
-        graph = tracer.trace(model)
+        with draws:
+            graph = tracer.trace(model)
     except Exception as exc:  # any tracing failure: say which forward and why
+        if draws.random_skip is not None:
+            raise StageSplitError(f"cannot split {type(model).__name__}: {draws.random_skip}") from None
         raise _trace_failure(model, exc) from exc
     finally:
         _restore_model_state(saved)

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from planner.files.cuts import boundary_cut_bytes
 from planner.profiling.layers import Layer
 from planner.profiling.layer_tracker import LayerTracker
-from planner.profiling.tensors import DeathWatch, tensor_nbytes, tensors_in
+from planner.profiling.tensors import DeathWatch, storage_of, tensor_nbytes, tensors_in
 
 # Functions that read a tensor's metadata, not its data: calling them does not consume the tensor.
 _METADATA_CALLS = frozenset({
@@ -86,7 +86,9 @@ class _DataflowMode(TorchFunctionMode):
         key = id(tensor)
         if key in self.tensors or key in self.param_names:
             return
-        storage = tensor.untyped_storage()
+        storage = storage_of(tensor)
+        if storage is None:  # a vmap's wrapper: what the vmap returns is registered at its first use
+            return
         pointer = storage.data_ptr()
         if pointer in self.resident:
             return
@@ -121,7 +123,9 @@ class _DataflowMode(TorchFunctionMode):
                 self.param_layers.setdefault(name, set()).add(max(layer, 0))
                 continue
             life = self.tensors.get(key)
-            if life is not None and layer > life.last_consumer:
+            if life is None:  # made where no torch function ran (a vmap's result): it exists by its first use
+                self.produce(tensor, layer)
+            elif layer > life.last_consumer:
                 life.last_consumer = layer
         for tensor in outputs:
             self.produce(tensor, layer)
@@ -166,9 +170,9 @@ def measure_dataflow(
     mode = _DataflowMode(tracker, param_names, resident)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in resident and key not in counted_storages:
+        storage = storage_of(tensor)
+        key = storage.data_ptr() if storage is not None else 0
+        if storage is not None and key not in resident and key not in counted_storages:
             counted_storages.add(key)
             saved_bytes[max(tracker.current, 0)] += storage.nbytes()
         # A detached alias: returning the tensor itself would tie an output saved by its own

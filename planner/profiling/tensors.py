@@ -13,6 +13,15 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage `tensor` views; None for a tensor with none, such as functorch's wrappers inside `torch.vmap`
+    (transformers 4.x builds attention masks that way), whose storage is their unwrapped tensor's."""
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor inside a nested structure of tuples, lists and dicts (cheaper than pytree)."""
     if isinstance(value, torch.Tensor):

@@ -152,3 +152,35 @@ def test_the_instrumented_pass_leaves_no_graph_alive() -> None:
     measure_dataflow(model, layers, (x,), step)
     watcher = weakref.ref(kept.pop())
     assert watcher() is None  # freed with its graph, not held by a saved-tensor cycle
+
+
+class VmapMasked(nn.Module):
+    """A mask built with torch.vmap before the layers and passed to each (transformers 4.x's `sdpa_mask`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(x.shape[0])
+        mask = torch.vmap(lambda row: row >= rows)(rows)  # (batch, batch) bool, made inside a vmap
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(mask.float() @ h)
+        return h
+
+
+def test_a_tensor_made_inside_a_vmap_counts_from_its_first_use() -> None:
+    """Inside torch.vmap the tensors are functorch wrappers without a storage of their own: tracing them failed
+    (`Cannot access storage of BatchedTensorImpl`). What the vmap returns crosses every cut to its last use."""
+    model, x = VmapMasked(), torch.randn(5, 6)
+    layers = find_layers(model, lambda: model(x))
+    names = [layer.name for layer in layers]
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    cut = dict(zip(names, flow.cut_bytes))
+    # the bool mask, used between the layers (as the one before: `mask.float()` ahead of each), last before layers.2
+    hidden, mask = 5 * 8 * FLOAT, 5 * 5
+    assert cut["embed"] == cut["layers.0"] == hidden + mask
+    assert cut["layers.1"] == hidden
+    assert cut["layers.2"] == 0
