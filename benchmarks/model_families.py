@@ -45,7 +45,7 @@ LR = 0.1
 
 # token models: (batch, 12) ids of a 128-word vocabulary; image models: (batch, 3, 32, 32); audio models:
 # (batch, 8, 32) log-mel features and (batch, 12) decoder ids; masked models: the ids and an attention mask that
-# hides each sequence's last three positions
+# hides each sequence's last three positions; waveform models: (batch, 400) samples, one label each
 TOKENS = '''
 VOCAB, CONTEXT = 128, 12
 
@@ -74,6 +74,13 @@ VOCAB, CONTEXT, MELS, FRAMES = 128, 12, 8, 32
 def example_batch(batch_size):
     tokens = torch.randint(0, VOCAB, (batch_size, CONTEXT + 1))
     return (torch.randn(batch_size, MELS, FRAMES), tokens[:, :-1]), tokens[:, 1:]
+'''
+WAVEFORM = '''
+SAMPLES = 400
+
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, SAMPLES), torch.randint(0, 4, (batch_size,))
 '''
 CAUSAL_LOSS = '''
 
@@ -114,7 +121,8 @@ class Family:
     settings: dict
     kind: str  # "causal" (next-token logits), "seq2seq" (the same, the tokens also fed to the decoder),
     #            "classify" (one label per sequence), "masked-classify" (the same with an attention mask),
-    #            "image" (one label per image) or "audio" (features to the encoder, tokens to the decoder)
+    #            "image" (one label per image), "audio" (features to the encoder, tokens to the decoder) or
+    #            "waveform" (raw samples, one label per clip)
     after_build: str = ""  # statements run on `model` after it is built (a user's own initialisation)
 
     def model_file_text(self) -> str:
@@ -125,6 +133,7 @@ class Family:
             "image": ("inputs", "pixel_values=inputs"),
             "seq2seq": ("inputs", "input_ids=inputs, decoder_input_ids=inputs, use_cache=False"),
             "audio": ("features, tokens", "input_features=features, decoder_input_ids=tokens, use_cache=False"),
+            "waveform": ("inputs", "input_values=inputs"),
         }[self.kind]
         after_build = "".join(f"    {line}\n" for line in self.after_build.splitlines())
         text = MODEL.format(family=self.name, config=self.config, model=self.model, settings=self.settings,
@@ -135,6 +144,8 @@ class Family:
             return text + MASKED
         if self.kind == "audio":
             return text + AUDIO + CAUSAL_LOSS
+        if self.kind == "waveform":
+            return text + WAVEFORM
         target = "torch.randint(0, 4, (batch_size,))" if self.kind == "classify" else "tokens[:, 1:]"
         text += TOKENS.format(target=target)
         return text if self.kind == "classify" else text + CAUSAL_LOSS
@@ -226,6 +237,55 @@ FAMILIES = (
         vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, original_max_position_embeddings=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0), "causal"),
+    Family("Gemma", "GemmaConfig", "GemmaForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, residual_dropout=0.0, embedding_dropout=0.0,
+        attention_dropout=0.0), "causal"),
+    Family("GPT-BigCode", "GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(
+        vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0), "causal"),
+    Family("OLMo2", "Olmo2Config", "Olmo2ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("mBART", "MBartConfig", "MBartForCausalLM", dict(
+        vocab_size=128, d_model=32, decoder_layers=4, encoder_layers=1, decoder_attention_heads=2,
+        encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=32,
+        is_decoder=True, is_encoder_decoder=False, **NO_DROPOUT), "causal"),
+    Family("ALBERT", "AlbertConfig", "AlbertForSequenceClassification", dict(
+        vocab_size=128, embedding_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0), "classify"),
+    Family("ELECTRA", "ElectraConfig", "ElectraForSequenceClassification", dict(
+        vocab_size=128, embedding_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0), "classify"),
+    Family("DeBERTa-v2", "DebertaV2Config", "DebertaV2ForSequenceClassification", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pooler_dropout=0.0, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"]),
+        "classify"),
+    Family("DINOv2", "Dinov2Config", "Dinov2ForImageClassification", dict(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, mlp_ratio=2,
+        num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), "image"),
+    Family("Wav2Vec2", "Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", dict(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        num_labels=4, classifier_proj_size=16, layerdrop=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0), "waveform"),
 )
 
 
