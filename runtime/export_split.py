@@ -43,6 +43,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from runtime.custom_functions import FunctionCalls
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
@@ -263,16 +264,20 @@ def _quiet_torch():
 def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
     """torch.export.export(strict=False) in the model's current mode, again with scalar draws fixed where a value
     depends on tensors (module docstring); ExportFailure naming what failed."""
+    functions = FunctionCalls()  # export keeps a custom autograd Function's forward and loses its backward
     try:
-        with _quiet_torch():
-            return torch.export.export(model, inputs, strict=False)
+        with _quiet_torch(), functions:
+            program = torch.export.export(model, inputs, strict=False)
+        return _without_custom_functions(program, functions, model, inputs)
+    except ExportFailure:
+        raise
     except Exception as exc:  # any capture failure: say which construct and where
         if not _data_dependent(exc):
             raise ExportFailure(_construct(exc)) from exc
         first = exc
     draws = ScalarDraws()
     try:
-        with _quiet_torch(), draws:
+        with _quiet_torch(), draws, functions:
             program = torch.export.export(model, inputs, strict=False)
     except Exception:
         if draws.random_skip is not None:
@@ -280,6 +285,16 @@ def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
         raise ExportFailure(_construct(first)) from first
     if not draws.count:  # the retry found no draw to fix, so the branch it passed is not one of these
         raise ExportFailure(_construct(first)) from first
+    return _without_custom_functions(program, functions, model, inputs)
+
+
+def _without_custom_functions(program: ExportedProgram, functions: FunctionCalls, model: nn.Module,
+                              inputs: tuple[Any, ...]) -> ExportedProgram:
+    """`program`, or ExportFailure if the capture met a custom autograd Function whose backward is not what the
+    graph computes (`runtime.custom_functions`)."""
+    refusal = functions.refusal(model, inputs)
+    if refusal is not None:
+        raise ExportFailure(refusal)
     return program
 
 

@@ -6,7 +6,7 @@ nodes use."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
@@ -14,6 +14,8 @@ from torch import fx, nn
 from runtime.export_split import (
     ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
 )
+from runtime.custom_functions import FunctionCalls
+from runtime.model_state import model_state, restore_model_state
 from runtime.random_skips import ScalarDraws
 from runtime.stage_types import StageSignature, StageSplitError
 
@@ -64,9 +66,11 @@ class _SplitTracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
-    """Trace the model with torch.fx and cut its graph where each split module is first called."""
-    graph, entered = _trace(model, names)
+def split_traced(model: nn.Module, names: list[str], example_inputs: Sequence[Any] | None = None
+                 ) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """Trace the model with torch.fx and cut its graph where each split module is first called (`example_inputs`
+    check a custom autograd Function the trace meets: `runtime.custom_functions`)."""
+    graph, entered = _trace(model, names, example_inputs)
     return _cut_graph(model, model, list(graph.nodes), names, entered)
 
 
@@ -125,49 +129,28 @@ def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     return stages, tuple(signatures)
 
 
-def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
+def _trace(model: nn.Module, names: list[str], example_inputs: Sequence[Any] | None
+           ) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
     """The model's fx graph with split modules and non-enclosing modules as leaves; StageSplitError if it fails."""
     split_modules = {id(model.get_submodule(name)): name for name in names}
     enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
     tracer = _SplitTracer(split_modules, enclosing)
-    saved = _model_state(model)
+    saved = model_state(model)
     draws = ScalarDraws()  # a layer skipped at random: fx would keep the one outcome it drew
+    functions = FunctionCalls()  # fx would keep a custom autograd Function's forward and lose its backward
     try:
-        with draws:
+        with draws, functions:
             graph = tracer.trace(model)
     except Exception as exc:  # any tracing failure: say which forward and why
         if draws.random_skip is not None:
             raise StageSplitError(f"cannot split {type(model).__name__}: {draws.random_skip}") from None
         raise _trace_failure(model, exc) from exc
     finally:
-        _restore_model_state(saved)
+        restore_model_state(saved)
+    refusal = functions.refusal(model, example_inputs)
+    if refusal is not None:
+        raise StageSplitError(f"cannot split {type(model).__name__}: {refusal}")
     return graph, tracer.entered
-
-
-_ModelState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any], list[tuple[torch.Tensor, int, torch.Tensor]]]]
-
-
-def _model_state(model: nn.Module) -> _ModelState:
-    """What a traced forward may change: each module's attributes, buffer and parameter slots, buffer values."""
-    return [(module, dict(module.__dict__), dict(module._buffers), dict(module._parameters),
-             [(buffer, buffer._version, buffer.detach().clone()) for buffer in module._buffers.values()
-              if buffer is not None])
-            for module in model.modules()]
-
-
-def _restore_model_state(saved: _ModelState) -> None:
-    """Undo what the forward's Python did to the model while torch.fx ran it (counters, cached sizes)."""
-    for module, attributes, buffers, parameters, values in saved:
-        module.__dict__.clear()
-        module.__dict__.update(attributes)
-        module._buffers.clear()
-        module._buffers.update(buffers)
-        module._parameters.clear()
-        module._parameters.update(parameters)
-        with torch.no_grad():
-            for buffer, version, value in values:
-                if buffer._version != version:
-                    buffer.copy_(value)
 
 
 def _strict_prefixes(name: str) -> list[str]:
