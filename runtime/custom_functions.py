@@ -6,11 +6,12 @@ harmless where the backward is the derivative of the forward written by hand to 
 silently wrong where it is not: a gradient reversal layer trained with its sign flipped, a straight-through
 estimator with a zero gradient. While `FunctionCalls` is open, `Function.apply` records each Function a model
 applies (torch's own are left out: theirs, such as reentrant checkpointing, compute what autograd of their
-forward does). `refusal` then runs the model once on the example microbatch (its state and the random state put
-back after), takes the inputs each Function was first applied to, and compares the gradients of its own backward
-with those of its forward's operations, for one random output gradient: within RTOL (relative to the largest) they
-are the same Function to the graph; otherwise, or where the check cannot run (no example, a forward that raises),
-the split is refused in one line. A Function applied inside a module torch.fx keeps whole (one that no split point
+forward does). `refusal` then runs the model once on the example microbatch with autograd on (its state and the
+random state put back after), takes the arguments each Function was first applied to, and compares the gradients
+of its own backward with those of its forward's operations, for one random output gradient and the same random
+state: each within RTOL of its own size (or EPS_FACTOR epsilons of bf16 / fp16), they are the same Function to the
+graph; otherwise, or where the check cannot run (no example, a forward that raises), the split is refused in one
+line. A Function applied inside a module torch.fx keeps whole (one that no split point
 encloses) is not traced, runs as written, and is not met here.
 
 `Function.apply` is replaced on the class for as long as a block runs, and put back after it.
@@ -35,6 +36,10 @@ from runtime.random_skips import TORCH_DIR, user_line
 __all__ = ["FunctionCalls", "gradients_differ"]
 
 RTOL = 1e-3  # float32 gradients of the same derivative, written twice, agree far closer than this
+EPS_FACTOR = 8.0  # ... and bf16 or fp16 ones within this many of their epsilon
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # a Function's positional and keyword arguments
 
 
 class FunctionCalls:
@@ -46,8 +51,9 @@ class FunctionCalls:
         self._opened: contextlib.ExitStack | None = None
 
     def __enter__(self) -> "FunctionCalls":
-        def record(cls: type, args: tuple[Any, ...]) -> None:
-            self.calls.setdefault(cls, user_line(traceback.extract_stack()))
+        def record(cls: type, call: Call) -> None:
+            if cls not in self.calls:
+                self.calls[cls] = user_line(traceback.extract_stack())
 
         self._opened = contextlib.ExitStack()
         self._opened.enter_context(_applies(record))
@@ -63,12 +69,17 @@ class FunctionCalls:
         else what to tell the user."""
         if not self.calls:
             return None
+        cls, where = next(iter(self.calls.items()))
         if example_inputs is None:
-            cls, where = next(iter(self.calls.items()))
             return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, whose own backward a "
                     "traced graph does not keep: pass an example microbatch (example_inputs) so that the split can "
                     "check that its forward's operations give the same gradients")
-        first = _first_inputs(model, tuple(example_inputs), set(self.calls))
+        try:
+            first = _first_calls(model, tuple(example_inputs), set(self.calls))
+        except Exception as exc:  # the example does not run: the Functions cannot be checked
+            return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, whose own backward a "
+                    "traced graph does not keep, and the model raised on the example microbatch, so the split cannot "
+                    f"check it ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
         for cls, where in self.calls.items():
             found = gradients_differ(cls, first[cls]) if cls in first else "is not applied when the model runs eagerly"
             if found is not None:
@@ -79,35 +90,63 @@ class FunctionCalls:
         return None
 
 
-def gradients_differ(cls: type, args: tuple[Any, ...]) -> str | None:
-    """None if `cls`'s backward and autograd of its forward's operations give the same input gradients at `args`
-    for one random output gradient; else how they differ, or why they could not be compared."""
+def gradients_differ(cls: type, call: Call) -> str | None:
+    """None if `cls`'s backward and autograd of its forward's operations give the same gradients for each
+    floating-point tensor argument of `call` (one random output gradient, the same random state for both runs;
+    each gradient within `_tolerance` of its own size); else how they differ, or why they could not be compared."""
+    devices = _cuda_devices()
     try:
-        custom = _input_gradients(lambda *inputs: cls.apply(*inputs), args)
-        plain = _input_gradients(lambda *inputs: _forward_alone(cls, inputs), args)
+        found = []
+        for run in (lambda args, kwargs: cls.apply(*args, **kwargs),
+                    lambda args, kwargs: _forward_alone(cls, args, kwargs)):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0)  # a Function that draws (a dropout) draws the same in both
+                found.append(_input_gradients(run, call))
     except Exception as exc:  # e.g. a forward that writes its saved output in place: autograd of it cannot run
         first_line = " ".join(str(exc).split())[:120]
         return f"could not be compared with them on the example ({type(exc).__name__}: {first_line})"
-    scale = max((float(g.abs().max()) for g in custom + plain if g.numel()), default=0.0)
-    same = all(a.shape == b.shape and bool(torch.allclose(a, b, rtol=RTOL, atol=RTOL * scale + 1e-12))
-               for a, b in zip(custom, plain))
-    return None if same else "gives other gradients on the example"
+    custom, plain = found
+    for a, b in zip(custom, plain):
+        scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
+        tolerance = _tolerance(a.dtype)
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12):
+            return "gives other gradients on the example"
+    return None
 
 
-def _forward_alone(cls: type, inputs: tuple[Any, ...]) -> Any:
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative difference within which two gradients of `dtype` are the same: RTOL, or EPS_FACTOR epsilons of a
+    lower precision (bf16, fp16)."""
+    return max(RTOL, EPS_FACTOR * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+def _forward_alone(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The Function's forward called as a plain function: autograd records its operations."""
     if cls.setup_context is not torch.autograd.Function.setup_context:  # forward(*inputs) with setup_context
-        return cls.forward(*inputs)
-    return cls.forward(torch.autograd.function.FunctionCtx(), *inputs)
+        return cls.forward(*args, **kwargs)
+    ctx = torch.autograd.function.FunctionCtx()
+    ctx.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)  # as apply sets it
+    return cls.forward(ctx, *args, **kwargs)
 
 
-def _input_gradients(run: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
-    """d(sum of outputs x a fixed random weight)/d(each floating-point tensor input), zeros where none flows."""
-    inputs = tuple(a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                   for a in args)
-    leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+def _input_gradients(run: Callable[[tuple[Any, ...], dict[str, Any]], Any], call: Call) -> list[torch.Tensor]:
+    """d(sum of outputs x a fixed random weight)/d(each floating-point tensor argument), zeros where none flows.
+    The Function gets copies of the arguments made inside the graph (as in a model: not leaves, so in-place
+    Functions run)."""
+    args, kwargs = call
+    leaves: list[torch.Tensor] = []
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not value.is_floating_point():
+            return value.clone()
+        leaves.append(value.detach().clone().requires_grad_(True))
+        return leaves[-1].clone()
+
     with torch.enable_grad():
-        outputs = [t for t in tensors(run(*inputs)) if t.is_floating_point()]
+        outputs = [t for t in tensors(run(tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}))
+                   if t.is_floating_point()]
     generator = torch.Generator(device=outputs[0].device if outputs else "cpu").manual_seed(0)
     weights = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outputs]
     flowing = [(t, w) for t, w in zip(outputs, weights) if t.requires_grad]
@@ -116,34 +155,44 @@ def _input_gradients(run: Callable[..., Any], args: tuple[Any, ...]) -> list[tor
     return [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, found)]
 
 
-def _first_inputs(model: nn.Module, inputs: tuple[Any, ...], wanted: set[type]) -> dict[type, tuple[Any, ...]]:
-    """The arguments each of the `wanted` Functions is first applied to when the model runs on `inputs` (without
-    autograd; the model's state and the random state as they were)."""
-    found: dict[type, tuple[Any, ...]] = {}
+def _first_calls(model: nn.Module, inputs: tuple[Any, ...], wanted: set[type]) -> dict[type, Call]:
+    """The arguments each of the `wanted` Functions is first applied to when the model runs on `inputs` (with
+    autograd on, as when training; the model's state and the random state as they were)."""
+    found: dict[type, Call] = {}
 
-    def record(cls: type, args: tuple[Any, ...]) -> None:
+    def record(cls: type, call: Call) -> None:
         if cls in wanted and cls not in found:
-            found[cls] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+            args, kwargs = call
+            found[cls] = (tuple(_detached(a) for a in args), {k: _detached(v) for k, v in kwargs.items()})
 
     saved = model_state(model)
-    devices = sorted({t.device.index or 0 for t in tensors(inputs) if t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), _applies(record):
+        with torch.random.fork_rng(devices=_cuda_devices()), torch.enable_grad(), _applies(record):
             model(*inputs)
     finally:
         restore_model_state(saved)
     return found
 
 
+def _detached(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _cuda_devices() -> list[int]:
+    """The CUDA devices whose random state a run may draw from: every one once CUDA is in use."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
 @contextlib.contextmanager
-def _applies(record: Callable[[type, tuple[Any, ...]], None]) -> Iterator[None]:
-    """Within the block, `record(cls, args)` sees each custom (not torch's own) Function's apply before it runs."""
+def _applies(record: Callable[[type, Call], None]) -> Iterator[None]:
+    """Within the block, `record(cls, (args, kwargs))` sees each custom (not torch's own) Function's apply before
+    it runs."""
     original = torch.autograd.Function.__dict__["apply"]
     apply = original.__func__
 
     def recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if not _torchs_own(cls):
-            record(cls, args)
+            record(cls, (args, kwargs))
         return apply(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(recording_apply)  # type: ignore[method-assign, assignment]

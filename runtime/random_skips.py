@@ -7,7 +7,7 @@ the one outcome it saw. Under `ScalarDraws` each scalar draw is a `UniformDraw`,
 comparisons with a number: a draw lies in [0, 1), so for p <= 0 or p >= 1 the outcome is the same for every
 draw and the captured graph holds it (and no draw); for p strictly between, the skip is random in training and
 a pipeline's stages are fixed, so the comparison raises and `ScalarDraws.random_skip` says where and what to
-set. Any other use of the draw fails the capture.
+set. `.item()` gives the draw itself; any other use (arithmetic, a truth value, equality) fails the capture.
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ class UniformDraw:
 
     def __ge__(self, other: Any) -> bool:
         return self._compare(other, operator.ge)
+
+    def item(self) -> "UniformDraw":
+        """`torch.rand([]).item() < p` compares the same way."""
+        return self
+
+    def __eq__(self, other: Any) -> bool:
+        raise TypeError("a scalar torch.rand draw compared for equality cannot be fixed at capture")
+
+    def __bool__(self) -> bool:
+        raise TypeError("a scalar torch.rand draw used as a truth value cannot be fixed at capture")
+
+    __hash__ = object.__hash__
 
 
 class ScalarDraws(TorchFunctionMode):

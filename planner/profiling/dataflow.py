@@ -160,7 +160,11 @@ def measure_dataflow(
     output_bytes = [0] * num_layers
     saved_bytes = [0] * num_layers
     param_names = {id(p): name for name, p in model.named_parameters()}
-    resident = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    # parameters, buffers and tensors the modules hold as plain attributes (a cached rotary table): there before
+    # the step, each stage holds its own, so none is produced by a layer
+    held = [t for module in model.modules() for t in tensors_in(list(vars(module).values()))]
+    resident = {storage.data_ptr() for t in [*model.parameters(), *model.buffers(), *held]
+                if (storage := storage_of(t)) is not None}
     counted_storages: set[int] = set()
 
     def on_exit(index: int, output: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from runtime.custom_functions import gradients_differ
 from runtime.stages import StageSplitError, run_stages, split_model
 
 
@@ -148,3 +149,104 @@ def test_a_function_inside_a_module_kept_whole_runs_as_written() -> None:
     reference(x).sum().backward()
     for (name, found), wanted in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(found.grad, wanted.grad, rtol=0, atol=0, msg=name)
+
+
+class Scaled(torch.autograd.Function):
+    """x * scale, its backward ignoring the scale: wrong unless scale is 1."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ScaledByKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(Scaled.apply(self.a(x), scale=-1.0))
+
+
+def test_keyword_arguments_are_checked_as_the_model_passes_them() -> None:
+    with pytest.raises(StageSplitError, match="Function Scaled, at .* which gives other gradients"):
+        split_model(ScaledByKeyword(), ["b"], (torch.randn(3, 4),))
+
+
+class Summed(torch.autograd.Function):
+    """a * 1e4 + b, its backward flipping b's gradient: wrong, next to a large right one."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * 1e4 + b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad * 1e4, -grad
+
+
+class MaskedDropout(torch.autograd.Function):
+    """Dropout that keeps only its mask for backward (right, and it draws)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand_like(x) > 0.5
+        ctx.save_for_backward(keep)
+        return x * keep * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (keep,) = ctx.saved_tensors
+        return grad * keep * 2
+
+
+class DoubledInPlace(torch.autograd.Function):
+    """Doubles its input in place (mark_dirty), reading ctx.needs_input_grad: right."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        assert ctx.needs_input_grad[0]
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+@pytest.mark.parametrize("function, args, dtype, wrong", [
+    (Summed, 2, torch.float32, True),  # each gradient against its own size: b's small flipped one is found
+    (TanhGelu, 1, torch.bfloat16, False),  # at bf16's precision
+    (MaskedDropout, 1, torch.float32, False),  # the same masks in both runs
+    (DoubledInPlace, 1, torch.float32, False),  # in place on a value made in the graph, as in a model
+])
+def test_the_gradients_are_compared_as_the_function_runs(function: type, args: int, dtype: torch.dtype,
+                                                         wrong: bool) -> None:
+    torch.manual_seed(0)
+    call = (tuple(torch.randn(64, 32, dtype=dtype) for _ in range(args)), {})
+    state = torch.get_rng_state()
+    found = gradients_differ(function, call)
+    assert (found == "gives other gradients on the example") if wrong else found is None, found
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+class OnlyWithGrad(Adversarial):
+    """Applies the Function only when autograd records (a fused kernel's fast path's usual guard)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        if torch.is_grad_enabled():
+            h = TanhGelu.apply(h)
+        return self.head(self.hidden(h))
+
+
+def test_the_model_runs_on_the_example_as_in_training_and_an_example_that_fails_is_one_line() -> None:
+    assert split_model(OnlyWithGrad(), ["hidden"], (torch.randn(3, 4),)).method == "fx"
+    with pytest.raises(StageSplitError, match=r"TanhGelu, at .* the model raised on the example microbatch, so the "
+                                              r"split cannot check it \(RuntimeError: mat1 and mat2"):
+        split_model(Adversarial(function=TanhGelu), ["hidden"], (torch.randn(3, 5),))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.random_skips import scalar_size
+from runtime.random_skips import ScalarDraws, UniformDraw, scalar_size
 from runtime.stages import StageSplitError, run_stages, split_model
 
 
@@ -103,3 +103,27 @@ def test_a_scalar_draw_is_one_without_dimensions() -> None:
     assert all(scalar_size(args, kwargs) for args, kwargs in [((), {}), (([],), {}), (((),), {}), ((), {"size": []})])
     assert not any(scalar_size(args, kwargs) for args, kwargs in [((1,), {}), ((2, 3), {}), (([2],), {}),
                                                                   ((), {"size": (1,)})])
+
+
+class ItemDrop(LayerDrop):
+    """The draw read as a Python number first: `torch.rand([]).item() < p`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for layer in self.layers:
+            if self.training and torch.rand([]).item() < self.layerdrop:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_draw_read_as_a_number_is_fixed_the_same_way() -> None:
+    assert _same_as_the_model(ItemDrop(0.0).train(), ["layers.1"], torch.randn(5, 4)) == "fx"
+
+
+def test_a_draw_used_as_a_truth_value_or_for_equality_is_not_fixed() -> None:
+    draw = UniformDraw(ScalarDraws())
+    with pytest.raises(TypeError):
+        bool(draw)
+    with pytest.raises(TypeError):
+        _ = draw == 0.5

@@ -184,3 +184,25 @@ def test_a_tensor_made_inside_a_vmap_counts_from_its_first_use() -> None:
     assert cut["embed"] == cut["layers.0"] == hidden + mask
     assert cut["layers.1"] == hidden
     assert cut["layers.2"] == 0
+
+
+class CachedTable(nn.Module):
+    """A table the model holds as a plain attribute (not a buffer), used by every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x @ self.table)
+        return x
+
+
+def test_a_tensor_the_model_holds_crosses_no_cut() -> None:
+    """Each stage holds its own modules' attributes: like a parameter, the table is not sent between stages."""
+    model, x = CachedTable(), torch.randn(5, 8)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    assert flow.cut_bytes[:2] == [5 * 8 * FLOAT] * 2  # the hidden state alone, not the 8 x 8 table
