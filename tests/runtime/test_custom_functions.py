@@ -174,6 +174,10 @@ class ScaledByKeyword(nn.Module):
 
 
 def test_keyword_arguments_are_checked_as_the_model_passes_them() -> None:
+    try:
+        Scaled.apply(torch.ones(1), scale=2.0)
+    except TypeError:  # torch 2.11's apply took none (seen on the GPU lease's torch): no model can pass them there
+        pytest.skip("this torch's autograd.Function.apply takes no keyword arguments")
     with pytest.raises(StageSplitError, match="Function Scaled, at .* which gives other gradients"):
         split_model(ScaledByKeyword(), ["b"], (torch.randn(3, 4),))
 
