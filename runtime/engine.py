@@ -38,7 +38,7 @@ data the simulator and the plots use.
   zbv is not always the order the program uses them;
 - failures: a rank whose step raises publishes "rank R (stage S, microbatch M) failed: ..." in
   the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
-  ranks to see it; every rank waiting for a message or an all-reduce checks the store every
+  ranks to see it and close (so that each can still report it before torchrun ends them); every rank waiting for a message or an all-reduce checks the store every
   `p2p.POLL_S` seconds, so every rank raises `EngineError` with that message instead of hanging.
   A failed engine is closed;
 - ranks that stop answering: every rank runs a `runtime.liveness.Heartbeat`; a rank whose
@@ -319,8 +319,8 @@ class Engine:
             else:
                 loss = self._run(chunks, targets, shares, slots)
         except _PeerFailed as failed:
-            self._store.add(self._prefix + "acks", 1)
-            self.close()
+            self.close()  # then acknowledge: the failing rank exits once all have, and torchrun ends the rest, so
+            self._store.add(self._prefix + "acks", 1)  # what is left to do here is only to raise and report
             raise EngineError(str(failed)) from None
         except RankMissing as missing:
             message = self._publish(str(missing), silent=missing.rank)
