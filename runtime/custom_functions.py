@@ -9,7 +9,7 @@ applies (torch's own are left out: theirs, such as reentrant checkpointing, comp
 forward does). `refusal` then runs the model once on the example microbatch with autograd on (its state and the
 random state put back after), takes the arguments each Function was first applied to, and compares the gradients
 of its own backward with those of its forward's operations, for one random output gradient and the same random
-state: each within RTOL of its own size (or EPS_FACTOR epsilons of bf16 / fp16), they are the same Function to the
+state: each within RTOL of its own size (or the rounding of bf16, fp16, TF32), they are the same Function to the
 graph; otherwise, or where the check cannot run (no example, a forward that raises), the split is refused in one
 line. A Function applied inside a module torch.fx keeps whole (one that no split point
 encloses) is not traced, runs as written, and is not met here.
@@ -29,14 +29,15 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from planner.profiling.tensors import rounding_rtol
 from runtime.model_state import model_state, restore_model_state
 from runtime.nested import tensors
 from runtime.random_skips import TORCH_DIR, user_line
 
 __all__ = ["FunctionCalls", "gradients_differ"]
 
-RTOL = 1e-3  # float32 gradients of the same derivative, written twice, agree far closer than this
-EPS_FACTOR = 8.0  # ... and bf16 or fp16 ones within this many of their epsilon
+RTOL = 1e-3  # float32 gradients of the same derivative, written twice, agree far closer than this (or a lower
+# precision's rounding: `tensors.rounding_rtol`)
 
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # a Function's positional and keyword arguments
@@ -48,21 +49,21 @@ class FunctionCalls:
 
     def __init__(self) -> None:
         self.calls: dict[type, str] = {}
-        self._opened: contextlib.ExitStack | None = None
+        self._patch: contextlib.AbstractContextManager[None] | None = None
 
     def __enter__(self) -> "FunctionCalls":
         def record(cls: type, call: Call) -> None:
             if cls not in self.calls:
                 self.calls[cls] = user_line(traceback.extract_stack())
 
-        self._opened = contextlib.ExitStack()
-        self._opened.enter_context(_applies(record))
+        self._patch = _applies(record)
+        self._patch.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        assert self._opened is not None
-        self._opened.close()
+        assert self._patch is not None
+        self._patch.__exit__(kind, error, trace)
 
     def refusal(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> str | None:
         """None if no Function was met, or each one's backward gives its forward's gradients on the example;
@@ -70,22 +71,21 @@ class FunctionCalls:
         if not self.calls:
             return None
         cls, where = next(iter(self.calls.items()))
+        applies = f"the forward applies the custom autograd Function {cls.__qualname__}{where}"
         if example_inputs is None:
-            return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, whose own backward a "
-                    "traced graph does not keep: pass an example microbatch (example_inputs) so that the split can "
-                    "check that its forward's operations give the same gradients")
+            return (f"{applies}, whose own backward a traced graph does not keep: pass an example microbatch "
+                    "(example_inputs) so that the split can check that its forward's operations give the same gradients")
         try:
             first = _first_calls(model, tuple(example_inputs), set(self.calls))
         except Exception as exc:  # the example does not run: the Functions cannot be checked
-            return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, whose own backward a "
-                    "traced graph does not keep, and the model raised on the example microbatch, so the split cannot "
-                    f"check it ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+            return (f"{applies}, whose own backward a traced graph does not keep, and the model raised on the example "
+                    f"microbatch, so the split cannot check it ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
         for cls, where in self.calls.items():
             found = gradients_differ(cls, first[cls]) if cls in first else "is not applied when the model runs eagerly"
             if found is not None:
-                return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, and a traced graph "
-                        f"keeps its forward's operations but not its own backward, which {found}; apply it inside a "
-                        "module that no split point encloses (torch.fx then calls that module as written), or split "
+                return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, and a traced "
+                        f"graph keeps its forward's operations but not its own backward, which {found}; apply it inside "
+                        "a module that no split point encloses (torch.fx then calls that module as written), or split "
                         "the model by hand as an nn.Sequential")
         return None
 
@@ -93,7 +93,7 @@ class FunctionCalls:
 def gradients_differ(cls: type, call: Call) -> str | None:
     """None if `cls`'s backward and autograd of its forward's operations give the same gradients for each
     floating-point tensor argument of `call` (one random output gradient, the same random state for both runs;
-    each gradient within `_tolerance` of its own size); else how they differ, or why they could not be compared."""
+    each gradient within `rounding_rtol` of its own size); else how they differ, or why they could not be compared."""
     devices = _cuda_devices()
     try:
         found = []
@@ -108,16 +108,10 @@ def gradients_differ(cls: type, call: Call) -> str | None:
     custom, plain = found
     for a, b in zip(custom, plain):
         scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
-        tolerance = _tolerance(a.dtype)
+        tolerance = rounding_rtol(a, RTOL)
         if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12):
             return "gives other gradients on the example"
     return None
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """Relative difference within which two gradients of `dtype` are the same: RTOL, or EPS_FACTOR epsilons of a
-    lower precision (bf16, fp16)."""
-    return max(RTOL, EPS_FACTOR * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
 def _forward_alone(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

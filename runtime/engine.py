@@ -38,8 +38,9 @@ data the simulator and the plots use.
   zbv is not always the order the program uses them;
 - failures: a rank whose step raises publishes "rank R (stage S, microbatch M) failed: ..." in
   the job's store (the first failure wins) and waits up to `failure_timeout_s` for the other
-  ranks to see it and close (so that each can still report it before torchrun ends them); every rank waiting for a message or an all-reduce checks the store every
-  `p2p.POLL_S` seconds, so every rank raises `EngineError` with that message instead of hanging.
+  ranks to see it and close (so that each can still report it before torchrun ends them); every
+  rank waiting for a message or an all-reduce checks the store every `p2p.POLL_S` seconds, so
+  every rank raises `EngineError` with that message instead of hanging.
   A failed engine is closed;
 - ranks that stop answering: every rank runs a `runtime.liveness.Heartbeat`; a rank whose
   heartbeat stops for `timeout_s` seconds (killed, frozen, cut off), a lost connection to a

@@ -36,9 +36,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from planner.files.profile import BatchCoupling
+from planner.profiling.tensors import rounding_rtol
 
-RTOL = 1e-4  # least relative difference that counts as "differs" (fp32 kernels at two batch sizes: about 1e-6)
-EPS_FACTOR = 8.0  # ... or this many of the dtype's epsilon, for bf16 and fp16 (and TF32 on CUDA)
+RTOL = 1e-4  # least relative difference that counts as "differs" (fp32 kernels at two batch sizes: about 1e-6),
+# or more for a lower precision (`tensors.rounding_rtol`)
 
 
 def batch_norm_modules(model: nn.Module) -> tuple[str, ...]:
@@ -91,8 +92,8 @@ def _halves_differ(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: t
                for (start, stop), output in zip(parts, halves)) / batch
     value = float(whole_loss)
     # as precise as the least precise of the loss and the outputs it came from (a float32 loss of bf16 logits)
-    tolerance = max([_tolerance(whole_loss), *(_tolerance(leaf) for leaf in pytree.tree_leaves(whole)
-                                               if isinstance(leaf, torch.Tensor))])
+    tolerance = max(rounding_rtol(tensor, RTOL) for tensor in [whole_loss, *pytree.tree_leaves(whole)]
+                    if isinstance(tensor, torch.Tensor))
     if abs(value - mean) > tolerance * max(abs(value), abs(mean), 1e-12):
         apart = abs(value - mean) / max(abs(value), abs(mean))
         return (f"the loss of the batch of {batch} ({value:.6g}) is not the mean of its two halves' losses weighted by "
@@ -110,17 +111,6 @@ def _forward(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, b
         drew = not torch.equal(torch.get_rng_state(), cpu) or any(
             not torch.equal(torch.cuda.get_rng_state(index), state) for index, state in zip(cuda, devices))
     return output, drew
-
-
-def _tolerance(tensor: torch.Tensor) -> float:
-    """Relative difference above which two results of `tensor`'s dtype differ: RTOL, or EPS_FACTOR epsilons of a
-    low-precision dtype (TF32's 10-bit mantissa for float32 on CUDA, which convolutions use by default)."""
-    if not tensor.is_floating_point():
-        return 0.0
-    eps = torch.finfo(tensor.dtype).eps
-    if tensor.device.type == "cuda" and tensor.dtype == torch.float32:
-        eps = max(eps, 2.0 ** -10)
-    return max(RTOL, EPS_FACTOR * eps)
 
 
 def _outputs_differ(whole: Any, part: Any, batch: int, start: int, stop: int) -> str | None:
@@ -146,7 +136,7 @@ def _outputs_differ(whole: Any, part: Any, batch: int, start: int, stop: int) ->
             continue
         scale = max(float(big.abs().max()), 1e-12)
         difference = float((rows - small).abs().max())
-        if difference > _tolerance(big) * scale:
+        if difference > rounding_rtol(big, RTOL) * scale:
             return (f"{which} of samples {start}-{stop - 1} changes by {difference / scale:.2g} of its largest value "
                     f"when the other {batch - size} are left out")
     return None

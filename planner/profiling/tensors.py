@@ -13,6 +13,21 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+EPS_FACTOR = 8.0  # results of a low-precision dtype differ by rounding alone within this many of its epsilon
+
+
+def rounding_rtol(tensor: torch.Tensor, floor: float) -> float:
+    """Relative difference above which two results of `tensor`'s dtype differ by more than rounding: `floor`, or
+    EPS_FACTOR epsilons of a lower precision (bf16, fp16; TF32's 10-bit mantissa for float32 on CUDA, which
+    convolutions use by default); 0 for integers."""
+    if not tensor.is_floating_point():
+        return 0.0
+    eps = torch.finfo(tensor.dtype).eps
+    if tensor.device.type == "cuda" and tensor.dtype == torch.float32:
+        eps = max(eps, 2.0 ** -10)
+    return max(floor, EPS_FACTOR * eps)
+
+
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage `tensor` views; None for a tensor with none, such as functorch's wrappers inside `torch.vmap`
     (transformers 4.x builds attention masks that way), whose storage is their unwrapped tensor's."""
