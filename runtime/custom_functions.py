@@ -1,199 +1,266 @@
-"""Custom autograd Functions met while a model is captured: a traced graph keeps their forward, not their backward.
+"""Custom autograd Functions at the split: each call is one node of the captured graph, which applies it as written.
 
-torch.fx and torch.export both trace into `torch.autograd.Function.apply`: the graph records the operations of
-the Function's `forward`, and autograd then differentiates those, not the Function's own `backward`. That is
-harmless where the backward is the derivative of the forward written by hand to save memory (BLOOM's GeLU), and
-silently wrong where it is not: a gradient reversal layer trained with its sign flipped, a straight-through
-estimator with a zero gradient. While `FunctionCalls` is open, `Function.apply` records each Function a model
-applies (torch's own are left out: theirs, such as reentrant checkpointing, compute what autograd of their
-forward does). `refusal` then runs the model once on the example microbatch with autograd on (its state and the
-random state put back after), takes the arguments each Function was first applied to, and compares the gradients
-of its own backward with those of its forward's operations, for one random output gradient and the same random
-state: each within RTOL of its own size (or the rounding of bf16, fp16, TF32), they are the same Function to the
-graph; otherwise, or where the check cannot run (no example, a forward that raises), the split is refused in one
-line. A Function applied inside a module torch.fx keeps whole (one that no split point
-encloses) is not traced, runs as written, and is not met here.
+torch.fx and torch.export both trace into a custom `torch.autograd.Function`: left alone, the graph records the
+operations of its `forward`, and autograd differentiates those instead of running its own `backward`. That trains
+a gradient reversal layer with its sign flipped and a straight-through estimator with a zero gradient, and loses
+the memory a hand-written derivative saves (BLOOM's GeLU keeps its input; autograd of its forward's operations
+keeps more: x1.67 the saved activations of a split BLOOM).
 
-`Function.apply` is replaced on the class for as long as a block runs, and put back after it.
+While `FunctionCalls` is open, a custom Function applied to traced values makes one graph node whose target is a
+`KeptFunction`: at run time that applies the Function to its arguments, so autograd records the Function's own
+backward, as in eager mode (its memory, its random draws, `mark_dirty`, `ctx.needs_input_grad`).
+- torch.fx (arguments holding Proxies): a `call_function` node of the KeptFunction, returning what the Function
+  returns.
+- torch.export (fake tensors): the opaque operator `planner_split::apply(int call, Tensor[] tensors) -> Tensor[]`,
+  which export records as one node; its fake kernel runs the Function for the output's structure and shapes.
+  `keep_functions` then makes each such node call its KeptFunction, which returns the output's tensors as a list.
+The non-tensor arguments (and, under torch.fx, tensors that are constants of the trace) are held by the
+KeptFunction; the graph passes the rest. torch's own Functions (reentrant checkpointing and the like) are traced
+as before.
 """
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
+import functools
 import inspect
 import os
-import traceback
 from types import TracebackType
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import torch
-from torch import nn
+from torch import fx
+from torch.autograd.function import FunctionMeta, _is_setup_context_defined
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.utils import _pytree as pytree
 
-from planner.profiling.tensors import rounding_rtol
-from runtime.model_state import model_state, restore_model_state
-from runtime.nested import tensors
-from runtime.random_skips import TORCH_DIR, user_line
+from runtime.random_skips import TORCH_DIR
 
-__all__ = ["FunctionCalls", "gradients_differ"]
+__all__ = ["FunctionCalls", "KeptFunction", "keep_functions"]
 
-RTOL = 1e-3  # float32 gradients of the same derivative, written twice, agree far closer than this (or a lower
-# precision's rounding: `tensors.rounding_rtol`)
+_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_ABSENT = object()
+_CAPTURING: contextvars.ContextVar[list["KeptFunction"]] = contextvars.ContextVar("planner_split_calls")
+_RUNNING = contextvars.ContextVar("planner_split_running", default=False)  # the fake kernel runs the Function
 
 
-Call = tuple[tuple[Any, ...], dict[str, Any]]  # a Function's positional and keyword arguments
+class KeptFunction:
+    """One call of a custom autograd Function as the target of a graph node.
+
+    `node(*tensors)` applies `function` to the call's arguments with `tensors` in the places the graph fills
+    (`spec`: the pytree of (args, kwargs); `constants`: its leaves, None where a tensor goes); returns the
+    Function's output, or with `flat` the output's tensors as a list (the operator's form, under torch.export).
+    """
+
+    def __init__(self, function: type, spec: pytree.TreeSpec, constants: list[Any], flat: bool) -> None:
+        self.function = function
+        self.spec = spec
+        self.constants = constants
+        self.flat = flat
+        self.outputs: list[torch.Tensor] = []  # under torch.export: the output's tensors at capture (fake)
+        self.__name__ = f"{function.__name__}_apply"  # torch.fx's generated code names its targets by these
+        self.__module__ = function.__module__
+
+    def arguments(self, tensors: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's (args, kwargs) with `tensors` in their places."""
+        given = iter(tensors)
+        leaves = [next(given) if constant is None else constant for constant in self.constants]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = self.arguments(tensors)
+        output = _APPLY(self.function, *args, **kwargs)
+        return _output_tensors(output) if self.flat else output
+
+    def __repr__(self) -> str:
+        return f"{self.function.__qualname__}.apply"
 
 
 class FunctionCalls:
-    """Records each custom autograd Function applied inside the block (its class, and where it was first applied);
-    `refusal()` says in one line which one a traced graph would get wrong."""
+    """Within the block, each custom autograd Function applied to traced values becomes one graph node (module
+    docstring); `kept` lists those torch.export met, by the number the operator's nodes carry.
+
+    The `forward` (and `setup_context`, where defined) of each custom Function class are replaced, and put back
+    after: those that exist when the block begins and those defined inside it (the metaclass's `__init__` is
+    replaced too). `Function.apply` looks them up at each call, so an `apply` bound before the capture
+    (`gelu = GeLUFunction.apply`, a model attribute) is caught too.
+    """
 
     def __init__(self) -> None:
-        self.calls: dict[type, str] = {}
-        self._patch: contextlib.AbstractContextManager[None] | None = None
+        self.kept: list[KeptFunction] = []
+        self._replaced: list[tuple[type, str, Any]] = []  # (class, attribute, its own __dict__ entry or _ABSENT)
+        self._token: contextvars.Token[list[KeptFunction]] | None = None
 
     def __enter__(self) -> "FunctionCalls":
-        def record(cls: type, call: Call) -> None:
-            if cls not in self.calls:
-                self.calls[cls] = user_line(traceback.extract_stack())
+        self._token = _CAPTURING.set(self.kept)
+        for cls in _custom_functions():
+            self._keep(cls)
+        created = FunctionMeta.__dict__["__init__"]
 
-        self._patch = _applies(record)
-        self._patch.__enter__()
+        def creating(cls: type, *args: Any, **kwargs: Any) -> None:  # a Function class defined during the capture
+            created(cls, *args, **kwargs)
+            if not _torchs_own(cls):
+                self._keep(cls)
+
+        self._replace(FunctionMeta, "__init__", creating)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        assert self._patch is not None
-        self._patch.__exit__(kind, error, trace)
+        for cls, attribute, own in reversed(self._replaced):
+            if own is _ABSENT:
+                delattr(cls, attribute)
+            else:
+                setattr(cls, attribute, own)
+        self._replaced.clear()
+        assert self._token is not None
+        _CAPTURING.reset(self._token)
 
-    def refusal(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> str | None:
-        """None if no Function was met, or each one's backward gives its forward's gradients on the example;
-        else what to tell the user."""
-        if not self.calls:
-            return None
-        cls, where = next(iter(self.calls.items()))
-        applies = f"the forward applies the custom autograd Function {cls.__qualname__}{where}"
-        if example_inputs is None:
-            return (f"{applies}, whose own backward a traced graph does not keep: pass an example microbatch "
-                    "(example_inputs) so that the split can check that its forward's operations give the same gradients")
-        try:
-            first = _first_calls(model, tuple(example_inputs), set(self.calls))
-        except Exception as exc:  # the example does not run: the Functions cannot be checked
-            return (f"{applies}, whose own backward a traced graph does not keep, and the model raised on the example "
-                    f"microbatch, so the split cannot check it ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
-        for cls, where in self.calls.items():
-            found = gradients_differ(cls, first[cls]) if cls in first else "is not applied when the model runs eagerly"
-            if found is not None:
-                return (f"the forward applies the custom autograd Function {cls.__qualname__}{where}, and a traced "
-                        f"graph keeps its forward's operations but not its own backward, which {found}; apply it inside "
-                        "a module that no split point encloses (torch.fx then calls that module as written), or split "
-                        "the model by hand as an nn.Sequential")
-        return None
+    def _keep(self, cls: type) -> None:
+        """Replace the class's forward (and setup_context) for the capture."""
+        with_context = _is_setup_context_defined(cls.setup_context)
+        self._replace(cls, "forward", staticmethod(_kept_forward(cls, cls.forward, with_context)))
+        if with_context:
+            self._replace(cls, "setup_context", staticmethod(_kept_setup_context(cls.setup_context)))
+
+    def _replace(self, owner: type, attribute: str, value: Any) -> None:
+        self._replaced.append((owner, attribute, owner.__dict__.get(attribute, _ABSENT)))
+        setattr(owner, attribute, value)
 
 
-def gradients_differ(cls: type, call: Call) -> str | None:
-    """None if `cls`'s backward and autograd of its forward's operations give the same gradients for each
-    floating-point tensor argument of `call` (one random output gradient, the same random state for both runs;
-    each gradient within `rounding_rtol` of its own size); else how they differ, or why they could not be compared."""
-    devices = _cuda_devices()
-    try:
-        found = []
-        for run in (lambda args, kwargs: cls.apply(*args, **kwargs),
-                    lambda args, kwargs: _forward_alone(cls, args, kwargs)):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(0)  # a Function that draws (a dropout) draws the same in both
-                found.append(_input_gradients(run, call))
-    except Exception as exc:  # e.g. a forward that writes its saved output in place: autograd of it cannot run
-        first_line = " ".join(str(exc).split())[:120]
-        return f"could not be compared with them on the example ({type(exc).__name__}: {first_line})"
-    custom, plain = found
-    for a, b in zip(custom, plain):
-        scale = max(float(a.abs().max()) if a.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0)
-        tolerance = rounding_rtol(a, RTOL)
-        if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12):
-            return "gives other gradients on the example"
-    return None
+def keep_functions(graph: fx.Graph, kept: list[KeptFunction]) -> None:
+    """Make each `planner_split::apply` node of `graph` call its KeptFunction (which returns the same list)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.planner_split.apply.default:
+            call, tensors = node.args
+            node.target = kept[call]
+            node.args = tuple(tensors)
 
 
-def _forward_alone(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The Function's forward called as a plain function: autograd records its operations."""
-    if cls.setup_context is not torch.autograd.Function.setup_context:  # forward(*inputs) with setup_context
-        return cls.forward(*args, **kwargs)
-    ctx = torch.autograd.function.FunctionCtx()
-    ctx.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)  # as apply sets it
-    return cls.forward(ctx, *args, **kwargs)
-
-
-def _input_gradients(run: Callable[[tuple[Any, ...], dict[str, Any]], Any], call: Call) -> list[torch.Tensor]:
-    """d(sum of outputs x a fixed random weight)/d(each floating-point tensor argument), zeros where none flows.
-    The Function gets copies of the arguments made inside the graph (as in a model: not leaves, so in-place
-    Functions run)."""
-    args, kwargs = call
-    leaves: list[torch.Tensor] = []
-
-    def copy(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if not value.is_floating_point():
-            return value.clone()
-        leaves.append(value.detach().clone().requires_grad_(True))
-        return leaves[-1].clone()
-
-    with torch.enable_grad():
-        outputs = [t for t in tensors(run(tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}))
-                   if t.is_floating_point()]
-    generator = torch.Generator(device=outputs[0].device if outputs else "cpu").manual_seed(0)
-    weights = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outputs]
-    flowing = [(t, w) for t, w in zip(outputs, weights) if t.requires_grad]
-    found = (torch.autograd.grad([t for t, _ in flowing], leaves, [w for _, w in flowing], allow_unused=True)
-             if flowing and leaves else [None] * len(leaves))
-    return [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, found)]
-
-
-def _first_calls(model: nn.Module, inputs: tuple[Any, ...], wanted: set[type]) -> dict[type, Call]:
-    """The arguments each of the `wanted` Functions is first applied to when the model runs on `inputs` (with
-    autograd on, as when training; the model's state and the random state as they were)."""
-    found: dict[type, Call] = {}
-
-    def record(cls: type, call: Call) -> None:
-        if cls in wanted and cls not in found:
-            args, kwargs = call
-            found[cls] = (tuple(_detached(a) for a in args), {k: _detached(v) for k, v in kwargs.items()})
-
-    saved = model_state(model)
-    try:
-        with torch.random.fork_rng(devices=_cuda_devices()), torch.enable_grad(), _applies(record):
-            model(*inputs)
-    finally:
-        restore_model_state(saved)
-    return found
-
-
-def _detached(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _cuda_devices() -> list[int]:
-    """The CUDA devices whose random state a run may draw from: every one once CUDA is in use."""
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-
-
-@contextlib.contextmanager
-def _applies(record: Callable[[type, Call], None]) -> Iterator[None]:
-    """Within the block, `record(cls, (args, kwargs))` sees each custom (not torch's own) Function's apply before
-    it runs."""
-    original = torch.autograd.Function.__dict__["apply"]
-    apply = original.__func__
-
-    def recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+def _custom_functions() -> list[type]:
+    """Every subclass of torch.autograd.Function defined outside torch, now."""
+    found: dict[type, None] = {}
+    stack = list(torch.autograd.Function.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
         if not _torchs_own(cls):
-            record(cls, (args, kwargs))
-        return apply(cls, *args, **kwargs)
+            found[cls] = None
+    return list(found)
 
-    torch.autograd.Function.apply = classmethod(recording_apply)  # type: ignore[method-assign, assignment]
+
+def _kept_forward(cls: type, forward: Callable[..., Any], with_context: bool) -> Callable[..., Any]:
+    """`cls.forward` while a capture runs: a call on traced values becomes one graph node."""
+
+    def kept_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _RUNNING.get():
+            return forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args if with_context else args[1:], kwargs))  # without the ctx
+        proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
+        if proxies:  # torch.fx
+            kept = KeptFunction(cls, spec, [None if isinstance(leaf, fx.Proxy) else leaf for leaf in leaves], False)
+            return proxies[0].tracer.create_proxy("call_function", kept, tuple(proxies), {})
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if not tensors:
+            return forward(*args, **kwargs)
+        calls = _CAPTURING.get()  # torch.export
+        kept = KeptFunction(cls, spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], True)
+        with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():  # not recorded, grad mode included
+            output = _run(kept, tensors)  # the Function itself on export's fake tensors
+        leaves, output_spec = pytree.tree_flatten(output)
+        kept.outputs = _output_tensors(output)
+        calls.append(kept)
+        given = iter(torch.ops.planner_split.apply(len(calls) - 1, tensors))
+        return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+                                     output_spec)
+
+    return _same_parameters(forward, kept_forward)
+
+
+def _same_parameters(function: Callable[..., Any], body: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+                     ) -> Callable[..., Any]:
+    """A function with `function`'s parameters (names, kinds, defaults) that returns body(positional, keywords).
+
+    Function.apply places keyword arguments by the parameter names of the forward's code object, so a stand-in
+    for a forward must have the same ones.
+    """
+    namespace: dict[str, Any] = {"_body": body}
+    parameters, positional, keywords = [], [], []
+    for index, parameter in enumerate(inspect.signature(function).parameters.values()):
+        if parameter.default is not inspect.Parameter.empty:
+            namespace[f"_default{index}"] = parameter.default
+            parameter = parameter.replace(default=_Named(f"_default{index}"))
+        parameters.append(parameter.replace(annotation=inspect.Parameter.empty))
+        name, kind = parameter.name, parameter.kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            positional.append(f"*{name}")
+        elif kind is inspect.Parameter.KEYWORD_ONLY:
+            keywords.append(f"{name!r}: {name}")
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            keywords.append(f"**{name}")
+        else:
+            positional.append(name)
+    declared = inspect.Signature(parameters)
+    exec(f"def stand_in{declared}:\n    return _body(({''.join(item + ', ' for item in positional)}), "  # noqa: S102
+         f"{{{', '.join(keywords)}}})\n", namespace)  # source made of the forward's own parameter names
+    return functools.update_wrapper(namespace["stand_in"], function)
+
+
+class _Named:
+    """A default value that a signature writes as `name`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _kept_setup_context(setup_context: Callable[..., Any]) -> Callable[..., Any]:
+    """`cls.setup_context` while a capture runs: nothing to save for a node that applies the Function later."""
+
+    @functools.wraps(setup_context)
+    def kept_setup_context(*args: Any, **kwargs: Any) -> Any:
+        return setup_context(*args, **kwargs) if _RUNNING.get() else None
+
+    return kept_setup_context
+
+
+def _run(kept: KeptFunction, tensors: list[torch.Tensor]) -> Any:
+    """The Function applied to copies of `tensors` (not leaves, so in-place Functions run, as in a model), with
+    autograd on: what it returns."""
+    token = _RUNNING.set(True)
     try:
-        yield
+        with torch.enable_grad():
+            copies = [tensor.detach().requires_grad_(True).clone() if tensor.requires_grad else tensor.detach()
+                      for tensor in tensors]
+            args, kwargs = kept.arguments(copies)
+            return _APPLY(kept.function, *args, **kwargs)
     finally:
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
+        _RUNNING.reset(token)
+
+
+def _fake_apply(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The operator on export's fake tensors: new tensors like the outputs the Function gave at capture."""
+    return [torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
+            for output in _CAPTURING.get()[call].outputs]
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+
+
+def _define_operator() -> torch.library.Library:
+    """Register `planner_split::apply` once per process (torch's operator registry is process-wide)."""
+    library = torch.library.Library("planner_split", "FRAGMENT")
+    if not hasattr(torch.ops.planner_split, "apply"):
+        library.define("apply(int call, Tensor[] tensors) -> Tensor[]")
+        torch.library.register_fake("planner_split::apply", _fake_apply, lib=library)
+    return library
+
+
+_LIBRARY = _define_operator()
 
 
 def _torchs_own(cls: type) -> bool:

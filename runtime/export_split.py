@@ -43,7 +43,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from runtime.custom_functions import FunctionCalls
+from runtime.custom_functions import FunctionCalls, keep_functions
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
@@ -262,15 +262,14 @@ def _quiet_torch():
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
-    """torch.export.export(strict=False) in the model's current mode, again with scalar draws fixed where a value
-    depends on tensors (module docstring); ExportFailure naming what failed."""
-    functions = FunctionCalls()  # export keeps a custom autograd Function's forward and loses its backward
+    """torch.export.export(strict=False) in the model's current mode, each custom autograd Function one node that
+    applies it (`runtime.custom_functions`), again with scalar draws fixed where a value depends on tensors (module
+    docstring); ExportFailure naming what failed."""
+    functions = FunctionCalls()
     try:
         with _quiet_torch(), functions:
             program = torch.export.export(model, inputs, strict=False)
-        return _without_custom_functions(program, functions, model, inputs)
-    except ExportFailure:
-        raise
+        return _keeping_functions(program, functions)
     except Exception as exc:  # any capture failure: say which construct and where
         if not _data_dependent(exc):
             raise ExportFailure(_construct(exc)) from exc
@@ -285,16 +284,15 @@ def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
         raise ExportFailure(_construct(first)) from first
     if not draws.count:  # the retry found no draw to fix, so the branch it passed is not one of these
         raise ExportFailure(_construct(first)) from first
-    return _without_custom_functions(program, functions, model, inputs)
+    return _keeping_functions(program, functions)
 
 
-def _without_custom_functions(program: ExportedProgram, functions: FunctionCalls, model: nn.Module,
-                              inputs: tuple[Any, ...]) -> ExportedProgram:
-    """`program`, or ExportFailure if the capture met a custom autograd Function whose backward is not what the
-    graph computes (`runtime.custom_functions`)."""
-    refusal = functions.refusal(model, inputs)
-    if refusal is not None:
-        raise ExportFailure(refusal)
+def _keeping_functions(program: ExportedProgram, functions: FunctionCalls) -> ExportedProgram:
+    """`program` with each custom autograd Function's node calling the Function, in every graph it holds."""
+    for module in program.graph_module.modules():
+        if isinstance(module, fx.GraphModule):
+            keep_functions(module.graph, functions.kept)
+            module.recompile()
     return program
 
 

@@ -6,7 +6,7 @@ nodes use."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -66,11 +66,10 @@ class _SplitTracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def split_traced(model: nn.Module, names: list[str], example_inputs: Sequence[Any] | None = None
-                 ) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
-    """Trace the model with torch.fx and cut its graph where each split module is first called (`example_inputs`
-    check a custom autograd Function the trace meets: `runtime.custom_functions`)."""
-    graph, entered = _trace(model, names, example_inputs)
+def split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
+    """Trace the model with torch.fx and cut its graph where each split module is first called (a custom autograd
+    Function the trace meets is one node that applies it: `runtime.custom_functions`)."""
+    graph, entered = _trace(model, names)
     return _cut_graph(model, model, list(graph.nodes), names, entered)
 
 
@@ -129,15 +128,14 @@ def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     return stages, tuple(signatures)
 
 
-def _trace(model: nn.Module, names: list[str], example_inputs: Sequence[Any] | None
-           ) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
+def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
     """The model's fx graph with split modules and non-enclosing modules as leaves; StageSplitError if it fails."""
     split_modules = {id(model.get_submodule(name)): name for name in names}
     enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
     tracer = _SplitTracer(split_modules, enclosing)
     saved = model_state(model)
     draws = ScalarDraws()  # a layer skipped at random: fx would keep the one outcome it drew
-    functions = FunctionCalls()  # fx would keep a custom autograd Function's forward and lose its backward
+    functions = FunctionCalls()  # a custom autograd Function: one node that applies it, its backward kept
     try:
         with draws, functions:
             graph = tracer.trace(model)
@@ -147,9 +145,6 @@ def _trace(model: nn.Module, names: list[str], example_inputs: Sequence[Any] | N
         raise _trace_failure(model, exc) from exc
     finally:
         restore_model_state(saved)
-    refusal = functions.refusal(model, example_inputs)
-    if refusal is not None:
-        raise StageSplitError(f"cannot split {type(model).__name__}: {refusal}")
     return graph, tracer.entered
 
 

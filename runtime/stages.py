@@ -115,7 +115,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
             method = "sequential"
         else:
             try:
-                modules, signatures = split_traced(model, names, example_inputs)
+                modules, signatures = split_traced(model, names)
                 method = "fx"
             except UntraceableError as untraceable:
                 if example_inputs is None:
