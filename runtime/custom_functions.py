@@ -26,7 +26,7 @@ import functools
 import inspect
 import os
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from runtime.random_skips import TORCH_DIR
 
-__all__ = ["FunctionCalls", "KeptFunction", "keep_functions"]
+__all__ = ["FunctionCalls", "KeptFunction", "keep_functions", "opaque_call", "output_tensors"]
 
 _APPLY = torch.autograd.Function.__dict__["apply"].__func__
 _ABSENT = object()
@@ -71,7 +71,12 @@ class KeptFunction:
     def __call__(self, *tensors: torch.Tensor) -> Any:
         args, kwargs = self.arguments(tensors)
         output = _APPLY(self.function, *args, **kwargs)
-        return _output_tensors(output) if self.flat else output
+        return output_tensors(output) if self.flat else output
+
+    def place(self, graph: fx.Graph, node: fx.Node, tensors: Sequence[fx.Node], attributes: dict[str, Any]) -> None:
+        """Make the operator's `node` call this (it returns the same list)."""
+        node.target = self
+        node.args = tuple(tensors)
 
     def __repr__(self) -> str:
         return f"{self.function.__qualname__}.apply"
@@ -129,13 +134,21 @@ class FunctionCalls:
         setattr(owner, attribute, value)
 
 
-def keep_functions(graph: fx.Graph, kept: list[KeptFunction]) -> None:
-    """Make each `planner_split::apply` node of `graph` call its KeptFunction (which returns the same list)."""
-    for node in graph.nodes:
+def opaque_call(kept: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Under torch.export, inside a FunctionCalls block: one `planner_split::apply` node standing for `kept` (a
+    KeptFunction or a `runtime.kept_modules.KeptModule`: its `outputs` give the shapes) applied to `tensors`."""
+    calls = _CAPTURING.get()
+    calls.append(kept)
+    return torch.ops.planner_split.apply(len(calls) - 1, tensors)
+
+
+def keep_functions(graph: fx.Graph, kept: list[Any], attributes: dict[str, Any]) -> None:
+    """Make each `planner_split::apply` node of `graph` call what it stands for (`kept[call].place`; a kept
+    module's stage reads it from `attributes`)."""
+    for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.planner_split.apply.default:
             call, tensors = node.args
-            node.target = kept[call]
-            node.args = tuple(tensors)
+            kept[call].place(graph, node, tensors, attributes)
 
 
 def _custom_functions() -> list[type]:
@@ -164,14 +177,12 @@ def _kept_forward(cls: type, forward: Callable[..., Any], with_context: bool) ->
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if not tensors:
             return forward(*args, **kwargs)
-        calls = _CAPTURING.get()  # torch.export
         kept = KeptFunction(cls, spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], True)
         with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():  # not recorded, grad mode included
-            output = _run(kept, tensors)  # the Function itself on export's fake tensors
+            output = _run(kept, tensors)  # the Function itself on export's fake tensors (torch.export)
         leaves, output_spec = pytree.tree_flatten(output)
-        kept.outputs = _output_tensors(output)
-        calls.append(kept)
-        given = iter(torch.ops.planner_split.apply(len(calls) - 1, tensors))
+        kept.outputs = output_tensors(output)
+        given = iter(opaque_call(kept, tensors))
         return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
                                      output_spec)
 
@@ -247,7 +258,8 @@ def _fake_apply(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for output in _CAPTURING.get()[call].outputs]
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) output, in pytree order."""
     return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
 
 

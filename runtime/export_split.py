@@ -16,7 +16,9 @@ where each module's first call begins. Export writes the capture device into the
 on the CPU run on each rank's GPU. The graph is specialised to the example's shapes and to
 the model's training mode at capture: `ShapeGuard` refuses other shapes with one line.
 What export cannot capture (branches or loops on tensor values, such as mixture-of-experts
-routing) raises `ExportFailure` naming the file, line and code of the construct.
+routing) is exported again with the module it runs in kept whole (`runtime.kept_modules`) where that
+module encloses no split point; otherwise it raises `ExportFailure` naming the file, line and code of
+the construct.
 
 One such branch is captured anyway: a layer skipped at random, `if torch.rand([]) < p` (LayerDrop, which
 transformers 4.x models such as BART, OPT, Marian and Whisper draw in every layer in training even where
@@ -44,6 +46,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from runtime.custom_functions import FunctionCalls, keep_functions
+from runtime.kept_modules import KeptModules, failing_modules
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
@@ -77,11 +80,13 @@ class CapturedModel:
     device: torch.device | None = None
 
 
-def capture(model: nn.Module, example_inputs: Sequence[Any]) -> CapturedModel:
-    """Export `model` at `example_inputs` and rewrite the graph to read the model's own tensors."""
+def capture(model: nn.Module, example_inputs: Sequence[Any], split_points: Sequence[str] = ()) -> CapturedModel:
+    """Export `model` at `example_inputs` and rewrite the graph to read the model's own tensors (a module that
+    encloses none of `split_points` may be kept whole: `runtime.kept_modules`)."""
     inputs = tuple(example_inputs)
-    program = _export(model, inputs)
+    program, kept = _export(model, inputs, split_points)
     captured = _rewrite(model, program, inputs)
+    _place_kept(captured, kept)
     _causal_attention(captured)
     _grouped_attention(captured)
     return captured
@@ -261,39 +266,54 @@ def _quiet_torch():
             logger.setLevel(level)
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...]) -> ExportedProgram:
+_KEEP_ROUNDS = 8  # exports with more modules kept whole, at most, after the first data-dependent failure
+
+
+def _export(model: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str]) -> tuple[ExportedProgram, list[Any]]:
     """torch.export.export(strict=False) in the model's current mode, each custom autograd Function one node that
-    applies it (`runtime.custom_functions`), again with scalar draws fixed where a value depends on tensors (module
-    docstring); ExportFailure naming what failed."""
-    functions = FunctionCalls()
-    try:
-        with _quiet_torch(), functions:
-            program = torch.export.export(model, inputs, strict=False)
-        return _keeping_functions(program, functions)
-    except Exception as exc:  # any capture failure: say which construct and where
-        if not _data_dependent(exc):
-            raise ExportFailure(_construct(exc)) from exc
-        first = exc
-    draws = ScalarDraws()
-    try:
-        with _quiet_torch(), draws, functions:
-            program = torch.export.export(model, inputs, strict=False)
-    except Exception:
-        if draws.random_skip is not None:
-            raise ExportFailure(draws.random_skip) from None
-        raise ExportFailure(_construct(first)) from first
-    if not draws.count:  # the retry found no draw to fix, so the branch it passed is not one of these
-        raise ExportFailure(_construct(first)) from first
-    return _keeping_functions(program, functions)
+    applies it (`runtime.custom_functions`). Where a value depends on tensors: again with scalar draws fixed
+    (module docstring), then with the modules the failures run in kept whole (`runtime.kept_modules`), class by
+    class. The program and what its `planner_split::apply` nodes stand for; ExportFailure naming what failed."""
+    draws: ScalarDraws | None = None
+    kept: list[str] = []
+    first: Exception | None = None
+    for _ in range(_KEEP_ROUNDS + 2):
+        functions = FunctionCalls()
+        try:
+            with _quiet_torch(), draws or contextlib.nullcontext(), KeptModules(model, kept, inputs), functions:
+                program = torch.export.export(model, inputs, strict=False)
+        except Exception as exc:  # any capture failure: say which construct and where
+            if draws is not None and draws.random_skip is not None:
+                raise ExportFailure(draws.random_skip) from None
+            if not _data_dependent(exc):
+                raise ExportFailure(_construct(first or exc)) from exc
+            first = first or exc
+            if draws is None:
+                draws = ScalarDraws()
+                continue
+            more = failing_modules(model, exc, split_points, kept)
+            if not more:
+                raise ExportFailure(_construct(first)) from first
+            kept += more
+            continue
+        if draws is not None and not draws.count and not kept:  # the retry passed a branch that is not a draw's
+            raise ExportFailure(_construct(first)) from first
+        return program, functions.kept
+    raise ExportFailure(_construct(first)) from first
 
 
-def _keeping_functions(program: ExportedProgram, functions: FunctionCalls) -> ExportedProgram:
-    """`program` with each custom autograd Function's node calling the Function, in every graph it holds."""
-    for module in program.graph_module.modules():
-        if isinstance(module, fx.GraphModule):
-            keep_functions(module.graph, functions.kept)
-            module.recompile()
-    return program
+def _place_kept(captured: CapturedModel, kept: list[Any]) -> None:
+    """Make each `planner_split::apply` node call what it stands for: a custom Function, or a module kept whole
+    (which its stage then holds; only in the main graph, not inside a torch.no_grad() or autocast block)."""
+    keep_functions(captured.graph, kept, captured.attributes)
+    for body in list(captured.attributes.values()):
+        if isinstance(body, fx.GraphModule):
+            inside: dict[str, Any] = {}
+            keep_functions(body.graph, kept, inside)
+            if inside:
+                raise ExportFailure(f"{', '.join(inside)} cannot be captured and runs inside a torch.no_grad() or "
+                                    "torch.autocast block of an enclosing forward")
+            body.recompile()
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default

@@ -77,7 +77,7 @@ def split_exported(model: nn.Module, names: list[str], example_inputs: tuple[Any
                     untraceable: UntraceableError) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
     """Capture the model with torch.export and cut its graph where each split module's first call begins."""
     try:
-        captured = capture(model, example_inputs)
+        captured = capture(model, example_inputs, names)
     except ExportFailure as failure:
         raise StageSplitError(
             f"cannot split {type(model).__name__}: torch.fx could not trace it ({untraceable.where}) and "

@@ -95,8 +95,10 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     the model's own Parameters and buffers under their names in the model; they run only at the
     example's shapes and mode (another shape raises StageSplitError naming both), and dropout
     draws from the device's generator at run time as in eager mode. Values crossing an exported
-    boundary are tensors. What export cannot capture either (branches on tensor values, e.g.
-    mixture-of-experts routing loops) raises StageSplitError naming the construct and the way out.
+    boundary are tensors. Code export cannot capture (branches on tensor values, e.g.
+    mixture-of-experts routing loops) inside a module that encloses no split point keeps that module
+    (and the others of its class) whole, one call that runs it eagerly (`runtime.kept_modules`);
+    elsewhere it raises StageSplitError naming the construct and the way out.
     """
     names = list(split_points)
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):

@@ -1,0 +1,95 @@
+"""Modules torch.export cannot capture, kept whole (runtime.kept_modules through runtime.stages.split_model): a
+mixture of experts that loops over the experts its batch hits, inside a model torch.fx cannot trace either, splits
+with the experts' module as one call; its stages hold the module, train to eager mode's gradients and route other
+batches as eager mode does; every module of its class is kept in one round; a split point may be such a module;
+a failure inside a module that encloses a split point is still refused in one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.kept_modules import KeptModule
+from runtime.stages import StageSplitError, run_stages, split_model, stage_args
+
+
+class Experts(nn.Module):
+    """Top-1 routing over 4 experts, looping over the experts the batch hits (data-dependent: export fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(choice).tolist():
+            rows = choice == expert
+            out[rows] = self.experts[expert](x[rows])
+        return x + out
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.moe = nn.LayerNorm(8), Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.norm(x))
+
+
+class Model(nn.Module):
+    """embed, 3 layers of experts, head; reshapes with len() (torch.fx cannot trace that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).reshape(len(x), -1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _kept(stages: list[nn.Module]) -> list[str]:
+    return [node.target.path for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+
+
+@pytest.mark.parametrize("split_point", ["layers.1", "layers.1.moe"], ids=["a-layer", "the-kept-module-itself"])
+def test_a_module_export_cannot_capture_is_kept_whole_and_trains_as_in_eager_mode(split_point: str) -> None:
+    model, x = Model(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    stages = split_model(model, [split_point], (x,))
+    assert stages.method == "export"
+    assert _kept(stages) == ["layers.0.moe", "layers.1.moe", "layers.2.moe"]  # every module of its class
+    first_stage = dict(stages[0].named_parameters())
+    assert first_stage["layers.0.moe.experts.3.weight"] is model.layers[0].moe.experts[3].weight
+    assert "layers.1.moe.router.weight" not in first_stage
+    for batch in (x, torch.randn(6, 4) * 3):  # another batch hits other experts: routed at run time
+        model.zero_grad()
+        reference.zero_grad()
+        found = run_stages(stages, batch)
+        wanted = reference(batch)
+        torch.testing.assert_close(found, wanted, rtol=0, atol=0)
+        found.square().sum().backward()
+        wanted.square().sum().backward()
+        for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(parameter.grad, expected.grad, rtol=1e-6, atol=1e-7, msg=name)
+    between = stage_args(stages[0], stages[0](x))
+    torch.testing.assert_close(copy.deepcopy(stages[1])(*between), stages[1](*between))  # a copy runs the same
+
+
+def test_a_failure_inside_a_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
+    with pytest.raises(StageSplitError) as raised:
+        split_model(Model(), ["layers.1.moe.experts.2"], (torch.randn(6, 4),))
+    message = str(raised.value)
+    assert "control flow (if/while/loop bounds) or a size depends on tensor values, at test_kept_modules.py:" in message
+    assert "\n" not in message
