@@ -10,13 +10,13 @@ While `FunctionCalls` is open, a custom Function applied to traced values makes 
 `KeptFunction`: at run time that applies the Function to its arguments, so autograd records the Function's own
 backward, as in eager mode (its memory, its random draws, `mark_dirty`, `ctx.needs_input_grad`).
 - torch.fx (arguments holding Proxies): a `call_function` node of the KeptFunction, returning what the Function
-  returns.
-- torch.export (fake tensors): the opaque operator `planner_split::apply(int call, Tensor[] tensors) -> Tensor[]`,
-  which export records as one node; its fake kernel runs the Function for the output's structure and shapes.
-  `keep_functions` then makes each such node call its KeptFunction, which returns the output's tensors as a list.
-The non-tensor arguments (and, under torch.fx, tensors that are constants of the trace) are held by the
-KeptFunction; the graph passes the rest. torch's own Functions (reentrant checkpointing and the like) are traced
-as before.
+  returns; tensors that are constants of the trace (buffers) are passed by the graph, as its attributes.
+- torch.export (fake tensors): the Function runs on export's fake tensors, unrecorded, for its output's structure
+  and shapes, and the call is one opaque operator (`runtime.opaque_calls`) that then calls the KeptFunction, which
+  returns the output's tensors as a list.
+The non-tensor arguments are held by the KeptFunction (`runtime.opaque_calls.Arguments`); a parameter the caller
+left out stays out. torch's own Functions (reentrant checkpointing: `runtime.checkpointed`) are not replaced here,
+and a forward called directly (not by `apply`) runs as written.
 """
 
 from __future__ import annotations
@@ -25,51 +25,43 @@ import contextvars
 import functools
 import inspect
 import os
-from types import TracebackType
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
-from torch.autograd.function import FunctionMeta, _is_setup_context_defined
+from torch._subclasses.fake_tensor import is_fake
+from torch.autograd.function import BackwardCFunction, FunctionMeta, _is_setup_context_defined
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
+from runtime.opaque_calls import Arguments, capturing, opaque_call, output_tensors
+from runtime.patches import Patches
 from runtime.random_skips import TORCH_DIR
 
-__all__ = ["FunctionCalls", "KeptFunction", "keep_functions", "opaque_call", "output_tensors"]
+__all__ = ["FunctionCalls", "KeptFunction"]
 
 _APPLY = torch.autograd.Function.__dict__["apply"].__func__
-_ABSENT = object()
-_CAPTURING: contextvars.ContextVar[list["KeptFunction"]] = contextvars.ContextVar("planner_split_calls")
-_RUNNING = contextvars.ContextVar("planner_split_running", default=False)  # the fake kernel runs the Function
+_NOT_GIVEN = object()  # a parameter the caller left out: the stand-in's default for each one
+_RUNNING = contextvars.ContextVar("planner_split_running", default=False)  # the Function itself runs, for shapes
 
 
 class KeptFunction:
     """One call of a custom autograd Function as the target of a graph node.
 
-    `node(*tensors)` applies `function` to the call's arguments with `tensors` in the places the graph fills
-    (`spec`: the pytree of (args, kwargs); `constants`: its leaves, None where a tensor goes); returns the
-    Function's output, or with `flat` the output's tensors as a list (the operator's form, under torch.export).
+    `node(*values)` applies `function` to the call's `arguments` with the graph's values in their places; returns
+    the Function's output, or with `flat` the output's tensors as a list (the operator's form, under torch.export).
     """
 
-    def __init__(self, function: type, spec: pytree.TreeSpec, constants: list[Any], flat: bool) -> None:
+    def __init__(self, function: type, arguments: Arguments, flat: bool) -> None:
         self.function = function
-        self.spec = spec
-        self.constants = constants
+        self.arguments = arguments
         self.flat = flat
-        self.outputs: list[torch.Tensor] = []  # under torch.export: the output's tensors at capture (fake)
+        self.outputs: list[torch.Tensor] = []  # under torch.export, during the capture: the output's tensors (fake)
         self.__name__ = f"{function.__name__}_apply"  # torch.fx's generated code names its targets by these
         self.__module__ = function.__module__
 
-    def arguments(self, tensors: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call's (args, kwargs) with `tensors` in their places."""
-        given = iter(tensors)
-        leaves = [next(given) if constant is None else constant for constant in self.constants]
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return args, kwargs
-
-    def __call__(self, *tensors: torch.Tensor) -> Any:
-        args, kwargs = self.arguments(tensors)
+    def __call__(self, *values: Any) -> Any:
+        args, kwargs = self.arguments.rebuild(values)
         output = _APPLY(self.function, *args, **kwargs)
         return output_tensors(output) if self.flat else output
 
@@ -82,23 +74,18 @@ class KeptFunction:
         return f"{self.function.__qualname__}.apply"
 
 
-class FunctionCalls:
+class FunctionCalls(Patches):
     """Within the block, each custom autograd Function applied to traced values becomes one graph node (module
-    docstring); `kept` lists those torch.export met, by the number the operator's nodes carry.
+    docstring); under torch.export inside an `runtime.opaque_calls.OpaqueCalls` block.
 
     The `forward` (and `setup_context`, where defined) of each custom Function class are replaced, and put back
     after: those that exist when the block begins and those defined inside it (the metaclass's `__init__` is
     replaced too). `Function.apply` looks them up at each call, so an `apply` bound before the capture
-    (`gelu = GeLUFunction.apply`, a model attribute) is caught too.
+    (`gelu = GeLUFunction.apply`, a model attribute) is caught too. Other threads, and calls on values that are
+    not traced, run the Function's own forward.
     """
 
-    def __init__(self) -> None:
-        self.kept: list[KeptFunction] = []
-        self._replaced: list[tuple[type, str, Any]] = []  # (class, attribute, its own __dict__ entry or _ABSENT)
-        self._token: contextvars.Token[list[KeptFunction]] | None = None
-
-    def __enter__(self) -> "FunctionCalls":
-        self._token = _CAPTURING.set(self.kept)
+    def patch(self) -> None:
         for cls in _custom_functions():
             self._keep(cls)
         created = FunctionMeta.__dict__["__init__"]
@@ -108,47 +95,19 @@ class FunctionCalls:
             if not _torchs_own(cls):
                 self._keep(cls)
 
-        self._replace(FunctionMeta, "__init__", creating)
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
-        for cls, attribute, own in reversed(self._replaced):
-            if own is _ABSENT:
-                delattr(cls, attribute)
-            else:
-                setattr(cls, attribute, own)
-        self._replaced.clear()
-        assert self._token is not None
-        _CAPTURING.reset(self._token)
+        self.replace(FunctionMeta, "__init__", creating)
 
     def _keep(self, cls: type) -> None:
-        """Replace the class's forward (and setup_context) for the capture."""
+        """Replace the class's forward (and setup_context) for the capture; a forward whose parameters cannot be
+        read (a builtin) is left as it is."""
+        try:
+            inspect.signature(cls.forward)
+        except (TypeError, ValueError):
+            return
         with_context = _is_setup_context_defined(cls.setup_context)
-        self._replace(cls, "forward", staticmethod(_kept_forward(cls, cls.forward, with_context)))
+        self.replace(cls, "forward", staticmethod(_kept_forward(cls, cls.forward, with_context)))
         if with_context:
-            self._replace(cls, "setup_context", staticmethod(_kept_setup_context(cls.setup_context)))
-
-    def _replace(self, owner: type, attribute: str, value: Any) -> None:
-        self._replaced.append((owner, attribute, owner.__dict__.get(attribute, _ABSENT)))
-        setattr(owner, attribute, value)
-
-
-def opaque_call(kept: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Under torch.export, inside a FunctionCalls block: one `planner_split::apply` node standing for `kept` (a
-    KeptFunction or a `runtime.kept_modules.KeptModule`: its `outputs` give the shapes) applied to `tensors`."""
-    calls = _CAPTURING.get()
-    calls.append(kept)
-    return torch.ops.planner_split.apply(len(calls) - 1, tensors)
-
-
-def keep_functions(graph: fx.Graph, kept: list[Any], attributes: dict[str, Any]) -> None:
-    """Make each `planner_split::apply` node of `graph` call what it stands for (`kept[call].place`; a kept
-    module's stage reads it from `attributes`)."""
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.planner_split.apply.default:
-            call, tensors = node.args
-            kept[call].place(graph, node, tensors, attributes)
+            self.replace(cls, "setup_context", staticmethod(_kept_setup_context(cls.setup_context)))
 
 
 def _custom_functions() -> list[type]:
@@ -164,44 +123,59 @@ def _custom_functions() -> list[type]:
 
 
 def _kept_forward(cls: type, forward: Callable[..., Any], with_context: bool) -> Callable[..., Any]:
-    """`cls.forward` while a capture runs: a call on traced values becomes one graph node."""
+    """`cls.forward` while a capture runs: a call by `apply` on traced values becomes one graph node."""
 
     def kept_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _RUNNING.get():
-            return forward(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args if with_context else args[1:], kwargs))  # without the ctx
+        given = _given(forward, args, kwargs)
+        if _RUNNING.get() or not (with_context or isinstance(args[0], BackwardCFunction)):  # called directly
+            return forward(*given[0], **given[1])
+        call_args = given[0] if with_context else given[0][1:]  # without the ctx
+        leaves = pytree.tree_leaves((call_args, given[1]))
         proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
-        if proxies:  # torch.fx
-            kept = KeptFunction(cls, spec, [None if isinstance(leaf, fx.Proxy) else leaf for leaf in leaves], False)
-            return proxies[0].tracer.create_proxy("call_function", kept, tuple(proxies), {})
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if not tensors:
-            return forward(*args, **kwargs)
-        kept = KeptFunction(cls, spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], True)
+        if proxies:  # torch.fx: tensors that are constants of the trace become its attributes
+            arguments, values = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)))
+            return proxies[0].tracer.create_proxy("call_function", KeptFunction(cls, arguments, False), tuple(values), {})
+        if not (capturing() and any(is_fake(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))):
+            return forward(*given[0], **given[1])
+        arguments, tensors = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, torch.Tensor))
+        kept = KeptFunction(cls, arguments, True)  # torch.export
         with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():  # not recorded, grad mode included
-            output = _run(kept, tensors)  # the Function itself on export's fake tensors (torch.export)
-        leaves, output_spec = pytree.tree_flatten(output)
+            output = _run(kept, tensors)  # the Function itself on export's fake tensors
+        output_leaves, output_spec = pytree.tree_flatten(output)
         kept.outputs = output_tensors(output)
-        given = iter(opaque_call(kept, tensors))
-        return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
-                                     output_spec)
+        flat = iter(opaque_call(kept, tensors))
+        return pytree.tree_unflatten([next(flat) if isinstance(leaf, torch.Tensor) else leaf
+                                      for leaf in output_leaves], output_spec)
 
     return _same_parameters(forward, kept_forward)
 
 
+def _given(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments the caller gave: trailing positional ones left out dropped, one left out before a given one
+    filled with its default (as apply passes them), keyword-only ones left out dropped."""
+    positional = list(args)
+    while positional and positional[-1] is _NOT_GIVEN:
+        positional.pop()
+    if any(value is _NOT_GIVEN for value in positional):
+        defaults = [parameter.default for parameter in inspect.signature(forward).parameters.values()]
+        positional = [defaults[index] if value is _NOT_GIVEN else value for index, value in enumerate(positional)]
+    return tuple(positional), {name: value for name, value in kwargs.items() if value is not _NOT_GIVEN}
+
+
 def _same_parameters(function: Callable[..., Any], body: Callable[[tuple[Any, ...], dict[str, Any]], Any]
                      ) -> Callable[..., Any]:
-    """A function with `function`'s parameters (names, kinds, defaults) that returns body(positional, keywords).
+    """A function with `function`'s parameters (names, kinds; each default `_NOT_GIVEN`) that returns
+    body(positional, keywords).
 
     Function.apply places keyword arguments by the parameter names of the forward's code object, so a stand-in
     for a forward must have the same ones.
     """
-    namespace: dict[str, Any] = {"_body": body}
+    namespace: dict[str, Any] = {"_planner_split_body": body, "_planner_split_not_given": _NOT_GIVEN}
     parameters, positional, keywords = [], [], []
-    for index, parameter in enumerate(inspect.signature(function).parameters.values()):
+    for parameter in inspect.signature(function).parameters.values():
         if parameter.default is not inspect.Parameter.empty:
-            namespace[f"_default{index}"] = parameter.default
-            parameter = parameter.replace(default=_Named(f"_default{index}"))
+            parameter = parameter.replace(default=_Named("_planner_split_not_given"))
         parameters.append(parameter.replace(annotation=inspect.Parameter.empty))
         name, kind = parameter.name, parameter.kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
@@ -213,8 +187,9 @@ def _same_parameters(function: Callable[..., Any], body: Callable[[tuple[Any, ..
         else:
             positional.append(name)
     declared = inspect.Signature(parameters)
-    exec(f"def stand_in{declared}:\n    return _body(({''.join(item + ', ' for item in positional)}), "  # noqa: S102
-         f"{{{', '.join(keywords)}}})\n", namespace)  # source made of the forward's own parameter names
+    passed = "".join(item + ", " for item in positional)
+    source = f"def stand_in{declared}:\n    return _planner_split_body(({passed}), {{{', '.join(keywords)}}})\n"
+    exec(source, namespace)  # noqa: S102 - made of the forward's own parameter names
     return functools.update_wrapper(namespace["stand_in"], function)
 
 
@@ -233,7 +208,7 @@ def _kept_setup_context(setup_context: Callable[..., Any]) -> Callable[..., Any]
 
     @functools.wraps(setup_context)
     def kept_setup_context(*args: Any, **kwargs: Any) -> Any:
-        return setup_context(*args, **kwargs) if _RUNNING.get() else None
+        return setup_context(*args, **kwargs) if _RUNNING.get() or not capturing() else None
 
     return kept_setup_context
 
@@ -246,33 +221,10 @@ def _run(kept: KeptFunction, tensors: list[torch.Tensor]) -> Any:
         with torch.enable_grad():
             copies = [tensor.detach().requires_grad_(True).clone() if tensor.requires_grad else tensor.detach()
                       for tensor in tensors]
-            args, kwargs = kept.arguments(copies)
+            args, kwargs = kept.arguments.rebuild(tuple(copies))
             return _APPLY(kept.function, *args, **kwargs)
     finally:
         _RUNNING.reset(token)
-
-
-def _fake_apply(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The operator on export's fake tensors: new tensors like the outputs the Function gave at capture."""
-    return [torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
-            for output in _CAPTURING.get()[call].outputs]
-
-
-def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) output, in pytree order."""
-    return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
-
-
-def _define_operator() -> torch.library.Library:
-    """Register `planner_split::apply` once per process (torch's operator registry is process-wide)."""
-    library = torch.library.Library("planner_split", "FRAGMENT")
-    if not hasattr(torch.ops.planner_split, "apply"):
-        library.define("apply(int call, Tensor[] tensors) -> Tensor[]")
-        torch.library.register_fake("planner_split::apply", _fake_apply, lib=library)
-    return library
-
-
-_LIBRARY = _define_operator()
 
 
 def _torchs_own(cls: type) -> bool:

@@ -45,12 +45,14 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from runtime.custom_functions import FunctionCalls, keep_functions
+from runtime.checkpointed import CheckpointCalls, refusal
+from runtime.custom_functions import FunctionCalls
 from runtime.kept_modules import KeptModules, failing_modules
+from runtime.opaque_calls import OpaqueCalls, place_opaque_calls
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
-__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device",
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device", "get_attribute",
            "modules_inside_blocks"]
 
 _OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
@@ -149,7 +151,7 @@ def follow_input_device(module: fx.GraphModule, captured: torch.device) -> None:
     """
     graph = module.graph
     for node in graph.nodes:
-        child = _get(module, node.target) if node.op == "get_attr" else None
+        child = get_attribute(module, node.target) if node.op == "get_attr" else None
         if isinstance(child, fx.GraphModule) and not getattr(child, "_follows_input_device", False):
             follow_input_device(child, captured)
     module._follows_input_device = True
@@ -270,19 +272,24 @@ _KEEP_ROUNDS = 8  # exports with more modules kept whole, at most, after the fir
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str]) -> tuple[ExportedProgram, list[Any]]:
-    """torch.export.export(strict=False) in the model's current mode, each custom autograd Function one node that
-    applies it (`runtime.custom_functions`). Where a value depends on tensors: again with scalar draws fixed
+    """torch.export.export(strict=False) in the model's current mode, each custom autograd Function and each
+    checkpointed module call one node that makes the call (`runtime.custom_functions`, `runtime.checkpointed`).
+    Where a value depends on tensors: again with scalar draws fixed
     (module docstring), then with the modules the failures run in kept whole (`runtime.kept_modules`), class by
     class. The program and what its `planner_split::apply` nodes stand for; ExportFailure naming what failed."""
     draws: ScalarDraws | None = None
     kept: list[str] = []
     first: Exception | None = None
     for _ in range(_KEEP_ROUNDS + 2):
-        functions = FunctionCalls()
+        calls = OpaqueCalls()
         try:
-            with _quiet_torch(), draws or contextlib.nullcontext(), KeptModules(model, kept, inputs), functions:
+            with _quiet_torch(), draws or contextlib.nullcontext(), calls, KeptModules(model, kept, inputs), \
+                    FunctionCalls(), CheckpointCalls(model, split_points):
                 program = torch.export.export(model, inputs, strict=False)
         except Exception as exc:  # any capture failure: say which construct and where
+            refused = refusal(exc)
+            if refused is not None:
+                raise ExportFailure(refused) from None
             if draws is not None and draws.random_skip is not None:
                 raise ExportFailure(draws.random_skip) from None
             if not _data_dependent(exc):
@@ -298,18 +305,18 @@ def _export(model: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[st
             continue
         if draws is not None and not draws.count and not kept:  # the retry passed a branch that is not a draw's
             raise ExportFailure(_construct(first)) from first
-        return program, functions.kept
+        return program, calls.kept
     raise ExportFailure(_construct(first)) from first
 
 
 def _place_kept(captured: CapturedModel, kept: list[Any]) -> None:
     """Make each `planner_split::apply` node call what it stands for: a custom Function, or a module kept whole
     (which its stage then holds; only in the main graph, not inside a torch.no_grad() or autocast block)."""
-    keep_functions(captured.graph, kept, captured.attributes)
+    place_opaque_calls(captured.graph, kept, captured.attributes)
     for body in list(captured.attributes.values()):
         if isinstance(body, fx.GraphModule):
             inside: dict[str, Any] = {}
-            keep_functions(body.graph, kept, inside)
+            place_opaque_calls(body.graph, kept, inside)
             if inside:
                 raise ExportFailure(f"{', '.join(inside)} cannot be captured and runs inside a torch.no_grad() or "
                                     "torch.autocast block of an enclosing forward")
@@ -532,7 +539,7 @@ def _rewrite(model: nn.Module, program: ExportedProgram, inputs: tuple[Any, ...]
         else:
             env[node] = graph.node_copy(node, lambda arg, user=node: read(arg, user))
             if node.op == "get_attr":  # export's sub-graphs of higher-order operators
-                attributes[node.target] = _get(program.graph_module, node.target)
+                attributes[node.target] = get_attribute(program.graph_module, node.target)
     tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
     if len(user_inputs) != len(inputs) or len(tensors) != len(inputs):
         raise ExportFailure(f"the example inputs must be tensors passed positionally, got "
@@ -578,7 +585,7 @@ def _structured(graph: fx.Graph, outputs: list[fx.Node], program: ExportedProgra
     return graph.call_function(pytree.tree_unflatten, (list(outputs), graph.get_attr(_OUTPUT_SPEC)))
 
 
-def _get(module: nn.Module, target: str) -> Any:
+def get_attribute(module: nn.Module, target: str) -> Any:
     """The attribute `target` ("a.b.c") of `module`."""
     value: Any = module
     for part in target.split("."):

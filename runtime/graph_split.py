@@ -12,8 +12,9 @@ import torch
 from torch import fx, nn
 
 from runtime.export_split import (
-    ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, modules_inside_blocks,
+    ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, get_attribute, modules_inside_blocks,
 )
+from runtime.checkpointed import CheckpointCalls, refusal, stands_in
 from runtime.custom_functions import FunctionCalls
 from runtime.model_state import model_state, restore_model_state
 from runtime.random_skips import ScalarDraws
@@ -63,14 +64,22 @@ class _SplitTracer(fx.Tracer):
         if name is not None and name not in self.entered:
             nodes = self.graph.nodes
             self.entered[name] = None if len(nodes) == 0 else next(iter(reversed(nodes)))
+        if stands_in(m):  # checkpointed: its forward makes the one node (`runtime.checkpointed`)
+            return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
 
 def split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:
     """Trace the model with torch.fx and cut its graph where each split module is first called (a custom autograd
     Function the trace meets is one node that applies it: `runtime.custom_functions`)."""
-    graph, entered = _trace(model, names)
-    return _cut_graph(model, model, list(graph.nodes), names, entered)
+    graph, entered, stowed = _trace(model, names)
+    for name, value in stowed.items():  # while the stages are built: they read these from the model
+        setattr(model, name, value)
+    try:
+        return _cut_graph(model, model, list(graph.nodes), names, entered)
+    finally:
+        for name in stowed:
+            delattr(model, name)
 
 
 def split_exported(model: nn.Module, names: list[str], example_inputs: tuple[Any, ...],
@@ -128,8 +137,10 @@ def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     return stages, tuple(signatures)
 
 
-def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.Node | None]]:
-    """The model's fx graph with split modules and non-enclosing modules as leaves; StageSplitError if it fails."""
+def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.Node | None], dict[str, Any]]:
+    """The model's fx graph with split modules and non-enclosing modules as leaves, where each split module is
+    entered, and the tensors the trace computed from buffers alone (fx stows them on the model as attributes;
+    the model is then put back as it was); StageSplitError if it fails."""
     split_modules = {id(model.get_submodule(name)): name for name in names}
     enclosing = {id(model.get_submodule(prefix)) for name in names for prefix in _strict_prefixes(name)}
     tracer = _SplitTracer(split_modules, enclosing)
@@ -137,15 +148,28 @@ def _trace(model: nn.Module, names: list[str]) -> tuple[fx.Graph, dict[str, fx.N
     draws = ScalarDraws()  # a layer skipped at random: fx would keep the one outcome it drew
     functions = FunctionCalls()  # a custom autograd Function: one node that applies it, its backward kept
     try:
-        with draws, functions:
+        with draws, functions, CheckpointCalls(model, names):
             graph = tracer.trace(model)
+        read = {node.target: get_attribute(model, node.target) for node in graph.nodes if node.op == "get_attr"}
     except Exception as exc:  # any tracing failure: say which forward and why
         if draws.random_skip is not None:
             raise StageSplitError(f"cannot split {type(model).__name__}: {draws.random_skip}") from None
+        refused = refusal(exc)
+        if refused is not None:
+            raise StageSplitError(f"cannot split {type(model).__name__}: {refused}") from None
         raise _trace_failure(model, exc) from exc
     finally:
         restore_model_state(saved)
-    return graph, tracer.entered
+    return graph, tracer.entered, {target: value for target, value in read.items() if not _has(model, target)}
+
+
+def _has(module: nn.Module, target: str) -> bool:
+    try:
+        get_attribute(module, target)
+    except AttributeError:
+        return False
+    return True
+
 
 
 def _strict_prefixes(name: str) -> list[str]:
@@ -233,8 +257,8 @@ def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: lis
                   index: int) -> tuple[fx.GraphModule, StageSignature]:
     """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph.
 
-    Its submodules and attributes are those of `root` (the model, or the objects an exported
-    graph reads) that its nodes use, under the same names; buffers stay out of `state_dict()`
+    Its submodules and attributes are those of `root` (the model, or the objects an exported graph reads)
+    that its nodes use, under the same names; buffers stay out of `state_dict()`
     unless they are persistent buffers of `model` under that name.
     """
     start, stop = bounds[index], bounds[index + 1]

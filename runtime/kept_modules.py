@@ -13,39 +13,47 @@ eagerly, as written.
 
 from __future__ import annotations
 
-from types import TracebackType
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from runtime.custom_functions import opaque_call, output_tensors
+from runtime.opaque_calls import Arguments, opaque_call, output_tensors
+from runtime.patches import Patches
 from runtime.model_state import model_state, restore_model_state
 
 __all__ = ["KeptModule", "KeptModules", "failing_modules"]
 
 
 class KeptModule:
-    """One call of a module kept whole, as the target of a graph node: `node(module, *tensors)` calls the module
-    on the call's arguments with `tensors` in the places the graph fills (`spec`: the pytree of (args, kwargs);
-    `constants`: its leaves, None where a tensor goes) and returns its output's tensors as a list."""
+    """One call of a module kept whole, as the target of a graph node: `node(module, *values)` calls `function`
+    (the module's own `nn.Module.__call__`, or the function the model checkpointed, which takes the module first)
+    on the call's `arguments` with the graph's values in their places, through
+    `torch.utils.checkpoint.checkpoint(..., **checkpoint)` where the model checkpoints the call
+    (`runtime.checkpointed`); returns its output's tensors as a list, or with `flat` False (torch.fx) the output."""
 
-    def __init__(self, path: str, module: nn.Module, spec: pytree.TreeSpec, constants: list[Any],
-                 outputs: list[torch.Tensor]) -> None:
+    def __init__(self, path: str, module: nn.Module, arguments: Arguments, outputs: list[torch.Tensor],
+                 function: Callable[..., Any] = nn.Module.__call__, checkpoint: dict[str, Any] | None = None,
+                 flat: bool = True) -> None:
         self.path = path
         self.module = module
-        self.spec = spec
-        self.constants = constants
-        self.outputs = outputs  # the output's tensors in the eager run: the operator's fake kernel copies their shapes
+        self.arguments = arguments
+        self.outputs = outputs  # during the capture: the output's tensors, whose shapes the operator's fake kernel copies
+        self.function = function
+        self.checkpoint = checkpoint
+        self.flat = flat
         self.__name__ = f"call_{path.replace('.', '_')}"  # torch.fx's generated code names its targets by these
         self.__module__ = __name__
 
-    def __call__(self, module: nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        given = iter(tensors)
-        args, kwargs = pytree.tree_unflatten([next(given) if constant is None else constant
-                                              for constant in self.constants], self.spec)
-        return output_tensors(module(*args, **kwargs))
+    def __call__(self, module: nn.Module, *values: Any) -> Any:
+        args, kwargs = self.arguments.rebuild(values)
+        call = functools.partial(self.function, module, **kwargs)
+        output = call(*args) if self.checkpoint is None else torch.utils.checkpoint.checkpoint(call, *args,
+                                                                                              **self.checkpoint)
+        return output_tensors(output) if self.flat else output
 
     def place(self, graph: fx.Graph, node: fx.Node, tensors: Sequence[fx.Node], attributes: dict[str, Any]) -> None:
         """Make `node` call the module, read by a get_attr node just before it (so its stage holds the module)."""
@@ -56,36 +64,26 @@ class KeptModule:
         node.args = (holder, *tensors)
 
     def __repr__(self) -> str:
-        return f"{self.path} ({type(self.module).__name__}, kept whole)"
+        how = "checkpointed" if self.checkpoint is not None else "kept whole"
+        return f"{self.path} ({type(self.module).__name__}, {how})"
 
 
-class KeptModules:
+class KeptModules(Patches):
     """Within the block, a call of each module in `paths` is one opaque operation of the graph export records."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], example_inputs: tuple[Any, ...]) -> None:
+        super().__init__()
         self.model = model
         self.paths = list(paths)
         self.example_inputs = example_inputs
-        self._saved: list[tuple[nn.Module, Any]] = []
 
-    def __enter__(self) -> "KeptModules":
+    def patch(self) -> None:
         if not self.paths:
-            return self
+            return
         outputs = _eager_outputs(self.model, self.paths, self.example_inputs)
         for path in self.paths:
             module = self.model.get_submodule(path)
-            self._saved.append((module, module.__dict__.get("forward", _ABSENT)))
-            module.forward = _stand_in(path, module, outputs[path])
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
-        for module, forward in reversed(self._saved):
-            if forward is _ABSENT:
-                del module.forward
-            else:
-                module.forward = forward
-        self._saved.clear()
+            self.replace(module, "forward", _stand_in(path, module, outputs[path]))
 
 
 def failing_modules(model: nn.Module, exc: BaseException, split_points: Sequence[str],
@@ -114,9 +112,6 @@ def failing_modules(model: nn.Module, exc: BaseException, split_points: Sequence
             and not any(name.startswith(f"{other}.") for other in kept)]
 
 
-_ABSENT = object()
-
-
 def _eager_outputs(model: nn.Module, paths: Sequence[str], inputs: tuple[Any, ...]) -> dict[str, list[Any]]:
     """What each module of `paths` returns at each of its calls when the model runs on `inputs` (no autograd;
     the model's state and the random state put back after)."""
@@ -143,11 +138,9 @@ def _stand_in(path: str, module: nn.Module, outputs: list[Any]) -> Any:
         output = next(calls, None)
         if output is None:
             raise RuntimeError(f"{path} is called more often under torch.export than when the model runs")
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor))
         output_leaves, output_spec = pytree.tree_flatten(output)
-        kept = KeptModule(path, module, spec, constants, output_tensors(output))
+        kept = KeptModule(path, module, arguments, output_tensors(output))
         given = iter(opaque_call(kept, tensors))
         return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf
                                       for leaf in output_leaves], output_spec)

@@ -3,8 +3,9 @@ one node of the traced (torch.fx) or exported (torch.export) graph that applies 
 with the Function's own backward, as eager mode does: a gradient reversal, a straight-through estimator, a
 hand-written derivative that saves only its input (BLOOM's GeLU: its memory too), an in-place softmax autograd
 could not differentiate (4.46's DeBERTa-v2), keyword and non-tensor arguments and outputs, random draws, in-place
-`mark_dirty` Functions, the setup_context style, an `apply` bound before the split, a class defined in the forward; the classes are as they were
-afterwards."""
+`mark_dirty` Functions, the setup_context style, an `apply` bound before the split, a class defined in the forward,
+a defaulted argument left out, buffers and devices that follow the stage; a forward called directly runs as
+written; the classes are as they were afterwards."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from autograd_saved import saved_bytes
 from runtime.stages import run_stages, split_model
 
 
@@ -225,6 +227,31 @@ class ReverseAgain(Reverse):
     """Inherits Reverse's forward and backward."""
 
 
+class ReverseScaled(torch.autograd.Function):
+    """Gradient reversal with a defaulted strength its backward ignores: one gradient, as in eager mode where the
+    caller leaves `alpha` out."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        return x * alpha
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class Masked(torch.autograd.Function):
+    """x times diag(mask), the mask moved to `device`; the mask's gradient None."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return x @ torch.diag(mask.to(device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return -grad, None, None
+
+
 def _reversed_by_a_class_made_now(h: torch.Tensor) -> torch.Tensor:
     class MadeNow(torch.autograd.Function):
         @staticmethod
@@ -253,6 +280,8 @@ CALLS = {
     "inherited": ReverseAgain.apply,
     "setup-context": lambda h: ScaledWithContext.apply(h, -1.0),
     "class-defined-in-the-forward": _reversed_by_a_class_made_now,
+    "defaulted-argument-left-out": ReverseScaled.apply,
+    "forward-called-directly": lambda h: Reverse.forward(None, h) * 2,  # plain operations, as in eager mode
     "straight-through": Rounding.apply,
     "hand-written-derivative": TanhGelu.apply,
     "in-place-softmax": ZeroedSoftmax.apply,
@@ -301,19 +330,6 @@ def test_the_reversal_is_not_the_forwards_derivative() -> None:
     torch.testing.assert_close(reversed_model.features.weight.grad, -model.features.weight.grad)
 
 
-def _saved_bytes(run: Any) -> int:
-    """Bytes of the distinct storages autograd saves while `run()` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
-
-
 class Wide(nn.Module):
     """A width-256 linear, BLOOM's GeLU Function, a head: the Function saves its input alone."""
 
@@ -331,11 +347,11 @@ class Wide(nn.Module):
 @pytest.mark.parametrize("by_len", [False, True], ids=["fx", "export"])
 def test_a_function_that_saves_less_than_its_forwards_operations_saves_as_much_once_split(by_len: bool) -> None:
     model, x = Wide(by_len), torch.randn(32, 64)
-    eager = _saved_bytes(lambda: model(x))
-    inlined = _saved_bytes(lambda: model.down(model.up(x) * 0.5 * (1 + torch.tanh(0.79788456 * model.up(x)))))
+    eager = saved_bytes(lambda: model(x))
+    inlined = saved_bytes(lambda: model.down(model.up(x) * 0.5 * (1 + torch.tanh(0.79788456 * model.up(x)))))
     assert inlined > eager  # operations in place of the Function would save more (the test can tell)
     stages = split_model(model, ["down"], (x,))
-    assert _saved_bytes(lambda: run_stages(stages, x)) == eager
+    assert saved_bytes(lambda: run_stages(stages, x)) == eager
 
 
 def test_a_function_applied_only_when_autograd_records_is_one_node_of_the_traced_graph() -> None:
@@ -348,3 +364,54 @@ def test_a_function_applied_only_when_autograd_records_is_one_node_of_the_traced
     reference(x).sum().backward()
     for name, wanted in _grads(reference).items():
         torch.testing.assert_close(_grads(model)[name], wanted, rtol=0, atol=0, msg=name)
+
+
+class WithBuffer(nn.Module):
+    """A Function given a buffer and the input's device, in a forward torch.fx traces (`by_len`: export)."""
+
+    def __init__(self, by_len: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.by_len = nn.Linear(4, 4), nn.Linear(4, 2), by_len
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.by_len:
+            h = h.reshape(len(h), -1)
+        return self.b(Masked.apply(h, self.mask, h.device))
+
+
+@pytest.mark.parametrize("by_len", [False, True], ids=["fx", "export"])
+@pytest.mark.parametrize("moved_to", ["double", "meta"])
+def test_a_functions_buffer_and_device_arguments_follow_the_stage(by_len: bool, moved_to: str) -> None:
+    model, x = WithBuffer(by_len), torch.randn(3, 4)
+    stages = split_model(model, ["b"], (x,))
+    move: Any = (lambda value: value.double()) if moved_to == "double" else (lambda value: value.to("meta"))
+    for stage in stages:
+        move(stage)  # as a runtime moves stages to their device: the buffer goes too
+    assert move(torch.ones(1)).dtype == stages[0].get_buffer("mask").dtype
+    assert stages[0].get_buffer("mask").device == move(torch.ones(1)).device
+    found = run_stages(stages, move(x))
+    wanted = move(copy.deepcopy(model))(move(x))
+    assert found.device == wanted.device and found.dtype == wanted.dtype
+    if moved_to == "double":
+        torch.testing.assert_close(found, wanted)
+
+
+def test_functions_run_as_written_outside_the_capture_and_a_forward_without_a_signature_is_left_alone() -> None:
+    class Builtin(torch.autograd.Function):
+        forward = staticmethod(max)  # no signature to copy: left as it is
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    from runtime.custom_functions import FunctionCalls
+
+    x = torch.randn(3, requires_grad=True)
+    with FunctionCalls():  # as in another thread while a split runs: real tensors, no capture
+        Reverse.apply(x).sum().backward()
+        assert Builtin.forward is max
+    torch.testing.assert_close(x.grad, -torch.ones(3))
+    assert "forward" in Reverse.__dict__ and Reverse.__dict__["forward"].__func__.__name__ == "forward"

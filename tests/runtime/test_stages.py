@@ -308,3 +308,24 @@ def test_split_points_out_of_order_are_rejected() -> None:
     mlp, _, _ = fresh("mlp")
     with pytest.raises(StageSplitError, match="order"):
         split_model(mlp, ["6", "3"])
+
+
+class _ScaledByABuffer(nn.Module):
+    """A traced forward that computes a tensor from a buffer alone (torch.fx keeps it as a constant of the trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * (self.scale * 2))
+
+
+def test_a_tensor_a_traced_forward_computes_from_buffers_alone_is_held_by_its_stage() -> None:
+    model, x = _ScaledByABuffer(), torch.randn(3, 4)
+    before = set(model.__dict__)
+    stages = split_model(model, ["b"])
+    assert stages.method == "fx" and set(model.__dict__) == before  # the model as it was
+    torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)

@@ -1,0 +1,120 @@
+"""One graph node for a call the split keeps whole: the arguments the node holds, and the operator torch.export records.
+
+A custom autograd Function (`runtime.custom_functions`), a module export cannot capture (`runtime.kept_modules`)
+and a checkpointed module call (`runtime.checkpointed`) each become one node that makes the call at run time.
+- `Arguments` holds a call's (args, kwargs) with the traced values taken out: the node passes those, the rest
+  (numbers, flags, None, devices, other objects) it holds. A device equal to the one the model was captured on
+  follows the device of the call's first tensor at run time, as export's own factory calls do
+  (`runtime.export_split.follow_input_device`).
+- Under torch.export, `OpaqueCalls` collects what each call stands for, and `opaque_call` records it as the opaque
+  operator `planner_split::apply(int call, Tensor[] tensors) -> Tensor[]` (its fake kernel makes tensors shaped
+  like the `outputs` the call gave at capture). `place_opaque_calls` then makes each such node make its call:
+  `kept.place(graph, node, tensors, attributes)`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["PASSED", "Arguments", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls"]
+
+PASSED = object()  # in Arguments.constants: a value the graph passes
+_CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
+
+
+@dataclass
+class Arguments:
+    """A call's (args, kwargs) as the pytree `spec` of their leaves: `constants` holds each leaf the node keeps,
+    `PASSED` where the graph passes a value; `device`: the capture device of the first value passed (None if none)."""
+
+    spec: pytree.TreeSpec
+    constants: list[Any]
+    device: torch.device | None
+
+    @staticmethod
+    def of(args: tuple[Any, ...], kwargs: dict[str, Any], passed: Callable[[Any], bool]) -> tuple["Arguments", list[Any]]:
+        """The call's Arguments, and the leaves for which `passed` holds, which the graph is to pass, in order."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        values = [leaf for leaf in leaves if passed(leaf)]
+        device = next((leaf.device for leaf in values if isinstance(leaf, torch.Tensor)), None)
+        return Arguments(spec, [PASSED if passed(leaf) else leaf for leaf in leaves], device), values
+
+    def rebuild(self, values: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's (args, kwargs) with `values` in their places (and the capture device followed)."""
+        given = iter(values)
+        now = next((value.device for value in values if isinstance(value, torch.Tensor)), self.device)
+        leaves = [next(given) if constant is PASSED
+                  else now if isinstance(constant, torch.device) and constant == self.device
+                  else constant for constant in self.constants]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+class OpaqueCalls:
+    """Within the block (one torch.export), `opaque_call` records calls; `kept` lists them by number."""
+
+    def __init__(self) -> None:
+        self.kept: list[Any] = []
+        self._token: contextvars.Token[list[Any]] | None = None
+
+    def __enter__(self) -> "OpaqueCalls":
+        self._token = _CAPTURING.set(self.kept)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        assert self._token is not None
+        _CAPTURING.reset(self._token)
+
+
+def capturing() -> bool:
+    """Whether an OpaqueCalls block is open in this thread (a torch.export capture)."""
+    return _CAPTURING.get(None) is not None
+
+
+def opaque_call(kept: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inside an OpaqueCalls block, under torch.export: one operator node standing for `kept` applied to `tensors`
+    (`kept.outputs`: the output's tensors at capture, for their shapes); what the graph's values then are."""
+    calls = _CAPTURING.get()
+    calls.append(kept)
+    return torch.ops.planner_split.apply(len(calls) - 1, tensors)
+
+
+def place_opaque_calls(graph: fx.Graph, kept: list[Any], attributes: dict[str, Any]) -> None:
+    """Make each operator node of `graph` make the call it stands for (`kept[call].place`; a node may have its
+    stage hold an object under a name, in `attributes`). The capture's fake outputs are let go."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.planner_split.apply.default:
+            call, tensors = node.args
+            kept[call].place(graph, node, tensors, attributes)
+            kept[call].outputs = []
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) output, in pytree order."""
+    return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+
+
+def _fake_apply(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The operator on export's fake tensors: new tensors like the outputs the call gave at capture."""
+    return [torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
+            for output in _CAPTURING.get()[call].outputs]
+
+
+def _define_operator() -> torch.library.Library:
+    """Register `planner_split::apply` once per process (torch's operator registry is process-wide)."""
+    library = torch.library.Library("planner_split", "FRAGMENT")
+    if not hasattr(torch.ops.planner_split, "apply"):
+        library.define("apply(int call, Tensor[] tensors) -> Tensor[]")
+        torch.library.register_fake("planner_split::apply", _fake_apply, lib=library)
+    return library
+
+
+_LIBRARY = _define_operator()

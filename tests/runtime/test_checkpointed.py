@@ -1,0 +1,150 @@
+"""Activation checkpointing at the split (runtime.checkpointed through runtime.stages.split_model): a model that
+checkpoints its blocks (torch.utils.checkpoint, reentrant or not, however it names the block; transformers'
+gradient checkpointing) splits with each checkpointed call kept, checkpointed: its stages save what eager mode
+saves and train to eager mode's gradients, under torch.fx and torch.export; what cannot be kept is refused in one
+line; torch is as it was afterwards."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runtime.kept_modules import KeptModule
+from autograd_saved import saved_bytes
+from runtime.stages import StageSplitError, run_stages, split_model
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x))) * scale
+
+
+CALLS: dict[str, Callable[[Block, torch.Tensor, bool], torch.Tensor]] = {
+    "module": lambda block, h, reentrant: checkpoint(block, h, use_reentrant=reentrant),
+    "bound-forward": lambda block, h, reentrant: checkpoint(block.forward, h, use_reentrant=reentrant),
+    "partial-of-call": lambda block, h, reentrant: checkpoint(functools.partial(block.__call__, scale=0.5), h,
+                                                              use_reentrant=reentrant),
+}
+
+
+class Model(nn.Module):
+    """embed, 3 checkpointed blocks, head; `by_len` reshapes with len() (torch.fx cannot trace that)."""
+
+    def __init__(self, call: str, reentrant: bool, by_len: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(4, 16), nn.Linear(16, 2)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.call, self.reentrant, self.by_len = CALLS[call], reentrant, by_len
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.by_len:
+            h = h.reshape(len(h), -1)
+        for block in self.blocks:
+            h = self.call(block, h, self.reentrant)
+        return self.head(h)
+
+
+def _torch_now() -> list[Any]:
+    return [torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction.forward,
+            nn.Module.__call__, dict(Block.__dict__)]
+
+
+@pytest.mark.parametrize("by_len, method", [(False, "fx"), (True, "export")])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_checkpointed_blocks_stay_checkpointed_once_split(call: str, reentrant: bool, by_len: bool,
+                                                          method: str) -> None:
+    before = _torch_now()
+    model, x = Model(call, reentrant, by_len), torch.randn(32, 4)
+    reference = copy.deepcopy(model)
+    if call == "bound-forward" and not reentrant:  # torch calls the bound forward itself: no module call to keep
+        with pytest.raises(StageSplitError, match=r"checkpoints Block.forward \(torch.utils.checkpoint, "
+                                                  r"use_reentrant=False\), which the split can keep whole only as a "
+                                                  r"call of a module: checkpoint the module"):
+            split_model(model, ["blocks.1"], (x,))
+        assert _torch_now() == before
+        return
+    stages = split_model(model, ["blocks.1"], (x,))
+    assert stages.method == method
+    assert _torch_now() == before
+    kept = [node.target for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+    assert [target.path for target in kept] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(target.checkpoint["use_reentrant"] is reentrant for target in kept)
+    eager = saved_bytes(lambda: reference(x))
+    assert eager < saved_bytes(lambda: _uncheckpointed(reference)(x)) / 2  # checkpointing saves memory here
+    assert saved_bytes(lambda: run_stages(stages, x)) == eager
+    run_stages(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _uncheckpointed(model: Model) -> Model:
+    """A copy that calls its blocks without checkpointing."""
+    plain = copy.deepcopy(model)
+    plain.call = lambda block, h, _reentrant: block(h)
+    return plain
+
+
+def test_a_checkpointed_function_that_is_not_a_module_call_is_refused_in_one_line() -> None:
+    model, x = Model("module", False, True), torch.randn(8, 4)
+    model.call = lambda block, h, _reentrant: checkpoint(lambda value: block(value) * 2, h, use_reentrant=False)
+    with pytest.raises(StageSplitError) as raised:
+        split_model(model, ["blocks.1"], (x,))
+    message = str(raised.value)
+    assert "checkpoints test_a_checkpointed_function_that_is_not_a_module_call_is_refused_in_one_line.<locals>." \
+           "<lambda>.<locals>.<lambda> (torch.utils.checkpoint" in message
+    assert "checkpoint the module" in message and "--memory needs it" in message and "\n" not in message
+
+
+def test_a_checkpointed_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
+    with pytest.raises(StageSplitError, match=r"split point 'blocks.1.down' is inside blocks.1, which the forward "
+                                              r"checkpoints \(torch.utils.checkpoint\) as one call"):
+        split_model(Model("module", False, True), ["blocks.1.down"], (torch.randn(8, 4),))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_transformers_gradient_checkpointing_splits_checkpointed(reentrant: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x; gradient_checkpointing_enable before
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    tokens = torch.randint(0, 64, (4, 16))
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.gpt(input_ids=ids).logits
+
+    wrapped = Logits()
+    reference = copy.deepcopy(wrapped)
+    eager = saved_bytes(lambda: reference(tokens))
+    stages = split_model(wrapped, ["gpt.transformer.h.1"], (tokens,))
+    mask = 4 * 16 * 16  # bytes: the exported graph passes the layers a causal mask (bool), where eager mode passes None
+    assert saved_bytes(lambda: run_stages(stages, tokens)) == eager + mask
+    run_stages(stages, tokens).square().mean().backward()
+    reference(tokens).square().mean().backward()
+    for (name, parameter), wanted in zip(wrapped.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-5, atol=1e-7, msg=name)
