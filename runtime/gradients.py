@@ -49,7 +49,8 @@ def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequ
     takes part once; a parameter whose users all lie on one rank (zbv puts gpt's embedding and head on
     rank 0) is an ordinary one there, with no group. `tied` follows `shared`'s order on every rank
     (all-reducing the groups in one order cannot deadlock). A rank of several stages needs one replica per
-    stage (one replica group at most).
+    stage (one replica group at most). A parameter that needs no gradient (`requires_grad=False`, frozen
+    for fine-tuning) is in neither list: it gets no gradient, so no optimizer state either.
     """
     replica_groups = [dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for ranks in stage_ranks]
     holders = [sorted({rank for held_by in held.stages for rank in stage_ranks[held_by]}) for held in shared]
@@ -63,9 +64,12 @@ def make_rank_gradient_groups(stage_ranks: Sequence[Sequence[int]], shared: Sequ
         mine = [stage for stage in held.stages if stage in modules]
         if mine and tied_groups[index] is not None:  # one rank holding every user (zbv's rank 0): nothing to sum
             name = held.stage_names[held.stages.index(mine[0])]
-            tied.append((dict(modules[mine[0]].named_parameters())[name], tied_groups[index]))
+            parameter = dict(modules[mine[0]].named_parameters())[name]
+            if parameter.requires_grad:
+                tied.append((parameter, tied_groups[index]))
     tied_ids = {id(parameter) for parameter, _ in tied}
-    unique = {id(p): p for module in modules.values() for p in module.parameters() if id(p) not in tied_ids}
+    unique = {id(p): p for module in modules.values() for p in module.parameters()
+              if id(p) not in tied_ids and p.requires_grad}
     group = replica_groups[replicated_stages[0]] if replicated_stages else None
     return GradientGroups(tied, list(unique.values()), group)
 

@@ -21,17 +21,17 @@ def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, flo
     """(step seconds, step scratch bytes, accumulation seconds) per parameter byte, and step seconds per
     parameter tensor: one `optimizer` step's time and scratch memory and one gradient accumulation's
     time over the whole model (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`,
-    `grad_accumulation_ms`) divided by its parameter bytes, the step's time after taking off its
-    per-tensor cost (`optimizer_step_per_tensor_ms` x the model's tensors) when measured; 0 for what
-    the profile did not measure."""
-    if profile.total_param_bytes <= 0:
+    `grad_accumulation_ms`) divided by its parameter bytes that need a gradient (the others have none to
+    step or add), the step's time after taking off its per-tensor cost (`optimizer_step_per_tensor_ms` x
+    the model's tensors) when measured; 0 for what the profile did not measure."""
+    total = profile.trainable_param_bytes
+    if total <= 0:
         return 0.0, 0.0, 0.0, 0.0
     step_ms = profile.optimizer_step_ms.get(optimizer, 0.0)
     per_tensor_ms = profile.optimizer_step_per_tensor_ms.get(optimizer, 0.0) if profile.param_tensors else 0.0
     per_tensor_ms = min(per_tensor_ms, step_ms / max(sum(profile.param_tensors), 1))
     step_ms -= per_tensor_ms * sum(profile.param_tensors)
     scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
-    total = profile.total_param_bytes
     return (step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total,
             per_tensor_ms / 1000.0)
 
@@ -41,12 +41,14 @@ class LayerArrays:
     """Prefix sums over a profile's layers: stage [i, j) totals are `x[j] - x[i]`.
 
     `compute_s`: forward + backward seconds; `fwd_s`: forward seconds alone (None: all zero);
-    `param_bytes`; `cut_bytes[k]`: bytes crossing the
+    `param_bytes`: of the parameters that need a gradient (they have gradients, optimizer state, all-reduces);
+    `frozen_bytes`: of those that need none (weights alone; None: all zero), with `frozen_shared` their shared
+    ones as `shared` is for `param_bytes`; `cut_bytes[k]`: bytes crossing the
     boundary after layer k (not a prefix sum); `saved_bytes`: activation bytes kept per
     in-flight mini-batch (None: all zero); `shared`: parameters used by several layers, as
     (first layer, other layers, bytes): `param_bytes` counts them at the first layer only, a
     stage holding one of the other layers holds a copy too; `workspace_bytes[k]`: bytes layer k's
-    backward holds beyond saved activations (not a prefix sum; None: all zero); `param_tensors`:
+    backward, or its forward if more, holds beyond saved activations (not a prefix sum; None: all zero); `param_tensors`:
     parameter tensors, a prefix sum counted as `param_bytes` (None: all zero; a shared one's copy
     counts 1). `weight_s`: the weight-gradient part (W) of each layer's backward, seconds, a prefix
     sum: backward - input-gradient part where the profile measured it (`bwd_input_ms`), else
@@ -73,6 +75,8 @@ class LayerArrays:
     split_applied: float = 1.0  # the ratio the backward times carry now (`for_schedule`)
     deferred_bytes: np.ndarray | None = None
     deferred_measured: bool = False
+    frozen_bytes: np.ndarray | None = None
+    frozen_shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.fwd_s is None:
@@ -85,6 +89,8 @@ class LayerArrays:
             object.__setattr__(self, "weight_s", ASSUMED_WEIGHT_SHARE * (self.compute_s - self.fwd_s))
         if self.deferred_bytes is None:
             object.__setattr__(self, "deferred_bytes", np.zeros_like(self.compute_s))
+        if self.frozen_bytes is None:
+            object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
 
     @property
     def num_layers(self) -> int:
@@ -96,7 +102,8 @@ class LayerArrays:
         """Prefix sums of a profile's layers (times converted from ms to seconds)."""
         compute = np.array([(layer.fwd_ms + layer.bwd_ms) / 1000.0 for layer in profile.layers])
         forward = np.array([layer.fwd_ms / 1000.0 for layer in profile.layers])
-        params = np.array([float(layer.param_bytes) for layer in profile.layers])
+        frozen = np.array([float(nbytes) for nbytes in profile.frozen_param_bytes] or [0.0] * len(profile.layers))
+        params = np.array([float(layer.param_bytes) for layer in profile.layers]) - frozen
         saved = np.array([float(layer.saved_bytes) for layer in profile.layers])
         inputs_ms = [getattr(layer, "bwd_input_ms", None) for layer in profile.layers]
         measured = all(ms is not None for ms in inputs_ms)
@@ -111,10 +118,13 @@ class LayerArrays:
             param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
             cut_bytes=np.array([float(layer.cut_bytes) for layer in profile.layers]),
             saved_bytes=np.concatenate([[0.0], np.cumsum(saved)]),
-            shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params),
+            shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params
+                         if not p.frozen),
+            frozen_bytes=np.concatenate([[0.0], np.cumsum(frozen)]),
+            frozen_shared=tuple((p.layers[0], tuple(p.layers[1:]), float(p.nbytes)) for p in profile.shared_params
+                                if p.frozen),
             fwd_s=np.concatenate([[0.0], np.cumsum(forward)]),
-            workspace_bytes=np.array([float(nbytes) for nbytes in profile.workspace_bytes]) if profile.workspace_bytes
-            else None,
+            workspace_bytes=_working_bytes(profile),
             param_tensors=np.concatenate([[0.0], np.cumsum(profile.param_tensors)]) if profile.param_tensors else None,
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
             split_backward_ratio=max(1.0, float(getattr(profile, "split_backward_ratio", None) or 1.0)),
@@ -192,16 +202,26 @@ class LayerArrays:
         """`stage_weight_bytes` of many stages [starts[k], stops[k]) at once."""
         return self._with_copies(self.param_bytes, starts, stops, lambda nbytes: nbytes)
 
+    def stage_frozen_bytes(self, start: int, stop: int) -> float:
+        """Bytes of the parameters needing no gradient a stage [start, stop) holds, shared copies included."""
+        return float(self.pair_frozen_bytes(np.array([start]), np.array([stop]))[0])
+
+    def pair_frozen_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """`stage_frozen_bytes` of many stages at once."""
+        assert self.frozen_bytes is not None
+        return self._with_copies(self.frozen_bytes, starts, stops, lambda nbytes: nbytes, self.frozen_shared)
+
     def pair_tensor_counts(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """`stage_tensor_count` of many stages at once."""
         return self._with_copies(self.param_tensors, starts, stops, lambda nbytes: 1.0)
 
     def _with_copies(self, prefix: np.ndarray, starts: np.ndarray, stops: np.ndarray,
-                     per_copy: Callable[[float], float]) -> np.ndarray:
-        """prefix[stop] - prefix[start], plus per_copy(bytes) for each shared parameter a stage uses
-        whose first user lies outside it."""
+                     per_copy: Callable[[float], float],
+                     shared: tuple[tuple[int, tuple[int, ...], float], ...] | None = None) -> np.ndarray:
+        """prefix[stop] - prefix[start], plus per_copy(bytes) for each shared parameter (`shared`, default
+        `self.shared`) a stage uses whose first user lies outside it."""
         found = prefix[stops] - prefix[starts]
-        for first, others, nbytes in self.shared:
+        for first, others, nbytes in self.shared if shared is None else shared:
             holds_other = np.zeros(len(starts), dtype=bool)
             for layer in others:
                 holds_other |= (starts <= layer) & (layer < stops)
@@ -215,6 +235,14 @@ class LayerArrays:
     def cut_after(self, stop: int) -> float:
         """Bytes leaving a stage that ends before layer `stop` (0 for the last stage)."""
         return 0.0 if stop == self.num_layers else float(self.cut_bytes[stop - 1])
+
+
+def _working_bytes(profile: Profile) -> np.ndarray | None:
+    """Per layer, the larger of what its backward and its forward hold beyond saved activations (None: neither
+    measured)."""
+    measured = [np.array(values, dtype=float) for values in (profile.workspace_bytes,
+                                                             getattr(profile, "forward_workspace_bytes", ())) if values]
+    return np.maximum.reduce(measured) if measured else None
 
 
 def interpolate_ms(sizes: Sequence[int], times_ms: np.ndarray, size: float) -> np.ndarray:

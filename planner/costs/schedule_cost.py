@@ -62,7 +62,7 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
     zb-h1: n = min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)), P the cluster's devices (a microbatch
            is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
-    memory = W (2 + k) + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
+    memory = W (2 + k) + F + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
            (zb-h1: + min(d + 1, ceil(m / r)) g inside the max, g = sigma deferred_bytes of the stage's layers, the
            gradients a microbatch keeps from its B to its W, 0 on the first stage; d = ceil((P - D) / r))
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
@@ -258,9 +258,10 @@ def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrF
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
                  saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat, recompute: ArrayOrBool,
-                 workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0,
+                 workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0, frozen_bytes: ArrayOrFloat = 0.0,
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
-    """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k), held = a per
+    """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
+    a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
     microbatch in flight (the bytes entering the stage when recomputing), rebuilt = what a backward
     holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
     it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
@@ -277,7 +278,7 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     `deferred_bytes` is already scaled by sigma."""
     total = inputs.cluster.num_devices
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, total)
-    base = weight_bytes * (2 + inputs.optimizer_copies)
+    base = weight_bytes * (2 + inputs.optimizer_copies) + frozen_bytes
     held = np.where(recompute, entering_bytes, saved_bytes)
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
@@ -352,7 +353,8 @@ def stage_cost(
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     deferred = float(deferred_terms(inputs, start, stop))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
-        inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred))
+        inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
+        arrays.stage_frozen_bytes(start, stop)))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred)
 

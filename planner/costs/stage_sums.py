@@ -27,6 +27,7 @@ class Pairs:
         self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weights = weights
+        self.frozen = arrays.pair_frozen_bytes(starts, stops)  # weights that need no gradient, with shared copies
         self.replicated = arrays.pair_replicated_bytes(starts, stops)  # what the replicas all-reduce
         self.tensors = arrays.pair_tensor_counts(starts, stops)  # parameter tensors, shared copies included
         saved = arrays.saved_bytes

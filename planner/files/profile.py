@@ -70,11 +70,13 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class SharedParam:
-    """A parameter used by several layers (tied weights): its names, size and the layers using it."""
+    """A parameter used by several layers (tied weights): its names, size and the layers using it; `frozen`: it
+    needs no gradient (`requires_grad=False`: no gradient, optimizer state or sum across its users)."""
 
     names: tuple[str, ...]
     nbytes: int
     layers: tuple[int, ...]
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,10 +153,15 @@ class Profile:
     gradients into every `.grad` (each backward after a stage's first in a step does).
     `optimizer_step_per_tensor_ms`: per optimizer, its step's cost per parameter tensor, ms (timed over
     many one-element tensors), the rest of `optimizer_step_ms` being per byte; `param_tensors[i]`: the
-    parameter tensors layer i holds, counted as `param_bytes` is.
+    parameter tensors layer i holds that need a gradient, counted as `param_bytes` is.
+    `frozen_param_bytes[i]`: the part of layer i's `param_bytes` that needs no gradient (`requires_grad=False`,
+    as in fine-tuning with a frozen backbone or LoRA): weights only, no gradient, optimizer state or all-reduce;
+    empty: none frozen (older files, PipeDream imports).
     `workspace_bytes[i]`: the most bytes live while layer i's backward runs beyond weights, their
     gradients, the batch and the saved activations (gradients between layers, temporaries;
     `planner.profiling.memory.measure_workspace`). Empty or 0 in older and imported profiles.
+    `forward_workspace_bytes[i]`: the same while layer i's forward runs (its input, output and temporaries beyond
+    what autograd saves: all a layer that saves nothing holds); empty in older and imported profiles.
     `split_backward_ratio`: how much longer a backward takes run as zero-bubble schedules' B then W
     (`planner.profiling.backward_split`) than run whole: the median over pairs of steps of
     split_k / plain_k, each the backward of the whole model after its first layer (that layer's
@@ -196,8 +203,10 @@ class Profile:
     optimizer_scratch_bytes: dict[str, int] = field(default_factory=dict)
     grad_accumulation_ms: float = 0.0
     workspace_bytes: tuple[int, ...] = ()
+    forward_workspace_bytes: tuple[int, ...] = ()
     optimizer_step_per_tensor_ms: dict[str, float] = field(default_factory=dict)
     param_tensors: tuple[int, ...] = ()
+    frozen_param_bytes: tuple[int, ...] = ()
     split_backward_ratio: float | None = None
     deferred_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
@@ -205,7 +214,8 @@ class Profile:
     batch_coupling: BatchCoupling | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workspace_bytes", "param_tensors", "deferred_bytes"):
+        for name in ("workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes",
+                     "deferred_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
@@ -266,6 +276,11 @@ class Profile:
         """Bytes of all parameters, shared ones counted once."""
         return sum(layer.param_bytes for layer in self.layers)
 
+    @property
+    def trainable_param_bytes(self) -> int:
+        """Bytes of the parameters that need a gradient (`total_param_bytes` less `frozen_param_bytes`)."""
+        return self.total_param_bytes - sum(self.frozen_param_bytes)
+
     def to_dataframe(self) -> "pd.DataFrame":
         """One row per layer in execution order, columns `LAYER_COLUMNS`."""
         rows = [dataclasses.asdict(layer) for layer in self.layers]
@@ -282,7 +297,8 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
-        size's empty `bwd_input_ms`), `library_bytes` 0 and an unchecked `batch_coupling` (None) are left out, so
+        size's empty `bwd_input_ms`), `library_bytes` 0, an unchecked `batch_coupling` (None), empty
+        `frozen_param_bytes` and `forward_workspace_bytes` and a shared parameter's `frozen` False are left out, so
         that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
         as when it was made before they were measured."""
         body = dataclasses.asdict(self)
@@ -302,6 +318,12 @@ class Profile:
             del body["library_bytes"]
         if body["batch_coupling"] is None:
             del body["batch_coupling"]
+        for name in ("frozen_param_bytes", "forward_workspace_bytes"):
+            if not body[name]:
+                del body[name]
+        for shared in body["shared_params"]:
+            if not shared["frozen"]:
+                del shared["frozen"]
         return body
 
     @classmethod
@@ -321,7 +343,7 @@ class Profile:
             shared = tuple(
                 SharedParam(
                     names=tuple(str(n) for n in p["names"]), nbytes=int(p["nbytes"]),
-                    layers=tuple(int(i) for i in p["layers"]),
+                    layers=tuple(int(i) for i in p["layers"]), frozen=bool(p.get("frozen", False)),
                 )
                 for p in body.get("shared_params", [])
             )
@@ -340,9 +362,11 @@ class Profile:
                                          for name, nbytes in body.get("optimizer_scratch_bytes", {}).items()},
                 grad_accumulation_ms=float(body.get("grad_accumulation_ms", 0.0)),
                 workspace_bytes=tuple(int(nbytes) for nbytes in body.get("workspace_bytes", ())),
+                forward_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("forward_workspace_bytes", ())),
                 optimizer_step_per_tensor_ms={str(name): float(ms) for name, ms
                                               in body.get("optimizer_step_per_tensor_ms", {}).items()},
                 param_tensors=tuple(int(count) for count in body.get("param_tensors", ())),
+                frozen_param_bytes=tuple(int(nbytes) for nbytes in body.get("frozen_param_bytes", ())),
                 split_backward_ratio=None if body.get("split_backward_ratio") is None
                 else float(body["split_backward_ratio"]),
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),

@@ -107,7 +107,7 @@ class _Evaluator:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
-                            p.entering[pair], recompute, p.workspace[pair], p.deferred[pair])[4]
+                            p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -357,7 +357,7 @@ class _StageGrid:
         floors, ceilings = [], []
         for flag in options:
             base, held, rebuilt, scratch, _ = memory_terms(inputs, 1, 1, p.weights, p.saved, p.entering, flag,
-                                                           p.workspace)
+                                                           p.workspace, frozen_bytes=p.frozen)
             bounded = np.all(held >= 0) and np.all(p.deferred >= 0)
             fixed = inputs.library_bytes + base  # (memory_terms)
             floors.append(fixed + np.maximum(held + rebuilt, scratch) if bounded else np.full(len(held), -np.inf))

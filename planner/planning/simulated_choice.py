@@ -214,6 +214,7 @@ class _StageBounds:
         both = sigma * (arrays.compute_s[stop] - arrays.compute_s[starts])
         stops = np.full(stop, stop)
         weights = arrays.pair_weight_bytes(starts, stops)
+        frozen = arrays.pair_frozen_bytes(starts, stops)
         replicated = arrays.pair_replicated_bytes(starts, stops)
         tensors = arrays.pair_tensor_counts(starts, stops)
         saved = np.zeros(stop) if arrays.saved_bytes is None else sigma * (arrays.saved_bytes[stop] - arrays.saved_bytes[starts])
@@ -236,7 +237,7 @@ class _StageBounds:
             for recompute in self.options:
                 compute = both + (fwd if recompute else 0.0)
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
-                                      workspace, deferred)[4]
+                                      workspace, deferred, frozen)[4]
                 loop = compute - weight + trip  # from the stage's forward of a microbatch to the end of its B
                 # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
                 flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,

@@ -170,14 +170,17 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
 
 
 def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: tuple[torch.Tensor, ...],
-                      run_step: Callable[[], torch.Tensor]) -> list[int]:
+                      run_step: Callable[[], torch.Tensor]) -> tuple[list[int], list[int]]:
     """Per layer, the most bytes live while its backward runs beyond the weights, their gradients,
     the `present` tensors (the batch) and the activations autograd saved and still holds: the
     gradients flowing between layers and each operation's temporaries (a language model's loss
-    holds several vocabulary-sized tensors there). One step of `run_step()` (forward and loss) and
-    its backward, tracked as on the CPU (live storages per operation) on any device; each backward
-    node counts for the layer whose forward created it (`timing.backward_nodes`). Gradients that do
-    not exist yet are made (zeros) first and removed after, so that they count as weights'.
+    holds several vocabulary-sized tensors there); and the same while its forward runs (from its
+    call to the next layer's: its input, output and temporaries, where a layer that saves nothing,
+    e.g. one whose weights and inputs need no gradient, holds all it needs). One step of `run_step()`
+    (forward and loss) and its backward, tracked as on the CPU (live storages per operation) on any
+    device; each backward node counts for the layer whose forward created it (`timing.backward_nodes`).
+    Gradients that do not exist yet are made (zeros) first and removed after, so that they count as
+    weights'. Returns (backward, forward) bytes per layer.
     """
     made = [p for p in model.parameters() if p.requires_grad and p.grad is None]
     for parameter in made:
@@ -185,12 +188,20 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
     try:
         resident = _resident(model, present)
         mode = _LiveStorageMode(set(resident), sum(resident.values()))
-        workspace = [0] * len(layers)
+        workspace, forward = [0] * len(layers), [0] * len(layers)
         sequence_starts: list[int | None] = [None] * len(layers)
         current = [-1]  # the layer whose backward runs
+        running = [-1]  # the layer whose forward runs
+
+        def forward_ends() -> None:
+            if running[0] >= 0:
+                forward[running[0]] = max(forward[running[0]], mode.excess_peak)
 
         def enter(index: int, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
             sequence_starts[index] = sequence_nr()
+            forward_ends()
+            running[0] = index
+            mode.reset_excess()
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             mode.mark_saved(tensor)
@@ -211,6 +222,7 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
         with mode:
             with LayerTracker(layers, on_enter=enter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = run_step()
+            forward_ends()
             for node, layer in backward_nodes(loss, sequence_starts):
                 node.register_prehook(hooks[layer])
             loss.backward()
@@ -219,4 +231,4 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
     finally:
         for parameter in made:
             parameter.grad = None
-    return workspace
+    return workspace, forward

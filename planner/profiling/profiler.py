@@ -271,8 +271,8 @@ def _measure_checked(
     )
     step.zero_grad()
     library = library_bytes(model, (*inputs, step.target), device)
-    workspace = _phase(model_file, "measuring each layer's backward memory",
-                       lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
+    workspace, forward_workspace = _phase(model_file, "measuring each layer's working memory",
+                                          lambda: measure_workspace(model, layers, (*inputs, step.target), step.loss))
     step.zero_grad()
     report("memory", 1, 1)
     if processes > 1:
@@ -297,7 +297,7 @@ def _measure_checked(
     size_times = tuple(_size_times(model_file, model, layers, size, settings, device, dtype, report)
                        for size in sorted(settings.other_batch_sizes))
     threads = torch.get_num_threads()
-    param_bytes, param_tensors, shared = _attribute_params(model, layers, dataflow)
+    param_bytes, param_tensors, frozen, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -323,8 +323,10 @@ def _measure_checked(
             "conditions": current_conditions(threads, processes if device.type == "cpu" else None),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
-        workspace_bytes=tuple(workspace), optimizer_step_per_tensor_ms=per_tensor_ms,
-        param_tensors=tuple(param_tensors), split_backward_ratio=split_backward_ratio,
+        workspace_bytes=tuple(workspace), forward_workspace_bytes=tuple(forward_workspace),
+        optimizer_step_per_tensor_ms=per_tensor_ms,
+        param_tensors=tuple(param_tensors), frozen_param_bytes=tuple(frozen) if any(frozen) else (),
+        split_backward_ratio=split_backward_ratio,
         deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library, batch_coupling=coupling,
     )
 
@@ -366,9 +368,11 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
     """`workspace` less, at the layers from a shared parameter's first user up to (not including) its
     last, its bytes: in the whole model autograd holds the later users' gradient of a tied weight
     until the first user's backward adds its own, while in a pipeline each stage holding the weight
-    has its own copy and gradient (counted as weights')."""
+    has its own copy and gradient (counted as weights'). A frozen one has no gradient to hold."""
     found = list(workspace)
     for parameter in shared:
+        if parameter.frozen:
+            continue
         first, last = min(parameter.layers), max(parameter.layers)
         for layer in range(first, last):
             found[layer] = max(found[layer] - parameter.nbytes, 0)
@@ -377,8 +381,9 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
 
 def _attribute_params(
     model: nn.Module, layers: list[Layer], dataflow: Dataflow
-) -> tuple[list[int], list[int], tuple[SharedParam, ...]]:
-    """Parameter bytes and tensors per layer (each parameter at the first layer using it) and the shared ones.
+) -> tuple[list[int], list[int], list[int], tuple[SharedParam, ...]]:
+    """Parameter bytes, tensors that need a gradient, and bytes that need none, per layer (each parameter at the
+    first layer using it), and the shared ones.
 
     A parameter the forward never used goes to the layer whose module holds it (or layer 0).
     """
@@ -387,7 +392,7 @@ def _attribute_params(
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(parameter), []).append(name)
         tensors[id(parameter)] = parameter
-    param_bytes, param_tensors = [0] * len(layers), [0] * len(layers)
+    param_bytes, param_tensors, frozen = [0] * len(layers), [0] * len(layers), [0] * len(layers)
     shared: list[SharedParam] = []
     for key, names in names_of.items():
         used_by: set[int] = set()
@@ -396,8 +401,10 @@ def _attribute_params(
         owners = {i for i, layer in enumerate(layers) for name in names if name.startswith(layer.name + ".")}
         holders = sorted(used_by or owners or {0})
         nbytes = tensor_nbytes(tensors[key])
+        trains = tensors[key].requires_grad
         param_bytes[holders[0]] += nbytes
-        param_tensors[holders[0]] += 1
+        param_tensors[holders[0]] += int(trains)
+        frozen[holders[0]] += 0 if trains else nbytes
         if len(names) > 1 or len(holders) > 1:
-            shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders)))
-    return param_bytes, param_tensors, tuple(shared)
+            shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders), frozen=not trains))
+    return param_bytes, param_tensors, frozen, tuple(shared)

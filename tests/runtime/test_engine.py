@@ -29,6 +29,7 @@ from planner.schedules.schedule import (
 )
 from engine_worker import deliberate_failure
 from runtime.engine import Engine, EngineError, gradient_structure, init_distributed, sent_structure
+from runtime.gradients import make_rank_gradient_groups
 from runtime.nested import split_batch
 from runtime.p2p import TensorSpec, describe
 from runtime.stages import split_model
@@ -463,3 +464,12 @@ def test_the_engine_refuses_an_interleaved_pipeline_it_cannot_run_in_one_line(
     with pytest.raises(EngineError) as refused:
         Engine([nn.Linear(2, 2) for _ in range(4)], chunks=2, **arguments)
     assert str(refused.value) == message
+
+
+def test_parameters_that_need_no_gradient_take_part_in_no_gradient_collective(one_process_job: Any) -> None:
+    """A frozen parameter (fine-tuning) would otherwise join the replicas' all-reduce with zeros and come out with
+    a zero `.grad`, which the optimizer then steps and keeps state for (weight decay moves it)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    groups = make_rank_gradient_groups([[0]], [], {0: model})
+    assert [id(parameter) for parameter in groups.replicated] == [id(parameter) for parameter in model[1].parameters()]

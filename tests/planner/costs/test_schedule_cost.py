@@ -565,3 +565,16 @@ def test_microbatches_after_a_replicas_first_accumulate_gradients(schedule: str)
         assert cost.accumulate_s == pytest.approx(0.01, rel=REL)
         allreduce = 2 * (2 - 1) * 1e9 / (2 * 1e10)
         assert objective_s(inputs, [(0, 1, 2, False)]) == pytest.approx(0.3 + (0.3 + 0.01) + allreduce, rel=REL)
+
+
+def test_frozen_weights_are_held_without_gradients_or_optimizer_state() -> None:
+    """base = W (2 + k) + F: a stage's weights that need no gradient (F, fine-tuning's frozen backbone) count
+    once; a frozen tied weight's copy counts in the other stage too, and only trainable ones are all-reduced."""
+    arrays = dataclasses.replace(
+        layers([1.0] * 3, params=[1e6, 2e6, 0.0]),
+        frozen_bytes=prefix([4e6, 0.0, 5e5]), frozen_shared=((2, (0,), 5e5),))  # layer 2's 5e5 tied with layer 0
+    inputs = CostInputs(arrays, flat(2), "gpipe", 1, optimizer_copies=2)
+    first, second = stage_costs(inputs, [(0, 2, 1, False), (2, 3, 1, False)])
+    assert first.base_bytes == pytest.approx(3e6 * 4 + 4e6 + 5e5, rel=REL)  # the tie's copy: weights only
+    assert second.base_bytes == pytest.approx(5e5, rel=REL)
+    assert second.step_s == 0.0 and tied_allreduce_s(inputs, [(0, 2, 1, False), (2, 3, 1, False)]) == [0.0, 0.0]

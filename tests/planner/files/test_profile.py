@@ -97,12 +97,29 @@ def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path:
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
     del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
-    del body["batch_coupling"]
+    del body["batch_coupling"], body["frozen_param_bytes"], body["forward_workspace_bytes"]
+    for shared in body["shared_params"]:
+        del shared["frozen"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "planner_version": "0.1.0", **body}))
     profile = load_profile(path)
     assert profile == _measured() and profile.split_backward_ratio is None and profile.size_times == ()
     assert profile.to_dict() == body and profile.batch_sizes == (8,)
+
+
+def test_frozen_parameters_and_forward_workspace_round_trip_and_are_left_out_where_there_are_none(
+        tmp_path: Path) -> None:
+    layers = _profile().num_layers
+    held = dataclasses.replace(_profile(), frozen_param_bytes=(3,) * layers, forward_workspace_bytes=(5,) * layers,
+                               shared_params=(SharedParam(names=("a", "b"), nbytes=3, layers=(0, 1), frozen=True),))
+    path = held.save(tmp_path / "frozen.json")
+    assert load_profile(path) == held and json.loads(path.read_text())["shared_params"][0]["frozen"] is True
+    assert held.trainable_param_bytes == held.total_param_bytes - 3 * layers
+    plain = _profile().to_dict()
+    assert "frozen_param_bytes" not in plain and "forward_workspace_bytes" not in plain
+    assert all("frozen" not in shared for shared in plain["shared_params"])  # the digest of before
+    with pytest.raises(ValueError, match="frozen_param_bytes"):
+        dataclasses.replace(_profile(), frozen_param_bytes=(1,) * (layers + 1))
 
 
 def test_library_bytes_are_kept_and_a_file_without_them_has_none(tmp_path: Path) -> None:

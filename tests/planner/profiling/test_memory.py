@@ -78,10 +78,31 @@ class _Apply(nn.Module):
         return self.function.apply(x)
 
 
-def _workspace(model: nn.Sequential, x: torch.Tensor) -> list[int]:
+def _workspaces(model: nn.Sequential, x: torch.Tensor) -> tuple[list[int], list[int]]:
     layers = find_layers(model, lambda: model(x), None, None)
     assert len(layers) == len(model)
     return measure_workspace(model, layers, (x,), lambda: model(x).square().sum())
+
+
+def _workspace(model: nn.Sequential, x: torch.Tensor) -> list[int]:
+    return _workspaces(model, x)[0]
+
+
+class _TemporaryInForward(nn.Module):
+    """Makes and drops a 4 MB temporary in its forward; saves nothing when nothing needs a gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        big = x.repeat(1, 100_000)  # 4 x 1e6 floats: 16 MB
+        return big[:, :10] * 2
+
+
+def test_forward_workspace_is_what_a_layer_holds_while_its_forward_runs() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), _TemporaryInForward(), nn.Linear(10, 10)).requires_grad_(False)
+    model[2].requires_grad_(True)  # only the last layer trains: the first two save nothing
+    backward, forward = _workspaces(model, torch.randn(4, 10))
+    assert forward[1] >= 4 * 1_000_000 * FLOAT  # the temporary, though nothing was saved
+    assert forward[0] < 10_000 and forward[2] < 10_000
+    assert backward[1] < 10_000
 
 
 def test_workspace_is_the_temporary_of_the_layer_whose_backward_makes_it() -> None:

@@ -180,3 +180,57 @@ def test_on_a_gpu_machine_the_profile_is_measured_on_the_gpu() -> None:
     assert 0 < profile.library_bytes < 1 << 30  # cuBLAS's workspaces (65 MiB on an H200)
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
     assert all(layer.fwd_ms > 0 and layer.bwd_ms > 0 for layer in profile.layers)
+
+
+FROZEN_MODEL = '''
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    """An embedding and a head sharing their weight, frozen with the first block, as in fine-tuning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def build_model() -> nn.Module:
+    model = Tied()
+    model.embed.requires_grad_(False)
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+def example_batch(batch_size: int):
+    tokens = torch.randint(0, 64, (batch_size, 8))
+    return tokens, tokens
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits.reshape(-1, 64), target.reshape(-1))
+'''
+
+
+def test_frozen_parameters_are_recorded_apart_and_a_frozen_tie_holds_no_pending_gradient(tmp_path) -> None:
+    (tmp_path / "frozen.py").write_text(FROZEN_MODEL)
+    profile = profile_model(load_model_file(tmp_path / "frozen.py"),
+                            ProfileSettings(batch_size=4, warmup=0, iters=1, threads=1, processes=1))
+    names = [layer.name for layer in profile.layers]
+    frozen = dict(zip(names, profile.frozen_param_bytes))
+    assert frozen["embed"] == 64 * 32 * 4 and frozen["blocks.0"] == (32 * 32 + 32) * 4
+    assert frozen["blocks.1"] == 0 and frozen["head"] == 0  # the head's weight is the embedding's, counted there
+    (tie,) = profile.shared_params
+    assert tie.frozen and set(tie.names) == {"embed.weight", "head.weight"}
+    assert dict(zip(names, profile.param_tensors)) == {"embed": 0, "blocks.0": 0, "blocks.1": 2, "head": 0}
+    assert profile.trainable_param_bytes == (32 * 32 + 32) * 4
+    assert len(profile.forward_workspace_bytes) == len(names)
