@@ -17,8 +17,9 @@ on what the model checkpointed, and that the stage holds under its name in the m
 A module call (the module, its `__call__` or `forward`, or a partial of those) becomes the node from inside the
 module's call (its `forward` is replaced for the call), so the node belongs to the module where a split point
 looks for it; a partial of a function taking the module first (5.x) becomes the node where it is called. The
-output's shapes come from the call made on export's fake tensors, unrecorded. A checkpointed function that is
-neither, and a checkpointed module that encloses a split point, are refused in one line.
+output's shapes come from the call made on export's fake tensors, unrecorded. A non-reentrant checkpoint of
+anything else is traced through as before (its stage keeps the activations); a reentrant one, and a
+checkpointed module that encloses a split point, are refused in one line.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = ["CheckpointCalls", "CheckpointRefused", "refusal", "stands_in"]
 
 _INSTEAD = ("checkpoint the module (checkpoint(self.block, x)), or leave checkpointing to the plan (planner partition "
             "recomputes stages where --memory needs it)")
+_TORCH_OPTIONS = {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop"}
 _WHOLE_CALL = nn.Module.__call__  # as imported: non-strict torch.export replaces it while it runs
 
 
@@ -58,7 +60,8 @@ class CheckpointCalls(Patches):
         super().__init__()
 
     def patch(self) -> None:
-        parameters = inspect.signature(torch_checkpoint._checkpoint_without_reentrant_generator)
+        original = torch_checkpoint._checkpoint_without_reentrant_generator
+        parameters = inspect.signature(original)
 
         def without_reentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
             bound = parameters.bind(*args, **kwargs)
@@ -66,11 +69,15 @@ class CheckpointCalls(Patches):
             options = {name: bound.arguments[name] for name in ("context_fn", "determinism_check", "debug",
                                                                  "early_stop") if name in bound.arguments}
             options |= {"use_reentrant": False, "preserve_rng_state": bound.arguments["preserve_rng_state"]}
-            module, function, given = self._call_of(bound.arguments["fn"])
-            if function is not None or _bound_forward(bound.arguments["fn"]):
-                raise CheckpointRefused(
-                    f"the forward checkpoints {_label(bound.arguments['fn'])} (torch.utils.checkpoint, "
-                    f"use_reentrant=False), which the split can keep whole only as a call of a module: {_INSTEAD}")
+            try:
+                module, function, given = self._call_of(bound.arguments["fn"])
+            except CheckpointRefused:
+                module, function = None, None
+            if module is None or function is not None or _bound_forward(bound.arguments["fn"]):
+                # not a module call (checkpoint_sequential's segments, a lambda): traced through, as torch.fx and
+                # torch.export do, so the stage keeps the activations the checkpoint would have dropped
+                yield from original(*args, **kwargs)
+                return
             with _StandingIn(self._path(module), module, options):
                 yield
 
@@ -88,9 +95,11 @@ class CheckpointCalls(Patches):
         """transformers' `_gradient_checkpointing_func`, `partial(checkpoint, **keywords)`, during the capture."""
 
         def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            options = keywords | kwargs
+            given = keywords | kwargs
+            options = {name: value for name, value in given.items() if name in _TORCH_OPTIONS}
             options.setdefault("use_reentrant", True)  # torch's choice where none is given
-            return self._checkpoint(function, args, options)
+            passed = {name: value for name, value in given.items() if name not in _TORCH_OPTIONS}  # the function's
+            return self._checkpoint(functools.partial(function, **passed) if passed else function, args, options)
 
         return checkpoint
 

@@ -70,11 +70,8 @@ def test_checkpointed_blocks_stay_checkpointed_once_split(call: str, reentrant: 
     before = _torch_now()
     model, x = Model(call, reentrant, by_len), torch.randn(32, 4)
     reference = copy.deepcopy(model)
-    if call == "bound-forward" and not reentrant:  # torch calls the bound forward itself: no module call to keep
-        with pytest.raises(StageSplitError, match=r"checkpoints Block.forward \(torch.utils.checkpoint, "
-                                                  r"use_reentrant=False\), which the split can keep whole only as a "
-                                                  r"call of a module: checkpoint the module"):
-            split_model(model, ["blocks.1"], (x,))
+    if call == "bound-forward" and not reentrant:  # torch calls the bound forward itself: traced through, unkept,
+        _traced_through(model, reference, x, "head")  # and no block is entered as a module (none can begin a stage)
         assert _torch_now() == before
         return
     stages = split_model(model, ["blocks.1"], (x,))
@@ -99,15 +96,36 @@ def _uncheckpointed(model: Model) -> Model:
     return plain
 
 
-def test_a_checkpointed_function_that_is_not_a_module_call_is_refused_in_one_line() -> None:
+def _traced_through(model: Model, reference: Model, x: torch.Tensor, split_point: str = "blocks.1") -> None:
+    """The split traces through a non-reentrant checkpoint it cannot keep (as before it kept any): the stages
+    keep every activation, and train to eager mode's gradients."""
+    stages = split_model(model, [split_point], (x,))
+    assert not [node for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+    assert saved_bytes(lambda: run_stages(stages, x)) > saved_bytes(lambda: reference(x))
+    run_stages(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_checkpointed_function_that_is_not_a_module_call_is_traced_through() -> None:
     model, x = Model("module", False, True), torch.randn(8, 4)
     model.call = lambda block, h, _reentrant: checkpoint(lambda value: block(value) * 2, h, use_reentrant=False)
-    with pytest.raises(StageSplitError) as raised:
-        split_model(model, ["blocks.1"], (x,))
-    message = str(raised.value)
-    assert "checkpoints test_a_checkpointed_function_that_is_not_a_module_call_is_refused_in_one_line.<locals>." \
-           "<lambda>.<locals>.<lambda> (torch.utils.checkpoint" in message
-    assert "checkpoint the module" in message and "--memory needs it" in message and "\n" not in message
+    reference = copy.deepcopy(model)
+    _traced_through(model, reference, x)
+
+
+def test_transformers_checkpoint_keywords_for_the_layer_reach_the_layer() -> None:
+    """`self._gradient_checkpointing_func(layer.__call__, h, scale=...)`: `scale` is the layer's, not torch's."""
+    model, x = Model("module", True, True), torch.randn(8, 4)
+    for block in model.blocks:
+        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    model.call = lambda block, h, _reentrant: block._gradient_checkpointing_func(block.__call__, h, scale=0.5)
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["blocks.1"], (x,))
+    kept = [node.target for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+    assert [target.checkpoint for target in kept] == [{"use_reentrant": False}] * 3
+    torch.testing.assert_close(run_stages(stages, x), reference(x), rtol=0, atol=0)
 
 
 def test_a_checkpointed_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
