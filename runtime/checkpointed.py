@@ -31,11 +31,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
 from runtime.kept_modules import KeptModule
-from runtime.opaque_calls import Arguments, opaque_call, output_tensors
+from runtime.opaque_calls import Arguments, opaque_call, unrecorded
 from runtime.patches import Patches
 
 __all__ = ["CheckpointCalls", "CheckpointRefused", "refusal", "stands_in"]
@@ -70,7 +69,7 @@ class CheckpointCalls(Patches):
                                                                  "early_stop") if name in bound.arguments}
             options |= {"use_reentrant": False, "preserve_rng_state": bound.arguments["preserve_rng_state"]}
             try:
-                module, function, given = self._call_of(bound.arguments["fn"])
+                module, function, _ = self._call_of(bound.arguments["fn"])
             except CheckpointRefused:
                 module, function = None, None
             if module is None or function is not None or _bound_forward(bound.arguments["fn"]):
@@ -191,18 +190,14 @@ def _node(path: str, module: nn.Module, function: Callable[..., Any], args: tupl
     proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
     if proxies:  # torch.fx: the module from a get_attr node
         arguments, values = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)))
-        kept = KeptModule(path, module, arguments, [], function, options, flat=False)
+        kept = KeptModule(path, module, arguments, function, options, flat=False)
         tracer = proxies[0].tracer
         holder = tracer.create_proxy("get_attr", path, (), {})
         return tracer.create_proxy("call_function", kept, (holder, *values), {})
-    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():  # torch.export: not recorded
+    with unrecorded():  # torch.export
         output = run()
     arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor))
-    kept = KeptModule(path, module, arguments, output_tensors(output), function, options)
-    given = iter(opaque_call(kept, tensors))
-    output_leaves, output_spec = pytree.tree_flatten(output)
-    return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf
-                                  for leaf in output_leaves], output_spec)
+    return opaque_call(KeptModule(path, module, arguments, function, options), tensors, output)
 
 
 def _module_calls(cls: type) -> set[Callable[..., Any]]:

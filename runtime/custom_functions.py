@@ -31,10 +31,9 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import BackwardCFunction, FunctionMeta, _is_setup_context_defined
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-from runtime.opaque_calls import Arguments, capturing, opaque_call, output_tensors
+from runtime.opaque_calls import Arguments, capturing, opaque_call, output_tensors, unrecorded
 from runtime.patches import Patches
 from runtime.random_skips import TORCH_DIR
 
@@ -56,7 +55,7 @@ class KeptFunction:
         self.function = function
         self.arguments = arguments
         self.flat = flat
-        self.outputs: list[torch.Tensor] = []  # under torch.export, during the capture: the output's tensors (fake)
+        self.outputs: list[torch.Tensor] = []  # during the capture (`opaque_call`): the output's tensors (fake)
         self.__name__ = f"{function.__name__}_apply"  # torch.fx's generated code names its targets by these
         self.__module__ = function.__module__
 
@@ -139,13 +138,9 @@ def _kept_forward(cls: type, forward: Callable[..., Any], with_context: bool) ->
             return forward(*given[0], **given[1])
         arguments, tensors = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, torch.Tensor))
         kept = KeptFunction(cls, arguments, True)  # torch.export
-        with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():  # not recorded, grad mode included
+        with unrecorded():
             output = _run(kept, tensors)  # the Function itself on export's fake tensors
-        output_leaves, output_spec = pytree.tree_flatten(output)
-        kept.outputs = output_tensors(output)
-        flat = iter(opaque_call(kept, tensors))
-        return pytree.tree_unflatten([next(flat) if isinstance(leaf, torch.Tensor) else leaf
-                                      for leaf in output_leaves], output_spec)
+        return opaque_call(kept, tensors, output)
 
     return _same_parameters(forward, kept_forward)
 

@@ -5,7 +5,7 @@ hits (`for expert in expert_hit`, transformers 4.x), `if mask.any():`, `.item()`
 runs inside a module that encloses no split point, nothing needs to be traced inside it: `failing_modules` names
 the innermost such module on the failure's traceback (and every other module of its class that encloses no split
 point, since they run the same code), and `KeptModules` exports again with each of them as one opaque operation
-(`runtime.custom_functions.opaque_call`). The shapes of its outputs come from one eager run of the model on the
+(`runtime.opaque_calls.opaque_call`). The shapes of its outputs come from one eager run of the model on the
 example microbatch (its state and random state put back after). In the stage the operation becomes a call of the
 module itself, which the stage holds under its name in the model (its parameters train there), so it runs
 eagerly, as written.
@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.checkpoint
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from runtime.opaque_calls import Arguments, opaque_call, output_tensors
 from runtime.patches import Patches
@@ -35,13 +34,13 @@ class KeptModule:
     `torch.utils.checkpoint.checkpoint(..., **checkpoint)` where the model checkpoints the call
     (`runtime.checkpointed`); returns its output's tensors as a list, or with `flat` False (torch.fx) the output."""
 
-    def __init__(self, path: str, module: nn.Module, arguments: Arguments, outputs: list[torch.Tensor],
+    def __init__(self, path: str, module: nn.Module, arguments: Arguments,
                  function: Callable[..., Any] = nn.Module.__call__, checkpoint: dict[str, Any] | None = None,
                  flat: bool = True) -> None:
         self.path = path
         self.module = module
         self.arguments = arguments
-        self.outputs = outputs  # during the capture: the output's tensors, whose shapes the operator's fake kernel copies
+        self.outputs: list[torch.Tensor] = []  # during the capture (`opaque_call`): the output's tensors
         self.function = function
         self.checkpoint = checkpoint
         self.flat = flat
@@ -139,10 +138,6 @@ def _stand_in(path: str, module: nn.Module, outputs: list[Any]) -> Any:
         if output is None:
             raise RuntimeError(f"{path} is called more often under torch.export than when the model runs")
         arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor))
-        output_leaves, output_spec = pytree.tree_flatten(output)
-        kept = KeptModule(path, module, arguments, output_tensors(output))
-        given = iter(opaque_call(kept, tensors))
-        return pytree.tree_unflatten([next(given) if isinstance(leaf, torch.Tensor) else leaf
-                                      for leaf in output_leaves], output_spec)
+        return opaque_call(KeptModule(path, module, arguments), tensors, output)
 
     return forward

@@ -14,16 +14,18 @@ and a checkpointed module call (`runtime.checkpointed`) each become one node tha
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-__all__ = ["PASSED", "Arguments", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls"]
+__all__ = ["PASSED", "Arguments", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
 
 PASSED = object()  # in Arguments.constants: a value the graph passes
 _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
@@ -79,12 +81,24 @@ def capturing() -> bool:
     return _CAPTURING.get(None) is not None
 
 
-def opaque_call(kept: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inside an OpaqueCalls block, under torch.export: one operator node standing for `kept` applied to `tensors`
-    (`kept.outputs`: the output's tensors at capture, for their shapes); what the graph's values then are."""
+def opaque_call(kept: Any, tensors: list[torch.Tensor], output: Any) -> Any:
+    """Inside an OpaqueCalls block, under torch.export: one operator node standing for `kept` applied to `tensors`,
+    whose call gave `output` at capture (`kept.outputs` keeps its tensors, for their shapes); `output` with the
+    graph's values in place of its tensors."""
+    kept.outputs = output_tensors(output)
     calls = _CAPTURING.get()
     calls.append(kept)
-    return torch.ops.planner_split.apply(len(calls) - 1, tensors)
+    values = iter(torch.ops.planner_split.apply(len(calls) - 1, tensors))
+    leaves, spec = pytree.tree_flatten(output)
+    return pytree.tree_unflatten([next(values) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Inside torch.export's capture: operations that run on its fake tensors without entering the graph (grad-mode
+    changes included), to learn a call's output."""
+    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+        yield
 
 
 def place_opaque_calls(graph: fx.Graph, kept: list[Any], attributes: dict[str, Any]) -> None:
