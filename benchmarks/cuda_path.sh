@@ -4,8 +4,9 @@
 # microbatch sizes 1-8 (how far from linear the GPU's times are), then issue 17's schedules simulated on profiles
 # made on the GPU (benchmarks/schedules.py: the gpt example, and gpt2-medium), then how much longer a stage's ops take
 # after the rank waited (benchmarks/idle_penalty.py --device cuda), then `planner cluster` on this machine (one GPU:
-# the one line that says there is no link to measure). Models as arguments (default below); a section whose *_S
-# variable is 0 is skipped.
+# the one line that says there is no link to measure), then the split's own tests on this machine's torch and
+# transformers, and the transformers families trained split and plain on the GPU (benchmarks/model_families.py
+# --device cuda). Models as arguments (default below); a section whose *_S variable is 0 is skipped.
 #     OUT=folder bash benchmarks/cuda_path.sh [gpt2-medium gpt2 gpt ...]
 set -uo pipefail
 out=${OUT:-/tmp/cuda-path}
@@ -18,12 +19,15 @@ if [ "${TESTS_S:-120}" != 0 ]; then
 echo "== GPU-only tests"
 timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/runtime/test_rng.py \
     tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py tests/planner/profiling/test_backward_split.py \
-    tests/planner/profiling/test_profiler.py tests/planner/profiling/test_batch_coupling.py 2>&1 | tail -25
+    tests/planner/profiling/test_profiler.py tests/planner/profiling/test_batch_coupling.py \
+    tests/runtime/test_custom_functions.py tests/runtime/test_kept_modules.py tests/runtime/test_checkpointed.py \
+    2>&1 | tail -25
 fi
 if [ "${PATH_S:-230}" != 0 ]; then
 echo "== measured vs predicted on one GPU"
 timeout "${PATH_S:-230}" python3 benchmarks/measured_vs_predicted.py --gpus 1 --schedules 1f1b --steps 12 \
     ${MVP_FLAGS:-} --models ${models[*]} --keep /tmp/mvp 2>&1 | tee "$out/measured_vs_predicted.txt"
+cp /tmp/mvp/*.report.json "$out/" 2>/dev/null
 cp /tmp/mvp/gpt2-medium.json /tmp/mvp/gpt2-medium-1f1b.report.json "$out/" 2>/dev/null
 python3 - ${models[*]} <<'PY'
 import sys
@@ -75,4 +79,14 @@ if [ "${CLUSTER_S:-60}" != 0 ]; then
 echo "== planner cluster --quick on this machine"
 timeout "${CLUSTER_S:-60}" python3 -m planner cluster --quick --out "$out/cluster.json" 2>&1 | tail -6
 echo "exit status ${PIPESTATUS[0]}"
+fi
+if [ "${SPLIT_S:-90}" != 0 ]; then
+echo "== the split's tests on this machine's torch and transformers (CPU)"
+timeout "${SPLIT_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_custom_functions.py \
+    tests/runtime/test_kept_modules.py tests/runtime/test_checkpointed.py tests/runtime/test_opaque_calls.py \
+    tests/runtime/test_stages.py 2>&1 | tail -8
+fi
+if [ "${FAMILIES_S:-240}" != 0 ]; then
+echo "== transformers families trained split and plain on the GPU"
+timeout "${FAMILIES_S:-240}" python3 benchmarks/model_families.py --device cuda --families "${FAMILIES:-}" 2>/dev/null | tee "$out/families.md"
 fi

@@ -1,6 +1,7 @@
 """Transformers families the tests do not cover, through the whole path: profile, a planner-made 2-stage plan, training.
 
     python benchmarks/model_families.py [--families bart,opt] [--steps 3] [--schedule 1f1b] [--keep DIR]
+                                        [--device cuda]
 
 Each family is built from a small config (no weights downloaded; dropout probabilities 0, so the
 pipeline and plain PyTorch draw no masks) inside a model file written to a temporary folder, the
@@ -11,7 +12,8 @@ steps on a batch of 8, and plain single-process PyTorch trains a copy on the sam
 per family: the layers found, the plan's stages, the split's method and seconds, and the largest
 parameter difference after training next to how far training moved the parameters (fp32; "matches"
 means torch.allclose at rtol 1e-5, atol 1e-6).
-A family that fails says where, in one line, and the others go on.
+A family that fails says where, in one line, and the others go on. `--device cuda`: the profile is
+still taken on the CPU, both stages and the plain model train on the GPU (TF32 off, so fp32 is compared).
 """
 
 from __future__ import annotations
@@ -314,20 +316,23 @@ def two_stage_plan(model_file: ModelFile, schedule: str) -> tuple[Plan, list[str
     return plan, [layer.name for layer in profile.layers], note
 
 
-def train_both(model_file: ModelFile, plan: Plan, steps: int) -> tuple[str, float, float, float, bool]:
+def train_both(model_file: ModelFile, plan: Plan, steps: int,
+               device: str = "cpu") -> tuple[str, float, float, float, bool]:
     """(split method, split seconds, how far training moved the plain model's parameters (max |change|),
-    `compare` of the two trained models) after `steps` SGD steps pipelined and plain."""
+    `compare` of the two trained models) after `steps` SGD steps pipelined and plain, both on `device`."""
     torch.manual_seed(0)
     pipelined = model_file.build_model().train()
-    plain = copy.deepcopy(pipelined)
-    initial = copy.deepcopy(pipelined)
+    plain = copy.deepcopy(pipelined).to(device)
+    initial = copy.deepcopy(plain)
     torch.manual_seed(1)
     inputs, target = model_file.example_batch(BATCH)
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    inputs, target = tuple(tensor.to(device) for tensor in inputs), target.to(device)
     loss_fn = model_file.loss_fn or default_loss
     started = time.perf_counter()
-    microbatch = tuple(tensor[: BATCH // MICROBATCHES] for tensor in inputs)
-    with Pipeline.from_plan(pipelined, plan, example_inputs=microbatch, loss_fn=loss_fn) as pipe:
+    microbatch = tuple(tensor[: BATCH // MICROBATCHES].cpu() for tensor in inputs)  # split on the CPU, as training
+    devices = [device] * len(plan.stages)
+    with Pipeline.from_plan(pipelined, plan, devices, example_inputs=microbatch, loss_fn=loss_fn) as pipe:
         split_s = time.perf_counter() - started
         method = pipe.stages.method
         for model in (pipelined, plain):
@@ -350,7 +355,7 @@ def compare(expected: nn.Module, found: nn.Module) -> tuple[float, bool]:
     return worst, all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
 
 
-def run_family(family: Family, folder: Path, steps: int, schedule: str) -> Row:
+def run_family(family: Family, folder: Path, steps: int, schedule: str, device: str = "cpu") -> Row:
     """The whole path for one family; a failure ends up in the row's note."""
     row = Row(family.name, family.model)
     path = folder / f"{family.name.lower().replace('-', '_')}.py"
@@ -361,7 +366,7 @@ def run_family(family: Family, folder: Path, steps: int, schedule: str) -> Row:
         shown = ", ".join(names[:3])
         row.layers = f"{len(names)}: {shown}, ..., {names[-1]}"
         row.stages = " ; ".join(f"{stage.first_layer} .. {stage.last_layer}" for stage in plan.stages)
-        row.method, row.split_s, row.moved, row.max_diff, close = train_both(model_file, plan, steps)
+        row.method, row.split_s, row.moved, row.max_diff, close = train_both(model_file, plan, steps, device)
         row.matches = "yes" if close else "no"
     except Exception as exc:  # report and go on: one line per failing family
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -374,16 +379,18 @@ def main() -> None:
     parser.add_argument("--families", default="", help="comma-separated names (default: all)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    parser.add_argument("--device", default="cpu", help="where both train (the profile is taken on the CPU)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="write the model files into this folder and keep them (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # fp32 compared on a GPU too
     wanted = {name.strip().lower() for name in args.families.split(",") if name.strip()}
     unknown = sorted(wanted - {family.name.lower() for family in FAMILIES})
     if unknown:
         parser.error(f"unknown families {', '.join(unknown)}; known: {', '.join(f.name for f in FAMILIES)}")
     chosen = [family for family in FAMILIES if not wanted or family.name.lower() in wanted]
-    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}; "
+    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, {args.device}; "
           f"{args.steps} SGD steps of a batch of {BATCH} in {MICROBATCHES} microbatches, {args.schedule}\n")
     print("| family | model | layers found | plan's stages | split | split s | training moved | pipelined - plain "
           "| matches plain PyTorch | note |")
@@ -394,7 +401,7 @@ def main() -> None:
           else tempfile.TemporaryDirectory(prefix="model-families-")) as folder:
         for family in chosen:
             print(f"{family.name} ...", file=sys.stderr, flush=True)
-            row = run_family(family, Path(folder), args.steps, args.schedule)
+            row = run_family(family, Path(folder), args.steps, args.schedule, args.device)
             print(f"| {row.family} | {row.model} | {row.layers} | {row.stages} | {row.method} | {row.split_s:.2f} | "
                   f"{row.moved:.1e} | {row.max_diff:.1e} | {row.matches} | {row.note} |", flush=True)
 

@@ -9,4 +9,6 @@ MODEL_FILES = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "
                "resnet": REPO / "examples" / "resnet.py", "vgg": REPO / "examples" / "vgg.py",
                "llama": REPO / "examples" / "llama.py", "gpt2": REPO / "benchmarks" / "models" / "gpt2.py",
                "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py",
+               "gpt2-checkpointed": REPO / "benchmarks" / "models" / "gpt2_checkpointed.py",
+               "gpt2-frozen": REPO / "benchmarks" / "models" / "gpt2_frozen.py",
                "whisper": REPO / "benchmarks" / "models" / "whisper.py"}

@@ -18,6 +18,7 @@ from torch import nn
 
 from autograd_saved import saved_bytes
 from runtime.stages import run_stages, split_model
+from tests.conftest import gpu_only
 
 
 class Reverse(torch.autograd.Function):
@@ -383,20 +384,25 @@ class WithBuffer(nn.Module):
 
 
 @pytest.mark.parametrize("by_len", [False, True], ids=["fx", "export"])
-@pytest.mark.parametrize("moved_to", ["double", "meta"])
+@pytest.mark.parametrize("moved_to", ["double", "meta", pytest.param("cuda", marks=gpu_only)])
 def test_a_functions_buffer_and_device_arguments_follow_the_stage(by_len: bool, moved_to: str) -> None:
     model, x = WithBuffer(by_len), torch.randn(3, 4)
-    stages = split_model(model, ["b"], (x,))
-    move: Any = (lambda value: value.double()) if moved_to == "double" else (lambda value: value.to("meta"))
+    stages = split_model(model, ["b"], (x,))  # on the CPU, as training splits before it moves stages
+    move: Any = (lambda value: value.double()) if moved_to == "double" else (lambda value: value.to(moved_to))
     for stage in stages:
         move(stage)  # as a runtime moves stages to their device: the buffer goes too
     assert move(torch.ones(1)).dtype == stages[0].get_buffer("mask").dtype
     assert stages[0].get_buffer("mask").device == move(torch.ones(1)).device
+    reference = move(copy.deepcopy(model))
     found = run_stages(stages, move(x))
-    wanted = move(copy.deepcopy(model))(move(x))
+    wanted = reference(move(x))
     assert found.device == wanted.device and found.dtype == wanted.dtype
-    if moved_to == "double":
+    if moved_to != "meta":
         torch.testing.assert_close(found, wanted)
+        found.square().sum().backward()
+        wanted.square().sum().backward()
+        for name, expected in _grads(reference).items():
+            torch.testing.assert_close(_grads(model)[name], expected, msg=name)
 
 
 def test_functions_run_as_written_outside_the_capture_and_a_forward_without_a_signature_is_left_alone() -> None:

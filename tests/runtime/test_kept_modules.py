@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime.kept_modules import KeptModule
 from runtime.stages import StageSplitError, run_stages, split_model, stage_args
+from tests.conftest import gpu_only
 
 
 class Experts(nn.Module):
@@ -93,3 +94,21 @@ def test_a_failure_inside_a_module_that_encloses_a_split_point_is_refused_in_one
     message = str(raised.value)
     assert "control flow (if/while/loop bounds) or a size depends on tensor values, at test_kept_modules.py:" in message
     assert "\n" not in message
+
+
+@gpu_only
+def test_a_kept_module_trains_on_cuda_as_in_eager_mode() -> None:
+    """Split on the CPU, as training splits, then moved: the stage's kept module goes with it."""
+    model, x = Model(), torch.randn(6, 4)
+    stages = split_model(model, ["layers.1"], (x,))
+    for stage in stages:
+        stage.to("cuda")
+    reference = copy.deepcopy(model).cuda()
+    batch = x.cuda() * 3
+    found, wanted = run_stages(stages, batch), reference(batch)
+    torch.testing.assert_close(found, wanted)
+    found.square().sum().backward()
+    wanted.square().sum().backward()
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+        assert parameter.device.type == "cuda", name
+        torch.testing.assert_close(parameter.grad, expected.grad, msg=name)
