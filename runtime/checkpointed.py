@@ -34,19 +34,15 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from runtime.kept_modules import KeptModule
-from runtime.opaque_calls import Arguments, opaque_call, unrecorded
+from runtime.opaque_calls import Arguments, CallRefused, opaque_call, unrecorded
 from runtime.patches import Patches
 
-__all__ = ["CheckpointCalls", "CheckpointRefused", "refusal", "stands_in"]
+__all__ = ["CheckpointCalls", "stands_in"]
 
 _INSTEAD = ("checkpoint the module (checkpoint(self.block, x)), or leave checkpointing to the plan (planner partition "
             "recomputes stages where --memory needs it)")
 _TORCH_OPTIONS = {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop"}
 _WHOLE_CALL = nn.Module.__call__  # as imported: non-strict torch.export replaces it while it runs
-
-
-class CheckpointRefused(Exception):
-    """A checkpointed call the split cannot keep whole; the message is the one line to show."""
 
 
 class CheckpointCalls(Patches):
@@ -70,7 +66,7 @@ class CheckpointCalls(Patches):
             options |= {"use_reentrant": False, "preserve_rng_state": bound.arguments["preserve_rng_state"]}
             try:
                 module, function, _ = self._call_of(bound.arguments["fn"])
-            except CheckpointRefused:
+            except CallRefused:
                 module, function = None, None
             if module is None or function is not None or _bound_forward(bound.arguments["fn"]):
                 # not a module call (checkpoint_sequential's segments, a lambda): traced through, as torch.fx and
@@ -114,7 +110,7 @@ class CheckpointCalls(Patches):
     def _call_of(self, function: Callable[..., Any]) -> tuple[nn.Module, Callable[..., Any] | None,
                                                                tuple[tuple[Any, ...], dict[str, Any]]]:
         """(module, None, _) for a call of one of the model's modules; (module, function, (args, kwargs)) for a
-        partial of a function taking the module first (its other bound arguments); else CheckpointRefused."""
+        partial of a function taking the module first (its other bound arguments); else CallRefused."""
         outer, before, keywords = function, (), {}
         while isinstance(function, functools.partial):
             before, keywords = (*function.args, *before), function.keywords | keywords
@@ -127,31 +123,19 @@ class CheckpointCalls(Patches):
             return owner, None, ((), {})
         if before and isinstance(before[0], nn.Module) and id(before[0]) in self.names and callable(function):
             return before[0], function, (before[1:], keywords)
-        raise CheckpointRefused(
+        raise CallRefused(
             f"the forward checkpoints {_label(outer)} (torch.utils.checkpoint), which is not a call of one of the "
             f"model's modules: {_INSTEAD}")
 
     def _path(self, module: nn.Module) -> str:
-        """The module's name in the model; CheckpointRefused if a split point is inside it."""
+        """The module's name in the model; CallRefused if a split point is inside it."""
         name = self.names[id(module)]
         inside = [point for point in self.split_points if not name or point.startswith(f"{name}.")]
         if inside:
-            raise CheckpointRefused(
+            raise CallRefused(
                 f"split point {inside[0]!r} is inside {name or 'the model'}, which the forward checkpoints "
                 "(torch.utils.checkpoint) as one call: split at that module or outside it")
         return name
-
-
-def refusal(exc: BaseException) -> str | None:
-    """The message of a CheckpointRefused in `exc`'s chain (a tracer may wrap it), None if none."""
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        if isinstance(error, CheckpointRefused):
-            return str(error)
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def stands_in(module: nn.Module) -> bool:
@@ -189,14 +173,15 @@ def _node(path: str, module: nn.Module, function: Callable[..., Any], args: tupl
     leaves = pytree.tree_leaves((args, kwargs))
     proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
     if proxies:  # torch.fx: the module from a get_attr node
-        arguments, values = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)))
+        arguments, values = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)),
+                                         f"checkpointed {path}")
         kept = KeptModule(path, module, arguments, function, options, flat=False)
         tracer = proxies[0].tracer
         holder = tracer.create_proxy("get_attr", path, (), {})
         return tracer.create_proxy("call_function", kept, (holder, *values), {})
     with unrecorded():  # torch.export
         output = run()
-    arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor))
+    arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor), f"checkpointed {path}")
     return opaque_call(KeptModule(path, module, arguments, function, options), tensors, output)
 
 

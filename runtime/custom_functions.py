@@ -132,11 +132,13 @@ def _kept_forward(cls: type, forward: Callable[..., Any], with_context: bool) ->
         leaves = pytree.tree_leaves((call_args, given[1]))
         proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
         if proxies:  # torch.fx: tensors that are constants of the trace become its attributes
-            arguments, values = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)))
+            arguments, values = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, (fx.Proxy, torch.Tensor)),
+                                             f"{cls.__qualname__}.apply")
             return proxies[0].tracer.create_proxy("call_function", KeptFunction(cls, arguments, False), tuple(values), {})
         if not (capturing() and any(is_fake(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))):
             return forward(*given[0], **given[1])
-        arguments, tensors = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, torch.Tensor))
+        arguments, tensors = Arguments.of(call_args, given[1], lambda leaf: isinstance(leaf, torch.Tensor),
+                                          f"{cls.__qualname__}.apply")
         kept = KeptFunction(cls, arguments, True)  # torch.export
         with unrecorded():
             output = _run(kept, tensors)  # the Function itself on export's fake tensors

@@ -45,10 +45,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from runtime.checkpointed import CheckpointCalls, refusal
+from runtime.checkpointed import CheckpointCalls
 from runtime.custom_functions import FunctionCalls
 from runtime.kept_modules import KeptModules, failing_modules
-from runtime.opaque_calls import OpaqueCalls, place_opaque_calls
+from runtime.opaque_calls import OpaqueCalls, place_opaque_calls, refusal
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 

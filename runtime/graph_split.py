@@ -14,9 +14,10 @@ from torch import fx, nn
 from runtime.export_split import (
     ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, get_attribute, modules_inside_blocks,
 )
-from runtime.checkpointed import CheckpointCalls, refusal, stands_in
+from runtime.checkpointed import CheckpointCalls, stands_in
 from runtime.custom_functions import FunctionCalls
 from runtime.model_state import model_state, restore_model_state
+from runtime.opaque_calls import refusal
 from runtime.random_skips import ScalarDraws
 from runtime.stage_types import StageSignature, StageSplitError
 

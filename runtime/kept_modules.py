@@ -137,7 +137,7 @@ def _stand_in(path: str, module: nn.Module, outputs: list[Any]) -> Any:
         output = next(calls, None)
         if output is None:
             raise RuntimeError(f"{path} is called more often under torch.export than when the model runs")
-        arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor))
+        arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor), path)
         return opaque_call(KeptModule(path, module, arguments), tensors, output)
 
     return forward

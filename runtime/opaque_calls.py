@@ -3,7 +3,9 @@
 A custom autograd Function (`runtime.custom_functions`), a module export cannot capture (`runtime.kept_modules`)
 and a checkpointed module call (`runtime.checkpointed`) each become one node that makes the call at run time.
 - `Arguments` holds a call's (args, kwargs) with the traced values taken out: the node passes those, the rest
-  (numbers, flags, None, devices, other objects) it holds. A device equal to the one the model was captured on
+  (numbers, flags, None, devices, other objects) it holds. An object it would hold that holds a traced value
+  itself (an attribute, not a pytree node) is refused: the node would replay the capture's value at every run.
+  A device equal to the one the model was captured on
   follows the device of the call's first tensor at run time, as export's own factory calls do
   (`runtime.export_split.follow_input_device`).
 - Under torch.export, `OpaqueCalls` collects what each call stands for, and `opaque_call` records it as the opaque
@@ -21,14 +23,33 @@ from types import TracebackType
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-__all__ = ["PASSED", "Arguments", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
+
+__all__ = ["PASSED", "Arguments", "CallRefused", "refusal", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
 
 PASSED = object()  # in Arguments.constants: a value the graph passes
 _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
+
+
+class CallRefused(Exception):
+    """A call the split cannot keep whole; the message is the one line to show (a tracer may wrap the error:
+    `refusal` finds it)."""
+
+
+def refusal(exc: BaseException) -> str | None:
+    """The message of a CallRefused in `exc`'s chain (causes and contexts), None if none."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, CallRefused):
+            return str(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 @dataclass
@@ -41,10 +62,20 @@ class Arguments:
     device: torch.device | None
 
     @staticmethod
-    def of(args: tuple[Any, ...], kwargs: dict[str, Any], passed: Callable[[Any], bool]) -> tuple["Arguments", list[Any]]:
-        """The call's Arguments, and the leaves for which `passed` holds, which the graph is to pass, in order."""
+    def of(args: tuple[Any, ...], kwargs: dict[str, Any], passed: Callable[[Any], bool],
+           callee: str) -> tuple["Arguments", list[Any]]:
+        """The call's Arguments, and the leaves for which `passed` holds, which the graph is to pass, in order;
+        CallRefused if a leaf it would hold holds a traced value (`callee` names the call in the message)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         values = [leaf for leaf in leaves if passed(leaf)]
+        for leaf in leaves:
+            where = None if passed(leaf) else _traced_inside(leaf)
+            if where is not None:
+                raise CallRefused(
+                    f"{callee}, which the split keeps whole, is given a {type(leaf).__name__} object holding a value "
+                    f"computed in the forward ({type(leaf).__name__}{where}): the split would keep the value the capture saw; "
+                    f"pass the tensor itself, or make {type(leaf).__name__} a pytree node "
+                    "(torch.utils._pytree.register_dataclass)")
         device = next((leaf.device for leaf in values if isinstance(leaf, torch.Tensor)), None)
         return Arguments(spec, [PASSED if passed(leaf) else leaf for leaf in leaves], device), values
 
@@ -57,6 +88,34 @@ class Arguments:
                   else constant for constant in self.constants]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+
+def _traced(value: Any) -> bool:
+    """Whether `value` exists only while a capture runs: a torch.fx proxy, or a tensor of export's fake mode."""
+    return isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and is_fake(value))
+
+
+def _traced_inside(value: Any, depth: int = 3) -> str | None:
+    """Where a plain object (not a module, class or function) holds a traced value among its attributes, and
+    their lists, tuples and dicts, `depth` levels down (".scale", ".parts[1]"); None if nowhere."""
+    if depth == 0 or isinstance(value, (nn.Module, type, torch.Tensor)) or callable(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif hasattr(value, "__dict__"):
+        items = vars(value).items()
+    else:
+        return None
+    for key, item in items:
+        place = f".{key}" if hasattr(value, "__dict__") and not isinstance(value, (list, tuple, dict)) else f"[{key!r}]"
+        if _traced(item):
+            return place
+        inner = _traced_inside(item, depth - 1)
+        if inner is not None:
+            return place + inner
+    return None
 
 
 class OpaqueCalls:

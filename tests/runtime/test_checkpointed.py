@@ -129,6 +129,36 @@ def test_transformers_checkpoint_keywords_for_the_layer_reach_the_layer() -> Non
     torch.testing.assert_close(run_stages(stages, x), reference(x), rtol=0, atol=0)
 
 
+class Scale:
+    """A plain object (not a pytree node) that carries a value to a block."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+@pytest.mark.parametrize("by_len", [False, True], ids=["fx", "export"])
+def test_a_checkpointed_call_given_an_object_holding_a_forward_value_is_refused_in_one_line(by_len: bool) -> None:
+    """The node would hold the object with the capture's value in it (export's fake tensor, fx's proxy)."""
+    model, x = Model("module", False, by_len), torch.randn(8, 4)
+    model.call = lambda block, h, _reentrant: checkpoint(block, h, Scale(torch.sigmoid(h.mean())).value * 0 + 1.0,
+                                                         use_reentrant=False)  # a tensor given as itself: fine
+    split_model(model, ["blocks.1"], (x,))
+    model.call = lambda block, h, _reentrant: checkpoint(lambda value, scale: block(value, scale.value), h,
+                                                         Scale(torch.sigmoid(h.mean())), use_reentrant=False)
+    split_model(model, ["blocks.1"], (x,))  # not a module call: traced through, the value stays the graph's
+    for block in model.blocks:
+        block.__class__ = ScaledBlock
+    model.call = lambda block, h, _reentrant: checkpoint(block, h, Scale(torch.sigmoid(h.mean())), use_reentrant=False)
+    with pytest.raises(StageSplitError, match=r"checkpointed blocks.0, which the split keeps whole, is given a Scale "
+                                              r"object .* \(Scale.value\)"):
+        split_model(model, ["blocks.1"], (x,))
+
+
+class ScaledBlock(Block):
+    def forward(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, scale.value)
+
+
 def test_a_checkpointed_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
     with pytest.raises(StageSplitError, match=r"split point 'blocks.1.down' is inside blocks.1, which the forward "
                                               r"checkpoints \(torch.utils.checkpoint\) as one call"):
