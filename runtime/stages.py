@@ -17,6 +17,7 @@ from torch import fx, nn
 from planner.files.plan import Plan
 from runtime.export_split import ShapeGuard
 from runtime.graph_split import UntraceableError, split_exported, split_traced
+from runtime.opaque_calls import Arguments
 from runtime.stage_types import SharedParameter, StageSignature, StageSplitError, ValueSpec
 
 __all__ = [
@@ -125,6 +126,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
                                           "torch.export can capture the model instead") from None
                 modules, signatures = split_exported(model, names, tuple(example_inputs), untraceable)
                 method = "export"
+            _hold_argument_modules(model, modules)
             _hold_every_name(model, modules)
     return Stages(modules, _shared_parameters(model, modules), signatures, method)
 
@@ -233,6 +235,31 @@ def _slice_sequential(model: nn.Module, indices: list[int]) -> tuple[list[nn.Mod
 # --- parameters -------------------------------------------------------------------------------
 
 
+def _hold_argument_modules(model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    """Have each stage hold, under its name in the model, every module of the model that the stage passes to a
+    call it keeps whole (`runtime.opaque_calls.Arguments`: `checkpoint(layer, h, proj)`, a kept module given
+    `proj=self.proj`): the stage then trains, moves and shares (`Stages.shared`) that module's parameters as
+    its own. Without it the call would use a module no stage, or another stage, holds."""
+    paths = {id(module): name for name, module in model.named_modules() if name}
+    for stage in stages:
+        for node in stage.graph.nodes if isinstance(stage, fx.GraphModule) else ():
+            arguments = getattr(node.target, "arguments", None)
+            for constant in arguments.constants if isinstance(arguments, Arguments) else ():
+                if isinstance(constant, nn.Module) and id(constant) in paths:
+                    owner_name, _, field = paths[id(constant)].rpartition(".")
+                    _submodule(stage, owner_name).add_module(field, constant)
+
+
+def _submodule(stage: nn.Module, name: str) -> nn.Module:
+    """The stage's submodule `name` (dotted), made (an empty nn.Module) where missing."""
+    owner = stage
+    for part in name.split(".") if name else ():
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    return owner
+
+
 def _hold_every_name(model: nn.Module, stages: Sequence[nn.Module]) -> None:
     """Give every name in the model's state_dict to a graph stage, so the stages' state_dicts together are the model's.
 
@@ -249,13 +276,8 @@ def _hold_every_name(model: nn.Module, stages: Sequence[nn.Module]) -> None:
             holder_of.setdefault(id(value), stage)
     for name, value in model.state_dict(keep_vars=True).items():
         if name not in held:
-            stage = holder_of.get(id(value), stages[0])
             owner_name, _, field = name.rpartition(".")
-            owner = stage
-            for part in owner_name.split(".") if owner_name else ():
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = getattr(owner, part)
+            owner = _submodule(holder_of.get(id(value), stages[0]), owner_name)
             if isinstance(value, nn.Parameter):
                 owner.register_parameter(field, value)
             else:

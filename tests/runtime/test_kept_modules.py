@@ -88,6 +88,42 @@ def test_a_module_export_cannot_capture_is_kept_whole_and_trains_as_in_eager_mod
     torch.testing.assert_close(copy.deepcopy(stages[1])(*between), stages[1](*between))  # a copy runs the same
 
 
+class ProjectedExperts(Experts):
+    def forward(self, x: torch.Tensor, proj: nn.Module | None = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(proj(x) if proj is not None else x)
+
+
+class Projecting(Model):
+    """Model whose last layer's experts are given a module of the model that no other call uses (`proj`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.moe.__class__ = ProjectedExperts
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).reshape(len(x), -1)
+        for index, layer in enumerate(self.layers):
+            h = layer.moe(layer.norm(h), proj=self.proj if index == 2 else None)
+        return self.head(h)
+
+
+def test_a_module_passed_to_a_kept_call_is_held_and_trained_by_the_stage_that_makes_the_call() -> None:
+    model, x = Projecting(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["layers.1.norm"], (x,))
+    holding = [index for index, stage in enumerate(stages) if "proj.weight" in dict(stage.named_parameters())]
+    assert holding == [1] and not stages.shared
+    assert dict(stages[1].named_parameters())["proj.weight"] is model.proj.weight
+    optimizer = torch.optim.SGD(stages[1].parameters(), lr=0.1)  # what the rank of stage 1 trains
+    run_stages(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(model.proj.weight.grad, reference.proj.weight.grad)
+    optimizer.step()
+    assert not torch.equal(model.proj.weight, reference.proj.weight)
+
+
 def test_a_failure_inside_a_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
     with pytest.raises(StageSplitError) as raised:
         split_model(Model(), ["layers.1.moe.experts.2"], (torch.randn(6, 4),))
