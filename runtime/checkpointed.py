@@ -37,7 +37,7 @@ from runtime.kept_modules import KeptModule
 from runtime.opaque_calls import Arguments, CallRefused, opaque_call, unrecorded
 from runtime.patches import Patches
 
-__all__ = ["CheckpointCalls", "stands_in"]
+__all__ = ["CheckpointCalls", "reentrant_checkpoints", "stands_in"]
 
 _INSTEAD = ("checkpoint the module (checkpoint(self.block, x)), or leave checkpointing to the plan (planner partition "
             "recomputes stages where --memory needs it)")
@@ -136,6 +136,14 @@ class CheckpointCalls(Patches):
                 f"split point {inside[0]!r} is inside {name or 'the model'}, which the forward checkpoints "
                 "(torch.utils.checkpoint) as one call: split at that module or outside it")
         return name
+
+
+def reentrant_checkpoints(stage: nn.Module) -> list[str]:
+    """The model names of the calls a split stage checkpoints with torch's reentrant variant (whose backward
+    cannot compute input gradients apart from weight gradients, as zero-bubble schedules do)."""
+    return [node.target.path for module in stage.modules() if isinstance(module, fx.GraphModule)
+            for node in module.graph.nodes if isinstance(node.target, KeptModule)
+            and node.target.checkpoint is not None and node.target.checkpoint.get("use_reentrant", True)]
 
 
 def stands_in(module: nn.Module) -> bool:

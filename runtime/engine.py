@@ -80,7 +80,7 @@ from runtime.liveness import Heartbeat, RankMissing
 from runtime.nested import split_minibatch, tensors
 from runtime.p2p import POLL_S, Expected, Later, Links, Mailbox, TensorSpec, describe, specs, without_flags
 from runtime.pipeline import PipelineError
-from runtime.stage_runner import LossFn, StageRunner
+from runtime.stage_runner import LossFn, StageRunner, split_backward_refusal
 from runtime.stages import StageSplitError, Stages, build_stages
 from runtime.trace import OpTime, StepClock
 
@@ -179,9 +179,9 @@ class Engine:
         flags = [bool(checkpoint)] * count if checkpoint is None or isinstance(checkpoint, bool) else list(checkpoint)
         if len(flags) != count:
             raise EngineError(f"checkpoint needs one flag per stage ({count}), got {len(flags)}")
-        if schedule in SPLIT_BACKWARD_SCHEDULES and any(flags):
-            raise EngineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
-                              "stages do not have: plan without recompute, or use gpipe or 1f1b")
+        refused = split_backward_refusal(schedule, stages, flags)
+        if refused is not None:
+            raise EngineError(refused)
         self.program = self.schedule.programs[self.rank]
         self._receive_order = receive_order(self.schedule, self.rank)
         self.stage, self.replica, self.stages = self.program.stage, self.program.replica, self.program.stages

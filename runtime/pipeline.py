@@ -48,7 +48,7 @@ from planner.schedules.schedule import (
 from runtime.export_split import ShapeGuard
 from runtime.interpreter import UnknownActionError, run_program
 from runtime.nested import split_minibatch
-from runtime.stage_runner import LossFn, StageRunner
+from runtime.stage_runner import LossFn, StageRunner, split_backward_refusal
 from runtime.stages import StageSplitError, Stages, build_stages
 
 __all__ = ["Pipeline", "PipelineError", "IN_PROCESS_SCHEDULES"]
@@ -233,9 +233,9 @@ class Pipeline:
         self.microbatches = microbatches
         self.checkpoint = tuple(checkpoint)
         self.loss_fn: LossFn = loss_fn or default_loss
-        if schedule in SPLIT_BACKWARD_SCHEDULES and any(checkpoint):
-            raise PipelineError(f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing "
-                                "stages do not have: pass no checkpoint flags, or use gpipe or 1f1b")
+        refused = split_backward_refusal(schedule, stages, checkpoint)
+        if refused is not None:
+            raise PipelineError(refused)
         self._check_shared_devices()
         for stage, device in zip(stages, self.devices):
             stage.to(device)

@@ -15,8 +15,10 @@ needs, between `forward(key)` and `backward(key)`:
 - `stash_weights` (PipeDream's weight stashing): the forward runs on a copy of the parameters
   taken at that moment (`torch.func.functional_call`), so optimizer steps between a
   microbatch's forward and its backward do not change the weights its backward differentiates;
-  the gradient is then added to the live parameters' `.grad`. Memory: one copy of the stage's
-  parameters per microbatch in flight.
+  the gradient is then added to the live parameters' `.grad`. The backward runs with the copy in
+  the module's place too, so that layers the model checkpoints itself (recomputed inside the
+  backward, `runtime.checkpointed`) recompute on the weights their forward used. Memory: one copy of
+  the stage's parameters per microbatch in flight.
 
 The last stage computes `loss_fn(output, target) * scale` (scale: the microbatch's share of the
 mini-batch, so summed gradients are those of the mini-batch mean).
@@ -32,20 +34,43 @@ every layer after it save its query and key products for that gradient, 0.79 MB 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps weights with
 
 from planner.profiling.backward_split import PendingWeights, backward_inputs, backward_weights
+from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
+from runtime.checkpointed import reentrant_checkpoints
 from runtime.nested import map_tensors, tensors
 from runtime.rng import RandomStream
 from runtime.stages import stage_args
 
-__all__ = ["StageRunner", "LossFn"]
+__all__ = ["StageRunner", "LossFn", "split_backward_refusal"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def split_backward_refusal(schedule: str, stages: Sequence[nn.Module], checkpoint: Sequence[bool]) -> str | None:
+    """Why `schedule`, if it splits each backward into B and W, cannot run these stages (one line), else None:
+    a stage the plan recomputes keeps no graph from B to W, and a layer the model checkpoints with torch's
+    reentrant variant cannot have its input gradients computed apart (`torch.autograd.grad` refuses it)."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    if any(checkpoint):
+        return (f"{schedule} keeps each microbatch's graph from its B to its W, which recomputing stages do not "
+                "have: plan without recompute (no checkpoint flags), or use gpipe or 1f1b")
+    for index, stage in enumerate(stages):
+        reentrant = reentrant_checkpoints(stage)
+        if reentrant:
+            return (f"{schedule} computes a stage's input gradients apart from its weights', which torch's reentrant "
+                    f"checkpoint cannot: stage {index} checkpoints {reentrant[0]} with use_reentrant=True; checkpoint "
+                    "with use_reentrant=False (transformers: gradient_checkpointing_enable(gradient_checkpointing_"
+                    "kwargs={'use_reentrant': False})), or use gpipe or 1f1b")
+    return None
 
 
 @dataclass
@@ -170,7 +195,8 @@ class StageRunner:
         if self.split_backward:
             return self._backward_inputs(key, state, roots, grads)
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._weights_in_place(state):
+                torch.autograd.backward(roots, grads)
         del output, roots
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -211,6 +237,12 @@ class StageRunner:
         if state.weights is None:
             return self.module(*args)
         return torch.func.functional_call(self.module, state.weights, args)
+
+    def _weights_in_place(self, state: _Micro) -> contextlib.AbstractContextManager[Any]:
+        """For the block, the module's parameters are the microbatch's stashed copy, if it has one."""
+        if state.weights is None:
+            return contextlib.nullcontext()
+        return _reparametrize_module(self.module, state.weights)
 
     def _loss(self, state: _Micro, output: Any) -> torch.Tensor:
         target = map_tensors(lambda t: t.to(self.device), state.target)

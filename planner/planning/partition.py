@@ -113,8 +113,9 @@ def partition(
                                "of one stage per GPU chose; name the schedule to search its counts")
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
-                                "measure what splitting a backward costs (split_backward_ratio; made before it did, or "
-                                "imported); profile again, or name the schedule")
+                                "measure what splitting a backward costs (split_backward_ratio: made before it did, "
+                                "imported, or a model that checkpoints layers with use_reentrant=True, which they "
+                                "cannot train); profile again, or name the schedule")
     return plan
 
 

@@ -54,7 +54,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from planner.errors import PlannerError
 from planner.profiling.weight_formulas import frontier_grads
 
-__all__ = ["PendingWeights", "backward_inputs", "backward_weights", "held_gradients"]
+__all__ = ["PendingWeights", "ReentrantCheckpointError", "backward_inputs", "backward_weights", "held_gradients"]
 
 _Edge = tuple[int, int]  # (node index in _Graph, input number of that node)
 # boundaries are batched first-fit into the newest this many groups only: a chain of L layers fits none (each
@@ -88,6 +88,14 @@ class PendingWeights:
     calls: int = 0
     promoted: int = 0
     done: bool = False
+
+
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # the node of torch.utils.checkpoint's reentrant variant
+
+
+class ReentrantCheckpointError(PlannerError):
+    """A backward cannot be split into B and W: it holds torch's reentrant checkpoint, whose backward recomputes
+    and differentiates the layer in one `torch.autograd.backward` (no `inputs`, no `torch.autograd.grad`)."""
 
 
 class _Graph:
@@ -292,6 +300,11 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
         return input_grads, pending
 
     graph = _Graph(root_edges)
+    if any(type(node).__name__ == _REENTRANT_CHECKPOINT for node in graph.nodes):
+        raise ReentrantCheckpointError(
+            "the backward runs a layer checkpointed by torch's reentrant checkpoint (use_reentrant=True), which "
+            "computes no input gradient apart from the weights' ones: checkpoint with use_reentrant=False, or use a "
+            "schedule that does not split the backward (gpipe, 1f1b)")
     param_nodes = {number for number in (graph.find(get_gradient_edge(param).node) for param in chosen)
                    if number is not None}
     input_edges = [get_gradient_edge(inputs[position]) for position in wanted]

@@ -30,8 +30,10 @@ belong to it. Layers are listed in first-call order, which is execution order. T
   decoder.embed_tokens, decoder.dropout, decoder.block.0 ... decoder.final_layer_norm, lm_head`.
   A model that is a plain `nn.Sequential` (its forward is `nn.Sequential.forward`, which calls
   every child in order) is split into its children without recording a forward.
-- `depth=N`: the calls N levels below the model's forward (leaves above that depth stay).
-- `split_points=[...]`: layers begin exactly at these modules (and at the forward's first call).
+- `depth=N`: the calls N levels below the model's forward (leaves above that depth stay, and
+  checkpointed calls).
+- `split_points=[...]`: layers begin exactly at these modules (and at the forward's first call); a
+  module inside a checkpointed call is refused.
   `depth` and `split_points` cannot be combined.
 """
 
@@ -43,6 +45,7 @@ from typing import Any, Callable
 from torch import nn
 
 from planner.errors import ProfileError
+from planner.profiling.checkpoint_regions import checkpoint_depth, counting_checkpoints
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class _Call:
     order: int
     depth: int
     children: list["_Call"] = field(default_factory=list)
+    inside_checkpoints: int = 0  # `checkpoint_depth()` at the call
+    checkpointed: bool = False  # the forward checkpoints this call (it is deeper in checkpoints than its caller)
 
 
 def record_call_tree(model: nn.Module, run_forward: Callable[[], Any]) -> _Call:
@@ -76,7 +81,9 @@ def record_call_tree(model: nn.Module, run_forward: Callable[[], Any]) -> _Call:
         call = calls.get(module)
         if call is None:
             parent = stack[-1] if stack else root
-            call = _Call(names[module], module, order=len(calls), depth=parent.depth + 1)
+            inside = checkpoint_depth()
+            call = _Call(names[module], module, order=len(calls), depth=parent.depth + 1, inside_checkpoints=inside,
+                         checkpointed=inside > parent.inside_checkpoints)
             calls[module] = call
             parent.children.append(call)
         stack.append(call)
@@ -90,10 +97,13 @@ def record_call_tree(model: nn.Module, run_forward: Callable[[], Any]) -> _Call:
             handles.append(module.register_forward_pre_hook(pre_hook))
             handles.append(module.register_forward_hook(post_hook, always_call=True))
     try:
-        run_forward()  # with autograd on: some models differentiate inside their forward
+        with counting_checkpoints() as checkpointed:
+            run_forward()  # with autograd on: some models differentiate inside their forward
     finally:
         for handle in handles:
             handle.remove()
+    for call in calls.values():  # a layer that checkpoints its own forward is called before the checkpoint begins
+        call.checkpointed = call.checkpointed or id(call.module) in checkpointed
     return root
 
 
@@ -129,7 +139,7 @@ def find_layers(
 def _default_calls(root: _Call) -> list[_Call]:
     """Root's calls, expanding Sequentials and stack holders; descend while there is only one."""
     calls = root.children
-    while len(calls) == 1 and calls[0].children:
+    while len(calls) == 1 and calls[0].children and not calls[0].checkpointed:
         calls = calls[0].children
     expanded: list[_Call] = []
     for call in calls:
@@ -139,7 +149,7 @@ def _default_calls(root: _Call) -> list[_Call]:
 
 def _expand(call: _Call, in_block: bool = False) -> list[_Call]:
     """The call, or its children expanded in turn; `in_block`: within a stack member (only Sequentials open)."""
-    if not call.children:
+    if not call.children or call.checkpointed:
         return [call]
     stack = not in_block and _holds_stack(call)
     if isinstance(call.module, nn.Sequential) or stack or (not in_block and _has_stack_below(call)):
@@ -173,7 +183,7 @@ def _calls_at_depth(root: _Call, depth: int) -> list[_Call]:
     result: list[_Call] = []
 
     def walk(call: _Call) -> None:
-        if call.depth == depth or not call.children:
+        if call.depth == depth or not call.children or call.checkpointed:
             result.append(call)
         else:
             for child in call.children:
@@ -187,13 +197,16 @@ def _calls_at_depth(root: _Call, depth: int) -> list[_Call]:
 def _split_point_calls(root: _Call, split_points: list[str]) -> list[_Call]:
     """Calls of the named modules, plus the forward's first call so that layer 0 starts at the start."""
     by_name: dict[str, _Call] = {}
+    within: dict[str, str] = {}  # a module called inside a checkpointed call -> that call's module
 
-    def index(call: _Call) -> None:
+    def index(call: _Call, checkpointed: str | None) -> None:
         by_name[call.name] = call
+        if checkpointed is not None:
+            within[call.name] = checkpointed
         for child in call.children:
-            index(child)
+            index(child, checkpointed if checkpointed is not None else call.name if call.checkpointed else None)
 
-    index(root)
+    index(root, None)
     del by_name[""]
     chosen: dict[str, _Call] = {}
     for name in split_points:
@@ -203,6 +216,9 @@ def _split_point_calls(root: _Call, split_points: list[str]) -> list[_Call]:
                 f"split point {name!r} is not a module the model's forward calls; "
                 f"called modules include: {known}"
             )
+        if name in within:
+            raise ProfileError(f"split point {name!r} is inside {within[name]}, which the forward checkpoints "
+                               f"(torch.utils.checkpoint) as one call: split at {within[name]} or outside it")
         chosen[name] = by_name[name]
     first = root.children[0]
     if all(call.order > first.order for call in chosen.values()):

@@ -18,6 +18,7 @@ from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.profiling.layers import Layer, find_layers
+from planner.profiling.backward_split import ReentrantCheckpointError
 from planner.profiling.deferred_memory import measure_deferred_bytes
 from planner.profiling.memory import library_bytes, measure_peak_memory, measure_workspace
 from planner.profiling.model_file import (
@@ -281,13 +282,17 @@ def _measure_checked(
     times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report)
     input_iters = min(settings.iters, INPUT_GRADIENT_ITERS)
     # B + W against a plain backward (zero-bubble schedules' extra cost): as many pairs, or a quarter of --min-seconds
-    split_backward_ratio = _phase(model_file, "timing the split backward", lambda: time_split_backward(
-        layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), input_iters,
-        progress=lambda done, total: report("timing the split backward", done, total),
-        min_seconds=settings.min_seconds / 4,
-    ))
-    deferred = _phase(model_file, "measuring what a split backward keeps", lambda: measure_deferred_bytes(
-        layers, step.loss, step.zero_grad, model.parameters()))
+    try:
+        split_backward_ratio: float | None = _phase(model_file, "timing the split backward", lambda: time_split_backward(
+            layers, step.loss, step.zero_grad, clock_for(device), model.parameters(), input_iters,
+            progress=lambda done, total: report("timing the split backward", done, total),
+            min_seconds=settings.min_seconds / 4,
+        ))
+        deferred = _phase(model_file, "measuring what a split backward keeps", lambda: measure_deferred_bytes(
+            layers, step.loss, step.zero_grad, model.parameters()))
+    except ReentrantCheckpointError:  # no zero-bubble schedule can train it: their costs stay unmeasured (None)
+        step.zero_grad()
+        split_backward_ratio, deferred = None, ()
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()

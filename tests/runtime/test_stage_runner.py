@@ -12,7 +12,10 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 from runtime.nested import map_tensors
-from runtime.stage_runner import StageRunner
+from runtime.pipeline import Pipeline, PipelineError
+from runtime.stage_runner import StageRunner, split_backward_refusal
+from runtime.stages import split_model
+from tests.checkpointed_blocks import CheckpointedBlocks
 
 CPU = torch.device("cpu")
 
@@ -511,6 +514,33 @@ def test_several_stashed_microbatches_in_flight_each_use_their_forward_weights(c
     assert_grads_close(expected, grads(module))
 
 
+class SelfCheckpointing(nn.Module):
+    """An mlp whose forward checkpoints it (torch.utils.checkpoint): recomputed inside the backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = mlp(), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_stashed_forward_the_model_checkpoints_recomputes_on_its_own_weights(reentrant: bool) -> None:
+    module = SelfCheckpointing(reentrant)
+    old = copy.deepcopy(module)
+    x, target = batch(), batch(5, 3, seed=3)
+    runner = make_runner(module, last=True, stash=True)
+    runner.receive(1, as_sent((x,)))
+    runner.forward(1, target=target)
+    perturb(module)  # an optimizer step between the forward and the backward
+    input_grads = runner.backward(1)
+    x_ref = leaf(x)
+    mse(old(x_ref), target).backward()
+    assert_grads_close(grads(old), grads(module))
+    torch.testing.assert_close(input_grads[0], x_ref.grad)
+
+
 def test_stashing_without_a_weight_change_gives_plain_gradients() -> None:
     module, reference = mlp(), mlp()
     x, target = batch(), batch(5, 3, seed=3)
@@ -567,3 +597,22 @@ def test_forward_before_any_reset_runs() -> None:
     runner = StageRunner(module, CPU, last=False, loss_fn=mse)
     sent = runner.forward(0, (batch(),))
     torch.testing.assert_close(sent[0], reference(batch()).detach())
+
+
+# --- what a split backward cannot run --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_split_backward_refuses_recomputed_stages_and_reentrant_checkpoints_in_one_line(reentrant: bool) -> None:
+    stages = split_model(CheckpointedBlocks(reentrant), ["blocks.1"], (batch(),))
+    refused = split_backward_refusal("zb-h1", stages, [False, False])
+    if reentrant:
+        assert refused is not None and "stage 0 checkpoints blocks.0 with use_reentrant=True" in refused
+        with pytest.raises(PipelineError, match="use_reentrant=False"):  # before any thread starts
+            Pipeline(stages, schedule="zb-h1", microbatches=2, loss_fn=mse)
+    else:
+        assert refused is None
+        with Pipeline(stages, schedule="zb-h1", microbatches=2, loss_fn=mse) as pipe:
+            pipe.train_step(batch(4), batch(4, 3, seed=3))
+    assert split_backward_refusal("1f1b", stages, [False, False]) is None
+    assert "recomputing stages" in (split_backward_refusal("zbv", stages, [True, False]) or "")

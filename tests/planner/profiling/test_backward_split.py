@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import PlannerError
-from planner.profiling.backward_split import PendingWeights, _accumulate, backward_inputs, backward_weights
+from planner.profiling.backward_split import (PendingWeights, ReentrantCheckpointError, _accumulate, backward_inputs,
+                                             backward_weights)
 from tests.conftest import gpu_only
 
 Forward = Callable[..., Sequence[torch.Tensor]]
@@ -529,3 +530,25 @@ def test_threads_adding_into_one_parameter_lose_nothing() -> None:
         for thread in threads:
             thread.join()
         assert torch.equal(parameter.grad, torch.full((256, 256), 800.0))
+
+
+def test_a_backward_through_torchs_reentrant_checkpoint_is_refused_and_a_non_reentrant_one_splits() -> None:
+    """Reentrant checkpoint's backward recomputes and differentiates in one torch.autograd.backward: no B apart."""
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    for reentrant in (True, False):
+        x = torch.randn(3, 4, requires_grad=True)
+        loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant).square().sum()
+        if reentrant:
+            with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
+                backward_inputs([loss], [None], [x], list(block.parameters()))
+        else:
+            block.zero_grad(set_to_none=True)
+            (grad,), pending = backward_inputs([loss], [None], [x], list(block.parameters()))
+            backward_weights(pending)
+            found = {name: parameter.grad.clone() for name, parameter in block.named_parameters()}
+            block.zero_grad(set_to_none=True)
+            x_ref = x.detach().requires_grad_()
+            block(x_ref).square().sum().backward()
+            torch.testing.assert_close(grad, x_ref.grad)
+            for name, parameter in block.named_parameters():
+                torch.testing.assert_close(found[name], parameter.grad, msg=name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from torch import nn
 from planner.errors import ProfileError
 from planner.profiling.layers import Layer, find_layers
 from planner.profiling.model_file import checked_example_batch, load_model_file
+from tests.checkpointed_blocks import CheckpointedBlocks
 
 # as in tests/conftest.py; not imported from there, so that the file runs without the repository on sys.path
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -405,3 +407,44 @@ def test_t5_has_both_block_stacks_in_execution_order(transformers: ModuleType) -
     assert names == [
         *embeds[0], "encoder.dropout", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm",
         *embeds[1], "decoder.dropout", "decoder.block.0", "decoder.block.1", "decoder.final_layer_norm", "lm_head"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_call_is_one_layer_by_every_rule(reentrant: bool) -> None:
+    """Open, the Sequential blocks would give layers a split cannot begin (the call trains whole)."""
+    model, x = CheckpointedBlocks(reentrant, count=3), torch.randn(2, 4)
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    assert [layer.name for layer in find_layers(model, lambda: model(x))] == ["embed", *blocks, "head"]
+    assert [layer.name for layer in find_layers(model, lambda: model(x), depth=3)] == ["embed", *blocks, "head"]
+    with pytest.raises(ProfileError, match=r"split point 'blocks.1.1' is inside blocks.1, which the forward "
+                                            r"checkpoints \(torch.utils.checkpoint\) as one call"):
+        find_layers(model, lambda: model(x), split_points=["blocks.1.1"])
+    assert torch.utils.checkpoint.CheckpointFunction.forward.__name__ == "forward"  # put back
+    model.reentrant = None  # (not checkpointed: the blocks open as Sequentials again)
+    model.forward = lambda h: model.head(model.blocks[2](model.blocks[1](model.blocks[0](model.embed(h)))))
+    assert len(find_layers(model, lambda: model(x))) == 2 + 2 * 3
+
+
+class _CheckpointingItself(nn.Module):
+    """A block whose forward checkpoints the rest of itself, as transformers 5.x's layers do
+    (`checkpoint(partial(forward, self), ...)`): its call, and its hooks, begin outside the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return torch.utils.checkpoint.checkpoint(functools.partial(type(self).inner, self), h, use_reentrant=False)
+        return self.inner(h)
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+def test_a_layer_that_checkpoints_its_own_forward_is_not_opened_at_any_depth() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), _CheckpointingItself(), _CheckpointingItself(), nn.Linear(8, 2))
+    x = torch.randn(2, 4)
+    assert [layer.name for layer in find_layers(model, lambda: model(x), depth=2)] == ["0", "1", "2", "3"]
+    model.eval()  # not checkpointed: opened
+    assert len(find_layers(model, lambda: model(x), depth=2)) == 6

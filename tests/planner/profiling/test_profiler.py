@@ -234,3 +234,47 @@ def test_frozen_parameters_are_recorded_apart_and_a_frozen_tie_holds_no_pending_
     assert dict(zip(names, profile.param_tensors)) == {"embed": 0, "blocks.0": 0, "blocks.1": 2, "head": 0}
     assert profile.trainable_param_bytes == (32 * 32 + 32) * 4
     assert len(profile.forward_workspace_bytes) == len(names)
+
+
+CHECKPOINTED_MODEL = '''
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Checkpointed(nn.Module):
+    """Two blocks the forward checkpoints with torch's reentrant variant (transformers 4.x's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=REENTRANT)
+        return self.head(h)
+
+
+def build_model() -> nn.Module:
+    return Checkpointed()
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 4)
+'''
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_model_checkpointed_reentrantly_profiles_with_the_split_backward_unmeasured(tmp_path, reentrant: bool) -> None:
+    """Zero-bubble schedules cannot train it (planner.profiling.backward_split.ReentrantCheckpointError): their
+    costs stay None, and `partition --schedule auto` leaves them out, instead of the profile failing."""
+    (tmp_path / "checkpointed.py").write_text(CHECKPOINTED_MODEL.replace("REENTRANT", str(reentrant)))
+    profile = profile_model(load_model_file(tmp_path / "checkpointed.py"),
+                            ProfileSettings(batch_size=4, warmup=0, iters=1, threads=1, processes=1))
+    assert [layer.name for layer in profile.layers] == ["embed", "blocks.0", "blocks.1", "head"]
+    if reentrant:
+        assert profile.split_backward_ratio is None and not profile.deferred_bytes
+    else:
+        assert profile.split_backward_ratio is not None and len(profile.deferred_bytes) == 4
