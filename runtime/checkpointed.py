@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from runtime.kept_modules import KeptModule
-from runtime.opaque_calls import Arguments, CallRefused, opaque_call, unrecorded
+from runtime.opaque_calls import Arguments, CallRefused, opaque_call, real_module, unrecorded
 from runtime.patches import Patches
 
 __all__ = ["CheckpointCalls", "reentrant_checkpoints", "stands_in"]
@@ -115,7 +115,8 @@ class CheckpointCalls(Patches):
         while isinstance(function, functools.partial):
             before, keywords = (*function.args, *before), function.keywords | keywords
             function = function.func
-        owner = getattr(function, "__self__", None)
+        function, owner = real_module(function), real_module(getattr(function, "__self__", None))
+        before = (real_module(before[0]), *before[1:]) if before else before
         if isinstance(function, nn.Module) and id(function) in self.names:
             return function, None, ((), {})
         if isinstance(owner, nn.Module) and id(owner) in self.names and \

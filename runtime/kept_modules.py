@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from runtime.opaque_calls import Arguments, opaque_call, output_tensors
+from runtime.opaque_calls import Arguments, opaque_call, output_tensors, real_module
 from runtime.patches import Patches
 from runtime.model_state import model_state, restore_model_state
 
@@ -98,7 +98,7 @@ def failing_modules(model: nn.Module, exc: BaseException, split_points: Sequence
         seen.add(id(error))
         frame = error.__traceback__
         while frame is not None:
-            owner = frame.tb_frame.f_locals.get("self")
+            owner = real_module(frame.tb_frame.f_locals.get("self"))
             name = names.get(id(owner)) if isinstance(owner, nn.Module) else None
             if name and name not in enclosing and name not in kept:  # never the model itself
                 innermost = owner

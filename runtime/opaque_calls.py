@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.proxy_tensor import _AttrProxy, disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
 
-__all__ = ["PASSED", "Arguments", "CallRefused", "refusal", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
+__all__ = ["PASSED", "Arguments", "CallRefused", "real_module", "refusal", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
 
 PASSED = object()  # in Arguments.constants: a value the graph passes
 _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
@@ -38,6 +38,13 @@ _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_
 class CallRefused(Exception):
     """A call the split cannot keep whole; the message is the one line to show (a tracer may wrap the error:
     `refusal` finds it)."""
+
+
+def real_module(value: Any) -> Any:
+    """The model's own module behind `value` where torch.export hands out a stand-in for it (it does for every
+    module of a model holding one module under two names, T5's shared embedding: `_AttrProxy`, a subclass of the
+    module's class that shares its attributes), else `value` itself."""
+    return value.get_base() if isinstance(value, _AttrProxy) else value
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -67,6 +74,7 @@ class Arguments:
         """The call's Arguments, and the leaves for which `passed` holds, which the graph is to pass, in order;
         CallRefused if a leaf it would hold holds a traced value (`callee` names the call in the message)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves = [real_module(leaf) for leaf in leaves]
         values = [leaf for leaf in leaves if passed(leaf)]
         for leaf in leaves:
             where = None if passed(leaf) else _traced_inside(leaf)

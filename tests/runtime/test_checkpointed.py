@@ -159,6 +159,23 @@ class ScaledBlock(Block):
         return super().forward(x, scale.value)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_model_holding_a_module_under_two_names_keeps_its_checkpointed_blocks(reentrant: bool) -> None:
+    """torch.export then hands the forward stand-ins of every module (`_AttrProxy`; T5's shared embedding
+    makes transformers' T5 such a model): each is known as the model's own module."""
+    model, x = Model("module", reentrant, True), torch.randn(8, 4)
+    model.alias = model.embed  # one module, two names
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["blocks.1"], (x,))
+    assert stages.method == "export"
+    kept = [node.target.path for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+    assert kept == ["blocks.0", "blocks.1", "blocks.2"]
+    run_stages(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_a_checkpointed_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
     with pytest.raises(StageSplitError, match=r"split point 'blocks.1.down' is inside blocks.1, which the forward "
                                               r"checkpoints \(torch.utils.checkpoint\) as one call"):

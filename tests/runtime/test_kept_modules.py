@@ -124,6 +124,16 @@ def test_a_module_passed_to_a_kept_call_is_held_and_trained_by_the_stage_that_ma
     assert not torch.equal(model.proj.weight, reference.proj.weight)
 
 
+def test_a_model_holding_a_module_under_two_names_keeps_its_modules_too() -> None:
+    """torch.export then hands the forward stand-ins of its modules (`_AttrProxy`): the failing one is found."""
+    model, x = Model(), torch.randn(6, 4)
+    model.alias = model.head  # one module, two names
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["layers.1"], (x,))
+    assert _kept(stages) == ["layers.0.moe", "layers.1.moe", "layers.2.moe"]
+    torch.testing.assert_close(run_stages(stages, x), reference(x), rtol=0, atol=0)
+
+
 def test_a_failure_inside_a_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
     with pytest.raises(StageSplitError) as raised:
         split_model(Model(), ["layers.1.moe.experts.2"], (torch.randn(6, 4),))
