@@ -44,11 +44,13 @@ hooks do. The `grad_outputs` must not be modified in place before W.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from planner.errors import PlannerError
@@ -460,35 +462,52 @@ def backward_weights(pending: PendingWeights) -> None:
                            "W runs once per backward_inputs")
     pending.done = True
     try:
-        roots = pending.roots
-        for call in pending.weight_calls:
-            grads = frontier_grads(call.roots, call.grads, call.captures)
-            if grads is None:
-                grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
-            for key, edge, grad in zip(call.keys, call.captures, grads):
-                if grad is None:
-                    continue
-                if key in roots:
-                    roots[key] = (roots[key][0], roots[key][1] + grad)
-                else:
-                    roots[key] = (edge, grad)
-        rest = {}
-        chosen = {id(param): param for param in pending.params}
-        found: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for key, (edge, grad) in roots.items():
-            direct = _parameter_gradient(edge, grad, chosen)
-            if direct is None:
-                rest[key] = (edge, grad)
-            else:
-                found.append(direct)
-        if rest and pending.params:
-            edges = [edge for edge, _ in rest.values()]
-            grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in rest.values()],
-                                        allow_unused=True)
-            found += [(param, grad) for param, grad in zip(pending.params, grads) if grad is not None]
-        _accumulate(found, set(pending.foreign_storages))
+        with _one_recomputation():
+            _run_weights(pending)
     finally:
         pending.weight_calls = []
         pending.roots = {}
         pending.params = []
         pending.foreign_storages = set()
+
+
+def _one_recomputation() -> contextlib.AbstractContextManager[Any]:
+    """For the block, a region of the model checkpointed by torch's non-reentrant checkpoint is recomputed once
+    for all of W's backward calls and saved-tensor reads (`torch.utils.checkpoint.GraphExecGroup`; without it,
+    once per call and once per tensor a weight formula reads: 6x a GPT-2 stage's whole backward). Nothing where
+    this torch has no such group, or the caller is in one already."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    if group is None or group._get_current_group() is not None:
+        return contextlib.nullcontext()
+    return group()
+
+
+def _run_weights(pending: PendingWeights) -> None:
+    """W's work (`backward_weights`)."""
+    roots = pending.roots
+    for call in pending.weight_calls:
+        grads = frontier_grads(call.roots, call.grads, call.captures)
+        if grads is None:
+            grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
+        for key, edge, grad in zip(call.keys, call.captures, grads):
+            if grad is None:
+                continue
+            if key in roots:
+                roots[key] = (roots[key][0], roots[key][1] + grad)
+            else:
+                roots[key] = (edge, grad)
+    rest = {}
+    chosen = {id(param): param for param in pending.params}
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for key, (edge, grad) in roots.items():
+        direct = _parameter_gradient(edge, grad, chosen)
+        if direct is None:
+            rest[key] = (edge, grad)
+        else:
+            found.append(direct)
+    if rest and pending.params:
+        edges = [edge for edge, _ in rest.values()]
+        grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in rest.values()],
+                                    allow_unused=True)
+        found += [(param, grad) for param, grad in zip(pending.params, grads) if grad is not None]
+    _accumulate(found, set(pending.foreign_storages))

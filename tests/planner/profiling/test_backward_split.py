@@ -552,3 +552,37 @@ def test_a_backward_through_torchs_reentrant_checkpoint_is_refused_and_a_non_ree
             torch.testing.assert_close(grad, x_ref.grad)
             for name, parameter in block.named_parameters():
                 torch.testing.assert_close(found[name], parameter.grad, msg=name)
+
+
+class _Counted(torch.nn.Module):
+    """Two linears with a tanh between, counting its forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.calls = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.down(torch.tanh(self.up(x)))
+
+
+def test_w_recomputes_a_non_reentrant_checkpointed_region_once() -> None:
+    """B recomputes the region once for its input gradients, W once for the weights' (torch's GraphExecGroup):
+    not once per weight formula's saved tensor and per backward call, as each would count as its own task."""
+    torch.manual_seed(0)
+    block, head = _Counted(), torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = head(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)).square().sum()
+    params = [*block.parameters(), *head.parameters()]
+    (grad,), pending = backward_inputs([loss], [None], [x], params)
+    assert block.calls == 2
+    backward_weights(pending)
+    assert block.calls == 3
+    found = [parameter.grad.clone() for parameter in params]
+    for parameter in params:
+        parameter.grad = None
+    x_ref = x.detach().requires_grad_()
+    head(block(x_ref)).square().sum().backward()
+    torch.testing.assert_close(grad, x_ref.grad)
+    for parameter, expected in zip(params, found):
+        torch.testing.assert_close(expected, parameter.grad)
