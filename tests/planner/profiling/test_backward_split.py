@@ -566,12 +566,14 @@ class _Counted(torch.nn.Module):
         return self.down(torch.tanh(self.up(x)))
 
 
-def test_w_recomputes_a_non_reentrant_checkpointed_region_once() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_only)])
+def test_w_recomputes_a_non_reentrant_checkpointed_region_once(device: str) -> None:
     """B recomputes the region once for its input gradients, W once for the weights' (torch's GraphExecGroup):
-    not once per weight formula's saved tensor and per backward call, as each would count as its own task."""
+    not once per weight formula's saved tensor and per backward call, as each would count as its own task (on a
+    GPU, autograd runs the nodes on its device thread: the group follows)."""
     torch.manual_seed(0)
-    block, head = _Counted(), torch.nn.Linear(4, 2)
-    x = torch.randn(3, 4, requires_grad=True)
+    block, head = _Counted().to(device), torch.nn.Linear(4, 2).to(device)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
     loss = head(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)).square().sum()
     params = [*block.parameters(), *head.parameters()]
     (grad,), pending = backward_inputs([loss], [None], [x], params)
