@@ -462,8 +462,7 @@ def backward_weights(pending: PendingWeights) -> None:
                            "W runs once per backward_inputs")
     pending.done = True
     try:
-        with _one_recomputation():
-            _run_weights(pending)
+        _run_weights(pending)
     finally:
         pending.weight_calls = []
         pending.roots = {}
@@ -471,11 +470,14 @@ def backward_weights(pending: PendingWeights) -> None:
         pending.foreign_storages = set()
 
 
-def _one_recomputation() -> contextlib.AbstractContextManager[Any]:
-    """For the block, a region of the model checkpointed by torch's non-reentrant checkpoint is recomputed once
-    for all of W's backward calls and saved-tensor reads (`torch.utils.checkpoint.GraphExecGroup`; without it,
-    once per call and once per tensor a weight formula reads: 6x a GPT-2 stage's whole backward). Nothing where
-    this torch has no such group, or the caller is in one already."""
+def _recomputation_group() -> contextlib.AbstractContextManager[Any]:
+    """A context, to enter around each of W's reads that take every saved tensor they read once, in which a
+    region of the model checkpointed by torch's non-reentrant checkpoint is recomputed once for all of them
+    (one `torch.utils.checkpoint.GraphExecGroup`). Torch recomputes once per graph task, and gives each read
+    outside a backward call a task of its own: the weight formulas' reads re-ran a GPT-2 stage's checkpointed
+    blocks once per tensor, 6x its whole backward. The group refuses a second read of a tensor, which W makes
+    where a formula read some of a boundary's tensors before leaving it to autograd: those backward calls run
+    outside it (T5's layer norms). A no-op where this torch has no such group, or the caller is in one."""
     group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
     if group is None or group._get_current_group() is not None:
         return contextlib.nullcontext()
@@ -485,8 +487,10 @@ def _one_recomputation() -> contextlib.AbstractContextManager[Any]:
 def _run_weights(pending: PendingWeights) -> None:
     """W's work (`backward_weights`)."""
     roots = pending.roots
+    reads = _recomputation_group()
     for call in pending.weight_calls:
-        grads = frontier_grads(call.roots, call.grads, call.captures)
+        with reads:
+            grads = frontier_grads(call.roots, call.grads, call.captures)
         if grads is None:
             grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
         for key, edge, grad in zip(call.keys, call.captures, grads):
@@ -507,7 +511,8 @@ def _run_weights(pending: PendingWeights) -> None:
             found.append(direct)
     if rest and pending.params:
         edges = [edge for edge, _ in rest.values()]
-        grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in rest.values()],
-                                    allow_unused=True)
+        with reads:  # the W nodes: none of them a boundary, whose tensors the formulas read
+            grads = torch.autograd.grad(edges, pending.params, [grad for _, grad in rest.values()],
+                                        allow_unused=True)
         found += [(param, grad) for param, grad in zip(pending.params, grads) if grad is not None]
     _accumulate(found, set(pending.foreign_storages))
