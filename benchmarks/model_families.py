@@ -1,7 +1,7 @@
 """Transformers families the tests do not cover, through the whole path: profile, a planner-made 2-stage plan, training.
 
     python benchmarks/model_families.py [--families bart,opt] [--steps 3] [--schedule 1f1b] [--keep DIR]
-                                        [--device cuda]
+                                        [--device cuda] [--checkpointing non-reentrant]
 
 Each family is built from a small config (no weights downloaded; dropout probabilities 0, so the
 pipeline and plain PyTorch draw no masks) inside a model file written to a temporary folder, the
@@ -14,6 +14,9 @@ parameter difference after training next to how far training moved the parameter
 means torch.allclose at rtol 1e-5, atol 1e-6).
 A family that fails says where, in one line, and the others go on. `--device cuda`: the profile is
 still taken on the CPU, both stages and the plain model train on the GPU (TF32 off, so fp32 is compared).
+`--checkpointing reentrant|non-reentrant`: each model file turns on transformers' gradient checkpointing
+(`activation_checkpointing_enable`, `gradient_checkpointing_enable` before 5.x), as a user short of memory
+does; the note then gives how many calls the stages keep checkpointed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import sys
 import tempfile
 import textwrap
@@ -39,6 +43,7 @@ from planner.files.plan import Plan  # noqa: E402
 from planner.planning.partition import partition  # noqa: E402
 from planner.profiling.model_file import ModelFile, default_loss, load_model_file  # noqa: E402
 from planner.profiling.profiler import ProfileSettings, profile_model  # noqa: E402
+from runtime.kept_modules import KeptModule  # noqa: E402
 from runtime.pipeline import Pipeline  # noqa: E402
 
 BATCH = 8
@@ -83,6 +88,15 @@ SAMPLES = 400
 
 def example_batch(batch_size):
     return torch.randn(batch_size, SAMPLES), torch.randint(0, 4, (batch_size,))
+'''
+CHECKPOINTING = '''
+options = {{"use_reentrant": {reentrant}}}
+if not model.model.supports_gradient_checkpointing:
+    pass
+elif hasattr(model.model, "activation_checkpointing_enable"):  # transformers 5.x
+    model.model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+else:
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 '''
 CAUSAL_LOSS = '''
 
@@ -317,9 +331,10 @@ def two_stage_plan(model_file: ModelFile, schedule: str) -> tuple[Plan, list[str
 
 
 def train_both(model_file: ModelFile, plan: Plan, steps: int,
-               device: str = "cpu") -> tuple[str, float, float, float, bool]:
+               device: str = "cpu") -> tuple[str, float, float, float, bool, int]:
     """(split method, split seconds, how far training moved the plain model's parameters (max |change|),
-    `compare` of the two trained models) after `steps` SGD steps pipelined and plain, both on `device`."""
+    `compare` of the two trained models, how many calls the stages keep checkpointed) after `steps` SGD steps
+    pipelined and plain, both on `device`."""
     torch.manual_seed(0)
     pipelined = model_file.build_model().train()
     plain = copy.deepcopy(pipelined).to(device)
@@ -335,6 +350,9 @@ def train_both(model_file: ModelFile, plan: Plan, steps: int,
     with Pipeline.from_plan(pipelined, plan, devices, example_inputs=microbatch, loss_fn=loss_fn) as pipe:
         split_s = time.perf_counter() - started
         method = pipe.stages.method
+        checkpointed = sum(isinstance(node.target, KeptModule) and node.target.checkpoint is not None
+                           for stage in pipe.stages if isinstance(stage, torch.fx.GraphModule)
+                           for node in stage.graph.nodes)
         for model in (pipelined, plain):
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
             for _ in range(steps):
@@ -344,7 +362,12 @@ def train_both(model_file: ModelFile, plan: Plan, steps: int,
                     loss_fn(model(*inputs), target).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    return method, split_s, compare(initial, plain)[0], *compare(plain, pipelined)
+    return method, split_s, compare(initial, plain)[0], *compare(plain, pipelined), checkpointed
+
+
+def model_checkpoints(model_file: ModelFile) -> bool:
+    """Whether the model file's model turns on transformers' gradient checkpointing."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model_file.build_model().modules())
 
 
 def compare(expected: nn.Module, found: nn.Module) -> tuple[float, bool]:
@@ -355,9 +378,13 @@ def compare(expected: nn.Module, found: nn.Module) -> tuple[float, bool]:
     return worst, all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
 
 
-def run_family(family: Family, folder: Path, steps: int, schedule: str, device: str = "cpu") -> Row:
+def run_family(family: Family, folder: Path, steps: int, schedule: str, device: str = "cpu",
+               checkpointing: str = "none") -> Row:
     """The whole path for one family; a failure ends up in the row's note."""
     row = Row(family.name, family.model)
+    if checkpointing != "none":
+        reentrant = CHECKPOINTING.format(reentrant=checkpointing == "reentrant")
+        family = dataclasses.replace(family, after_build=family.after_build + reentrant)
     path = folder / f"{family.name.lower().replace('-', '_')}.py"
     path.write_text(textwrap.dedent(family.model_file_text()))
     try:
@@ -366,8 +393,14 @@ def run_family(family: Family, folder: Path, steps: int, schedule: str, device: 
         shown = ", ".join(names[:3])
         row.layers = f"{len(names)}: {shown}, ..., {names[-1]}"
         row.stages = " ; ".join(f"{stage.first_layer} .. {stage.last_layer}" for stage in plan.stages)
-        row.method, row.split_s, row.moved, row.max_diff, close = train_both(model_file, plan, steps, device)
+        row.method, row.split_s, row.moved, row.max_diff, close, checkpointed = train_both(model_file, plan, steps,
+                                                                                           device)
         row.matches = "yes" if close else "no"
+        if checkpointing != "none":
+            found = ("the model does not checkpoint" if not model_checkpoints(model_file) else
+                     "layers run whole, checkpointed as the model runs them" if row.method == "fx" else
+                     f"{checkpointed} calls kept checkpointed")
+            row.note = found + (f"; {row.note}" if row.note else "")
     except Exception as exc:  # report and go on: one line per failing family
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         row.note = f"{type(exc).__name__}: {first_line[:200]}"
@@ -380,6 +413,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     parser.add_argument("--device", default="cpu", help="where both train (the profile is taken on the CPU)")
+    parser.add_argument("--checkpointing", choices=("none", "reentrant", "non-reentrant"), default="none",
+                        help="turn on transformers' gradient checkpointing in every model file")
     parser.add_argument("--keep", type=Path, default=None,
                         help="write the model files into this folder and keep them (default: a temporary one)")
     args = parser.parse_args()
@@ -390,7 +425,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown families {', '.join(unknown)}; known: {', '.join(f.name for f in FAMILIES)}")
     chosen = [family for family in FAMILIES if not wanted or family.name.lower() in wanted]
-    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, {args.device}; "
+    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, {args.device}, checkpointing {args.checkpointing}; "
           f"{args.steps} SGD steps of a batch of {BATCH} in {MICROBATCHES} microbatches, {args.schedule}\n")
     print("| family | model | layers found | plan's stages | split | split s | training moved | pipelined - plain "
           "| matches plain PyTorch | note |")
@@ -401,7 +436,7 @@ def main() -> None:
           else tempfile.TemporaryDirectory(prefix="model-families-")) as folder:
         for family in chosen:
             print(f"{family.name} ...", file=sys.stderr, flush=True)
-            row = run_family(family, Path(folder), args.steps, args.schedule, args.device)
+            row = run_family(family, Path(folder), args.steps, args.schedule, args.device, args.checkpointing)
             print(f"| {row.family} | {row.model} | {row.layers} | {row.stages} | {row.method} | {row.split_s:.2f} | "
                   f"{row.moved:.1e} | {row.max_diff:.1e} | {row.matches} | {row.note} |", flush=True)
 
