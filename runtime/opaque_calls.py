@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import _AttrProxy, disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
@@ -163,8 +164,13 @@ def opaque_call(kept: Any, tensors: list[torch.Tensor], output: Any) -> Any:
 @contextlib.contextmanager
 def unrecorded() -> Iterator[None]:
     """Inside torch.export's capture: operations that run on its fake tensors without entering the graph (grad-mode
-    changes included), to learn a call's output."""
-    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+    changes included), to learn a call's output. Sizes they make that depend on data (a mixture of experts'
+    routing: `torch.where`, `nonzero`) are let go, as the graph never sees them (export would otherwise refuse
+    symbols its outputs do not hold: transformers 4.46's Mixtral checkpointed)."""
+    fake_mode = detect_fake_mode()
+    shape_env = getattr(fake_mode, "shape_env", None)
+    fresh = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction(), fresh:
         yield
 
 

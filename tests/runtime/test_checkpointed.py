@@ -176,6 +176,39 @@ def test_a_model_holding_a_module_under_two_names_keeps_its_checkpointed_blocks(
         torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+class Routed(nn.Module):
+    """Top-1 routing over two experts as transformers 4.46's Mixtral routes: rows picked by `torch.where` (sizes
+    that depend on the data) and added back with `index_add_`; no branch on a value, so export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 2)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            (rows,) = torch.where(choice == index)
+            out = out.index_add(0, rows, expert(x[rows]))
+        return x + out
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_block_that_routes_by_the_data_is_kept_checkpointed(reentrant: bool) -> None:
+    """Learning its output's shape on export's fake tensors makes sizes that the graph never holds: let go."""
+    model, x = Model("module", reentrant, True), torch.randn(8, 4)
+    model.blocks = nn.ModuleList(Routed() for _ in range(3))
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["blocks.1"], (x,))
+    kept = [node.target.path for stage in stages for node in stage.graph.nodes if isinstance(node.target, KeptModule)]
+    assert stages.method == "export" and kept == ["blocks.0", "blocks.1", "blocks.2"]
+    run_stages(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_a_checkpointed_module_that_encloses_a_split_point_is_refused_in_one_line() -> None:
     with pytest.raises(StageSplitError, match=r"split point 'blocks.1.down' is inside blocks.1, which the forward "
                                               r"checkpoints \(torch.utils.checkpoint\) as one call"):
