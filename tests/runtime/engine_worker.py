@@ -14,6 +14,7 @@ rank's first stage fails) prints "rank R: EngineError: <message>" and the worker
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
 
 def main() -> int:
     torch.set_num_threads(1)
+    # torchrun stops every rank (SIGTERM) once one exits; a failed case's rank that has not printed its line yet
+    # would be cut short. `planner train` ignores the signal while it composes its line too (runtime.train)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     rank, _, _ = init_distributed()
     for case in spec["cases"]:
