@@ -425,7 +425,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown families {', '.join(unknown)}; known: {', '.join(f.name for f in FAMILIES)}")
     chosen = [family for family in FAMILIES if not wanted or family.name.lower() in wanted]
-    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, {args.device}, checkpointing {args.checkpointing}; "
+    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, {args.device}, "
+          f"checkpointing {args.checkpointing}; "
           f"{args.steps} SGD steps of a batch of {BATCH} in {MICROBATCHES} microbatches, {args.schedule}\n")
     print("| family | model | layers found | plan's stages | split | split s | training moved | pipelined - plain "
           "| matches plain PyTorch | note |")

@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import _AttrProxy, disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-
-__all__ = ["PASSED", "Arguments", "CallRefused", "real_module", "refusal", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls", "unrecorded"]
+__all__ = ["PASSED", "Arguments", "CallRefused", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls",
+           "real_module", "refusal", "unrecorded"]
 
 PASSED = object()  # in Arguments.constants: a value the graph passes
 _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
@@ -82,8 +82,8 @@ class Arguments:
             if where is not None:
                 raise CallRefused(
                     f"{callee}, which the split keeps whole, is given a {type(leaf).__name__} object holding a value "
-                    f"computed in the forward ({type(leaf).__name__}{where}): the split would keep the value the capture saw; "
-                    f"pass the tensor itself, or make {type(leaf).__name__} a pytree node "
+                    f"computed in the forward ({type(leaf).__name__}{where}): the split would keep the value the "
+                    f"capture saw; pass the tensor itself, or make {type(leaf).__name__} a pytree node "
                     "(torch.utils._pytree.register_dataclass)")
         device = next((leaf.device for leaf in values if isinstance(leaf, torch.Tensor)), None)
         return Arguments(spec, [PASSED if passed(leaf) else leaf for leaf in leaves], device), values

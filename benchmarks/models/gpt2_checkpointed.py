@@ -1,4 +1,4 @@
-"""benchmarks/models/gpt2.py with transformers' gradient checkpointing on (non-reentrant), as a user short of memory runs it."""
+"""benchmarks/models/gpt2.py with transformers' gradient checkpointing on (non-reentrant), as users short of memory do."""
 
 import sys
 from pathlib import Path

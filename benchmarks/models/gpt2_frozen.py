@@ -1,4 +1,4 @@
-"""benchmarks/models/gpt2.py fine-tuned: every weight frozen but the last block's and the final norm's (tied embedding frozen)."""
+"""benchmarks/models/gpt2.py fine-tuned: all weights frozen but the last block's and the final norm's (the embedding too)."""
 
 import sys
 from pathlib import Path
