@@ -242,7 +242,7 @@ class StageRunner:
         """For the block, the module's parameters are the microbatch's stashed copy, if it has one."""
         if state.weights is None:
             return contextlib.nullcontext()
-        return _reparametrize_module(self.module, state.weights)
+        return _reparametrize_module(self.module, state.weights, tie_weights=True)  # as functional_call does
 
     def _loss(self, state: _Micro, output: Any) -> torch.Tensor:
         target = map_tensors(lambda t: t.to(self.device), state.target)

@@ -33,13 +33,21 @@ def checkpoint_depth() -> int:
 
 
 def _owner(function: Any) -> nn.Module | None:
-    """The module a checkpointed function calls (see the module docstring), None if it is not one's."""
+    """The module a checkpointed function calls (see the module docstring), None if it is not one's. A bound
+    method counts only if it is a whole call of its module (`forward`, `__call__`): a module that checkpoints one
+    of its helpers (`checkpoint(self._run, block, h)`) is not checkpointed whole."""
     first = None
     while isinstance(function, functools.partial):
         first = function.args[0] if function.args else first
         function = function.func
-    owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", first)
-    return owner if isinstance(owner, nn.Module) else None
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        calls = {nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl, type(owner).__call__,
+                 type(owner).forward}
+        return owner if getattr(function, "__func__", None) in calls else None
+    return first if isinstance(first, nn.Module) else None
 
 
 @contextlib.contextmanager

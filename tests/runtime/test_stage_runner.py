@@ -525,9 +525,13 @@ class SelfCheckpointing(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_stashed_forward_the_model_checkpoints_recomputes_on_its_own_weights(reentrant: bool) -> None:
+def test_a_stashed_forward_the_model_checkpoints_recomputes_on_its_own_weights(reentrant: bool, tied: bool) -> None:
     module = SelfCheckpointing(reentrant)
+    if tied:  # the checkpointed region reads a weight under a second name, which the stash lists once
+        module.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+        module.inner[2].weight = module.inner[0].weight
     old = copy.deepcopy(module)
     x, target = batch(), batch(5, 3, seed=3)
     runner = make_runner(module, last=True, stash=True)

@@ -47,6 +47,9 @@ class _SelfCheckpointing(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)
 
+    def twice(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import functools
         return checkpoint(functools.partial(type(self).forward, self), x, use_reentrant=False)
@@ -55,9 +58,11 @@ class _SelfCheckpointing(torch.nn.Module):
 def test_the_modules_checkpointed_are_named_by_module_bound_method_or_partial() -> None:
     a, b, c = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), _SelfCheckpointing()
     x = torch.ones(1, 2, requires_grad=True)
+    helper = _SelfCheckpointing()
     with counting_checkpoints() as checkpointed:
         checkpoint(a, x, use_reentrant=True)
         checkpoint(b.forward, x, use_reentrant=False)
         c(x)
         checkpoint(lambda h: h * 2, x, use_reentrant=False)
+        checkpoint(helper.twice, x, use_reentrant=False)  # a helper of a module: not the module's whole call
     assert list(checkpointed.values()) == [a, b, c]
