@@ -8,8 +8,10 @@ every parameter name in some stage (tied weights shared); the graph splitting it
 from __future__ import annotations
 
 import difflib
+import functools
+import types
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -17,7 +19,7 @@ from torch import fx, nn
 from planner.files.plan import Plan
 from runtime.export_split import ShapeGuard
 from runtime.graph_split import UntraceableError, split_exported, split_traced
-from runtime.opaque_calls import Arguments
+from runtime.opaque_calls import Arguments, real_module
 from runtime.stage_types import SharedParameter, StageSignature, StageSplitError, ValueSpec
 
 __all__ = [
@@ -238,16 +240,45 @@ def _slice_sequential(model: nn.Module, indices: list[int]) -> tuple[list[nn.Mod
 def _hold_argument_modules(model: nn.Module, stages: Sequence[nn.Module]) -> None:
     """Have each stage hold, under its name in the model, every module of the model that the stage passes to a
     call it keeps whole (`runtime.opaque_calls.Arguments`: `checkpoint(layer, h, proj)`, a kept module given
-    `proj=self.proj`): the stage then trains, moves and shares (`Stages.shared`) that module's parameters as
-    its own. Without it the call would use a module no stage, or another stage, holds."""
+    `proj=self.proj`, `self.proj.forward` or an object holding it): the stage then trains, moves and shares
+    (`Stages.shared`) that module's parameters as its own. Without it the call would use a module no stage, or
+    another stage, holds."""
     paths = {id(module): name for name, module in model.named_modules() if name}
     for stage in stages:
         for node in stage.graph.nodes if isinstance(stage, fx.GraphModule) else ():
             arguments = getattr(node.target, "arguments", None)
             for constant in arguments.constants if isinstance(arguments, Arguments) else ():
-                if isinstance(constant, nn.Module) and id(constant) in paths:
-                    owner_name, _, field = paths[id(constant)].rpartition(".")
-                    _submodule(stage, owner_name).add_module(field, constant)
+                for module in _modules_in(constant):
+                    if id(module) in paths:
+                        owner_name, _, field = paths[id(module)].rpartition(".")
+                        _submodule(stage, owner_name).add_module(field, module)
+
+
+def _modules_in(value: Any, depth: int = 3) -> Iterator[nn.Module]:
+    """The modules `value` is or reaches: itself, a bound method's module, a partial's function and arguments,
+    the items of lists, tuples and dicts and the attributes of plain objects, `depth` levels down."""
+    value = real_module(value)
+    if isinstance(value, nn.Module):
+        yield value
+        return
+    owner = getattr(value, "__self__", None)
+    if isinstance(owner, nn.Module):
+        yield real_module(owner)
+        return
+    if depth == 0 or isinstance(value, (type, torch.Tensor)):
+        return
+    if isinstance(value, functools.partial):
+        items: Iterable[Any] = (value.func, *value.args, *value.keywords.values())
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif hasattr(value, "__dict__") and not isinstance(value, (types.FunctionType, types.MethodType)):
+        items = vars(value).values()
+    else:
+        return
+    for item in items:
+        yield from _modules_in(item, depth - 1)
 
 
 def _submodule(stage: nn.Module, name: str) -> nn.Module:

@@ -7,6 +7,7 @@ a failure inside a module that encloses a split point is still refused in one li
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -93,24 +94,38 @@ class ProjectedExperts(Experts):
         return super().forward(proj(x) if proj is not None else x)
 
 
-class Projecting(Model):
-    """Model whose last layer's experts are given a module of the model that no other call uses (`proj`)."""
+class Holding:
+    """A plain callable object that holds a module (not a pytree node)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class Projecting(Model):
+    """Model whose last layer's experts are given a module of the model that no other call uses (`proj`), as
+    itself, its bound forward, a partial of it or inside an object."""
+
+    def __init__(self, how: str) -> None:
         super().__init__()
         for layer in self.layers:
             layer.moe.__class__ = ProjectedExperts
         self.proj = nn.Linear(8, 8)
+        self.given = {"module": self.proj, "bound-forward": self.proj.forward,
+                      "partial": functools.partial(self.proj), "object": Holding(self.proj)}[how]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x).reshape(len(x), -1)
         for index, layer in enumerate(self.layers):
-            h = layer.moe(layer.norm(h), proj=self.proj if index == 2 else None)
+            h = layer.moe(layer.norm(h), proj=self.given if index == 2 else None)
         return self.head(h)
 
 
-def test_a_module_passed_to_a_kept_call_is_held_and_trained_by_the_stage_that_makes_the_call() -> None:
-    model, x = Projecting(), torch.randn(6, 4)
+@pytest.mark.parametrize("how", ["module", "bound-forward", "partial", "object"])
+def test_a_module_passed_to_a_kept_call_is_held_and_trained_by_the_stage_that_makes_the_call(how: str) -> None:
+    model, x = Projecting(how), torch.randn(6, 4)
     reference = copy.deepcopy(model)
     stages = split_model(model, ["layers.1.norm"], (x,))
     holding = [index for index, stage in enumerate(stages) if "proj.weight" in dict(stage.named_parameters())]
