@@ -11,7 +11,10 @@ needs, between `forward(key)` and `backward(key)`:
 - `split_backward` (zero-bubble schedules): `backward(key)` is B, the gradients of the received
   inputs only (`planner.profiling.backward_split.backward_inputs`), and `backward_weight(key)` is W,
   the parameters' gradients, later; between them the microbatch's graph is kept. A first stage
-  (inputs that are data) has no input gradient: its B does nothing and its W the whole backward.
+  (inputs that are data) has no input gradient: its B does nothing and its W the whole backward. A region the
+  model checkpoints is recomputed by B and again by W: buffers B's recomputation moves (batch norm's running
+  statistics; found on the first B) are put back after each W, so they move once per microbatch as in one
+  backward. A reentrant checkpoint cannot be split: the first B says so (`check_splittable`).
 - `stash_weights` (PipeDream's weight stashing): the forward runs on a copy of the parameters
   taken at that moment (`torch.func.functional_call`), so optimizer steps between a
   microbatch's forward and its backward do not change the weights its backward differentiates;
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps weights with
 
-from planner.profiling.backward_split import PendingWeights, backward_inputs, backward_weights
+from planner.profiling.backward_split import PendingWeights, backward_inputs, backward_weights, check_splittable
 from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
 from runtime.checkpointed import reentrant_checkpoints
 from runtime.nested import map_tensors, tensors
@@ -122,9 +125,11 @@ class StageRunner:
             raise ValueError("split_backward runs neither with checkpoint nor with stash_weights")
         self.module, self.device, self.last, self.loss_fn = module, device, last, loss_fn
         self.checkpoint, self.stash_weights, self.split_backward = checkpoint, stash_weights, split_backward
+        self._split_checked = False  # split_backward: whether a first B has looked for reentrant checkpoints
         self.stream = RandomStream(device)
         self.micro: dict[Hashable, _Micro] = {}
         self.pending: dict[Hashable, PendingWeights] = {}  # split_backward: W still to run, per microbatch
+        self.recomputed_buffers: list[torch.Tensor] | None = None  # split_backward: what B's recomputations move
         self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
 
     def reset(self, seed: int | None = None) -> None:
@@ -208,8 +213,14 @@ class StageRunner:
         return [_or_zeros(leaf.grad, leaf) if leaf.requires_grad else None for leaf in tensors(state.args)]
 
     def backward_weight(self, key: Hashable) -> None:
-        """W of microbatch `key` (split_backward): its parameters' gradients add to their `.grad`; forgets it."""
+        """W of microbatch `key` (split_backward): its parameters' gradients add to their `.grad`; forgets it.
+        Buffers that B's recomputation of a checkpointed region updated (batch norm's running statistics) are
+        put back as W found them: W recomputes the region again, and eager mode recomputes it once."""
+        restored = [(buffer, buffer.detach().clone()) for buffer in self.recomputed_buffers or ()]
         backward_weights(self.pending.pop(key))
+        with torch.no_grad():
+            for buffer, saved in restored:
+                buffer.copy_(saved)
 
     def _roots(self, state: _Micro, output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Where a backward starts, with the gradients it starts from: the loss (last stage; None: ones),
@@ -223,9 +234,16 @@ class StageRunner:
     def _backward_inputs(self, key: Hashable, state: _Micro, roots: list[torch.Tensor],
                          grads: list[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
         """B of a split backward: the received inputs' gradients (as `backward` returns them), W kept for later."""
+        if not self._split_checked:  # the model's own reentrant checkpoints, which the stages' graphs do not show
+            check_splittable(roots)
+            self._split_checked = True
         leaves = [leaf for leaf in tensors(state.args) if leaf.requires_grad] if state.received else []
+        before = None if self.recomputed_buffers is not None else [
+            (buffer, buffer.detach().clone()) for buffer in self.module.buffers()]  # the first B: which does it move?
         found, self.pending[key] = backward_inputs(roots, grads, leaves,
                                                    [p for p in self.module.parameters() if p.requires_grad])
+        if before is not None:  # (batch norm moves its statistics in kernels that leave no version count)
+            self.recomputed_buffers = [buffer for buffer, value in before if not torch.equal(buffer, value)]
         if not state.received:
             return None
         by_leaf = {id(leaf): grad for leaf, grad in zip(leaves, found)}

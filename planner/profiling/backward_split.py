@@ -56,7 +56,8 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from planner.errors import PlannerError
 from planner.profiling.weight_formulas import frontier_grads
 
-__all__ = ["PendingWeights", "ReentrantCheckpointError", "backward_inputs", "backward_weights", "held_gradients"]
+__all__ = ["PendingWeights", "ReentrantCheckpointError", "backward_inputs", "backward_weights", "check_splittable",
+           "held_gradients"]
 
 _Edge = tuple[int, int]  # (node index in _Graph, input number of that node)
 # boundaries are batched first-fit into the newest this many groups only: a chain of L layers fits none (each
@@ -98,6 +99,30 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # the node of torch.utils.
 class ReentrantCheckpointError(PlannerError):
     """A backward cannot be split into B and W: it holds torch's reentrant checkpoint, whose backward recomputes
     and differentiates the layer in one `torch.autograd.backward` (no `inputs`, no `torch.autograd.grad`)."""
+
+
+def _refuse_reentrant(nodes: Sequence[Node]) -> None:
+    """ReentrantCheckpointError if one of `nodes` is torch's reentrant checkpoint."""
+    if any(type(node).__name__ == _REENTRANT_CHECKPOINT for node in nodes):
+        raise ReentrantCheckpointError(
+            "the backward runs a layer checkpointed by torch's reentrant checkpoint (use_reentrant=True), which "
+            "computes no input gradient apart from the weights' ones: checkpoint with use_reentrant=False, or use a "
+            "schedule that does not split the backward (gpipe, 1f1b)")
+
+
+def check_splittable(outputs: Sequence[torch.Tensor]) -> None:
+    """ReentrantCheckpointError if the graph behind `outputs` holds torch's reentrant checkpoint, whose backward
+    no B and W can run: a stage's (`backward_inputs` checks those it splits, but a first stage's W is one
+    backward restricted to the parameters, which that checkpoint refuses as well). Walks the whole graph: for
+    a runtime, once per stage."""
+    nodes = [output.grad_fn for output in outputs if output.grad_fn is not None]
+    seen = {id(node) for node in nodes}
+    for node in nodes:  # grows while iterating: a breadth-first walk
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                nodes.append(child)
+    _refuse_reentrant(nodes)
 
 
 class _Graph:
@@ -302,11 +327,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torc
         return input_grads, pending
 
     graph = _Graph(root_edges)
-    if any(type(node).__name__ == _REENTRANT_CHECKPOINT for node in graph.nodes):
-        raise ReentrantCheckpointError(
-            "the backward runs a layer checkpointed by torch's reentrant checkpoint (use_reentrant=True), which "
-            "computes no input gradient apart from the weights' ones: checkpoint with use_reentrant=False, or use a "
-            "schedule that does not split the backward (gpipe, 1f1b)")
+    _refuse_reentrant(graph.nodes)
     param_nodes = {number for number in (graph.find(get_gradient_edge(param).node) for param in chosen)
                    if number is not None}
     input_edges = [get_gradient_edge(inputs[position]) for position in wanted]

@@ -620,3 +620,51 @@ def test_a_split_backward_refuses_recomputed_stages_and_reentrant_checkpoints_in
             pipe.train_step(batch(4), batch(4, 3, seed=3))
     assert split_backward_refusal("1f1b", stages, [False, False]) is None
     assert "recomputing stages" in (split_backward_refusal("zbv", stages, [True, False]) or "")
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later-stage", "first-stage"])
+def test_a_split_backward_through_a_layer_that_checkpoints_itself_reentrantly_fails_in_one_line(first: bool) -> None:
+    """A layer checkpointing its own insides is no node the split sees (an nn.Sequential slice here): its stage's
+    first B says what is wrong, as a first stage's W would have failed in torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SelfCheckpointing(True), nn.Linear(3, 3))
+    stages = split_model(model, ["2" if first else "1"])
+    assert split_backward_refusal("zb-h1", stages, [False, False]) is None  # not seen before the first step
+    with Pipeline(stages, schedule="zb-h1", microbatches=2, loss_fn=mse) as pipe:
+        with pytest.raises(PipelineError, match=rf"stage {0 if first else 1}, microbatch 0 failed: "
+                                                r"ReentrantCheckpointError: .*use_reentrant=False"):
+            pipe.train_step(batch(4), batch(4, 3, seed=3))
+
+
+class NormedBlocks(nn.Module):
+    """Linear, two blocks with batch norm that the forward checkpoints (non-reentrant), linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def test_a_split_backward_moves_a_recomputed_regions_statistics_as_one_backward_does() -> None:
+    """B and W each recompute a checkpointed region; eager mode (and 1f1b) recompute it once per microbatch, so
+    W's second update of batch norm's running statistics is undone. On the last stage the schedule keeps eager
+    mode's order (F0 B0 F1 B1), so the statistics match exactly."""
+    x, y = batch(8, 4, seed=1), batch(8, 3, seed=2)
+    eager = NormedBlocks()
+    for half in (slice(0, 4), slice(4, 8)):
+        (mse(eager(x[half]), y[half]) * 0.5).backward()
+    model = NormedBlocks()
+    with Pipeline(split_model(model, ["blocks.1"], (x[:4],)), schedule="zb-h1", microbatches=2, loss_fn=mse) as pipe:
+        pipe.train_step(x, y)
+    found, wanted = model.blocks[1][1], eager.blocks[1][1]
+    assert int(found.num_batches_tracked) == int(wanted.num_batches_tracked) == 4  # forward and recompute, twice
+    torch.testing.assert_close(found.running_mean, wanted.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(found.running_var, wanted.running_var, rtol=0, atol=0)
+    assert_grads_close(grads(eager), grads(model))
