@@ -111,6 +111,10 @@ def partition(
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
         plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the nearest the best plan "
                                "of one stage per GPU chose; name the schedule to search its counts")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and profile.split_backward_ratio is None:
+        plan = plan.with_notes(f"the profile did not measure what splitting a backward costs (split_backward_ratio): "
+                               f"{schedule}'s backwards are priced as whole ones; if the model checkpoints layers "
+                               "with use_reentrant=True, training refuses the schedule")
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
                                 "measure what splitting a backward costs (split_backward_ratio: made before it did, "

@@ -477,3 +477,13 @@ def test_a_plan_the_final_choice_did_not_prove_fastest_is_refined_by_local_searc
     assert any("found no faster plan" in note for note in unrefined.notes)
     counted = re.search(r"The plan is the fastest of (\d+) simulated", " ".join(plan.notes))
     assert counted and int(counted.group(1)) > 8  # the search's 1 (its budget was 0) and the local search's
+
+
+def test_a_zero_bubble_plan_of_a_profile_without_the_split_backward_says_how_it_priced_it() -> None:
+    """A profile made before the split was measured, or of a model checkpointed reentrantly (which left it None)."""
+    mlp = load_profile(PROFILES_V1 / "mlp.json")  # no split backward measured
+    plan = partition(mlp, make_cluster(2, None, ["10GB/s"]), schedule="zb-h1", straight=True, microbatches=4)
+    assert any("zb-h1's backwards are priced as whole ones" in note for note in plan.notes)
+    measured = partition(dataclasses.replace(mlp, split_backward_ratio=1.1), make_cluster(2, None, ["10GB/s"]),
+                         schedule="zb-h1", straight=True, microbatches=4)
+    assert not any("priced as whole" in note for note in measured.notes)
