@@ -473,7 +473,9 @@ def backward_weights(pending: PendingWeights) -> None:
     exists) and free the graph.
 
     Runs the boundaries again for their weight-side gradients only, then every node that leads only to
-    parameters, once. Raises PlannerError when `pending` was already used.
+    parameters, once. Raises PlannerError when `pending` was already used. A caller's own
+    `torch.utils.checkpoint.GraphExecGroup` around both B and W makes torch refuse W's second read of a
+    checkpointed region's tensors (CheckpointError): hold one around W alone, or none.
     """
     if not isinstance(pending, PendingWeights):
         raise PlannerError(f"backward_weights: expected the PendingWeights of backward_inputs, "
