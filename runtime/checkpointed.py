@@ -33,6 +33,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from planner.profiling.checkpoint_regions import whole_calls
 from runtime.kept_modules import KeptModule
 from runtime.opaque_calls import Arguments, CallRefused, opaque_call, real_module, unrecorded
 from runtime.patches import Patches
@@ -120,7 +121,7 @@ class CheckpointCalls(Patches):
         if isinstance(function, nn.Module) and id(function) in self.names:
             return function, None, ((), {})
         if isinstance(owner, nn.Module) and id(owner) in self.names and \
-                getattr(function, "__func__", None) in _module_calls(type(owner)):
+                getattr(function, "__func__", None) in whole_calls(type(owner)):
             return owner, None, ((), {})
         if before and isinstance(before[0], nn.Module) and id(before[0]) in self.names and callable(function):
             return before[0], function, (before[1:], keywords)
@@ -192,12 +193,6 @@ def _node(path: str, module: nn.Module, function: Callable[..., Any], args: tupl
         output = run()
     arguments, tensors = Arguments.of(args, kwargs, lambda leaf: isinstance(leaf, torch.Tensor), f"checkpointed {path}")
     return opaque_call(KeptModule(path, module, arguments, function, options), tensors, output)
-
-
-def _module_calls(cls: type) -> set[Callable[..., Any]]:
-    """The functions that make a whole call of a module of class `cls` (looked up now: non-strict torch.export
-    replaces `nn.Module.__call__` while it runs), or its forward."""
-    return {nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl, cls.__call__, cls.forward}
 
 
 def _bound_forward(function: Any) -> bool:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import types
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, Iterator
@@ -29,8 +31,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import _AttrProxy, disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-__all__ = ["PASSED", "Arguments", "CallRefused", "OpaqueCalls", "opaque_call", "output_tensors", "place_opaque_calls",
-           "real_module", "refusal", "unrecorded"]
+__all__ = ["PASSED", "Arguments", "CallRefused", "OpaqueCalls", "members", "opaque_call", "output_tensors",
+           "place_opaque_calls", "real_module", "refusal", "unrecorded"]
 
 PASSED = object()  # in Arguments.constants: a value the graph passes
 _CAPTURING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("planner_split_calls")
@@ -105,26 +107,31 @@ def _traced(value: Any) -> bool:
 
 
 def _traced_inside(value: Any, depth: int = 3) -> str | None:
-    """Where a plain object (not a module, class or function) holds a traced value among its attributes, and
-    their lists, tuples and dicts, `depth` levels down (".scale", ".parts[1]"); None if nowhere."""
-    if depth == 0 or isinstance(value, (nn.Module, type, torch.Tensor)) or callable(value):
-        return None
-    if isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    elif isinstance(value, dict):
-        items = value.items()
-    elif hasattr(value, "__dict__"):
-        items = vars(value).items()
-    else:
-        return None
-    for key, item in items:
-        place = f".{key}" if hasattr(value, "__dict__") and not isinstance(value, (list, tuple, dict)) else f"[{key!r}]"
+    """Where `value` holds a traced value among its `members` (".scale", ".parts[1]"), `depth` levels down; None
+    if nowhere."""
+    for place, item in members(value) if depth > 0 else ():
         if _traced(item):
             return place
         inner = _traced_inside(item, depth - 1)
         if inner is not None:
             return place + inner
     return None
+
+
+def members(value: Any) -> list[tuple[str, Any]]:
+    """What an argument a call keeps holds, one level down, each with where (".scale", "[1]", ".args[0]"): the
+    items of a list, tuple or dict, a partial's function and arguments, a plain object's attributes; none for
+    modules, tensors, classes, functions and bound methods (their objects are the caller's to look at)."""
+    if isinstance(value, (list, tuple)):
+        return [(f"[{index}]", item) for index, item in enumerate(value)]
+    if isinstance(value, dict):
+        return [(f"[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, functools.partial):
+        return [(".func", value.func), *((f".args[{index}]", item) for index, item in enumerate(value.args)),
+                *((f".keywords[{key!r}]", item) for key, item in value.keywords.items())]
+    plain = not isinstance(value, (nn.Module, type, torch.Tensor, types.FunctionType, types.MethodType,
+                                   types.BuiltinFunctionType))
+    return [(f".{key}", item) for key, item in vars(value).items()] if plain and hasattr(value, "__dict__") else []
 
 
 class OpaqueCalls:

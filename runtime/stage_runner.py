@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -188,7 +188,7 @@ class StageRunner:
         if self.checkpoint:
             # the recomputation must not update buffers twice (batch norm's running statistics):
             # they are put back after the backward (autograd may have saved them, so not before)
-            buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+            buffers = _snapshot(self.module.buffers())
             with torch.enable_grad():
                 output, _ = self.stream.run(lambda: self._call(state, fresh=True), replay=state.rng)
                 output = self._loss(state, output) if self.last else stage_args(self.module, output)
@@ -203,9 +203,7 @@ class StageRunner:
             with self._weights_in_place(state):
                 torch.autograd.backward(roots, grads)
         del output, roots
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        _put_back(buffers)
         if state.weights is not None:
             self._add_stashed_grads(state.weights)
         if not state.received:
@@ -216,11 +214,9 @@ class StageRunner:
         """W of microbatch `key` (split_backward): its parameters' gradients add to their `.grad`; forgets it.
         Buffers that B's recomputation of a checkpointed region updated (batch norm's running statistics) are
         put back as W found them: W recomputes the region again, and eager mode recomputes it once."""
-        restored = [(buffer, buffer.detach().clone()) for buffer in self.recomputed_buffers or ()]
+        saved = _snapshot(self.recomputed_buffers or ())
         backward_weights(self.pending.pop(key))
-        with torch.no_grad():
-            for buffer, saved in restored:
-                buffer.copy_(saved)
+        _put_back(saved)
 
     def _roots(self, state: _Micro, output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Where a backward starts, with the gradients it starts from: the loss (last stage; None: ones),
@@ -234,12 +230,11 @@ class StageRunner:
     def _backward_inputs(self, key: Hashable, state: _Micro, roots: list[torch.Tensor],
                          grads: list[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
         """B of a split backward: the received inputs' gradients (as `backward` returns them), W kept for later."""
-        if not self._split_checked:  # the model's own reentrant checkpoints, which the stages' graphs do not show
-            check_splittable(roots)
+        if not state.received and not self._split_checked:  # (backward_inputs itself checks the stages it splits)
+            check_splittable(roots)  # a first stage's W is one backward, which a reentrant checkpoint refuses too
             self._split_checked = True
         leaves = [leaf for leaf in tensors(state.args) if leaf.requires_grad] if state.received else []
-        before = None if self.recomputed_buffers is not None else [
-            (buffer, buffer.detach().clone()) for buffer in self.module.buffers()]  # the first B: which does it move?
+        before = None if self.recomputed_buffers is not None else _snapshot(self.module.buffers())  # which move?
         found, self.pending[key] = backward_inputs(roots, grads, leaves,
                                                    [p for p in self.module.parameters() if p.requires_grad])
         if before is not None:  # (batch norm moves its statistics in kernels that leave no version count)
@@ -277,3 +272,15 @@ class StageRunner:
                     parameter.grad = grad
                 else:
                     parameter.grad.add_(grad)
+
+
+def _snapshot(buffers: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer with a copy of its value now (`_put_back` restores them)."""
+    return [(buffer, buffer.detach().clone()) for buffer in buffers]
+
+
+def _put_back(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each buffer of a `_snapshot` the value it had then."""
+    with torch.no_grad():
+        for buffer, saved in snapshot:
+            buffer.copy_(saved)

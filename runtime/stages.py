@@ -8,8 +8,6 @@ every parameter name in some stage (tied weights shared); the graph splitting it
 from __future__ import annotations
 
 import difflib
-import functools
-import types
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -19,7 +17,7 @@ from torch import fx, nn
 from planner.files.plan import Plan
 from runtime.export_split import ShapeGuard
 from runtime.graph_split import UntraceableError, split_exported, split_traced
-from runtime.opaque_calls import Arguments, real_module
+from runtime.opaque_calls import Arguments, members, real_module
 from runtime.stage_types import SharedParameter, StageSignature, StageSplitError, ValueSpec
 
 __all__ = [
@@ -255,29 +253,14 @@ def _hold_argument_modules(model: nn.Module, stages: Sequence[nn.Module]) -> Non
 
 
 def _modules_in(value: Any, depth: int = 3) -> Iterator[nn.Module]:
-    """The modules `value` is or reaches: itself, a bound method's module, a partial's function and arguments,
-    the items of lists, tuples and dicts and the attributes of plain objects, `depth` levels down."""
+    """The modules `value` is or reaches: itself, a bound method's module, or through its `members`, `depth`
+    levels down."""
     value = real_module(value)
-    if isinstance(value, nn.Module):
-        yield value
+    owner = real_module(getattr(value, "__self__", None))
+    if isinstance(value, nn.Module) or isinstance(owner, nn.Module):
+        yield value if isinstance(value, nn.Module) else owner
         return
-    owner = getattr(value, "__self__", None)
-    if isinstance(owner, nn.Module):
-        yield real_module(owner)
-        return
-    if depth == 0 or isinstance(value, (type, torch.Tensor)):
-        return
-    if isinstance(value, functools.partial):
-        items: Iterable[Any] = (value.func, *value.args, *value.keywords.values())
-    elif isinstance(value, (list, tuple)):
-        items = value
-    elif isinstance(value, dict):
-        items = value.values()
-    elif hasattr(value, "__dict__") and not isinstance(value, (types.FunctionType, types.MethodType)):
-        items = vars(value).values()
-    else:
-        return
-    for item in items:
+    for _, item in members(value) if depth > 0 else ():
         yield from _modules_in(item, depth - 1)
 
 

@@ -22,7 +22,7 @@ import functools
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-__all__ = ["checkpoint_depth", "counting_checkpoints"]
+__all__ = ["checkpoint_depth", "counting_checkpoints", "whole_calls"]
 
 _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("planner_checkpoint_depth", default=0)
 
@@ -44,10 +44,14 @@ def _owner(function: Any) -> nn.Module | None:
         return function
     owner = getattr(function, "__self__", None)
     if isinstance(owner, nn.Module):
-        calls = {nn.Module.__call__, nn.Module._call_impl, nn.Module._wrapped_call_impl, type(owner).__call__,
-                 type(owner).forward}
-        return owner if getattr(function, "__func__", None) in calls else None
+        return owner if getattr(function, "__func__", None) in whole_calls(type(owner)) else None
     return first if isinstance(first, nn.Module) else None
+
+
+def whole_calls(cls: type) -> set[Callable[..., Any]]:
+    """The functions that make a whole call of a module of class `cls`, or its forward (looked up at each call:
+    non-strict torch.export replaces `nn.Module.__call__` while it runs)."""
+    return {nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl, cls.__call__, cls.forward}
 
 
 @contextlib.contextmanager
