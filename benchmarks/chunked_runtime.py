@@ -1,6 +1,6 @@
 """The schedules of issue 17 trained side by side: our engine against torch.distributed.pipelining, per schedule.
 
-    python benchmarks/chunked_runtime.py [--rounds 8] [--microbatch-size 8] [--microbatches 4]
+    python benchmarks/chunked_runtime.py [--rounds 8] [--microbatch-size 8] [--microbatches 4] [--schedules 1f1b ...]
 
 examples/gpt.py (train mode), two CPU processes under torchrun (gloo), one torch thread each, SGD.
 For each of 1f1b, zb-h1, interleaved-1f1b and zbv the planner makes its straight plan of the shipped
@@ -45,7 +45,7 @@ LR = 1e-3
 WARMUP_ROUNDS = 2
 
 
-def make_plans(folder: Path, microbatches: int, microbatch_size: int) -> dict[str, str]:
+def make_plans(folder: Path, microbatches: int, microbatch_size: int, schedules: tuple[str, ...]) -> dict[str, str]:
     """The planner's straight 2-GPU plan of the shipped gpt profile per schedule, saved; name -> path."""
     from planner.files.cluster import make_cluster
     from planner.files.profile import load_profile
@@ -53,7 +53,7 @@ def make_plans(folder: Path, microbatches: int, microbatch_size: int) -> dict[st
 
     profile = load_profile(REPO / "profiles" / "gpt.json")
     paths = {}
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         plan = partition(profile, make_cluster(2), straight=True, schedule=schedule, microbatches=microbatches,
                          microbatch_size=microbatch_size)
         paths[schedule] = str(plan.save(folder / f"{schedule}.json"))
@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                        help="which to run (1f1b always runs: the others are given over it)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -133,7 +135,8 @@ def main() -> None:
         exit_worker(0)  # (torch's gloo teardown at exit aborts now and then: runtime.worker_exit)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size), "rounds": args.rounds,
+        schedules = tuple(schedule for schedule in SCHEDULES if schedule == "1f1b" or schedule in args.schedules)
+        spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size, schedules), "rounds": args.rounds,
                 "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
                 "out": str(folder / "steps.json")}
         (folder / "spec.json").write_text(json.dumps(spec))
@@ -152,7 +155,7 @@ def main() -> None:
           f"paired: torch / ours within each round, median [quartiles]")
     print(f"{'schedule':18s} {'ours':>8s} {'torch':>8s} {'torch/ours':>11s} {'paired':>22s} {'ours / 1f1b':>12s} "
           f"{'torch / 1f1b':>13s}")
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         ours, theirs = medians[f"ours {schedule}"], medians[f"torch {schedule}"]
         paired = [t / o for o, t in zip(steps_ms[f"ours {schedule}"], steps_ms[f"torch {schedule}"])]
         low, middle, high = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
