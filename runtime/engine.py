@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import PlannerError
+from planner.profiling.conditions import keep_freed_memory
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
 from planner.schedules.schedule import (
@@ -187,6 +188,8 @@ class Engine:
         self.stage, self.replica, self.stages = self.program.stage, self.program.replica, self.program.stages
         self.microbatches = microbatches
         self.device = torch.device(device) if device is not None else init_distributed()[2]
+        if self.device.type == "cpu":  # as its profile ran (`profile_model`, `planner profile`)
+            keep_freed_memory()
         shared = stages.shared if isinstance(stages, Stages) else ()
         if schedule == "pipedream" and shared:
             raise EngineError(f"tied parameter {shared[0].names[0]} is used by stages {list(shared[0].stages)}: "

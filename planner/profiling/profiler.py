@@ -12,7 +12,8 @@ from torch import nn
 
 from planner.profiling.batch_coupling import find_batch_coupling
 from planner.profiling.companions import companions
-from planner.profiling.conditions import current_conditions, default_cpu_processes, default_cpu_threads
+from planner.profiling.conditions import (current_conditions, default_cpu_processes, default_cpu_threads,
+                                          keep_freed_memory)
 from planner.profiling.optimizer_step import time_grad_accumulation, time_optimizer_steps
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
@@ -192,6 +193,8 @@ def profile_model(model_file: ModelFile, settings: ProfileSettings, progress: Pr
     """
     settings.check()
     device = resolve_device(settings.device)
+    if device.type == "cpu":  # as `planner profile` and `planner train` run (a process of the API's own otherwise)
+        keep_freed_memory()
     dtype = resolve_dtype(settings.dtype)
     report = progress or (lambda phase, done, total: None)
     previous_threads = torch.get_num_threads()

@@ -3,6 +3,7 @@ busy the machine is."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from planner.profiling.conditions import (
     oversubscribed,
     worker_threads,
 )
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -129,3 +132,38 @@ def test_a_profile_measured_among_other_processes_than_training_runs_is_named() 
     assert differences({**alone, "processes": 2}, {**alone, "processes": 2}) == []
     assert differences({**alone, "processes": None}, {**alone, "processes": 2}) == []  # a GPU profile
     assert differences({k: v for k, v in alone.items() if k != "processes"}, {**alone, "processes": 2}) == []  # older
+
+
+# in a fresh process without STEADY_MALLOC: page faults of freeing 64 MiB and filling as much again, before and
+# after keep_freed_memory (glibc maps a block that large on its own and unmaps it when freed, unless told to keep
+# it; kept, the heap takes a step or two to hold a free block that fits, as with the variables set at start-up)
+_REFILL = """
+import os, resource, sys, torch
+from planner.profiling.conditions import keep_freed_memory
+
+def refill_faults():
+    torch.ones(1 << 24).sum()  # 64 MiB, freed at once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(1 << 24).sum()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+plain = [refill_faults() for _ in range(3)]
+first, second = keep_freed_memory(), keep_freed_memory()
+kept = [refill_faults() for _ in range(5)]
+print(min(plain), max(kept[-2:]), first, second, os.environ.get("MALLOC_TRIM_THRESHOLD_"))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_api_keeps_freed_memory_as_the_commands_do() -> None:
+    env = {name: value for name, value in os.environ.items() if name not in STEADY_MALLOC}
+    found = subprocess.run([sys.executable, "-c", _REFILL], env={**env, "PYTHONPATH": str(REPO)}, text=True,
+                           capture_output=True, check=True).stdout.split()
+    plain, kept = int(found[0]), int(found[1])
+    assert plain > 10_000 > 100 > kept  # 64 MiB is 16,384 pages of 4 KiB, faulted in on every step; then none
+    assert found[2:] == ["True", "False", STEADY_MALLOC["MALLOC_TRIM_THRESHOLD_"]]  # once; recorded for children
+    set_by_user = subprocess.run(
+        [sys.executable, "-c", "from planner.profiling.conditions import keep_freed_memory as k; print(k())"],
+        env={**env, "PYTHONPATH": str(REPO), "MALLOC_TRIM_THRESHOLD_": "0"}, text=True, capture_output=True,
+        check=True).stdout.split()
+    assert set_by_user == ["False"]  # the user's setting wins
