@@ -151,6 +151,14 @@ class LayerArrays:
         return dataclasses.replace(self, compute_s=self.fwd_s + factor * (self.compute_s - self.fwd_s),
                                    weight_s=factor * self.weight_s, split_applied=wanted)
 
+    def first_stage_unsplit(self, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward + backward, W) seconds of first stages [0, stop) whose backward runs whole where the
+        arrays carry a split one (`split_applied` = f > 1): a first stage has no input gradient to compute,
+        so its B is empty and its W is one backward, at f = 1: fwd_s + (compute_s - fwd_s) / f and
+        weight_s / f at each stop (the weight-gradient share kept, so B + W = the whole backward)."""
+        backward = (self.compute_s[stops] - self.fwd_s[stops]) / self.split_applied
+        return self.fwd_s[stops] + backward, self.weight_s[stops] / self.split_applied
+
     def stage_saved_bytes(self, start: int, stop: int) -> float:
         """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""
         return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])

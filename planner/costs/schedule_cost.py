@@ -50,7 +50,9 @@ Transfers run on their own channel (one per direction), overlapped with compute.
       iteration = sum_s (t(s) - W(s)) + max_s [Q(s) + W(s)]
   with Q as for the flush schedules (and no recompute). It does not credit the W's that fill the
   drain (the simulator does); on equal stages it reads (p - 1)(F + B) for the bubble, against
-  the schedule's (p - 1)(F + B - W) and 1f1b's (p - 1)(F + B + W).
+  the schedule's (p - 1)(F + B - W) and 1f1b's (p - 1)(F + B + W). Backwards split cost f times
+  their whole time (`LayerArrays.for_schedule`), but a first stage's: it has no input gradient to
+  compute and runs its backward whole (`first_terms`; its B and W keep their shares of it).
 - `pipedream` (asynchronous 1F1B, weight stashing, an all-reduce after every microbatch):
       Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
@@ -330,7 +332,7 @@ def stage_cost(
     `neighbours`: the ranks of the stages before and after it (default: the adjacent ones)."""
     arrays, cluster, sigma = inputs.arrays, inputs.cluster, inputs.scale
     fwd = sigma * float(arrays.fwd_s[stop] - arrays.fwd_s[start])
-    both = sigma * float(arrays.compute_s[stop] - arrays.compute_s[start])
+    both = float(both_terms(inputs, start, stop))
     compute = both + (fwd if recompute else 0.0)
     last_rank = first_rank + replicas - 1
     before, after = neighbours if neighbours is not None else (first_rank - 1, last_rank + 1)
@@ -359,15 +361,40 @@ def stage_cost(
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred)
 
 
+def both_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
+    """Forward + backward of stages [start, stop) without recompute, seconds per microbatch: sigma (compute_s[stop]
+    - compute_s[start]); under a zero-bubble schedule a first stage's backward is unsplit (`first_terms`).
+    Element-wise."""
+    arrays = inputs.arrays
+    both = inputs.scale * (arrays.compute_s[stops] - arrays.compute_s[starts])
+    return first_terms(inputs, starts, stops, both, weight=False)
+
+
 def weight_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
     """W of stages [start, stop) under a zero-bubble schedule, seconds per microbatch: sigma x their layers'
-    weight-gradient parts (`LayerArrays.weight_s`); 0 under other schedules. Element-wise. (The engine's
-    first stage has no input gradient to send, so it runs its whole backward as W: the same work, and with
-    no deferral on the first stage, at the same place.)"""
+    weight-gradient parts (`LayerArrays.weight_s`), a first stage's unsplit (`first_terms`); 0 under other
+    schedules. Element-wise."""
     if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
         return np.zeros(np.shape(starts)) if np.ndim(starts) else 0.0
     weight_s = inputs.arrays.weight_s
-    return inputs.scale * (weight_s[stops] - weight_s[starts])
+    return first_terms(inputs, starts, stops, inputs.scale * (weight_s[stops] - weight_s[starts]), weight=True)
+
+
+def first_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, values: ArrayOrFloat,
+                weight: bool) -> ArrayOrFloat:
+    """`values` (forward + backward, or W if `weight`) with the first stages' (start 0) replaced by
+    their unsplit ones under a zero-bubble schedule whose arrays carry a split backward's ratio f > 1
+    (`LayerArrays.first_stage_unsplit`, x sigma): the engine's first stage has no input gradient to
+    compute, so its B is empty and its W is one whole backward, and it defers no W (it runs at the same
+    place). The round trip (`fill_drain_s`) still counts the first stage's B split: a constant over the
+    plans, which overstates a zero-bubble iteration by up to (1 - 1 / f) x the first stage's B."""
+    arrays = inputs.arrays
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES or arrays.split_applied == 1.0 or not np.any(
+            np.asarray(starts) == 0):
+        return values
+    unsplit = inputs.scale * arrays.first_stage_unsplit(np.asarray(stops))[int(weight)]
+    found = np.where(np.asarray(starts) == 0, unsplit, values)
+    return found if np.ndim(found) else float(found)
 
 
 def deferred_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:

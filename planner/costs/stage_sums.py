@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.costs.layer_arrays import stage_pairs
-from planner.costs.schedule_cost import CostInputs, deferred_terms, weight_terms
+from planner.costs.schedule_cost import CostInputs, both_terms, deferred_terms, weight_terms
 
 
 class Pairs:
@@ -18,7 +18,7 @@ class Pairs:
         self.num_layers = n
         self.starts, self.stops = starts, stops
         self.fwd = sigma * (arrays.fwd_s[stops] - arrays.fwd_s[starts])
-        self.both = sigma * (arrays.compute_s[stops] - arrays.compute_s[starts])
+        self.both = both_terms(inputs, starts, stops)  # a zero-bubble first stage's backward unsplit
         self.weight = weight_terms(inputs, starts, stops)  # W (zero-bubble schedules; else 0)
         self.deferred = deferred_terms(inputs, starts, stops)  # kept from B to W (zero-bubble schedules; else 0)
         cut = np.concatenate([arrays.cut_bytes, [0.0]]) * sigma

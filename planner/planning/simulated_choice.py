@@ -41,8 +41,10 @@ loops count B alone (t - W), each stage's own W where it must come (after its la
 with the trip back), and the flow-shop bound b_s = B_s (with the forwards' 1f1b order); a device's share
 of the layers not yet placed counts their W's (every W runs within the iteration on some device: with B
 alone, 33 of the 108 plans of `benchmarks/model_agreement.py` were proven within 2%, with W 49); the
-brute-force test covers it as the other flush schedules. pipedream's simulated time is measured on a window of a
-finite run (`Timeline.iteration_s`), which can end before the pipeline settles into its steady state
+brute-force test covers it as the other flush schedules. A first stage runs its backward whole there
+(`schedule_cost.first_terms`): the sums of the layers before a stage take each layer's lesser way back
+(split B, or its share of an unsplit backward), whichever stage it will lie in. pipedream's simulated time
+is measured on a window of a finite run (`Timeline.iteration_s`), which can end before the pipeline settles into its steady state
 and so read below the steady-state bounds above: for pipedream the search is a heuristic that proves
 nothing (`exhaustive` False, lower bound 0).
 """
@@ -63,6 +65,7 @@ from planner.costs.schedule_cost import (
     accumulate_terms,
     allreduce_s,
     allreduce_terms,
+    both_terms,
     deferred_terms,
     link_terms,
     memory_terms,
@@ -71,6 +74,7 @@ from planner.costs.schedule_cost import (
     replicas_of,
     step_terms,
     transfer_s,
+    weight_terms,
 )
 from planner.planning.bound_search import TIE
 from planner.planning.optimizer import recompute_options
@@ -188,17 +192,28 @@ class _StageBounds:
         # zero-bubble schedules: a microbatch's trip and the chains of ops below count B alone (W runs later,
         # off the trip); `weight` is 0 elsewhere, so `backward` below is the whole backward there
         weight = sigma * arrays.weight_s if self.split else np.zeros_like(arrays.compute_s)
+        layer_fwd = sigma * np.diff(arrays.fwd_s)
+        layer_back = sigma * np.diff(arrays.compute_s - arrays.fwd_s) - np.diff(weight)  # on a microbatch's way back
+        layer_work = sigma * np.diff(arrays.compute_s)  # every op a device runs, W included
+        everywhere = np.arange(arrays.num_layers + 1)
+        first_both = both_terms(inputs, np.zeros_like(everywhere), everywhere)
+        # a zero-bubble first stage runs its backward unsplit (`schedule_cost.first_terms`), B then W at once, both
+        # on the way back: a layer before a stage counts the lesser of its two ways, in whichever stage it lies
+        self.first_back = first_both - sigma * arrays.fwd_s - weight_terms(inputs, np.zeros_like(everywhere),
+                                                                            everywhere)  # B of stages from layer 0
+        if not np.array_equal(first_both, sigma * arrays.compute_s):
+            layer_back = np.minimum(layer_back, np.diff(first_both - sigma * arrays.fwd_s))
+            layer_work = np.minimum(layer_work, np.diff(first_both))
         self.weight = weight
         self.fwd_before = sigma * arrays.fwd_s
-        self.bwd_before = sigma * (arrays.compute_s - arrays.fwd_s) - weight
-        self.compute_before = sigma * arrays.compute_s - weight
-        self.work_before = sigma * arrays.compute_s  # every op a device runs, W included
+        self.bwd_before = np.concatenate([[0.0], np.cumsum(layer_back)])
+        self.compute_before = self.fwd_before + self.bwd_before
+        self.work_before = np.concatenate([[0.0], np.cumsum(layer_work)])
         self.cut = sigma * np.concatenate([arrays.cut_bytes, [0.0]])
-        layer_fwd, layer_both = sigma * np.diff(arrays.fwd_s), sigma * np.diff(arrays.compute_s) - np.diff(weight)
         # the largest single layer's forward, backward and both among layers [0, i), at index i
         self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before, self.layer_work_before = (
             np.concatenate([[0.0], np.maximum.accumulate(values)])
-            for values in (layer_fwd, layer_both - layer_fwd, layer_both, sigma * np.diff(arrays.compute_s)))
+            for values in (layer_fwd, layer_back, layer_fwd + layer_back, layer_work))
         self.prefix_table = self._build_prefix_table() if straight else None
 
     def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
@@ -211,8 +226,8 @@ class _StageBounds:
         starts = np.arange(stop)
         layers = arrays.num_layers
         fwd = sigma * (arrays.fwd_s[stop] - arrays.fwd_s[starts])
-        both = sigma * (arrays.compute_s[stop] - arrays.compute_s[starts])
         stops = np.full(stop, stop)
+        both = both_terms(inputs, starts, stops)
         weights = arrays.pair_weight_bytes(starts, stops)
         frozen = arrays.pair_frozen_bytes(starts, stops)
         replicated = arrays.pair_replicated_bytes(starts, stops)
@@ -233,7 +248,7 @@ class _StageBounds:
             allreduce = allreduce_s(replicated, replicas, *allreduce_terms(inputs.cluster, first, last))
             step = step_terms(inputs, weights, tensors)
             accumulate = accumulate_terms(inputs, weights)
-            weight = self.weight[stop] - self.weight[starts]  # W (0 but for zero-bubble schedules)
+            weight = weight_terms(inputs, starts, stops)  # W (0 but for zero-bubble schedules)
             for recompute in self.options:
                 compute = both + (fwd if recompute else 0.0)
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
@@ -350,6 +365,8 @@ class _StageBounds:
         busy = sigma * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule in ("1f1b", "zb-h1") else 0.0))
         busy = busy - self.weight
         stage = busy[None, :] - busy[:, None]  # [i, j]: layers [i, j)
+        if self.split:
+            stage[0] = self.first_back  # a first stage's own B (`schedule_cost.first_terms`)
         stage[np.tril_indices(layers + 1)] = np.inf
         links = 2.0 if inputs.schedule == "gpipe" else 1.0
         table = np.full((devices + 1, layers + 1), np.inf)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs.schedule_cost import (
-    CostInputs, Stage, accumulate_terms, allreduce_s, allreduce_terms, link_terms, step_terms, time_terms,
-    transfer_s,
+    CostInputs, Stage, accumulate_terms, allreduce_s, allreduce_terms, both_terms, link_terms, step_terms,
+    time_terms, transfer_s,
 )
 from planner.schedules.schedule import FLUSH_SCHEDULES
 from planner.costs.stage_sums import Pairs
@@ -158,6 +158,9 @@ class GroupCombos:
         self.whole = int(np.nonzero((self.rho == 0) & (self.replicas == group))[0][0])
         self._whole_group_q: np.ndarray | None = None  # Q on a whole inner group, computed when first needed
         self._time = inputs.scale * inputs.arrays.compute_s
+        stops = np.arange(pairs.num_layers + 1)
+        from_start = both_terms(inputs, np.zeros_like(stops), stops)  # stages from layer 0
+        self._first_time = None if np.array_equal(from_start, self._time) else from_start
         copies_add = all(nbytes >= 0 for _, _, nbytes in inputs.arrays.shared)
         # a lower bound of both what a stage steps and what its replicas all-reduce
         self._weight = inputs.arrays.unshared_param_bytes() if copies_add else np.zeros(n + 1)
@@ -227,12 +230,18 @@ class GroupCombos:
         """Per start i, the last stop j with gain_time t(i, j) + gain_weight W_own(i, j) + the optimizer
         step's time per tensor x n_own(i, j) <= limit, up to a margin for rounding (class docstring); i
         or less when there is none."""
-        g = gain_time * self._time + gain_weight * self._weight + self._step_tensors
-        running = np.minimum.accumulate(g[::-1])[::-1]
-        scale = (abs(gain_time) * float(np.abs(self._time).max()) + abs(gain_weight) * float(np.abs(self._weight).max())
-                 + float(np.abs(self._step_tensors).max()))
-        reach = g[:-1] + (limit * (1.0 + 1e-9) + 1e-12 * scale)
-        return np.searchsorted(running, reach, side="right") - 1
+        def last(time: np.ndarray) -> np.ndarray:
+            g = gain_time * time + gain_weight * self._weight + self._step_tensors
+            running = np.minimum.accumulate(g[::-1])[::-1]
+            scale = (abs(gain_time) * float(np.abs(time).max()) + abs(gain_weight) * float(np.abs(self._weight).max())
+                     + float(np.abs(self._step_tensors).max()))
+            reach = g[:-1] + (limit * (1.0 + 1e-9) + 1e-12 * scale)
+            return np.searchsorted(running, reach, side="right") - 1
+
+        found = last(self._time)
+        if self._first_time is not None:  # a zero-bubble first stage's unsplit backward (`schedule_cost.first_terms`)
+            found[0] = last(self._first_time)[0]
+        return found
 
     def _column_stops(self, column: int, bound: float) -> np.ndarray:
         """`_last_stops` of a combination: necessary for Q <= bound (class docstring; the all-reduce's

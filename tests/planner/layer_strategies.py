@@ -28,6 +28,9 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     # the weight-gradient part (W) of each backward, a share of it (zero-bubble schedules)
     weight_shares = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n))
     weight = [(time - fwd) * share for time, fwd, share in zip(compute, forward, weight_shares)]
+    # the backward times as a zero-bubble schedule runs them: split, f times the whole (`for_schedule`), but for a
+    # first stage's (`schedule_cost.first_terms`); 1: as other schedules run them
+    ratio = draw(st.sampled_from([1.0, 1.0, 1.5]))
     shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
     if n >= 2 and draw(st.booleans()):
         shared = ((0, (n - 1,), float(draw(st.sampled_from([1e6, 1e8, 4e8])))),)  # a tied first/last weight
@@ -42,5 +45,6 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
         param_tensors=np.concatenate([[0.0], np.cumsum(tensors)]),
         weight_s=np.concatenate([[0.0], np.cumsum(weight)]),
         deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]),
+        split_backward_ratio=ratio, split_applied=ratio,
     )
 

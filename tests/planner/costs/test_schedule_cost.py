@@ -124,6 +124,29 @@ def test_zb_h1_round_trip_leaves_the_w_out(m: int) -> None:
     assert stage_costs(replace(inputs, schedule="1f1b"), one_layer_per_stage(4))[2].weight_s == 0.0
 
 
+@pytest.mark.parametrize("schedule", sorted(SPLIT_BACKWARD_SCHEDULES))
+def test_a_zero_bubble_first_stage_runs_its_backward_whole(schedule: str) -> None:
+    # a backward split costs 1.5 times its whole (`for_schedule`), but the first stage has no input gradient to
+    # compute: its B is empty and its W one backward, unsplit (as the engine runs it), W's share kept
+    f, b, ratio = 0.25, 0.5, 1.5
+    arrays = dataclasses.replace(layers([f + b] * 4, fwd=[f] * 4), split_backward_ratio=ratio).for_schedule(schedule)
+    plan = one_layer_per_stage(4)
+    inputs = CostInputs(arrays, flat(4), schedule, 8, chunks=2 if schedule == "zbv" else 1)
+    costs = stage_costs(inputs, plan)
+    w = ASSUMED_WEIGHT_SHARE * b
+    assert [cost.compute_s for cost in costs] == pytest.approx([f + b] + [f + ratio * b] * 3, rel=REL)
+    assert [cost.weight_s for cost in costs] == pytest.approx([w] + [ratio * w] * 3, rel=REL)
+    if schedule == "zb-h1":  # the round trip still counts the first stage's B split: an upper bound
+        assert objective_s(inputs, plan) == pytest.approx(4 * (f + ratio * (b - w)) + 7 * (f + ratio * b) + ratio * w,
+                                                          rel=REL)
+    timeline = simulate_stages(inputs, plan).events
+    first = timeline[(timeline["stage"] == 0) & timeline["op"].isin(["backward", "weight"])]
+    assert first.groupby("microbatch")["end_s"].max().sub(first.groupby("microbatch")["start_s"].min()).tolist() == \
+        pytest.approx([b] * 8, rel=REL)  # B then W at once: one whole backward per microbatch
+    unsplit = stage_costs(replace(inputs, arrays=arrays.for_schedule("1f1b")), plan)
+    assert costs[0].compute_s == pytest.approx(unsplit[0].compute_s, rel=REL)
+
+
 def test_zb_h1_holds_as_many_microbatches_as_the_first_stage_of_1f1b() -> None:
     # 4 straight stages, 8 microbatches, 1 byte saved each: 1f1b holds 4, 3, 2, 1; zb-h1 4 on every stage
     # (counted as if the plan used all the cluster's devices: 3 stages on a 4-device cluster hold 4 too)
