@@ -44,9 +44,9 @@ alone, 33 of the 108 plans of `benchmarks/model_agreement.py` were proven within
 brute-force test covers it as the other flush schedules. A first stage runs its backward whole there
 (`schedule_cost.first_terms`): the sums of the layers before a stage take each layer's lesser way back
 (split B, or its share of an unsplit backward), whichever stage it will lie in. pipedream's simulated time
-is measured on a window of a finite run (`Timeline.iteration_s`), which can end before the pipeline settles into its steady state
-and so read below the steady-state bounds above: for pipedream the search is a heuristic that proves
-nothing (`exhaustive` False, lower bound 0).
+is measured on a window of a finite run (`Timeline.iteration_s`), which can end before the pipeline settles
+into its steady state and so read below the steady-state bounds above: for pipedream the search is a
+heuristic that proves nothing (`exhaustive` False, lower bound 0).
 """
 
 from __future__ import annotations
