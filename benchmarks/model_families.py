@@ -302,6 +302,37 @@ FAMILIES = (
         conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
         num_labels=4, classifier_proj_size=16, layerdrop=0.0, hidden_dropout=0.0, attention_dropout=0.0,
         activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0), "waveform"),
+    Family("Gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, attention_dropout=0.0, sliding_window=8), "causal"),
+    Family("ModernBERT", "ModernBertConfig", "ModernBertForSequenceClassification", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, num_labels=4, attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0,
+        classifier_dropout=0.0, pad_token_id=0, local_attention=8, global_attn_every_n_layers=2), "classify"),
+    Family("Mamba", "MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=128, hidden_size=32, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4), "causal"),
+    Family("DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Granite", "GraniteConfig", "GraniteForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("Cohere", "CohereConfig", "CohereForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0), "causal"),
+    Family("GLM", "GlmConfig", "GlmForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, attention_dropout=0.0, pad_token_id=0), "causal"),
+    Family("Jamba", "JambaConfig", "JambaForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        max_position_embeddings=32, attention_dropout=0.0, use_mamba_kernels=False), "causal"),
+    Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, pad_token_id=0), "causal"),
 )
 
 
