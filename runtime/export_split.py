@@ -47,7 +47,8 @@ from torch.utils import _pytree as pytree
 
 from runtime.checkpointed import CheckpointCalls
 from runtime.custom_functions import FunctionCalls
-from runtime.kept_modules import KeptModules, failing_modules
+from runtime.kept_modules import KeptModule, KeptModules, failing_modules
+from runtime.model_state import model_state, restore_model_state
 from runtime.opaque_calls import OpaqueCalls, place_opaque_calls, refusal
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
@@ -89,6 +90,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], split_points: Seque
     program, kept = _export(model, inputs, split_points)
     captured = _rewrite(model, program, inputs)
     _place_kept(captured, kept)
+    _causal_kept_calls(captured)
     _causal_attention(captured)
     _grouped_attention(captured)
     return captured
@@ -356,6 +358,63 @@ def _causal_attention(captured: CapturedModel) -> None:
         _erase_unused(captured.graph, mask)
 
 
+def _causal_kept_calls(captured: CapturedModel) -> None:
+    """Kept calls (a module kept whole, a layer the model checkpoints) given the causal mask take None instead where
+    they give the same outputs without it, as eager mode passes them: transformers materialises the mask under
+    torch.export only, and its layers take None for causal attention (`is_causal`: SDPA's flash kernel on a GPU,
+    and no mask saved by each checkpointed layer). Tried once here for each call, on the capture device: the mask
+    (which depends on no input) evaluated, the call's other inputs random of their captured shapes, the module in
+    eval mode without gradients (its state and the random state put back after); outputs within 1e-5 of each other
+    (an implementation that reads None as "no mask" gives other outputs: it keeps the mask). A call with an input
+    that is not floating point, or of no known shape, keeps it."""
+    calls = [node for node in captured.graph.nodes if node.op == "call_function" and isinstance(node.target, KeptModule)]
+    constant = {node: [arg for arg in node.args[1:] if isinstance(arg, fx.Node)
+                       and not any(n.op == "placeholder" for n in _ancestors(arg))] for node in calls}
+    wanted = {arg for args in constant.values() for arg in args}
+    if not wanted:
+        return
+    try:
+        values = _evaluate(captured, wanted)
+    except Exception:  # an operation that cannot run outside export (a model's own construct): masks stay
+        return
+    for node in calls:
+        for mask in constant[node]:
+            if _is_causal_mask(values[mask]) and _same_without(captured, node, mask, values):
+                node.args = tuple(None if arg is mask else arg for arg in node.args)
+    for mask in wanted:
+        _erase_unused(captured.graph, mask)
+
+
+def _same_without(captured: CapturedModel, node: fx.Node, mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
+    """Whether the kept call of `node` gives the same outputs with None for `mask` (`_causal_kept_calls`)."""
+    kept: KeptModule = node.target
+    module = captured.attributes[node.args[0].target]
+    inputs = []
+    for arg in node.args[1:]:
+        value = values.get(arg) if isinstance(arg, fx.Node) else arg
+        if isinstance(arg, fx.Node) and arg not in values:
+            shaped = arg.meta.get("val")
+            if not isinstance(shaped, torch.Tensor) or not shaped.dtype.is_floating_point:
+                return False
+            value = torch.randn(tuple(shaped.shape), dtype=shaped.dtype, device=captured.device or "cpu")
+        inputs.append(value)
+    without = [None if arg is mask else value for arg, value in zip(node.args[1:], inputs)]
+    saved = model_state(module)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.eval()
+            given, dropped = (kept.run_whole(module, *arguments) for arguments in (inputs, without))
+    except Exception:  # the call refuses None there: it keeps its mask
+        return False
+    finally:
+        restore_model_state(saved)
+    return len(given) == len(dropped) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max(float(a.abs().max()), 1.0))
+        for a, b in zip(given, dropped) if a.is_floating_point()) and all(
+        torch.equal(a, b) for a, b in zip(given, dropped) if not a.is_floating_point())
+
+
 def _grouped_attention(captured: CapturedModel) -> None:
     """SDPA calls without a mask whose keys and values are repeated over the query heads (transformers' `repeat_kv`:
     reshape(expand(unsqueeze(x, 2))), which it does where a mask is given) take the unrepeated ones with
@@ -438,7 +497,8 @@ def _evaluate(captured: CapturedModel, wanted: set[fx.Node]) -> dict[fx.Node, An
 def _is_causal_mask(mask: Any) -> bool:
     """Whether `mask` (boolean: True attends; or additive float: 0 attends) is SDPA's is_causal mask: square in its
     last two dimensions, query i attending to keys 0..i alone, for every batch and head it broadcasts over."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2] or not (
+            mask.dtype == torch.bool or mask.dtype.is_floating_point):  # (a kept call may be given integer ones)
         return False
     causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
     attends = mask if mask.dtype == torch.bool else mask == 0

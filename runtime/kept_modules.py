@@ -54,6 +54,11 @@ class KeptModule:
                                                                                               **self.checkpoint)
         return output_tensors(output) if self.flat else output
 
+    def run_whole(self, module: nn.Module, *values: Any) -> list[torch.Tensor]:
+        """The call's output tensors, made without checkpointing (to compare outputs, not to train)."""
+        args, kwargs = self.arguments.rebuild(values)
+        return output_tensors(self.function(module, *args, **kwargs))
+
     def place(self, graph: fx.Graph, node: fx.Node, tensors: Sequence[fx.Node], attributes: dict[str, Any]) -> None:
         """Make `node` call the module, read by a get_attr node just before it (so its stage holds the module)."""
         with graph.inserting_before(node):
