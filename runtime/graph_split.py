@@ -5,6 +5,7 @@ nodes use."""
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +130,11 @@ def _cut_graph(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     """One GraphModule per stage of `nodes`, cut where each split module is entered; get_attr reads from `root`."""
     cuts = _cut_positions(model, names, nodes, entered)
     bounds = [0, *cuts, len(nodes)]
+    constants = _constants(model, root, nodes)
     stages: list[nn.Module] = []
     signatures = []
     for index in range(len(bounds) - 1):
-        stage, signature = _stage_module(model, root, nodes, bounds, index)
+        stage, signature = _stage_module(model, root, nodes, bounds, index, constants)
         stages.append(stage)
         signatures.append(signature)
     return stages, tuple(signatures)
@@ -245,18 +247,81 @@ def _count_placeholders(nodes: list[fx.Node]) -> int:
     return sum(1 for node in nodes if node.op == "placeholder")
 
 
-def _crossing(nodes: list[fx.Node], cut: int) -> list[fx.Node]:
-    """Values made before position `cut` and used at or after it (parameters are not values)."""
+def _crossing(nodes: list[fx.Node], cut: int, constants: frozenset[fx.Node] = frozenset()) -> list[fx.Node]:
+    """Values made before position `cut` and used at or after it (parameters are not values, and `constants`
+    are computed again where they are used)."""
     position = {node: index for index, node in enumerate(nodes)}
     return [
         node for node in nodes[:cut]
-        if node.op != "get_attr" and any(position[user] >= cut for user in node.users)
+        if node.op != "get_attr" and node not in constants and any(position[user] >= cut for user in node.users)
     ]
 
 
+_PURE_CALLS = (operator.getitem,)  # besides aten operators that mutate nothing and draw no random numbers
+
+
+def _constants(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node]) -> frozenset[fx.Node]:
+    """The values of an exported graph that depend on no input, no parameter, no persistent or changed buffer
+    and no random draw: the positions transformers passes every layer (`arange`), its rotary embedding's cosines
+    and sines (from a non-persistent buffer), a causal mask. Each stage that uses one computes it again (a few
+    small operations) instead of receiving it: on gloo every tensor of a message is a send of its own (a GPT-2's
+    boundary carried the positions beside its hidden state; a Llama's, the cosines and sines too). torch.fx
+    graphs (torch functions and modules, not aten operators) have none."""
+    persistent = set(model.state_dict(keep_vars=True))
+    changed = {ancestor for node in nodes if _mutates(node) for argument in node.all_input_nodes
+               for ancestor in _ancestry(argument)}
+    found: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "get_attr":
+            value = get_attribute(root, node.target) if isinstance(root, nn.Module) else root.get(node.target)
+            if isinstance(value, fx.GraphModule):  # the body of a no_grad or autocast block
+                if all(_pure(inner) for inner in value.graph.nodes if inner.op == "call_function"):
+                    found.add(node)
+            elif (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.requires_grad
+                    and node.target not in persistent and node not in changed):
+                found.add(node)
+        elif node.op == "call_function" and node not in changed and _pure(node) and all(
+                argument in found for argument in node.all_input_nodes):
+            found.add(node)  # (one without inputs is a factory: arange, ones)
+    return frozenset(node for node in found if node.op == "call_function")
+
+
+_PURE_BLOCKS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")  # torch.export's no_grad and autocast blocks
+
+
+def _pure(node: fx.Node) -> bool:
+    """Whether a call_function node computes its value from its arguments alone: an aten operator that writes into
+    none of them and draws no random numbers, `getitem`, or a no_grad or autocast block (its body checked apart)."""
+    target = node.target
+    if target in _PURE_CALLS or getattr(target, "__name__", None) in _PURE_BLOCKS:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and not _mutates(node) and \
+        torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether the node is an aten operator that writes into one of its arguments (its schema marks it). (A call the
+    split keeps whole runs the model's own code on what it is given, as eager mode does; none writes into a value
+    of this kind.)"""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and any(
+        argument.alias_info is not None and argument.alias_info.is_write for argument in node.target._schema.arguments)
+
+
+def _ancestry(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
 def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], bounds: list[int],
-                  index: int) -> tuple[fx.GraphModule, StageSignature]:
-    """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph.
+                  index: int, constants: frozenset[fx.Node] = frozenset()) -> tuple[fx.GraphModule, StageSignature]:
+    """The GraphModule of stage `index`: nodes [bounds[index], bounds[index + 1]) of the model's graph, with
+    the `constants` it uses computed in it (`_constants`).
 
     Its submodules and attributes are those of `root` (the model, or the objects an exported graph reads)
     that its nodes use, under the same names; buffers stay out of `state_dict()`
@@ -269,22 +334,22 @@ def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: lis
 
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:  # parameters and buffers read directly: each stage reads its own reference
-            env[node] = graph.node_copy(node)
+            env[node] = graph.node_copy(node, lookup)  # (a constant: with what it is computed from)
         return env[node]
 
-    inputs = [node for node in nodes if node.op == "placeholder"] if start == 0 else _crossing(nodes, start)
+    inputs = [node for node in nodes if node.op == "placeholder"] if start == 0 else _crossing(nodes, start, constants)
     for node in inputs:
         env[node] = graph.node_copy(node) if start == 0 else graph.placeholder(node.name)
         env[node].meta = dict(node.meta)  # export's example value: the stage's input shapes
     for node in nodes[start:stop]:
-        if node.op not in ("placeholder", "get_attr", "output"):
+        if node.op not in ("placeholder", "get_attr", "output") and node not in constants:
             env[node] = graph.node_copy(node, lookup)
     if last:
         output_node = nodes[-1]
         result = graph.output(fx.node.map_arg(output_node.args[0], lookup))
         output_names = tuple(node.name for node in _nodes_in(result.args[0]))
     else:
-        outputs = _crossing(nodes, stop)
+        outputs = _crossing(nodes, stop, constants)
         graph.output(tuple(env[node] for node in outputs))
         output_names = tuple(env[node].name for node in outputs)
     graph.lint()

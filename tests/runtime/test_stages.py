@@ -329,3 +329,70 @@ def test_a_tensor_a_traced_forward_computes_from_buffers_alone_is_held_by_its_st
     stages = split_model(model, ["b"])
     assert stages.method == "fx" and set(model.__dict__) == before  # the model as it was
     torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)
+
+
+class Rotary(nn.Module):
+    """Cosines and sines of positions from a non-persistent buffer, in a no_grad block (as transformers' rotary
+    embedding makes them), and from a persistent one (saved with the model) and a random draw, for comparison."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(1, 9, dtype=torch.float32) / 8, persistent=False)
+        self.register_buffer("saved_freq", torch.arange(1, 9, dtype=torch.float32) / 16)
+
+    def forward(self, length: int) -> tuple[torch.Tensor, ...]:
+        positions = torch.arange(length, dtype=torch.float32)[:, None]
+        with torch.no_grad():
+            angles = positions * self.inv_freq
+        return angles.cos(), angles.sin(), positions * self.saved_freq, torch.rand(length, 8)
+
+
+class Rotated(nn.Module):
+    """A layer given the cosines, sines and the other values, as transformers' decoder layers are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, saved: torch.Tensor,
+                noise: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * cos + x.flip(-1) * sin) + saved + 0.0 * noise
+
+
+class Positional(nn.Module):
+    """Two layers each given the same cosines, sines, persistent-buffer and random values; reshaped with len()
+    so that the split exports it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rotary, self.layers = Rotary(), nn.ModuleList(Rotated() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(len(x), x.shape[1], -1)
+        values = self.rotary(x.shape[1])
+        for layer in self.layers:
+            x = layer(x, *values)
+        return x
+
+
+def test_values_made_of_no_input_are_computed_again_where_used_not_sent() -> None:
+    """Cosines and sines of positions cross no stage boundary (each stage that uses them computes them: on gloo every
+    tensor of a message is a send of its own); a value from a persistent buffer or a random draw still does, as
+    computing it again could read another value; the stages compute what the model does."""
+    model, x = Positional(), torch.randn(3, 5, 8)
+    reference = copy.deepcopy(model)
+    stages = split_model(model, ["layers.1"], (x,))
+    assert stages.method == "export"
+    received = [node.meta["val"] for node in stages[1].graph.nodes if node.op == "placeholder"]
+    shapes = sorted(tuple(value.shape) for value in received)
+    assert shapes == [(3, 5, 8), (5, 8), (5, 8)]  # the hidden state, the persistent buffer's value and the draw
+    torch.manual_seed(1)
+    output = run_stages(stages, x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(output, reference(x), rtol=0, atol=0)
+    output.square().sum().backward()
+    torch.manual_seed(1)
+    reference(x).square().sum().backward()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
