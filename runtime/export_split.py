@@ -53,7 +53,7 @@ from runtime.opaque_calls import OpaqueCalls, place_opaque_calls, refusal
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
-__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "capture", "first_nodes", "follow_input_device", "get_attribute",
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "ancestors", "capture", "first_nodes", "follow_input_device", "get_attribute",
            "modules_inside_blocks"]
 
 _OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
@@ -340,7 +340,7 @@ def _causal_attention(captured: CapturedModel) -> None:
     (padding) stays. The masks are evaluated once here, on the capture device, from the graph's constants alone."""
     calls = {node: _mask_of(node) for node in captured.graph.nodes if node.op == "call_function" and node.target is _SDPA}
     constant = {node: mask for node, mask in calls.items()
-                if isinstance(mask, fx.Node) and not any(n.op == "placeholder" for n in _ancestors(mask))}
+                if isinstance(mask, fx.Node) and not any(n.op == "placeholder" for n in ancestors(mask))}
     if not constant:
         return
     try:
@@ -369,7 +369,7 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
     that is not floating point, or of no known shape, keeps it."""
     calls = [node for node in captured.graph.nodes if node.op == "call_function" and isinstance(node.target, KeptModule)]
     constant = {node: [arg for arg in node.args[1:] if isinstance(arg, fx.Node)
-                       and not any(n.op == "placeholder" for n in _ancestors(arg))] for node in calls}
+                       and not any(n.op == "placeholder" for n in ancestors(arg))] for node in calls}
     wanted = {arg for args in constant.values() for arg in args}
     if not wanted:
         return
@@ -468,7 +468,7 @@ def _mask_of(node: fx.Node) -> Any:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node) -> set[fx.Node]:
     """Every node `node` is computed from, itself included."""
     found, stack = set(), [node]
     while stack:
@@ -481,7 +481,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 def _evaluate(captured: CapturedModel, wanted: set[fx.Node]) -> dict[fx.Node, Any]:
     """The values of `wanted` nodes, which depend on no placeholder: their ancestors run in graph order."""
-    needed = set().union(*(_ancestors(node) for node in wanted))
+    needed = set().union(*(ancestors(node) for node in wanted))
     values: dict[fx.Node, Any] = {}
     for node in captured.graph.nodes:
         if node not in needed:

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from runtime.export_split import (
-    ExportFailure, ShapeGuard, capture, first_nodes, follow_input_device, get_attribute, modules_inside_blocks,
+    ExportFailure, ShapeGuard, ancestors, capture, first_nodes, follow_input_device, get_attribute, modules_inside_blocks,
 )
 from runtime.checkpointed import CheckpointCalls, stands_in
 from runtime.custom_functions import FunctionCalls
@@ -269,7 +269,7 @@ def _constants(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     graphs (torch functions and modules, not aten operators) have none."""
     persistent = set(model.state_dict(keep_vars=True))
     changed = {ancestor for node in nodes if _mutates(node) for argument in node.all_input_nodes
-               for ancestor in _ancestry(argument)}
+               for ancestor in ancestors(argument)}
     found: set[fx.Node] = set()
     for node in nodes:
         if node.op == "get_attr":
@@ -305,17 +305,6 @@ def _mutates(node: fx.Node) -> bool:
     of this kind.)"""
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and any(
         argument.alias_info is not None and argument.alias_info.is_write for argument in node.target._schema.arguments)
-
-
-def _ancestry(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node it is computed from."""
-    found, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current not in found:
-            found.add(current)
-            stack.extend(current.all_input_nodes)
-    return found
 
 
 def _stage_module(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[fx.Node], bounds: list[int],
