@@ -53,8 +53,8 @@ from runtime.opaque_calls import OpaqueCalls, place_opaque_calls, refusal
 from runtime.random_skips import TORCH_DIR, ScalarDraws
 from runtime.stage_types import StageSplitError
 
-__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "ancestors", "capture", "first_nodes", "follow_input_device", "get_attribute",
-           "modules_inside_blocks"]
+__all__ = ["CapturedModel", "ExportFailure", "ShapeGuard", "ancestors", "capture", "first_nodes", "follow_input_device",
+           "get_attribute", "modules_inside_blocks"]
 
 _OUTPUT_SPEC = "_pipeline_output_spec"  # get_attr target of the output's pytree spec
 
@@ -367,7 +367,8 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
     eval mode without gradients (its state and the random state put back after); outputs within 1e-5 of each other
     (an implementation that reads None as "no mask" gives other outputs: it keeps the mask). A call with an input
     that is not floating point, or of no known shape, keeps it."""
-    calls = [node for node in captured.graph.nodes if node.op == "call_function" and isinstance(node.target, KeptModule)]
+    calls = [node for node in captured.graph.nodes
+             if node.op == "call_function" and isinstance(node.target, KeptModule)]
     constant = {node: [arg for arg in node.args[1:] if isinstance(arg, fx.Node)
                        and not any(n.op == "placeholder" for n in ancestors(arg))] for node in calls}
     wanted = {arg for args in constant.values() for arg in args}

@@ -13,7 +13,8 @@ import torch
 from torch import fx, nn
 
 from runtime.export_split import (
-    ExportFailure, ShapeGuard, ancestors, capture, first_nodes, follow_input_device, get_attribute, modules_inside_blocks,
+    ExportFailure, ShapeGuard, ancestors, capture, first_nodes, follow_input_device, get_attribute,
+    modules_inside_blocks,
 )
 from runtime.checkpointed import CheckpointCalls, stands_in
 from runtime.custom_functions import FunctionCalls
