@@ -508,43 +508,55 @@ def _recomputation_group() -> contextlib.AbstractContextManager[Any]:
 
 
 def _run_weights(pending: PendingWeights) -> None:
-    """W's work (`backward_weights`). Gradients go into `.grad` as they come, as a plain backward's
-    AccumulateGrad adds each: a weight formula's in one `_accumulate` per phase-1 call, the rest through one
-    `torch.autograd.backward` onto the parameters. (Collecting every parameter's gradient before adding them
-    held one more copy of the stage's gradients at W's end: 24 MiB against a plain backward's 17 for 8 MiB
-    of weights; a first stage, whose W is its whole backward, held it too.)"""
+    """W's work (`backward_weights`). A weight formula's gradient for a parameter that has a `.grad` is added
+    into it at once (one `_accumulate` per phase-1 call); the nodes left run as one `torch.autograd.backward`
+    onto the parameters, whose AccumulateGrad adds each gradient as a plain backward does; a formula's gradient
+    for a parameter without a `.grad` yet is put there last, copied where its storage is another's (a gradient
+    W started from, one phase 2 put into a `.grad`). Collecting every gradient before adding any held one more
+    copy of the stage's gradients at W's end from the second microbatch on (24 MiB against a plain backward's
+    17 for 8 MiB of weights; a first stage's W, its whole backward, too); putting a formula's gradient into
+    an empty `.grad` before phase 2 let phase 2 add into a tensor it still read (a parameter reached both by a
+    formula and by autograd), or steal a view of it for another parameter."""
     roots = pending.roots
     reads = _recomputation_group()
     chosen = {id(param): param for param in pending.params}
     taken = set(pending.foreign_storages)
+    first: list[tuple[torch.Tensor, torch.Tensor]] = []  # formula gradients of parameters without a .grad
+
+    def direct(found: tuple[torch.Tensor, torch.Tensor], now: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        (now if found[0].grad is not None else first).append(found)
+
     for call in pending.weight_calls:
         with reads:
             grads = frontier_grads(call.roots, call.grads, call.captures)
         if grads is None:
             grads = torch.autograd.grad(call.roots, call.captures, call.grads, allow_unused=True)
-        direct = []
+        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, edge, grad in zip(call.keys, call.captures, grads):
             if grad is None:
                 continue
             found = _parameter_gradient(edge, grad, chosen) if key not in roots else None
             if found is not None:
-                direct.append(found)
+                direct(found, adds)
             elif key in roots:
                 roots[key] = (roots[key][0], roots[key][1] + grad)
             else:
                 roots[key] = (edge, grad)
-        _accumulate(direct, taken)
-        del grads, direct
+        _accumulate(adds, taken)
+        del grads, adds
     rest = {}
-    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    adds = []
     for key, (edge, grad) in roots.items():
-        direct = _parameter_gradient(edge, grad, chosen)
-        if direct is None:
+        found = _parameter_gradient(edge, grad, chosen)
+        if found is None:
             rest[key] = (edge, grad)
         else:
-            found.append(direct)
-    _accumulate(found, taken)
+            direct(found, adds)
+    _accumulate(adds, taken)
+    empty = [param for param in pending.params if param.grad is None]
     if rest and pending.params:
         with reads, _ACCUMULATING:  # the W nodes: none of them a boundary, whose tensors the formulas read
             torch.autograd.backward([edge for edge, _ in rest.values()], [grad for _, grad in rest.values()],
                                     inputs=pending.params)
+    taken |= {_storage(param.grad) for param in empty if param.grad is not None and param.grad.layout == torch.strided}
+    _accumulate(first, taken)
