@@ -387,33 +387,46 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
 
 
 def _same_without(captured: CapturedModel, node: fx.Node, mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
-    """Whether the kept call of `node` gives the same outputs with None for `mask` (`_causal_kept_calls`)."""
+    """Whether the kept call of `node` gives the same outputs with None for `mask` (`_causal_kept_calls`): both
+    runs from one seed, inside a fork of the random state, so that the caller's random stream does not move."""
     kept: KeptModule = node.target
     module = captured.attributes[node.args[0].target]
-    inputs = []
-    for arg in node.args[1:]:
-        value = values.get(arg) if isinstance(arg, fx.Node) else arg
-        if isinstance(arg, fx.Node) and arg not in values:
-            shaped = arg.meta.get("val")
-            if not isinstance(shaped, torch.Tensor) or not shaped.dtype.is_floating_point:
-                return False
-            value = torch.randn(tuple(shaped.shape), dtype=shaped.dtype, device=captured.device or "cpu")
-        inputs.append(value)
-    without = [None if arg is mask else value for arg, value in zip(node.args[1:], inputs)]
+    drawn = {arg: arg.meta.get("val") for arg in node.args[1:] if isinstance(arg, fx.Node) and arg not in values}
+    if not all(isinstance(value, torch.Tensor) and value.dtype.is_floating_point for value in drawn.values()):
+        return False
+    device = captured.device or torch.device("cpu")
+
+    def argument(arg: Any, dropped: bool) -> Any:
+        if arg is mask and dropped:
+            return None
+        if arg in drawn:
+            return torch.randn(tuple(drawn[arg].shape), dtype=drawn[arg].dtype, device=device)
+        return values[arg] if isinstance(arg, fx.Node) else arg
+
     saved = model_state(module)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             module.eval()
-            given, dropped = (kept.run_whole(module, *arguments) for arguments in (inputs, without))
+            outputs = []
+            for dropped in (False, True):
+                torch.manual_seed(0)
+                outputs.append(kept.run_whole(module, *(argument(arg, dropped) for arg in node.args[1:])))
+            given, without = outputs
+            return len(given) == len(without) and all(_agree(a, b) for a, b in zip(given, without))
     except Exception:  # the call refuses None there: it keeps its mask
         return False
     finally:
         restore_model_state(saved)
-    return len(given) == len(dropped) and all(
-        a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max(float(a.abs().max()), 1.0))
-        for a, b in zip(given, dropped) if a.is_floating_point()) and all(
-        torch.equal(a, b) for a, b in zip(given, dropped) if not a.is_floating_point())
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values: floating point within 1e-5 relative to the larger of 1 and a's largest element."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point() or a.numel() == 0:
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max(float(a.abs().max()), 1.0)))
 
 
 def _grouped_attention(captured: CapturedModel) -> None:
