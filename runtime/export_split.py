@@ -364,7 +364,8 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
     torch.export only, and its layers take None for causal attention (`is_causal`: SDPA's flash kernel on a GPU,
     and no mask saved by each checkpointed layer). Tried once here for each call, on the capture device: the mask
     (which depends on no input) evaluated, the call's other inputs random of their captured shapes, the module in
-    eval mode without gradients (its state and the random state put back after); outputs within 1e-5 of each other
+    the mode its stage trains in, without gradients (its state and the random state put back after); outputs
+    within 1e-5 of each other
     (an implementation that reads None as "no mask" gives other outputs: it keeps the mask). A call with an input
     that is not floating point, or of no known shape, keeps it."""
     calls = [node for node in captured.graph.nodes
@@ -388,7 +389,8 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
 
 def _same_without(captured: CapturedModel, node: fx.Node, mask: fx.Node, values: dict[fx.Node, Any]) -> bool:
     """Whether the kept call of `node` gives the same outputs with None for `mask` (`_causal_kept_calls`): both
-    runs from one seed, inside a fork of the random state, so that the caller's random stream does not move."""
+    runs in the mode the stages train in (a layer may read None otherwise in training), from one random state
+    (put back after: a fork of the CPU's, the inputs from a generator of their own, so that no seed moves)."""
     kept: KeptModule = node.target
     module = captured.attributes[node.args[0].target]
     drawn = {arg: arg.meta.get("val") for arg in node.args[1:] if isinstance(arg, fx.Node) and arg not in values}
@@ -396,22 +398,21 @@ def _same_without(captured: CapturedModel, node: fx.Node, mask: fx.Node, values:
         return False
     device = captured.device or torch.device("cpu")
 
-    def argument(arg: Any, dropped: bool) -> Any:
-        if arg is mask and dropped:
-            return None
-        if arg in drawn:
-            return torch.randn(tuple(drawn[arg].shape), dtype=drawn[arg].dtype, device=device)
-        return values[arg] if isinstance(arg, fx.Node) else arg
+    def arguments(dropped: bool) -> list[Any]:
+        generator = torch.Generator(device=device).manual_seed(0)
+        return [None if arg is mask and dropped
+                else torch.randn(tuple(drawn[arg].shape), dtype=drawn[arg].dtype, device=device, generator=generator)
+                if arg in drawn else values[arg] if isinstance(arg, fx.Node) else arg for arg in node.args[1:]]
 
     saved = model_state(module)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            module.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            module.train(captured.training)
+            start = torch.random.get_rng_state()
             outputs = []
             for dropped in (False, True):
-                torch.manual_seed(0)
-                outputs.append(kept.run_whole(module, *(argument(arg, dropped) for arg in node.args[1:])))
+                torch.random.set_rng_state(start)
+                outputs.append(kept.run_whole(module, *arguments(dropped)))
             given, without = outputs
             return len(given) == len(without) and all(_agree(a, b) for a, b in zip(given, without))
     except Exception:  # the call refuses None there: it keeps its mask

@@ -242,8 +242,13 @@ class Pipeline:
         self._replies: queue.Queue = queue.Queue()
         programs = {program.stage: program for program in self.schedule.programs}
         # every runner first: one that cannot be built leaves no thread of an earlier stage running
+        # the W's of stages sharing a parameter run one at a time (each adds into its .grad from its own thread)
+        tied = {index for parameter in (self.stages.shared if isinstance(self.stages, Stages) else ())
+                for index in parameter.stages}
+        weights = threading.Lock()
         runners = [StageRunner(stage, device, last=index == count - 1, loss_fn=self.loss_fn, checkpoint=checkpoint[index],
-                               split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+                               split_backward=schedule in SPLIT_BACKWARD_SCHEDULES,
+                               weight_lock=weights if index in tied else None)
                    for index, (stage, device) in enumerate(zip(stages, self.devices))]
         self._input_guard = ShapeGuard.of(stages[0])  # exported stages run at one shape: checked before a step
         self._workers = [_Worker(index, runner, programs[index], self._replies) for index, runner in enumerate(runners)]

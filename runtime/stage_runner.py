@@ -120,7 +120,8 @@ class StageRunner:
     """
 
     def __init__(self, module: nn.Module, device: torch.device, *, last: bool, loss_fn: LossFn,
-                 checkpoint: bool = False, stash_weights: bool = False, split_backward: bool = False) -> None:
+                 checkpoint: bool = False, stash_weights: bool = False, split_backward: bool = False,
+                 weight_lock: contextlib.AbstractContextManager[Any] | None = None) -> None:
         if split_backward and (checkpoint or stash_weights):
             raise ValueError("split_backward runs neither with checkpoint nor with stash_weights")
         self.module, self.device, self.last, self.loss_fn = module, device, last, loss_fn
@@ -131,6 +132,8 @@ class StageRunner:
         self.pending: dict[Hashable, PendingWeights] = {}  # split_backward: W still to run, per microbatch
         self.recomputed_buffers: list[torch.Tensor] | None = None  # split_backward: what B's recomputations move
         self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
+        # held around each W: the in-process pipeline's stages sharing a parameter (a tied embedding) in two threads
+        self.weight_lock = weight_lock or contextlib.nullcontext()
 
     def reset(self, seed: int | None = None) -> None:
         """Forget every microbatch and loss; the random stream starts again from `seed` (if given)."""
@@ -215,7 +218,8 @@ class StageRunner:
         Buffers that B's recomputation of a checkpointed region updated (batch norm's running statistics) are
         put back as W found them: W recomputes the region again, and eager mode recomputes it once."""
         saved = _snapshot(self.recomputed_buffers or ())
-        backward_weights(self.pending.pop(key))
+        with self.weight_lock:
+            backward_weights(self.pending.pop(key))
         _put_back(saved)
 
     def _roots(self, state: _Micro, output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

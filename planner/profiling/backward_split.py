@@ -22,9 +22,9 @@ parameter are *W nodes*; their subgraphs hold no B node. A B node with a W child
    the nodes that Linear, convolution, layer and batch norm, scales and bias adds leave are computed
    from their saved tensors instead (`weight_formulas.frontier_grads`: the same gradients, no walk),
    the rest through autograd;
-2. one `torch.autograd.grad` call runs every W node, from the frontier gradients of phase 1 and
-   from the outputs that do not depend on any input, to the parameters; the results are added to
-   `.grad` as AccumulateGrad would. A frontier gradient that goes straight into a parameter's
+2. one `torch.autograd.backward` call onto the parameters runs every W node, from the frontier gradients
+   of phase 1 and from the outputs that do not depend on any input; their AccumulateGrad adds each into
+   `.grad` as a plain backward does. A frontier gradient that goes straight into a parameter's
    AccumulateGrad, or through a transpose into it (a Linear's weight), is added there without the
    call (most of them: the call's cost is its roots', 1.5 ms for the gpt example's 150).
 
@@ -37,9 +37,11 @@ backward.
 Limits. A custom `torch.autograd.Function` cannot tell which of its outputs a graph task needs
 (`ctx.needs_input_grad` is fixed at forward), so one that is a boundary computes all its gradients
 in B and again in W. Saved tensors of B nodes that are not boundaries stay until the caller drops
-the graph (the outputs); W releases those of the nodes it runs. Hooks registered on parameters
-with `register_post_accumulate_grad_hook` do not run (W does not go through AccumulateGrad); tensor
-hooks do. The `grad_outputs` must not be modified in place before W.
+the graph (the outputs); W releases those of the nodes it runs. Hooks registered on parameters with
+`register_post_accumulate_grad_hook` run for the parameters phase 2 reaches (all of a first stage's),
+not for those a weight formula serves; tensor hooks run. W holds no lock while autograd runs: callers
+whose threads share a parameter run their W's one at a time (`runtime.pipeline`). The `grad_outputs`
+must not be modified in place before W.
 """
 
 from __future__ import annotations
@@ -555,7 +557,7 @@ def _run_weights(pending: PendingWeights) -> None:
     _accumulate(adds, taken)
     empty = [param for param in pending.params if param.grad is None]
     if rest and pending.params:
-        with reads, _ACCUMULATING:  # the W nodes: none of them a boundary, whose tensors the formulas read
+        with reads:  # the W nodes: none of them a boundary, whose tensors the formulas read
             torch.autograd.backward([edge for edge, _ in rest.values()], [grad for _, grad in rest.values()],
                                     inputs=pending.params)
     taken |= {_storage(param.grad) for param in empty if param.grad is not None and param.grad.layout == torch.strided}

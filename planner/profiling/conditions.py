@@ -169,7 +169,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not all(mallopt(_MALLOPT[name], min(int(value), _INT_MAX)) == 1 for name, value in STEADY_MALLOC.items()):
+    applied = [mallopt(_MALLOPT[name], min(int(value), _INT_MAX)) == 1 for name, value in STEADY_MALLOC.items()]
+    if not all(applied):  # (each tried: an older glibc refuses a mapping threshold above 32 MiB, not the trim one)
         return False
     os.environ.update(STEADY_MALLOC)
     return True

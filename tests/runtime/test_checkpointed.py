@@ -353,3 +353,37 @@ def test_the_trial_without_the_mask_leaves_the_random_stream_and_takes_empty_out
     kept = [node for stage in stages for node in stage.graph.nodes
             if isinstance(node.target, KeptModule) and node.target.path.startswith("layers.")]
     assert len(kept) == 3 and all(node.args[2] is None for node in kept)
+
+
+class TrainsOtherwise(Attention):
+    """Attention whose training path scores explicitly, where None is no mask (transformers' eager path), and whose
+    eval path is SDPA's, where None is causal."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x, mask)
+        q, k, v = (part.unflatten(-1, (2, 8)).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=-1))
+        scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return x + self.out((scores.softmax(-1) @ v).transpose(1, 2).flatten(-2))
+
+
+def test_the_trial_runs_in_the_mode_the_stages_train_in_and_moves_no_seed() -> None:
+    """A layer that reads None as causal in eval mode only keeps its mask in a model split for training (a review
+    finding: tried in eval mode, it got None and trained attending both ways), and the trial leaves the seed that
+    CUDA's generators will take when first used as it was (it had reseeded them to 0)."""
+    model = Masked(True)
+    torch.manual_seed(0)
+    model.layers = nn.ModuleList(TrainsOtherwise(True) for _ in range(3))
+    x, reference = torch.randn(4, 6, 4), copy.deepcopy(model)
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    torch.manual_seed(42)
+    queued = None if tracker is None or tracker.manual_seed_all_cb is None else tracker.manual_seed_all_cb
+    stages = split_model(model, ["layers.1"], (x,))
+    if tracker is not None and not torch.cuda.is_initialized():
+        assert tracker.manual_seed_all_cb is queued
+    kept = [node for stage in stages for node in stage.graph.nodes
+            if isinstance(node.target, KeptModule) and node.target.path.startswith("layers.")]
+    assert len(kept) == 3 and all(node.args[2] is not None for node in kept)
+    torch.testing.assert_close(run_stages(stages, x), reference(x), rtol=1e-6, atol=1e-6)
