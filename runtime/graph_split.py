@@ -276,7 +276,7 @@ def _constants(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
         if node.op == "get_attr":
             value = get_attribute(root, node.target) if isinstance(root, nn.Module) else root.get(node.target)
             if isinstance(value, fx.GraphModule):  # the body of a no_grad or autocast block
-                if all(_pure(inner) for inner in value.graph.nodes if inner.op == "call_function"):
+                if _pure_body(value):
                     found.add(node)
             elif (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.requires_grad
                     and node.target not in persistent and node not in changed):
@@ -298,6 +298,17 @@ def _pure(node: fx.Node) -> bool:
         return True
     return isinstance(target, torch._ops.OpOverload) and not _mutates(node) and \
         torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _pure_body(body: fx.GraphModule) -> bool:
+    """Whether every call of a block's body is `_pure`, the bodies of blocks inside it too."""
+    for inner in body.graph.nodes:
+        if inner.op == "call_function" and not _pure(inner):
+            return False
+        if inner.op == "get_attr" and isinstance(getattr(body, inner.target, None), fx.GraphModule) \
+                and not _pure_body(getattr(body, inner.target)):
+            return False
+    return True
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -344,7 +344,9 @@ class Rotary(nn.Module):
         positions = torch.arange(length, dtype=torch.float32)[:, None]
         with torch.no_grad():
             angles = positions * self.inv_freq
-        return angles.cos(), angles.sin(), positions * self.saved_freq, torch.rand(length, 8)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # a block inside a block: its draw is seen too
+            noise = torch.rand(length, 8)
+        return angles.cos(), angles.sin(), positions * self.saved_freq, noise
 
 
 class Rotated(nn.Module):
