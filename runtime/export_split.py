@@ -340,7 +340,7 @@ def _causal_attention(captured: CapturedModel) -> None:
     (padding) stays. The masks are evaluated once here, on the capture device, from the graph's constants alone."""
     calls = {node: _mask_of(node) for node in captured.graph.nodes if node.op == "call_function" and node.target is _SDPA}
     constant = {node: mask for node, mask in calls.items()
-                if isinstance(mask, fx.Node) and not any(n.op == "placeholder" for n in ancestors(mask))}
+                if isinstance(mask, fx.Node) and _from_no_input(mask)}
     if not constant:
         return
     try:
@@ -365,13 +365,12 @@ def _causal_kept_calls(captured: CapturedModel) -> None:
     and no mask saved by each checkpointed layer). Tried once here for each call, on the capture device: the mask
     (which depends on no input) evaluated, the call's other inputs random of their captured shapes, the module in
     the mode its stage trains in, without gradients (its state and the random state put back after); outputs
-    within 1e-5 of each other
-    (an implementation that reads None as "no mask" gives other outputs: it keeps the mask). A call with an input
-    that is not floating point, or of no known shape, keeps it."""
+    within 1e-5 of each other (an implementation that reads None as "no mask" gives other outputs: it keeps the
+    mask). A call with an input that is not floating point, or of no known shape, keeps it."""
     calls = [node for node in captured.graph.nodes
              if node.op == "call_function" and isinstance(node.target, KeptModule)]
-    constant = {node: [arg for arg in node.args[1:] if isinstance(arg, fx.Node)
-                       and not any(n.op == "placeholder" for n in ancestors(arg))] for node in calls}
+    constant = {node: [arg for arg in node.args[1:] if isinstance(arg, fx.Node) and _from_no_input(arg)]
+                for node in calls}
     wanted = {arg for args in constant.values() for arg in args}
     if not wanted:
         return
@@ -492,6 +491,11 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
             found.add(current)
             stack.extend(current.all_input_nodes)
     return found
+
+
+def _from_no_input(node: fx.Node) -> bool:
+    """Whether `node`'s value is computed from no input of the graph (shapes are fixed at capture)."""
+    return not any(ancestor.op == "placeholder" for ancestor in ancestors(node))
 
 
 def _evaluate(captured: CapturedModel, wanted: set[fx.Node]) -> dict[fx.Node, Any]:

@@ -267,7 +267,7 @@ def _constants(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     and sines (from a non-persistent buffer), a causal mask. Each stage that uses one computes it again (a few
     small operations) instead of receiving it: on gloo every tensor of a message is a send of its own (a GPT-2's
     boundary carried the positions beside its hidden state; a Llama's, the cosines and sines too). torch.fx
-    graphs (torch functions and modules, not aten operators) have none."""
+    graphs (torch functions and modules, not aten operators) have almost none."""
     persistent = set(model.state_dict(keep_vars=True))
     changed = {ancestor for node in nodes if _mutates(node) for argument in node.all_input_nodes
                for ancestor in ancestors(argument)}
@@ -287,14 +287,15 @@ def _constants(model: nn.Module, root: nn.Module | dict[str, Any], nodes: list[f
     return frozenset(node for node in found if node.op == "call_function")
 
 
-_PURE_BLOCKS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")  # torch.export's no_grad and autocast blocks
+_PURE_BLOCKS = (torch.ops.higher_order.wrap_with_set_grad_enabled,  # torch.export's no_grad and autocast blocks
+                torch.ops.higher_order.wrap_with_autocast)
 
 
 def _pure(node: fx.Node) -> bool:
     """Whether a call_function node computes its value from its arguments alone: an aten operator that writes into
     none of them and draws no random numbers, `getitem`, or a no_grad or autocast block (its body checked apart)."""
     target = node.target
-    if target in _PURE_CALLS or getattr(target, "__name__", None) in _PURE_BLOCKS:
+    if target in _PURE_CALLS or target in _PURE_BLOCKS:
         return True
     return isinstance(target, torch._ops.OpOverload) and not _mutates(node) and \
         torch.Tag.nondeterministic_seeded not in target.tags
