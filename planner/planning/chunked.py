@@ -4,7 +4,8 @@ The optimizer (`optimizer.optimize`) cuts one contiguous stage per rank; under a
 holds non-contiguous chunks (`stage_placement`: interleaved-1f1b r, r + p, ...; zbv r and 2p - 1 - r), so
 its work is a sum over chunks spread along the model.
 Here the chunks are cut to balance forward + backward time (`even_chunks`: the least largest chunk,
-exactly p v of them; then `balance_ranks` moves cuts while that unloads the busiest rank), for each
+exactly p v of them; then `balance_ranks` moves cuts while that unloads the busiest rank, with zbv's first
+chunk's backward whole, as the engine runs it), for each
 number of chunks per rank in CHUNK_CHOICES (zbv: 2), and the plans are judged
 by the simulator (`simulate_stages`), whose timeline also gives each device's memory (its chunks
 together), checked against the limit; the plan finally chosen has its cuts moved one layer at a time
@@ -23,7 +24,7 @@ import numpy as np
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage
 from planner.planning.local_search import REFINE_OPS, cut_moves, descend, simulated_ops
-from planner.schedules.schedule import FIXED_CHUNKS, stage_placement
+from planner.schedules.schedule import FIXED_CHUNKS, SPLIT_BACKWARD_SCHEDULES, stage_placement
 from planner.simulation.simulator import simulate_stages
 
 CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
@@ -90,17 +91,22 @@ def balance_ranks(arrays: LayerArrays, ranges: list[tuple[int, int]], ranks: int
     """`ranges` with their boundaries moved one layer at a time while that lowers the busiest rank's time
     (range k runs on rank `stage_placement(schedule, ...)[k]`; ties: the lower sum of squared rank times): a
     chunk cut evenly can leave one rank with a large indivisible layer (a language model's head) on top of its share.
+    A rank's time is the sum of its ranges' forward + backward seconds; under a zero-bubble schedule the first
+    range's backward counts whole (`LayerArrays.first_stage_unsplit`: the engine's first chunk has no input
+    gradient, so its backward is not split), the others' split as `arrays` carry them.
     Local search, at most 50 passes over the boundaries; every range keeps at least one layer."""
     cuts = [start for start, _ in ranges[1:]]
     n = arrays.num_layers
     times = arrays.compute_s
     placement = stage_placement(schedule, len(ranges), len(ranges) // ranks)
+    unsplit = schedule in SPLIT_BACKWARD_SCHEDULES and arrays.split_applied != 1.0
+    first_s = arrays.first_stage_unsplit(np.arange(n + 1))[0] if unsplit else times  # [0, stop) at each stop
 
     def score(points: list[int]) -> tuple[float, float]:
         load = [0.0] * ranks
         edges = [0, *points, n]
         for index, (start, stop) in enumerate(zip(edges, edges[1:])):
-            load[placement[index]] += float(times[stop] - times[start])
+            load[placement[index]] += float((first_s if index == 0 else times)[stop] - times[start])
         return max(load), sum(value * value for value in load)
 
     best = score(cuts)

@@ -91,6 +91,18 @@ def test_an_indivisible_head_is_balanced_against_the_other_ranks() -> None:
     assert loads == [7.0, 7.0]
 
 
+def test_zbv_balances_its_first_chunk_with_its_backward_whole() -> None:
+    """16 layers of 1 s forward and 2 s backward, split backward 1.5x under zbv (4 s a layer), 2 ranks: chunk 0
+    runs its backward whole (3 s a layer), so the even cut (4 layers a chunk) loads rank 0 (chunks 0 and 3)
+    12 + 16 = 28 s and rank 1 32 s; moving one layer into chunk 0 gives 15 + 16 = 31 against 12 + 16 = 28."""
+    n = 16
+    split = LayerArrays(np.arange(n + 1) * 3.0, np.zeros(n + 1), np.zeros(n), fwd_s=np.arange(n + 1) * 1.0,
+                        split_backward_ratio=1.5).for_schedule("zbv")
+    assert split.compute_s[n] == 16 * 4.0
+    ranges = balance_ranks(split, even_chunks(split, 4), 2, "zbv")
+    assert ranges == [(0, 5), (5, 8), (8, 12), (12, 16)]
+
+
 def test_interleaved_counts_are_multiples_of_the_ranks_and_zbv_takes_any() -> None:
     assert chunked_counts("interleaved-1f1b", (1, 2, 4, 8, 16), 4, auto=False) == (4, 8, 16)
     assert chunked_counts("interleaved-1f1b", (), 3, auto=True) == (3, 6, 12, 24, 48, 96)
