@@ -25,7 +25,7 @@ from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage
 from planner.planning.local_search import REFINE_OPS, cut_moves, descend, simulated_ops
 from planner.schedules.schedule import FIXED_CHUNKS, SPLIT_BACKWARD_SCHEDULES, stage_placement
-from planner.simulation.simulator import simulate_stages
+from planner.simulation.simulator import simulate_stages, simulated_iteration_s
 
 CHUNK_CHOICES = (2, 3, 4)  # chunks per rank tried (1 is 1f1b)
 
@@ -152,9 +152,9 @@ def _judged(inputs: CostInputs, stages: tuple[Stage, ...], memory: bool = True) 
     """`stages` simulated: their iteration and each device's peak memory; None beyond the memory limit.
     `memory=False` without a limit leaves the peaks out (empty): reading them from the timeline costs as much
     as the simulation."""
-    timeline = simulate_stages(inputs, list(stages))
     if not memory and inputs.memory_bytes is None:
-        return ChunkedChoice(inputs, stages, timeline.iteration_s(), ())
+        return ChunkedChoice(inputs, stages, simulated_iteration_s(inputs, list(stages)), ())
+    timeline = simulate_stages(inputs, list(stages))
     peaks = timeline.peak_memory()
     peak_bytes = tuple(float(peaks[stage]) for stage in range(len(stages)))
     if inputs.memory_bytes is not None and max(peak_bytes) > inputs.memory_bytes:

@@ -25,7 +25,7 @@ from planner.planning.simulated_choice import best_simulated
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
-from planner.simulation.simulator import SimulationTooLongError, simulate_stages
+from planner.simulation.simulator import SimulationTooLongError, simulated_iteration_s
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
@@ -668,7 +668,7 @@ def predicted_iteration_s(inputs: CostInputs, stages: list[Stage]) -> float:
     steady-state time per microbatch (pipedream) of `stages`; the closed form `objective_s` when
     the replica counts make a pipedream simulation too long (`simulator.SimulationTooLongError`)."""
     try:
-        return simulate_stages(inputs, stages).iteration_s()
+        return simulated_iteration_s(inputs, stages)
     except SimulationTooLongError:
         return objective_s(inputs, stages)
 

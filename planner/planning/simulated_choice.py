@@ -79,7 +79,7 @@ from planner.costs.schedule_cost import (
 from planner.planning.bound_search import TIE
 from planner.planning.optimizer import recompute_options
 from planner.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, in_flight
-from planner.simulation.simulator import SimulationTooLongError, simulate_stages
+from planner.simulation.simulator import SimulationTooLongError, simulated_iteration_s
 
 MAX_SIMULATIONS = 48  # complete plans simulated per search, beyond the seeds
 MAX_EXPANSIONS = 400  # partial plans extended per search
@@ -121,7 +121,7 @@ def simulated_s(inputs: CostInputs, stages: list[Stage]) -> float:
     """What a plan states as its time: the simulated iteration (flush) or steady-state time per
     microbatch (pipedream); inf when a pipedream plan's replica counts make simulation too long."""
     try:
-        return simulate_stages(inputs, stages).iteration_s()
+        return simulated_iteration_s(inputs, stages)
     except SimulationTooLongError:
         return math.inf
 

@@ -29,6 +29,7 @@ terms of `schedule_cost.StageCost`, so the cost model's memory formula played ou
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -60,6 +61,14 @@ from planner.costs.schedule_cost import transfer_s as message_s
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None,
                       library_bytes: float = 0.0) -> Timeline:
     """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
+    events = pd.DataFrame(_play(schedule, stage_times, cluster), columns=list(COLUMNS))
+    events = events.sort_values(["start_s", "rank"], kind="stable")
+    return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
+                    tuple(stage_times), library_bytes)
+
+
+def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None) -> list[tuple]:
+    """The rows (`timeline.COLUMNS`) of every op `schedule` runs with these durations, in the order played."""
     if len(stage_times) != schedule.num_stages:
         raise ValueError(f"{len(stage_times)} stage times for a schedule of {schedule.num_stages} stages")
     programs = {program.rank: program for program in schedule.programs}
@@ -80,14 +89,18 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     chunked = schedule.name in CHUNKED_SCHEDULES  # a rank sends to two neighbours (zbv's legs): a channel per peer
 
     links: dict[tuple[int, int], tuple[float, float]] = {}  # (low rank, high rank) -> (bandwidth, latency)
+    messages: dict[tuple[float, int, int], float] = {}  # (bytes, source, target) -> seconds
 
     def transfer_s(action_bytes: float, source: int, target: int) -> float:
         if cluster is None or source == target:  # a message between two stages of one rank stays in its memory
             return 0.0
-        pair = (min(source, target), max(source, target))
-        if pair not in links:
-            links[pair] = tuple(float(value) for value in link_terms(cluster, *pair))
-        return float(message_s(action_bytes, *links[pair]))
+        key = (action_bytes, source, target)
+        if key not in messages:
+            pair = (min(source, target), max(source, target))
+            if pair not in links:
+                links[pair] = tuple(float(value) for value in link_terms(cluster, *pair))
+            messages[key] = float(message_s(action_bytes, *links[pair]))
+        return messages[key]
 
     progress = True
     while progress:
@@ -158,9 +171,7 @@ def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], clu
     stuck = [rank for rank in programs if position[rank] < len(programs[rank].actions)]
     if stuck:
         raise ValueError(f"the schedule deadlocks on ranks {stuck}; run schedule.validate for where")
-    events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
-    return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
-                    tuple(stage_times), library_bytes)
+    return rows
 
 
 def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
@@ -210,10 +221,32 @@ def simulated_pipedream_microbatches(stages: Sequence[Stage]) -> int:
 
 def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1) -> Timeline:
     """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches."""
+    return simulate_schedule(_stage_schedule(inputs, stages, iterations), stage_times(inputs, stages), inputs.cluster,
+                             inputs.library_bytes)
+
+
+def simulated_iteration_s(inputs: CostInputs, stages: Sequence[Stage]) -> float:
+    """`simulate_stages(inputs, stages).iteration_s()` (seconds), without building the timeline for a flush
+    schedule: its iteration is the end of the last op played (a search simulating many plans spent a fifth of
+    its time making tables it only read that from)."""
+    if inputs.schedule == "pipedream":
+        return simulate_stages(inputs, stages).iteration_s()
+    rows = _play(_stage_schedule(inputs, stages, 1), stage_times(inputs, stages), inputs.cluster)
+    return max((row[-1] for row in rows), default=0.0)
+
+
+def _stage_schedule(inputs: CostInputs, stages: Sequence[Stage], iterations: int) -> Schedule:
+    """The schedule `simulate_stages` plays: `iterations` flushes of the plan's microbatches, or for pipedream
+    enough microbatches (`simulated_pipedream_microbatches`) in one."""
     if inputs.schedule == "pipedream":
         count, iterations = simulated_pipedream_microbatches(stages), 1
     else:
         count = inputs.microbatches
-    schedule = build_schedule(inputs.schedule, replicas_of(stages), count, iterations,
-                              stage_ranks(inputs, stages), chunks=inputs.chunks)
-    return simulate_schedule(schedule, stage_times(inputs, stages), inputs.cluster, inputs.library_bytes)
+    return _built_schedule(inputs.schedule, tuple(replicas_of(stages)), count, iterations,
+                           stage_ranks(inputs, stages), inputs.chunks)
+
+
+# `build_schedule` remembered for the plans a search simulates, which share their stage and replica counts (a
+# fifth of a simulation's time went to rebuilding the same schedule): a pure function of hashable arguments
+# returning an immutable `Schedule`, so remembering it changes no result
+_built_schedule = functools.lru_cache(maxsize=64)(build_schedule)

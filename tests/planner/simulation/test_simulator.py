@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from pathlib import Path
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs.layer_arrays import LayerArrays
+from planner.costs.schedule_cost import CostInputs, Stage
 from planner.files.cluster import make_cluster
-from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SENDS, build_schedule
+from planner.files.profile import load_profile
+from planner.schedules.schedule import (ALLREDUCE, BACKWARD, CHUNKED_SCHEDULES, FIXED_CHUNKS, FORWARD, SCHEDULES,
+                                        SEND_ACTIVATION, SENDS, build_schedule)
 from planner.files.timeline import StageTimes
-from planner.simulation.simulator import simulate_schedule
+from planner.simulation.simulator import (SimulationTooLongError, simulate_schedule, simulate_stages,
+                                          simulated_iteration_s)
+
+GPT = Path(__file__).resolve().parents[3] / "tests" / "data" / "profiles-cpu" / "gpt.json"
 
 F, B = 1.0, 2.0
 
@@ -240,3 +251,30 @@ def test_trace_has_one_event_per_op(tmp_path) -> None:
     assert len(complete) == len(timeline.events)
     backward = next(e for e in complete if e["cat"] == BACKWARD)
     assert backward["dur"] == pytest.approx(B * 1e6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SCHEDULES), st.sampled_from((1, 2, 4)), st.integers(1, 6), st.data())
+def test_the_iteration_alone_is_the_timelines(schedule: str, ranks: int, microbatches: int,
+                                              data: st.DataObject) -> None:
+    """`simulated_iteration_s`, which skips the timeline, states what `simulate_stages(...).iteration_s()` does, for
+    every schedule on a profile with transfers across two nodes, stages cut and replicated at random."""
+    arrays = LayerArrays.from_profile(load_profile(GPT)).for_schedule(schedule)
+    chunks = FIXED_CHUNKS.get(schedule, 2) if schedule in CHUNKED_SCHEDULES else 1
+    if schedule == "interleaved-1f1b":
+        microbatches = ranks * data.draw(st.integers(1, 2))
+    count = ranks * chunks if chunks > 1 else data.draw(st.integers(1, ranks))
+    cuts = sorted(data.draw(st.sets(st.integers(1, arrays.num_layers - 1), min_size=count - 1, max_size=count - 1)))
+    edges = [0, *cuts, arrays.num_layers]
+    replicas = [1] * count
+    if chunks == 1:
+        for _ in range(ranks - count):
+            replicas[data.draw(st.integers(0, count - 1))] += 1
+    stages = [Stage(a, b, r, data.draw(st.booleans())) for a, b, r in zip(edges, edges[1:], replicas)]
+    inputs = CostInputs(arrays, make_cluster(ranks, 2 if ranks > 2 else None, ["100GB/s", "10GB/s"]), schedule,
+                        microbatches, chunks=chunks, step_s_per_byte=1e-12)
+    try:
+        expected = simulate_stages(inputs, stages).iteration_s()
+    except SimulationTooLongError:
+        return
+    assert simulated_iteration_s(inputs, stages) == expected
