@@ -19,14 +19,17 @@ import dataclasses
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+import numpy as np
+
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits, replicas_of
 from planner.errors import InfeasiblePlanError
 from planner.files.cluster import Cluster
+from planner.planning.baselines import balanced_stages
 from planner.planning.optimizer import optimize
 from planner.planning.simulated_choice import better, simulated_s
 from planner.simulation.simulator import SimulationTooLongError, simulated_pipedream_microbatches
 
-REFINE_OPS = 100_000  # simulated ops a refinement may play: about 1 s on the 2-core CPU machine
+REFINE_OPS = 100_000  # simulated ops a refinement may play: about half a second on the 2-core CPU machine
 GROUP_SHARE = 4  # a start from `group_plans` descends on this fraction of the budget (1 / GROUP_SHARE), after `start`
 SHIFTS = (1, -1, 2, -2, 4, -4, 8, -8)  # layers a cut moves by, nearest first
 
@@ -115,10 +118,13 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                 budget_ops: int = REFINE_OPS) -> Refined:
     """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves`, judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
-    from each of the `group_plans` on a share of it; the best by `better`; `start` as it is on a budget of 0. From
-    both: the faster start does not always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node
-    plan alone, x0.90 the speed), and halving the budget of `start` lost up to 5% on deep pipelines
-    (squeezenet1_0 straight on 16 GPUs, 1f1b)."""
+    from each of the `group_plans` and (straight) from `balanced_plan` on every device, on half of them and on 2, on
+    a share of it each; the best by `better`; `start` as it is on a budget of 0. From all: the faster start does not
+    always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and
+    halving the budget of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b). The
+    balanced starts lead to optima that moves from the optimizer's plan do not reach (PipeDream's squeezenet1_0
+    straight on 8 GPUs, zb-h1, 8 microbatches: 509.0 ms from the optimizer's plan, 469.5 from a balanced one).
+    Straight plans only: on PipeDream's profiles no replicated plan was faster for them."""
     simulated = 0
 
     def judge(plan: Plan) -> float | None:
@@ -131,8 +137,11 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
 
     if budget_ops <= 0:
         return Refined(start, start_s, 0)
-    starts = [(start, start_s)] + [(plan, plan_s) for plan in group_plans(inputs, straight, allow_recompute)
-                                   if (plan_s := judge(plan)) is not None]
+    devices = min(inputs.cluster.num_devices, inputs.arrays.num_layers)
+    depths = sorted({devices, max(2, devices // 2), 2} & set(range(2, devices + 1)), reverse=True)
+    others = group_plans(inputs, straight, allow_recompute) + ([balanced_plan(inputs, depth) for depth in depths]
+                                                               if straight else [])
+    starts = [(start, start_s)] + [(plan, plan_s) for plan in others if plan != start and (plan_s := judge(plan)) is not None]
     best = (start, start_s)
     for index, (first, first_s) in enumerate(starts):
         found = descend(first, first_s, lambda plan: plan_moves(plan, inputs.cluster.num_devices, straight), judge,
@@ -157,6 +166,14 @@ def group_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> li
             continue
         plans.append(tuple(found.stages))
     return plans
+
+
+def balanced_plan(inputs: CostInputs, depth: int | None = None) -> Plan:
+    """`depth` stages of one device each (default: every device; at most one per layer) balanced by forward +
+    backward time (`baselines.balanced_stages`, torchgpipe's balance by time), no recompute."""
+    layer_s = [float(value) for value in np.diff(inputs.arrays.compute_s)]
+    return tuple(Stage(start, stop, 1, False)
+                 for start, stop, _ in balanced_stages(layer_s, depth or inputs.cluster.num_devices))
 
 
 def simulated_ops(inputs: CostInputs, plan: Plan) -> int:
