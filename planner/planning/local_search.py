@@ -24,7 +24,7 @@ import numpy as np
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits, replicas_of
 from planner.errors import InfeasiblePlanError
 from planner.files.cluster import Cluster
-from planner.planning.baselines import balanced_stages
+from planner.planning.baselines import balanced_stages, baseline_plans
 from planner.planning.optimizer import optimize
 from planner.planning.simulated_choice import better, simulated_s
 from planner.simulation.simulator import SimulationTooLongError, simulated_pipedream_microbatches
@@ -118,8 +118,8 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                 budget_ops: int = REFINE_OPS) -> Refined:
     """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves`, judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
-    from each of the `group_plans` and (straight) from `balanced_plan` on every device, on half of them and on 2, on
-    a share of it each; the best by `better`; `start` as it is on a budget of 0. From all: the faster start does not
+    from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the best by
+    `better`; `start` as it is on a budget of 0. From all: the faster start does not
     always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and
     halving the budget of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b). The
     balanced starts lead to optima that moves from the optimizer's plan do not reach (PipeDream's squeezenet1_0
@@ -137,11 +137,9 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
 
     if budget_ops <= 0:
         return Refined(start, start_s, 0)
-    devices = min(inputs.cluster.num_devices, inputs.arrays.num_layers)
-    depths = sorted({devices, max(2, devices // 2), 2} & set(range(2, devices + 1)), reverse=True)
-    others = group_plans(inputs, straight, allow_recompute) + ([balanced_plan(inputs, depth) for depth in depths]
-                                                               if straight else [])
-    starts = [(start, start_s)] + [(plan, plan_s) for plan in others if plan != start and (plan_s := judge(plan)) is not None]
+    others = group_plans(inputs, straight, allow_recompute) + (straight_starts(inputs) if straight else [])
+    starts = [(start, start_s)] + [(plan, plan_s) for plan in dict.fromkeys(others)
+                                   if plan != start and (plan_s := judge(plan)) is not None]
     best = (start, start_s)
     for index, (first, first_s) in enumerate(starts):
         found = descend(first, first_s, lambda plan: plan_moves(plan, inputs.cluster.num_devices, straight), judge,
@@ -174,6 +172,18 @@ def balanced_plan(inputs: CostInputs, depth: int | None = None) -> Plan:
     layer_s = [float(value) for value in np.diff(inputs.arrays.compute_s)]
     return tuple(Stage(start, stop, 1, False)
                  for start, stop, _ in balanced_stages(layer_s, depth or inputs.cluster.num_devices))
+
+
+def straight_starts(inputs: CostInputs) -> list[Plan]:
+    """The other starts of a straight plan's refinement: the pipelines of `baselines.baseline_plans` on every device
+    (DeepSpeed's uniform and parameter-balanced partitions, torchgpipe's balance by time), so that the plan
+    `planner partition --straight` chooses is never slower than the baselines it is compared with, and the plans
+    balanced by time on half the devices and on two."""
+    found = baseline_plans(inputs.arrays, inputs.cluster.num_devices)
+    plans = [tuple(Stage(start, stop, 1, False) for start, stop, _ in stages) for name, stages in found.items()
+             if name != "data-parallel"]
+    devices = min(inputs.cluster.num_devices, inputs.arrays.num_layers)
+    return plans + [balanced_plan(inputs, depth) for depth in sorted({max(2, devices // 2), 2}) if depth < devices]
 
 
 def simulated_ops(inputs: CostInputs, plan: Plan) -> int:

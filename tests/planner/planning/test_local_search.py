@@ -13,8 +13,8 @@ from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
 from planner.files.cluster import Cluster, make_cluster
 from planner.planning.bound_search import TIE
-from planner.planning.local_search import (Plan, balanced_plan, cut_moves, descend, group_plans, plan_moves,
-                                           refine_plan)
+from planner.planning.baselines import baseline_plans
+from planner.planning.local_search import Plan, cut_moves, descend, group_plans, plan_moves, refine_plan
 from planner.planning.optimizer import optimize, recompute_options
 from planner.planning.simulated_choice import simulated_s
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES
@@ -147,8 +147,13 @@ def test_a_refined_plan_fits_and_simulates_between_its_start_and_the_best(
     assert recompute or not any(stage.recompute for stage in refined)
     best, _ = brute_force(inputs, straight, allow_recompute)
     assert refined_s >= best * (1 - 1e-9)
-    # straight, never slower than torchgpipe's balance by time on every device, where that fits (it is a start too;
-    # a plan as fast within TIE on more devices loses to the faster start only by the tie rule)
-    balanced = balanced_plan(inputs)
-    if straight and plan_fits(inputs, list(balanced)):
-        assert refined_s <= simulated_s(inputs, list(balanced)) / (1 - TIE)
+    # straight, never slower than the baselines' pipelines where they fit, even from the worst start on a budget
+    # too small for a move (they are starts too, judged outside the budget; a plan as fast within TIE on more
+    # devices loses to the faster start only by the tie rule)
+    whole = (Stage(0, arrays.num_layers, 1, False),)
+    if straight and plan_fits(inputs, list(whole)):
+        _, hurried_s, _ = refine_plan(inputs, whole, simulated_s(inputs, list(whole)), True, allow_recompute, 1)
+        for name, stages in baseline_plans(arrays, cluster.num_devices).items():
+            baseline = [Stage(start, stop, 1, False) for start, stop, _ in stages]
+            if name != "data-parallel" and plan_fits(inputs, baseline):
+                assert max(refined_s, hurried_s) <= simulated_s(inputs, baseline) / (1 - TIE), name
