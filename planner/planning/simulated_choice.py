@@ -29,7 +29,10 @@ takes at least one microbatch's round trip T = sum_s t(s) + 2 sum of the boundar
 Straight plans (one device per stage; m microbatches) add flow-shop bounds (`_path_bound`):
 gpipe T + (m - 1)(max_s f_s + max_s b_s + acc), 1f1b T + (m - 1)(b_s + acc) + (m - k_s) f_s per stage,
 and for the layers before a partial plan, T + (m - 1) h with h the least bottleneck any split of them
-onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program).
+onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program), and for 1f1b and zb-h1
+T + the least over such splits of the largest (m - 1) b_s + (m - k_s) f_s, k_s known from each rank
+(`_StageBounds._prefix_path`: PipeDream's densenet121 straight on 4 GPUs, 1f1b, at most x1.149 -> x1.079
+from the best).
 
 A partial plan's bound is the largest of its stages' (and of these for the layers before it, whose
 stages are not chosen yet: their sums spread over the devices left, their largest layer): adding
@@ -55,7 +58,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -214,7 +217,11 @@ class _StageBounds:
         self.layer_fwd_before, self.layer_bwd_before, self.layer_both_before, self.layer_work_before = (
             np.concatenate([[0.0], np.maximum.accumulate(values)])
             for values in (layer_fwd, layer_back, layer_fwd + layer_back, layer_work))
-        self.prefix_table = self._build_prefix_table() if straight else None
+        # 1f1b and zb-h1 bound the layers not yet placed by their path table alone: it is at least (m - 1) times the
+        # bottleneck table's value (so with it the other adds nothing, and costs as much to build)
+        path = straight and inputs.schedule in ("1f1b", "zb-h1") and inputs.microbatches > 1
+        self.path_table = self._build_path_table() if path else None
+        self.prefix_table = self._build_prefix_table() if straight and not path else None
 
     def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
                  limit: float) -> list[tuple[int, int, bool, float, float, tuple[float, float]]]:
@@ -295,6 +302,7 @@ class _StageBounds:
                     else:
                         child_bound = np.maximum.reduce([
                             child_bound, round_trip + _times(inputs.microbatches - 1, turns),
+                            round_trip + self._prefix_path(first, starts),
                             -(-inputs.microbatches // most) * round_trip,
                             self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd,
                                              prefix, left + downstream + replicas)])
@@ -346,28 +354,74 @@ class _StageBounds:
     def prefix_turns(self, first: int, starts: np.ndarray) -> np.ndarray:
         """A lower bound on the bottleneck u of the layers [0, start) when they are split into straight stages
         on the ranks before `first` (one stage per rank, ending at rank first - 1): the least over such splits
-        of the largest u over their stages, with u = max(b, c_in) for 1f1b, max(f + b, 2 c_in) for gpipe
-        and max(f + b, c_in) for pipedream (c_in: the message into the stage from the rank before it).
+        of the largest u over their stages, with u = max(f + b, 2 c_in) for gpipe and max(f + b, c_in) for
+        pipedream (c_in: the message into the stage from the rank before it; 1f1b and zb-h1 take `_prefix_path`
+        instead, whose table holds (m - 1) max(b, c_in) and more).
         Dynamic program over ranks: h_r(j) = min_i max(u_r(i, j), h_{r-1}(i)), h_r(0) = 0. 0 without a table."""
         if self.prefix_table is None:
             return np.zeros(len(starts))
         return self.prefix_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
 
+    def _prefix_path(self, first: int, starts: np.ndarray) -> np.ndarray:
+        """A lower bound on what the layers [0, start) add to one microbatch's round trip T (1f1b, zb-h1) when split
+        into straight stages on the ranks before `first`: the least over such splits of the largest
+        (m - 1) b_s + (m - k_s) f_s, the path bound of `_path_bound` for each of their stages, with k_s =
+        min(m, D - r) the microbatches in flight on rank r (a straight plan ends on the last of the D ranks, so
+        every stage on rank r has D - r stages from it on) and b_s at least the message into it. Dynamic program
+        over ranks as `prefix_turns`."""
+        if self.path_table is None:
+            return np.zeros(len(starts))
+        return self.path_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
+
+    def _build_path_table(self) -> np.ndarray | None:
+        """The table of `_prefix_path`: row r, column j for layers [0, j) on the ranks before r; None when the table
+        would pass PREFIX_TABLE_CELLS. A stage's term max((m - 1) max(b, c_in), (m - 1) b + (m - k_r) f) is
+        max((m - 1) b + (m - k_r) f, (m - 1) c_in), as f >= 0."""
+        inputs, layers, m = self.inputs, self.inputs.arrays.num_layers, self.inputs.microbatches
+        devices = inputs.cluster.num_devices
+        if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
+            return None
+        backwards = (m - 1) * self._busy_matrix()
+        forward = self.inputs.scale * inputs.arrays.fwd_s
+        forwards = (forward[None, :] - forward[:, None])[:layers]  # [i, j]: layers [i, j)
+
+        def cost(rank: int, message: np.ndarray) -> np.ndarray:
+            waiting = m - int(in_flight("1f1b", m, 1, devices - rank))  # forwards after the first round trip
+            own = backwards + waiting * forwards if waiting > 0 else backwards
+            return np.maximum(own, (m - 1) * message[:, None])
+
+        return self._min_max_table(cost)
+
     def _build_prefix_table(self) -> np.ndarray | None:
         """h_{r-1} of `prefix_turns` for every first rank r (row r) and prefix end j (column j); None when the
         table would pass PREFIX_TABLE_CELLS."""
         inputs, layers = self.inputs, self.inputs.arrays.num_layers
-        devices = inputs.cluster.num_devices
-        if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
+        if inputs.cluster.num_devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
             return None
-        sigma = inputs.scale
-        # u = b (1f1b), B alone (zb-h1, whose W's may wait past the flow), f + b (gpipe, pipedream)
-        busy = sigma * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule in ("1f1b", "zb-h1") else 0.0))
+        busy = self._busy_matrix()
+        return self._min_max_table(lambda rank, message: np.maximum(busy, message[:, None]))
+
+    def _busy_matrix(self) -> np.ndarray:
+        """u[i, j] of a straight stage [i, j) (i < layers; inf where j <= i): b for 1f1b, B alone for zb-h1 (whose
+        W's may wait past the flow; a first stage's own B from `schedule_cost.first_terms`), f + b for gpipe and
+        pipedream, seconds."""
+        inputs, layers = self.inputs, self.inputs.arrays.num_layers
+        busy = inputs.scale * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule in ("1f1b", "zb-h1")
+                                                          else 0.0))
         busy = busy - self.weight
         stage = busy[None, :] - busy[:, None]  # [i, j]: layers [i, j)
         if self.split:
-            stage[0] = self.first_back  # a first stage's own B (`schedule_cost.first_terms`)
+            stage[0] = self.first_back
         stage[np.tril_indices(layers + 1)] = np.inf
+        return stage[:layers]
+
+    def _min_max_table(self, stage_cost: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+        """Row r, column j: the least over splits of layers [0, j) into straight stages on ranks before r of the
+        largest `stage_cost(rank, message)[i, j]` of a stage [i, j) on `rank` (i < layers), given message[i] (its
+        message in: once, twice for gpipe; inf on rank 0 but for the stage from layer 0). Ranks may stay empty at
+        the front."""
+        inputs, layers = self.inputs, self.inputs.arrays.num_layers
+        devices = inputs.cluster.num_devices
         links = 2.0 if inputs.schedule == "gpipe" else 1.0
         table = np.full((devices + 1, layers + 1), np.inf)
         table[0, 0] = 0.0  # row r: ends on rank r - 1; row 0: no rank, no layers
@@ -376,8 +430,7 @@ class _StageBounds:
         for rank in range(devices):
             message = links * transfer_s(cuts, *link_terms(inputs.cluster, max(rank - 1, 0), rank),
                                          np.arange(layers) > 0) if rank > 0 else np.where(np.arange(layers) > 0, np.inf, 0.0)
-            turns = np.maximum(stage[:layers], message[:, None])
-            row = np.min(np.maximum(turns, previous[:layers, None]), axis=0)
+            row = np.min(np.maximum(stage_cost(rank, message), previous[:layers, None]), axis=0)
             row[0] = 0.0
             table[rank + 1] = row
             previous = row

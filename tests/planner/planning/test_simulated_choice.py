@@ -125,3 +125,19 @@ def test_a_tie_within_tie_goes_to_the_fewest_devices() -> None:
     choice = best_simulated(inputs, [list(seed.stages)], False, False, math.inf, math.inf)
     assert sum(stage.replicas for stage in seed.stages) == 6 and sum(stage.replicas for stage in choice.stages) == 4
     assert choice.simulated_s == pytest.approx(simulated_s(inputs, list(seed.stages)), rel=TIE, abs=0.0)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(["1f1b", "zb-h1"]),
+       microbatches=st.integers(2, 8), caps=st.sampled_from([(1, 1), (1, 3), (2, 10)]))
+def test_straight_prefix_path_bounds_hold(arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int,
+                                          caps: tuple[int, int]) -> None:
+    # the layers not yet placed of a straight 1f1b or zb-h1 plan, bounded by each stage's flow-shop path
+    # (m - 1) b + (m - k_r) f with k_r from its rank (`_prefix_path`): whatever the search stops on, what it
+    # certifies holds (with 1.3 times that term it fails)
+    inputs = CostInputs(arrays, cluster, schedule, microbatches)
+    seed = optimize(inputs, straight=True)
+    best, _ = brute_force(inputs, True, False)
+    capped = best_simulated(inputs, [list(seed.stages)], True, False, *caps)
+    assert capped.lower_bound_s <= best * (1 + TIE) + 1e-12
