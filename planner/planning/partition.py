@@ -167,6 +167,7 @@ class _Candidate:
     peak_bytes: tuple[float, ...] = ()  # chunked plans: per stage, the simulated peak of the device holding it
     exhaustive: bool = True  # the final choice proved no plan simulates faster (`simulated_choice`)
     simulated: int = 1  # plans the final choice simulated
+    lower_bound_s: float = 0.0  # no plan simulates faster (`SimulatedChoice.lower_bound_s`; 0: nothing proven)
     refined: bool | None = None  # whether the local search (`_refined`) found a faster plan; None: not run
 
 
@@ -362,7 +363,7 @@ def _final_choice(found: _Candidate, straight: bool, recompute: bool) -> _Candid
     iteration = choice.simulated_s if math.isfinite(choice.simulated_s) else chosen.objective_s
     return replace(found, solution=chosen, iteration_s=iteration,
                    samples_per_s=samples_per_s(inputs, iteration, found.microbatch_size),
-                   exhaustive=choice.exhaustive, simulated=choice.simulated)
+                   exhaustive=choice.exhaustive, simulated=choice.simulated, lower_bound_s=choice.lower_bound_s)
 
 
 def _auto_microbatches(
@@ -485,11 +486,15 @@ def _planner_plan(
         proof = ("no other plan simulates faster" if chosen.exhaustive else
                  "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated "
                  "run may not reach)" if not flush else
-                 "the search stopped at its cap before proving that no other plan simulates faster")
+                 "the search stopped at its cap before proving that no other plan simulates faster"
+                 + (f" (none simulates faster than {chosen.lower_bound_s * 1000:.4g} ms)" if chosen.lower_bound_s > 0
+                    else ""))
         moves = "cuts moved and stages split and merged" + ("" if straight else ", replicas moved")
         if chosen.refined is not None:
             proof += (f"; then a local search ({moves}, each simulated) "
                       + ("found this faster plan" if chosen.refined else "found no faster plan"))
+        if not chosen.exhaustive and chosen.lower_bound_s > 0:
+            proof += f": this plan is at most x{chosen.iteration_s / chosen.lower_bound_s:.3f} from the fastest"
         notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
                      f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
                      f"simulated, searched in order of a lower bound on their time: {proof}")

@@ -482,6 +482,26 @@ def test_a_plan_the_final_choice_did_not_prove_fastest_is_refined_by_local_searc
     assert counted and int(counted.group(1)) > 8  # the search's 1 (its budget was 0) and the local search's
 
 
+def test_an_unproven_plan_states_how_far_from_the_fastest_it_can_be(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frozen CPU gpt profile straight on 4 GPUs, 1f1b, 8 microbatches, the final choice capped at 2 partial
+    plans: its notes give the search's lower bound and the plan's time over it; the uncapped search's plan (proven
+    the fastest) simulates no faster than that bound."""
+    profile = load_profile(REPO / "tests" / "data" / "profiles-cpu" / "gpt.json")
+    uncapped = partition(profile, make_cluster(4), straight=True, schedule="1f1b", microbatches=8)
+    assert any("no other plan simulates faster" in note and "at its cap" not in note for note in uncapped.notes)
+    capped = partition_module.best_simulated
+    monkeypatch.setattr(partition_module, "best_simulated",
+                        lambda *args: capped(*args, max_simulations=0, max_expansions=2))
+    plan = partition(profile, make_cluster(4), straight=True, schedule="1f1b", microbatches=8)
+    stated = re.search(r"none simulates faster than ([\d.]+) ms\).*at most x([\d.]+) from the fastest",
+                       " ".join(plan.notes))
+    assert stated, plan.notes
+    bound_ms, ratio = float(stated.group(1)), float(stated.group(2))
+    assert 0 < bound_ms <= plan.predicted.iteration_ms
+    assert ratio == pytest.approx(plan.predicted.iteration_ms / bound_ms, abs=2e-3)
+    assert uncapped.predicted.iteration_ms >= bound_ms * (1 - 1e-3)  # the bound printed to 4 digits
+
+
 def test_a_zero_bubble_plan_of_a_profile_without_the_split_backward_says_how_it_priced_it() -> None:
     """A profile made before the split was measured, or of a model checkpointed reentrantly (which left it None)."""
     mlp = load_profile(PROFILES_V1 / "mlp.json")  # no split backward measured
