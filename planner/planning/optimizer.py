@@ -9,6 +9,10 @@ search over a bound beta on max_s Q(s):
   group size; shifting ranks by M changes no link), and among states of one residue fewer
   devices are never worse (fewer devices downstream only lower memory, and leave more for the
   stages before). So each layer keeps a Pareto front of (devices, recompute cost) per residue.
+  Not under zb-h1 with deferred gradients: there a stage keeps min(d + 1, m) microbatches' deferred
+  gradients, d = P - D falling as the devices D from it on grow (`schedule_cost.deferred_count`), so
+  more devices downstream can let a stage before fit; each layer keeps its cheapest entry of every
+  device count (a first version kept the fewest and refused a plan that fit: 6 layers on 6 GPUs at 4 GB).
   A stage [i, j) placed on top of a state takes the ranks just before it; it is feasible when
   Q(s) <= beta, memory fits and the placement rule holds. Replica counts up to M are all tried
   (each reaches another residue); beyond M a stage is whole outer groups, every bandwidth it sees
@@ -314,6 +318,10 @@ class _StageGrid:
         inputs, p = evaluator.inputs, evaluator.pairs
         cluster, total, group = inputs.cluster, inputs.cluster.num_devices, inputs.class_size
         self.evaluator, self.inputs, self.pairs, self.options = evaluator, inputs, p, len(options)
+        # whether a suffix on more devices can let a stage before it fit (the module docstring: zb-h1's deferred
+        # gradients), so that the DP keeps every device count
+        self.more_devices_can_help = (inputs.schedule in SPLIT_BACKWARD_SCHEDULES and inputs.memory_bytes is not None
+                                      and bool(np.any(np.diff(inputs.arrays.deferred_bytes) > 0)))
         outer = [] if straight else list(range(2 * group, total + 1, group))
         self.scans_outer = len(outer) <= _SCANNED
         counts = list(range(1, (1 if straight else group) + 1)) + (outer if self.scans_outer else [])
@@ -488,6 +496,8 @@ def _solve_front(
         order = np.lexsort((tie[firsts], cost, outcome[firsts]))
         residue, cost = devices[order] % group, cost[order]
         keep = np.concatenate([[True], residue[1:] != residue[:-1]])  # the fewest devices of each residue
+        if grid.more_devices_can_help:  # every device count (each the cheapest), as more downstream can save memory
+            keep[:] = True
         if track_cost:
             # Pareto within each residue: keep an entry only if it is cheaper than every earlier (fewer-device) one
             shifted = cost - residue * offset  # later classes restart the running min

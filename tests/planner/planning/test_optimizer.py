@@ -184,6 +184,32 @@ def test_optimum_matches_brute_force(
     assert solution.devices == fewest  # no plan within TIE of the optimum uses fewer devices
 
 
+def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
+    """A review fuzzer's case (6 layers, 6 GPUs at 10 GB/s, zb-h1, 7 microbatches, 4 GB): the stage of layer 2 alone
+    keeps min(d + 1, 7) microbatches' deferred gradients (400 MB each), d = 6 - D with D the devices from it on:
+    4.601 GB with D = 2 (the rest of the model on one device), 4.201 with D = 3, 3.801 with D = 4 (layers 3, 4
+    and 5 on one device each). The DP kept the fewest devices per state and refused, naming 4.601 GB; brute
+    force finds two plans that fit, and the optimizer now returns the better."""
+    arrays = LayerArrays(
+        compute_s=np.array([0.0, 0.1, 0.113114, 0.143114, 0.243114, 0.253114, 0.31031]),
+        param_bytes=np.array([0.0, 1e6, 2e6, 5.2e7, 5.2e7, 1.02e8, 1.02e8]),
+        cut_bytes=np.array([0.0, 1e7, 0.0, 1e7, 1e5, 0.0]),
+        saved_bytes=np.array([0.0, 4e8, 4e8, 8e8, 8e8, 8e8, 8e8]),
+        fwd_s=np.array([0.0, 0.0, 0.003278, 0.010778, 0.010778, 0.020778, 0.020778]),
+        workspace_bytes=np.array([0.0, 1e6, 1e6, 4e8, 1e6, 1e8]),
+        param_tensors=np.array([0.0, 1.0, 3.0, 3.0, 5.0, 7.0, 8.0]),
+        weight_s=np.array([0.0, 0.05, 0.054918, 0.060543, 0.160543, 0.160543, 0.174842]),
+        deferred_bytes=np.array([0.0, 0.0, 1e8, 5e8, 6e8, 6.01e8, 1.001e9]))
+    inputs = CostInputs(arrays, make_cluster(6, None, ["10GB/s"]), "zb-h1", 7, memory_bytes=4e9)
+    scored = score_plans(inputs, True, False)
+    fitting = feasible(scored, inputs.memory_bytes)
+    assert len(fitting) == 2
+    best, fewest = optimal(fitting)
+    solution = optimize(inputs, True, False)
+    check_solution(inputs, solution, True, False)
+    assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0) and solution.devices == fewest
+
+
 def test_zero_bubble_replicas_that_fit_are_the_fewest_a_scan_finds() -> None:
     # hypothesis's case: zb-h1 keeps ceil(D / r) + ceil((P - D) / r) microbatches in flight, which the old
     # closed form ceil(P / flights) put up to two groups low (it said no count fits; 6 replicas do)
