@@ -29,7 +29,7 @@ from planner.planning.optimizer import optimize
 from planner.planning.simulated_choice import better, simulated_s
 from planner.simulation.simulator import SimulationTooLongError, simulated_pipedream_microbatches
 
-REFINE_OPS = 100_000  # simulated ops a refinement may play: about half a second on the 2-core CPU machine
+REFINE_OPS = 100_000  # simulated ops one start's descent may play: about half a second on the 2-core CPU machine
 GROUP_SHARE = 4  # a start from `group_plans` descends on this fraction of the budget (1 / GROUP_SHARE), after `start`
 SHIFTS = (1, -1, 2, -2, 4, -4, 8, -8)  # layers a cut moves by, nearest first
 

@@ -257,7 +257,9 @@ def _choose(
 
 
 def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
-    """A plan the final choice did not prove fastest, after a local search under the simulator (up to a second):
+    """A plan the final choice did not prove fastest, after a local search under the simulator (REFINE_OPS of
+    simulated ops from its plan, a quarter of that from each other start: half a second to about two on the 2-core
+    CPU machine):
     a chunked plan's cuts moved (`refine_chunked`), another's cuts moved, stages split and merged and replicas
     moved (`local_search.refine_plan`; on several nodes also from the optimizer's plan on one); each schedule's
     plan within REFINE_GAIN_CAP of the fastest, before they are compared (compared unrefined, `--schedule auto`

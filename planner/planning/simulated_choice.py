@@ -30,7 +30,7 @@ Straight plans (one device per stage; m microbatches) add flow-shop bounds (`_pa
 gpipe T + (m - 1)(max_s f_s + max_s b_s + acc), 1f1b T + (m - 1)(b_s + acc) + (m - k_s) f_s per stage,
 and for the layers before a partial plan, T + (m - 1) h with h the least bottleneck any split of them
 onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program), and for 1f1b and zb-h1
-T + the least over such splits of the largest (m - 1) b_s + (m - k_s) f_s, k_s known from each rank
+T + the least over such splits of the largest max((m - 1) b_s + (m - k_s) f_s, (m - 1) c_in), k_s known from each rank
 (`_StageBounds._prefix_path`: PipeDream's densenet121 straight on 4 GPUs, 1f1b, at most x1.149 -> x1.079
 from the best).
 
@@ -365,9 +365,9 @@ class _StageBounds:
     def _prefix_path(self, first: int, starts: np.ndarray) -> np.ndarray:
         """A lower bound on what the layers [0, start) add to one microbatch's round trip T (1f1b, zb-h1) when split
         into straight stages on the ranks before `first`: the least over such splits of the largest
-        (m - 1) b_s + (m - k_s) f_s, the path bound of `_path_bound` for each of their stages, with k_s =
-        min(m, D - r) the microbatches in flight on rank r (a straight plan ends on the last of the D ranks, so
-        every stage on rank r has D - r stages from it on) and b_s at least the message into it. Dynamic program
+        max((m - 1) b_s + (m - k_s) f_s, (m - 1) c_in), the path bound of `_path_bound` for each of their stages and
+        the m - 1 later messages into it, with k_s = min(m, D - r) the microbatches in flight on rank r (a straight
+        plan ends on the last of the D ranks, so every stage on rank r has D - r stages from it on). Dynamic program
         over ranks as `prefix_turns`."""
         if self.path_table is None:
             return np.zeros(len(starts))
