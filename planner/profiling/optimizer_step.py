@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from planner.profiling.memory import extra_memory_of
-from planner.profiling.timing import Clock
+from planner.profiling.timing import Clock, measured_iterations
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "time_grad_accumulation", "time_optimizer_steps"]
 
@@ -45,11 +45,14 @@ def time_grad_accumulation(model: nn.Module, backward: Callable[[], None], clock
 
 
 def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: Clock, iters: int,
-                         device: torch.device) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+                         device: torch.device, min_seconds: float = 0.0,
+                         ) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Per optimizer of OPTIMIZERS: the median ms of one `step()` over every parameter of `model`
     (after one warm-up step that creates its state), each right after a `backward` into cleared
     gradients, as training steps (a step timed in a loop of steps alone finds the weights, gradients
-    and state in cache: resnet's Adam step read 1.36 ms so and 2.0-2.2 ms after a backward); the scratch
+    and state in cache: resnet's Adam step read 1.36 ms so and 2.0-2.2 ms after a backward): `iters`
+    steps, or more while they and their backwards take less than `min_seconds` at the first one's pace
+    (`timing.measured_iterations`; each costs a whole training step, so the profiler asks for few); the scratch
     bytes one step holds beyond the weights, gradients and state (`memory.extra_memory_of`; e.g. Adam's
     per-tensor intermediates); and its ms per parameter tensor (`_step_ms_per_tensor`). The steps change
     the weights (by a learning rate of 1e-9): time them last."""
@@ -66,7 +69,7 @@ def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: 
             optimizer.zero_grad(set_to_none=True)
             backward()
 
-        found[name] = _median_step_ms(optimizer, clock, iters, prepare=after_a_backward)
+        found[name] = _median_step_ms(optimizer, clock, iters, prepare=after_a_backward, min_seconds=min_seconds)
         del optimizer
         per_tensor[name] = _step_ms_per_tensor(name, clock, iters, device)
     return found, scratch, per_tensor
@@ -88,12 +91,15 @@ def _step_ms_per_tensor(name: str, clock: Clock, iters: int, device: torch.devic
 
 
 def _median_step_ms(optimizer: torch.optim.Optimizer, clock: Clock, iters: int,
-                    prepare: Callable[[], None] | None = None) -> float:
-    """The median ms of `optimizer.step()` over `iters` steps (its state already made), `prepare` run
-    (untimed) before each; each read by `clock.step_ms` (on a GPU, the host's time until the device is done:
-    a launch-bound step's launches are paid whole)."""
-    times = []
-    for _ in range(max(iters, 1)):
+                    prepare: Callable[[], None] | None = None, min_seconds: float = 0.0) -> float:
+    """The median ms of `optimizer.step()` over `iters` steps (its state already made), or more while they
+    take less than `min_seconds` at the first one's pace, `prepare` run (untimed, but counted in the pace)
+    before each; each read by `clock.step_ms` (on a GPU, the host's time until the device is done: a
+    launch-bound step's launches are paid whole)."""
+    times: list[float] = []
+    total = max(iters, 1)
+    while len(times) < total:
+        began_prepare_s = time.perf_counter()
         if prepare is not None:
             prepare()
             clock.synchronize()
@@ -103,4 +109,6 @@ def _median_step_ms(optimizer: torch.optim.Optimizer, clock: Clock, iters: int,
         end = clock.mark()
         clock.synchronize()
         times.append(clock.step_ms(start, end, (time.perf_counter() - began_s) * 1e3))
+        if len(times) == 1 and min_seconds > 0:
+            total = measured_iterations(total, min_seconds, time.perf_counter() - began_prepare_s)
     return statistics.median(times)

@@ -299,8 +299,11 @@ def _measure_checked(
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
+    # each timed step follows a whole training step: as few as the input gradients' pairs, or a quarter of
+    # --min-seconds (at --iters 12, 24 steps had taken a third of the gpt example's profile)
     optimizer_ms, optimizer_scratch, per_tensor_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
-        model, lambda: step.loss().backward(), clock_for(device), settings.iters, device))
+        model, lambda: step.loss().backward(), clock_for(device), input_iters, device,
+        min_seconds=settings.min_seconds / 4))
     step.zero_grad()
     size_times = tuple(_size_times(model_file, model, layers, size, settings, device, dtype, report)
                        for size in sorted(settings.other_batch_sizes))

@@ -357,7 +357,7 @@ def _segment_ms(clock: Clock, marks: list[Any]) -> list[float]:
     return [max(0.0, clock.elapsed_ms(start, end)) for start, end in zip(marks, marks[1:])]
 
 
-def _measured_iterations(iters: int, min_seconds: float, pace_s: float) -> int:
+def measured_iterations(iters: int, min_seconds: float, pace_s: float) -> int:
     """How many iterations to measure: `iters`, or as many as fill `min_seconds` at `pace_s` seconds
     each (the first one's time), at most MAX_ITERS_FACTOR x iters."""
     return min(max(iters, math.ceil(min_seconds / max(pace_s, 1e-9))), MAX_ITERS_FACTOR * iters)
@@ -424,7 +424,7 @@ def time_layers(
             bwd_samples.append(bwd)
             stretches.append(stretch)
             if iteration == warmup and min_seconds > 0:  # the first measured iteration sets the pace
-                total = warmup + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
+                total = warmup + measured_iterations(iters, min_seconds, time.perf_counter() - began)
         iteration += 1
         if progress is not None:
             progress(iteration, total)
@@ -468,7 +468,7 @@ def _paired_iterations(
     """The iteration rule of `time_input_gradients` and `time_split_backward`: `warm_up()` once (not
     counted; returning False stops there, with nothing measured), then `pair(k)` for k = 1, 2, ...
     `iters` times, or more while they take less than `min_seconds` at the first pair's pace (at most
-    MAX_ITERS_FACTOR x iters, `_measured_iterations`); `pair(k)` alternates which of its two steps goes
+    MAX_ITERS_FACTOR x iters, `measured_iterations`); `pair(k)` alternates which of its two steps goes
     first by k's parity. `progress(done, total)` after every iteration, the warm-up included. Returns
     the pairs' results."""
     results: list[T] = []
@@ -482,7 +482,7 @@ def _paired_iterations(
         else:
             results.append(pair(iteration))
             if iteration == 1 and min_seconds > 0:
-                total = 1 + _measured_iterations(iters, min_seconds, time.perf_counter() - began)
+                total = 1 + measured_iterations(iters, min_seconds, time.perf_counter() - began)
         iteration += 1
         if progress is not None:
             progress(iteration, total)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -46,3 +47,23 @@ def test_every_timed_step_follows_a_backward_into_cleared_gradients() -> None:
     assert found == {name: 1.0 for name in OPTIMIZERS}  # one clock tick per step: nothing else is timed
     assert len(seen) == 1 + len(OPTIMIZERS) * iters  # the first, then one before each timed step
     assert seen[1:] == [True] * (len(OPTIMIZERS) * iters)  # into gradients the step before cleared
+
+
+def test_a_fast_step_is_timed_more_often_to_fill_min_seconds() -> None:
+    """Each timed step costs a backward: with `min_seconds`, steps (backwards included) are added at the first
+    one's pace, as the profiler's other phases do (`timing.measured_iterations`): 0.2 s of ~20 ms steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    inputs = torch.randn(4, 8)
+    backwards = 0
+
+    def backward() -> None:
+        nonlocal backwards
+        backwards += 1
+        time.sleep(0.02)
+        model(inputs).sum().backward()
+
+    iters = 2
+    time_optimizer_steps(model, backward, CountingClock(), iters, torch.device("cpu"), min_seconds=0.2)
+    timed = backwards - 1  # the first backward makes the gradients the warm-up steps need
+    assert len(OPTIMIZERS) * iters < timed <= len(OPTIMIZERS) * 10  # ceil(0.2 s / pace) each, the pace >= 20 ms

@@ -18,7 +18,7 @@ from planner.profiling.timing import (
     CudaClock,
     HostClock,
     _fill_forward,
-    _measured_iterations,
+    measured_iterations,
     frozen,
     needs_grad_flags,
     requiring_grad,
@@ -228,11 +228,11 @@ def test_a_layer_that_never_began_takes_zero_forward_time() -> None:
 
 
 def test_the_iterations_measured_fill_min_seconds_at_the_first_pace_within_the_cap() -> None:
-    assert _measured_iterations(2, 0.0, 0.01) == 2  # the floor is off: the iterations asked for
-    assert _measured_iterations(2, 0.2, 0.02) == 10  # 0.2 s at 20 ms each
-    assert _measured_iterations(2, 0.2, 0.15) == 2  # slow iterations: never fewer than asked for
-    assert _measured_iterations(2, 0.2, 0.0) == 2 * MAX_ITERS_FACTOR  # never more than the cap
-    assert _measured_iterations(3, 0.1, 0.03) == 4  # rounded up: 3 x 30 ms falls short of 0.1 s
+    assert measured_iterations(2, 0.0, 0.01) == 2  # the floor is off: the iterations asked for
+    assert measured_iterations(2, 0.2, 0.02) == 10  # 0.2 s at 20 ms each
+    assert measured_iterations(2, 0.2, 0.15) == 2  # slow iterations: never fewer than asked for
+    assert measured_iterations(2, 0.2, 0.0) == 2 * MAX_ITERS_FACTOR  # never more than the cap
+    assert measured_iterations(3, 0.1, 0.03) == 4  # rounded up: 3 x 30 ms falls short of 0.1 s
 
 
 def test_the_paired_loop_takes_its_count_from_the_first_pairs_pace(monkeypatch: pytest.MonkeyPatch) -> None:
