@@ -465,15 +465,18 @@ def fill_drain_s(inputs: CostInputs, stages: list[Stage]) -> float:
     return total + recomputed
 
 
-def objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
+def objective_s(inputs: CostInputs, stages: list[Stage], costs: list[StageCost] | None = None) -> float:
     """The iteration time of a flush schedule, or the time per microbatch of pipedream (seconds);
-    under a chunked schedule `chunked_objective_s`."""
+    under a chunked schedule `chunked_objective_s`. `costs`: the plan's `stage_costs`, where the caller
+    has them already."""
+    if costs is None:
+        costs = stage_costs(inputs, stages)
     if inputs.chunks > 1:
-        return chunked_objective_s(inputs, stages)
-    return fill_drain_s(inputs, stages) + max(cost.bound_s for cost in stage_costs(inputs, stages))
+        return chunked_objective_s(inputs, stages, costs)
+    return fill_drain_s(inputs, stages) + max(cost.bound_s for cost in costs)
 
 
-def chunked_objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
+def chunked_objective_s(inputs: CostInputs, stages: list[Stage], costs: list[StageCost] | None = None) -> float:
     """A chunked schedule's closed form, seconds: the busiest rank's work plus the bubble,
 
         iteration = max_r sum_(s on r) [m max(t + acc, c_in, c_out)(s) + opt(s)] + (p - 1) / (p v) sum_s x(s)
@@ -482,8 +485,9 @@ def chunked_objective_s(inputs: CostInputs, stages: list[Stage]) -> float:
     over v (Narayanan et al. 2021). zbv: x = the forward alone (its B's and W's fill the rest), so on equal
     chunks m v t + (p - 1) f: the first forward's way down to the last rank (Qi et al. 2024 with F = B = W).
     Transfers during warm-up and drain and the first microbatch's accumulation are not counted; the
-    simulator plays them."""
-    costs = stage_costs(inputs, stages)
+    simulator plays them. `costs`: the plan's `stage_costs`, where the caller has them already."""
+    if costs is None:
+        costs = stage_costs(inputs, stages)
     ranks = first_ranks(inputs, stages)
     count = len(stages) // inputs.chunks
     busy = [0.0] * count

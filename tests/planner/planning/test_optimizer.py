@@ -65,8 +65,9 @@ def score_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> li
     recompute = allow_recompute and inputs.schedule not in SPLIT_BACKWARD_SCHEDULES
     for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
         if plan_fits(unlimited, list(stages)):
-            peak = max(cost.memory_bytes for cost in stage_costs(unlimited, list(stages)))
-            scored.append(Scored(stages, objective_s(unlimited, list(stages)), peak))
+            costs = stage_costs(unlimited, list(stages))
+            peak = max(cost.memory_bytes for cost in costs)
+            scored.append(Scored(stages, objective_s(unlimited, list(stages), costs), peak))
     return scored
 
 
