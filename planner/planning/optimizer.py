@@ -471,7 +471,8 @@ def _solve_front(
         parent, replicas, flags = entries, grid.replicas[combos], grid.flags[combos]
         if not straight and not grid.scans_outer:  # many whole-outer-group counts: the closed forms
             end = total - downstream  # exclusive end rank of the new stage
-            aligned = _copies(np.nonzero(end % group == 0)[0], options)
+            # (an outer stage takes at least 2 groups: ending before rank 2M, it has no room)
+            aligned = _copies(np.nonzero((end % group == 0) & (end >= 2 * group))[0], options)
             aligned_flags = np.repeat(np.array(recompute_options, dtype=bool), len(aligned) // options)
             if len(aligned):
                 r_outer = evaluator.fewest_outer(pair[aligned], end[aligned], aligned_flags, downstream[aligned],
