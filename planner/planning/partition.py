@@ -169,6 +169,7 @@ class _Candidate:
     simulated: int = 1  # plans the final choice simulated
     lower_bound_s: float = 0.0  # no plan simulates faster (`SimulatedChoice.lower_bound_s`; 0: nothing proven)
     refined: bool | None = None  # whether the local search (`_refined`) found a faster plan; None: not run
+    refine_simulated: int = 0  # plans the local search simulated
 
 
 def _choose(
@@ -269,10 +270,10 @@ def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:
         start = tuple(found.solution.stages)
         stages, iteration, simulated = refine_plan(found.inputs, start, found.iteration_s, straight, recompute)
         if stages == start:
-            return replace(found, simulated=found.simulated + simulated, refined=False)
+            return replace(found, refine_simulated=simulated, refined=False)
         return replace(found, solution=Solution(stages, objective_s(found.inputs, list(stages))), iteration_s=iteration,
                        samples_per_s=samples_per_s(found.inputs, iteration, found.microbatch_size),
-                       simulated=found.simulated + simulated, refined=True)
+                       refine_simulated=simulated, refined=True)
     start = ChunkedChoice(found.inputs, tuple(found.solution.stages), found.iteration_s, found.peak_bytes)
     choice = refine_chunked(start)
     if choice is start:
@@ -493,7 +494,7 @@ def _planner_plan(
                     else ""))
         moves = "cuts moved and stages split and merged" + ("" if straight else ", replicas moved")
         if chosen.refined is not None:
-            proof += (f"; then a local search ({moves}, each simulated) "
+            proof += (f"; then a local search ({moves}: {chosen.refine_simulated} more plans simulated) "
                       + ("found this faster plan" if chosen.refined else "found no faster plan"))
         if not chosen.exhaustive and chosen.lower_bound_s > 0:
             proof += f": this plan is at most x{chosen.iteration_s / chosen.lower_bound_s:.3f} from the fastest"
