@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -25,6 +26,7 @@ TIE = 1e-9  # objectives within this relative distance count as equal
 MAX_STEPS = 200  # bisection and descent steps: far more than the ~60 needed to exhaust a float
 NEAR = 0.05  # relative width of the bisection's interval below which a plan found is first tested for optimality
 NEAR_TESTS = 3  # tests in a row (each finding a better plan) before the bisection goes on
+PROBES = 6  # bounds tried just above `low` before the bisection: up to 3.2% above it
 
 
 def smallest_bound(
@@ -34,8 +36,11 @@ def smallest_bound(
 
     `solve(bound)` returns a plan whose value is at most `bound`, or None when none exists, and
     must be monotone (a larger bound never loses a plan); `best` is any plan, `low` a bound no
-    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, 1, ... are tried first (optima
-    often lie just above such a bound); then the bound is bisected to a relative width of 1e-3,
+    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, ..., PROBES - 1, are tried first (optima
+    often lie just above such a bound); then the bound is bisected to a relative width of 1e-3, at the
+    geometric mean of the interval's ends when low > 0 (a memory limit can put the optimum two orders
+    of magnitude above the best plan without it: nasnetalarge on 8 GPUs under 1f1b at 8 GB, 0.406 s against
+    0.00215; doubling the probes' step until one found a plan took 19 solves, 23 in all against 15 now),
     then set just below the best plan's own value until nothing is found: the last plan is
     optimal to a relative TIE. Once the interval is narrower than NEAR, a plan found by bisection is
     tested at once (the bound just below its value): where nothing is found it is optimal, and the
@@ -46,8 +51,10 @@ def smallest_bound(
     best_value = value(best)
     high = best_value
     base, step = low, 1e-3
-    while 0 < base * (1.0 + step) < high:
+    for _ in range(PROBES):
         probe = base * (1.0 + step)
+        if not 0 < probe < high:
+            break
         plan = solve(probe)
         if plan is not None:
             best, best_value = plan, value(plan)
@@ -66,7 +73,7 @@ def smallest_bound(
             best, best_value = plan, value(plan)
             high = min(best_value, high)
             continue
-        middle = (low + high) / 2
+        middle = math.sqrt(low * high) if low > 0 else (low + high) / 2
         plan = solve(middle)
         if plan is None:
             low = middle

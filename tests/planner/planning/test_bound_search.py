@@ -40,3 +40,13 @@ def test_an_optimum_found_in_a_narrow_interval_is_proven_by_one_solve() -> None:
     plan, _ = smallest_bound(plans.solve, lambda found: found, 5.88, 0.0)
     assert plan == 3.6563
     assert plans.calls == 7
+
+
+def test_an_optimum_far_above_the_lower_bound_costs_a_logarithmic_bisection() -> None:
+    """The values of nasnetalarge's memory-limited plans on 8 GPUs under 1f1b at 8 GB (seconds), against the best
+    plan without the limit (0.00215 s, the lower bound): the optimum lies 188 times above it. 15 solves: 6 probes
+    just above the bound, then a bisection at geometric means; doubling the probes' step up to the optimum took 23."""
+    plans = _Plans([0.405727, 0.407855, 0.411718, 0.423064, 0.462602, 0.566354])
+    plan, _ = smallest_bound(plans.solve, lambda found: found, 0.566354, 0.00215441)
+    assert plan == 0.405727
+    assert plans.calls == 15
