@@ -560,8 +560,9 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     per_device = float(inputs.arrays.compute_s[-1]) * inputs.scale / inputs.cluster.num_devices
     low = per_device * (1.0 - 1e-9) if inputs.schedule == "pipedream" else 0.0
     if inputs.memory_bytes is not None:  # nor the best plan without the limit, whose plans include every one within it
+        # (less TIE x its objective: its tie-break to fewer devices may have given up that much of the least max Q)
         unlimited = optimize(replace(inputs, memory_bytes=None), straight, allow_recompute)
-        low = max(low, max_bound(list(unlimited.stages)) * (1.0 - 1e-9))
+        low = max(low, (max_bound(list(unlimited.stages)) - TIE * unlimited.objective_s) * (1.0 - 1e-9))
     best, best_bound = smallest_bound(solve, max_bound, best, low)
     if inputs.schedule in FLUSH_SCHEDULES and True in options:
         best = _cheaper_recompute(inputs, solve, best, best_bound)

@@ -300,7 +300,7 @@ def _measure_checked(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
     # each timed step follows a whole training step: as few as the input gradients' pairs, or a quarter of
-    # --min-seconds (at --iters 12, 24 steps had taken a third of the gpt example's profile)
+    # --min-seconds per optimizer (at --iters 12, 24 steps had taken a third of the gpt example's profile)
     optimizer_ms, optimizer_scratch, per_tensor_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
         model, lambda: step.loss().backward(), clock_for(device), input_iters, device,
         min_seconds=settings.min_seconds / 4))

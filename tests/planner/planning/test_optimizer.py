@@ -15,6 +15,7 @@ from tests.planner.layer_strategies import layer_arrays
 from planner.costs.layer_arrays import LayerArrays
 from planner.errors import InfeasiblePlanError
 from planner.costs.stage_sums import Pairs
+from planner.planning import optimizer as optimizer_module
 from planner.planning.optimizer import Solution, _Evaluator, _StageGrid, optimize, recompute_options
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
@@ -183,6 +184,30 @@ def test_optimum_matches_brute_force(
     check_solution(inputs, solution, straight, allow_recompute)
     assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0)
     assert solution.devices == fewest  # no plan within TIE of the optimum uses fewer devices
+
+
+def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review's case: 2 layers of 1 s and 1 GB each on 2 devices, 1f1b, one microbatch, an optimizer step of 1e-18
+    s per byte. Without a limit the optimizer keeps one stage (largest term 2e-9 s, the objective within TIE of the
+    two-stage plan's, whose terms are 1e-9 s): the tie goes to fewer devices. The memory-limited search starts its
+    bisection at that plan's term, less TIE x its objective, which no plan within the limit beats; at the term itself
+    it would have started above the two-stage plan, which fits."""
+    arrays = LayerArrays(compute_s=np.array([0.0, 1.0, 2.0]), param_bytes=np.array([0.0, 1e9, 2e9]),
+                         cut_bytes=np.zeros(2), saved_bytes=np.zeros(3), fwd_s=np.array([0.0, 0.3, 0.6]),
+                         workspace_bytes=np.zeros(2), param_tensors=np.zeros(3), weight_s=np.zeros(3),
+                         deferred_bytes=np.zeros(3))
+    inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "1f1b", 1, step_s_per_byte=1e-18)
+    two = [Stage(0, 1, 1, False), Stage(1, 2, 1, False)]
+    limited = replace(inputs, memory_bytes=1e15)
+    assert plan_fits(limited, two)
+    lows: list[float] = []
+    search = optimizer_module.smallest_bound
+    monkeypatch.setattr(optimizer_module, "smallest_bound",
+                        lambda solve, value, best, low: lows.append(low) or search(solve, value, best, low))
+    solution = optimize(limited, straight=True)
+    assert lows and all(low <= max(cost.bound_s for cost in stage_costs(limited, two)) for low in lows)
+    assert solution.objective_s == pytest.approx(objective_s(limited, two), rel=1e-9)
 
 
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
