@@ -34,6 +34,9 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
     if n >= 2 and draw(st.booleans()):
         shared = ((0, (n - 1,), float(draw(st.sampled_from([1e6, 1e8, 4e8])))),)  # a tied first/last weight
+        # counted in its first user's parameters, as a profile counts it (`LayerArrays.shared`): drawn apart from
+        # them, the tie could outweigh them, which no model does (a stage's "replicated" bytes came out negative)
+        params[0] += shared[0][2]
     return LayerArrays(
         compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
         param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
