@@ -166,12 +166,11 @@ def group_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> li
     return plans
 
 
-def balanced_plan(inputs: CostInputs, depth: int | None = None) -> Plan:
-    """`depth` stages of one device each (default: every device; at most one per layer) balanced by forward +
-    backward time (`baselines.balanced_stages`, torchgpipe's balance by time), no recompute."""
+def balanced_plan(inputs: CostInputs, depth: int) -> Plan:
+    """`depth` stages of one device each (at most one per layer) balanced by forward + backward time
+    (`baselines.balanced_stages`, torchgpipe's balance by time), no recompute."""
     layer_s = [float(value) for value in np.diff(inputs.arrays.compute_s)]
-    return tuple(Stage(start, stop, 1, False)
-                 for start, stop, _ in balanced_stages(layer_s, depth or inputs.cluster.num_devices))
+    return tuple(Stage(start, stop, 1, False) for start, stop, _ in balanced_stages(layer_s, depth))
 
 
 def straight_starts(inputs: CostInputs) -> list[Plan]:
