@@ -91,6 +91,12 @@ class LayerArrays:
             object.__setattr__(self, "deferred_bytes", np.zeros_like(self.compute_s))
         if self.frozen_bytes is None:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
+        if self.shared:
+            own = np.diff(self.unshared_param_bytes())
+            if (own < -1e-9 * max(1.0, float(self.param_bytes[-1]))).any():
+                layer = int(np.argmin(own))
+                raise ValueError(f"the shared parameters first used by layer {layer} outweigh its parameter bytes by "
+                                 f"{-own[layer]:.0f}: a shared parameter is counted in its first layer's param_bytes")
 
     @property
     def num_layers(self) -> int:

@@ -219,7 +219,12 @@ class Profile:
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
+        for index, (layer, nbytes) in enumerate(zip(self.layers, self.frozen_param_bytes)):
+            if not 0 <= nbytes <= layer.param_bytes:
+                raise ValueError(f"frozen_param_bytes[{index}] {nbytes} is not within layer {index}'s "
+                                 f"param_bytes ({layer.param_bytes}): they are the part of them that needs no gradient")
         self._check_size_times()
+        self._check_shared_params()
         if self.library_bytes < 0:
             raise ValueError(f"library_bytes {self.library_bytes} is negative")
 
@@ -239,6 +244,30 @@ class Profile:
                 if (values or name != "bwd_input_ms") and len(values) != len(self.layers):
                     raise ValueError(f"size_times[{index}] has {len(values)} {name} for {len(self.layers)} layers "
                                      f"(one per layer{', or none' if name == 'bwd_input_ms' else ''})")
+
+    def _check_shared_params(self) -> None:
+        """ValueError naming `shared_params[k]` where its layers are not ascending, distinct layer indices, or
+        naming the layer whose shared parameters outweigh its parameter bytes: a shared parameter is counted once,
+        in its first layer's `param_bytes` (and `frozen_param_bytes` where it is frozen)."""
+        count = len(self.layers)
+        frozen = self.frozen_param_bytes or (0,) * count
+        trainable_at, frozen_at = [0] * count, [0] * count
+        for index, shared in enumerate(self.shared_params):
+            if not shared.layers or list(shared.layers) != sorted(set(shared.layers)) or shared.layers[0] < 0 \
+                    or shared.layers[-1] >= count:
+                raise ValueError(f"shared_params[{index}].layers {list(shared.layers)} are not ascending, distinct "
+                                 f"layer indices in 0..{count - 1}")
+            if shared.nbytes < 0:
+                raise ValueError(f"shared_params[{index}].nbytes {shared.nbytes} is negative")
+            (frozen_at if shared.frozen else trainable_at)[shared.layers[0]] += shared.nbytes
+        for layer, (trainable, held) in enumerate(zip(trainable_at, frozen_at)):
+            own = self.layers[layer].param_bytes - frozen[layer]
+            if trainable > own or held > frozen[layer]:
+                kind, counted, limit = ("trainable", trainable, own) if trainable > own else ("frozen", held,
+                                                                                             frozen[layer])
+                raise ValueError(f"shared_params count {counted} {kind} bytes first used by layer {layer} "
+                                 f"({self.layers[layer].name}), which holds {limit}: a shared parameter is counted "
+                                 "once, in its first layer's param_bytes")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

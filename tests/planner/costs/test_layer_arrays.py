@@ -157,3 +157,13 @@ def test_the_note_says_how_the_times_were_taken(size: int, note: str) -> None:
     assert batch_scaling_note(_two_layers(), size) == note
     one = dataclasses.replace(_two_layers(), size_times=())
     assert batch_scaling_note(one, size) == f"times scaled linearly from the profiled batch of 8 to {size}"
+
+
+def test_shared_bytes_beyond_their_first_layers_parameters_are_refused() -> None:
+    """Every stage's bytes subtract a shared parameter from its first layer's own (`unshared_param_bytes`): more
+    shared bytes than that layer holds would price some stages negative, so they are refused, naming the layer."""
+    params = np.array([0.0, 100.0, 150.0, 250.0])
+    arrays = LayerArrays(compute_s=np.zeros(4), param_bytes=params, cut_bytes=np.zeros(3), shared=((1, (2,), 50.0),))
+    assert list(np.diff(arrays.unshared_param_bytes())) == [100.0, 0.0, 100.0]
+    with pytest.raises(ValueError, match="layer 1 outweigh its parameter bytes by 10"):
+        LayerArrays(compute_s=np.zeros(4), param_bytes=params, cut_bytes=np.zeros(3), shared=((1, (2,), 60.0),))

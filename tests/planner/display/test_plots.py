@@ -174,7 +174,8 @@ def test_many_layers_get_at_most_forty_short_tick_labels(gpt: Profile) -> None:
     big = dataclasses.replace(gpt, layers=layers, workspace_bytes=(gpt.workspace_bytes[3],) * len(layers),
                               param_tensors=(gpt.param_tensors[3],) * len(layers),
                               deferred_bytes=(gpt.deferred_bytes[3],) * len(layers) if gpt.deferred_bytes else (),
-                              size_times=())  # (per-layer fields follow the layers; one batch size)
+                              size_times=(), shared_params=())  # (per-layer fields follow the layers; one batch
+    # size; no tied weights, which the copies of one layer do not hold)
     plan = partition(big, make_cluster(2), schedule="1f1b", microbatches=2)
     _, memory_ax = partition_figure(plan, big).axes
     labels = [label.get_text() for label in memory_ax.get_xticklabels()]

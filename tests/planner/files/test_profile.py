@@ -37,7 +37,7 @@ def _profile() -> Profile:
         model_name="toy", source="examples/toy.py", device="cpu", device_name="Some CPU", torch_version="2.13.0",
         dtype="float32", batch_size=8, threads=2, created="2026-11-20T10:00:00+00:00", layers=layers,
         step_ms=1.2345678901234567, peak_memory_bytes=123456789, peak_memory_method="live-tensors",
-        input_bytes=256, shared_params=(SharedParam(names=("a.weight", "b.weight"), nbytes=4096, layers=(0, 2)),),
+        input_bytes=256, shared_params=(SharedParam(names=("a.weight", "b.weight"), nbytes=4096, layers=(1, 2)),),
         settings={"warmup": 1, "iters": 2, "depth": None, "split_points": []},
     )
 
@@ -110,11 +110,12 @@ def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_p
 def test_frozen_parameters_and_forward_workspace_round_trip_and_are_left_out_where_there_are_none(
         tmp_path: Path) -> None:
     layers = _profile().num_layers
-    held = dataclasses.replace(_profile(), frozen_param_bytes=(3,) * layers, forward_workspace_bytes=(5,) * layers,
-                               shared_params=(SharedParam(names=("a", "b"), nbytes=3, layers=(0, 1), frozen=True),))
+    held = dataclasses.replace(_profile(), frozen_param_bytes=(0,) + (3,) * (layers - 1),
+                               forward_workspace_bytes=(5,) * layers,
+                               shared_params=(SharedParam(names=("a", "b"), nbytes=3, layers=(1, 2), frozen=True),))
     path = held.save(tmp_path / "frozen.json")
     assert load_profile(path) == held and json.loads(path.read_text())["shared_params"][0]["frozen"] is True
-    assert held.trainable_param_bytes == held.total_param_bytes - 3 * layers
+    assert held.trainable_param_bytes == held.total_param_bytes - 3 * (layers - 1)
     plain = _profile().to_dict()
     assert "frozen_param_bytes" not in plain and "forward_workspace_bytes" not in plain
     assert all("frozen" not in shared for shared in plain["shared_params"])  # the digest of before
@@ -320,3 +321,27 @@ def test_saving_over_a_file_replaces_it_whole(tmp_path: Path) -> None:
 def test_a_new_file_is_readable_by_others(tmp_path: Path) -> None:
     path = _profile().save(tmp_path / "p.json")
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("shared, frozen, fragment", [
+    (SharedParam(("a", "b"), 8192, (1, 2)), (), "count 8192 trainable bytes first used by layer 1 (h.1), which "
+                                                "holds 4096"),
+    (SharedParam(("a", "b"), 4096, (1, 2), frozen=True), (0, 1024, 0), "count 4096 frozen bytes first used by "
+                                                                       "layer 1 (h.1), which holds 1024"),
+    (SharedParam(("a", "b"), 4096, (2, 1)), (), "shared_params[0].layers [2, 1] are not ascending"),
+    (SharedParam(("a", "b"), 4096, (1, 3)), (), "shared_params[0].layers [1, 3] are not ascending, distinct layer "
+                                                "indices in 0..2"),
+    (SharedParam(("a", "b"), -1, (1, 2)), (), "shared_params[0].nbytes -1 is negative"),
+    (SharedParam(("a", "b"), 1, (1, 2)), (0, 4097, 0), "frozen_param_bytes[1] 4097 is not within layer 1's "
+                                                       "param_bytes (4096)"),
+])
+def test_shared_parameters_that_do_not_fit_their_first_layer_are_refused_with_the_file(
+        tmp_path: Path, shared: SharedParam, frozen: tuple[int, ...], fragment: str) -> None:
+    """A shared parameter is counted once, in its first layer's parameter bytes: a file whose shared parameters
+    outweigh that layer's bytes (the planner would count negative bytes elsewhere) or name no layers in order is
+    refused with its name and what is wrong."""
+    body = {"format": PROFILE_FORMAT, "version": 3, "planner_version": "0.1.0", **_profile().to_dict(),
+            "shared_params": [dataclasses.asdict(shared)], "frozen_param_bytes": list(frozen)}
+    (tmp_path / "bad.json").write_text(json.dumps(body))
+    with pytest.raises(FileFormatError, match=r"bad\.json: .*" + re.escape(fragment)):
+        load_profile(tmp_path / "bad.json")

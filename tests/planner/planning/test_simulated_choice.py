@@ -113,18 +113,19 @@ def test_a_capped_search_keeps_the_best_seed() -> None:
 
 
 def test_a_tie_within_tie_goes_to_the_fewest_devices() -> None:
-    """Pipedream on 2 nodes of 3: the dynamic program's plan on 6 devices and one on 4 simulate 1 ulp apart (the
-    4-device one slower); the choice is the 4-device one, as the tie rule says."""
-    arrays = LayerArrays(compute_s=np.array([0.0, 0.0, 0.0, 0.0, 0.1, 0.2]),
-                         param_bytes=np.array([0.0, 0.0, 0.0, 0.0, 1e6, 2.01e8]), cut_bytes=np.zeros(5),
-                         saved_bytes=np.array([0.0, 0.0, 0.0, 4e8, 8e8, 1.2e9]), shared=((0, (4,), 1e8),),
-                         workspace_bytes=np.array([0.0, 0.0, 4e8, 0.0, 0.0]))
-    inputs = CostInputs(arrays, make_cluster(6, 3, [1e9, 1e9]), "pipedream", 1, memory_bytes=2e9,
-                        step_s_per_byte=2.5e-10)
+    """1f1b on 2 nodes of 3: the dynamic program's plan on 6 devices and one on 3 simulate 1 ulp apart (the
+    3-device one slower); the choice is the 3-device one, as the tie rule says."""
+    def prefix(values: list[float]) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(values)])  # 0.2 + 0.2 + 0.2 is 0.6000000000000001: the ulp
+
+    arrays = LayerArrays(compute_s=prefix([0.0, 0.2, 0.2, 0.2]), param_bytes=prefix([1e8, 0.0, 2e8, 2e8]),
+                         cut_bytes=np.zeros(4), saved_bytes=prefix([0.0, 4e8, 0.0, 0.0]))
+    inputs = CostInputs(arrays, make_cluster(6, 3, [1e9, 1e9]), "1f1b", 4, memory_bytes=2e9, step_s_per_byte=2.5e-10)
     seed = optimize(inputs, False, False)
     choice = best_simulated(inputs, [list(seed.stages)], False, False, math.inf, math.inf)
-    assert sum(stage.replicas for stage in seed.stages) == 6 and sum(stage.replicas for stage in choice.stages) == 4
-    assert choice.simulated_s == pytest.approx(simulated_s(inputs, list(seed.stages)), rel=TIE, abs=0.0)
+    seed_s = simulated_s(inputs, list(seed.stages))
+    assert sum(stage.replicas for stage in seed.stages) == 6 and sum(stage.replicas for stage in choice.stages) == 3
+    assert seed_s < simulated_s(inputs, list(choice.stages)) == pytest.approx(seed_s, rel=TIE, abs=0.0)
 
 
 @pytest.mark.slow
