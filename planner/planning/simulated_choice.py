@@ -17,14 +17,17 @@ back to it (the later stages' t and twice their input messages), so that a loop 
 
     flush:     LB(s) = F + max(n t + (n - 1) acc + max(ar + opt, B), n c_in + B, n c_out + B)
                LB(s) = F + B + 2 c_in + ceil(n / k) L
+               LB(s) = F + c_in + f + D + n (t - f) + (n - k) f + (n - 1) acc + max(ar + opt, c_in + B)
     pipedream: LB(s) = max(t + opt, L / k) / r
 
 (flush: the busiest replica cannot start before its first microbatch's forward through the layers
 before it, runs n forwards and backwards, or sends n messages on one channel, and after that either
 all-reduces and steps or waits for the backwards before it; a replica starts microbatch q + k only after
-the backward of q, so its microbatches form chains of ceil(n / k) loops; pipedream: the steady state of
-a replica's compute, and of its k microbatches in flight, each needing a loop.) A flush plan also
-takes at least one microbatch's round trip T = sum_s t(s) + 2 sum of the boundary transfers.
+the backward of q, so its microbatches form chains of ceil(n / k) loops; it runs k forwards before its
+first backward, which waits for its first microbatch's way down and back (f + D), and all its other ops
+after that; pipedream: the steady state of a replica's compute, and of its k microbatches in flight, each
+needing a loop.) A flush plan also takes at least one microbatch's round trip T = sum_s t(s) + 2 sum of
+the boundary transfers.
 
 Straight plans (one device per stage; m microbatches) add flow-shop bounds (`_path_bound`):
 gpipe T + (m - 1)(max_s f_s + max_s b_s + acc), 1f1b T + (m - 1)(b_s + acc) + (m - k_s) f_s per stage,
@@ -32,7 +35,10 @@ and for the layers before a partial plan, T + (m - 1) h with h the least bottlen
 onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program), and for 1f1b and zb-h1
 T + the least over such splits of the largest max((m - 1) b_s + (m - k_s) f_s, (m - 1) c_in), k_s known from each rank
 (`_StageBounds._prefix_path`: PipeDream's densenet121 straight on 4 GPUs, 1f1b, at most x1.149 -> x1.079
-from the best).
+from the best), and for zb-h1 the least over such splits of the largest third flush bound above of one of their
+stages, which depends on the stage and its rank alone once the messages are left out (`_prefix_waited`:
+with equal F = B = W per stage and m >= p it is the schedule's m (F + B + W) + (p - 1) (F + B - W), the first stage's;
+the zb-h1 plans of `benchmarks/model_agreement.py` proven within 2% went from 50 to 55 of 108 with it).
 
 A partial plan's bound is the largest of its stages' (and of these for the layers before it, whose
 stages are not chosen yet: their sums spread over the devices left, their largest layer): adding
@@ -221,6 +227,7 @@ class _StageBounds:
         # bottleneck table's value (so with it the other adds nothing, and costs as much to build)
         path = straight and inputs.schedule in ("1f1b", "zb-h1") and inputs.microbatches > 1
         self.path_table = self._build_path_table() if path else None
+        self.waited_table = self._build_waited_table() if path and self.split else None
         self.prefix_table = self._build_prefix_table() if straight and not path else None
 
     def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
@@ -284,7 +291,12 @@ class _StageBounds:
                     # the chain's last B, then (side by side) its W here and the trip back through the stages before
                     chain = (self.fwd_before[starts] + comm_in + -(-turns // int(flights)) * loop
                              + np.maximum(weight, comm_in + self.bwd_before[starts]))
-                    child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain,
+                    # the busiest replica's first B waits for its first microbatch's way down and back; all its B's
+                    # and W's, its other forwards and accumulations come after it, then what follows its last op
+                    waited = (self.fwd_before[starts] + comm_in + fwd + trip + turns * (compute - fwd)
+                              + (turns - 1) * accumulate + max(turns - int(flights), 0) * fwd
+                              + (after if self.split else np.maximum(allreduce + step, comm_in + before_bwd)))
+                    child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain, waited,
                                                      child_trip + self.compute_before[starts]])
                 left = devices - downstream - replicas  # for the layers before the stage
                 prefix = self._prefix_peaks(starts, left)
@@ -302,7 +314,7 @@ class _StageBounds:
                     else:
                         child_bound = np.maximum.reduce([
                             child_bound, round_trip + _times(inputs.microbatches - 1, turns),
-                            round_trip + self._prefix_path(first, starts),
+                            round_trip + self._prefix_path(first, starts), self._prefix_waited(first, starts),
                             -(-inputs.microbatches // most) * round_trip,
                             self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd,
                                              prefix, left + downstream + replicas)])
@@ -372,6 +384,44 @@ class _StageBounds:
         if self.path_table is None:
             return np.zeros(len(starts))
         return self.path_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
+
+    def _prefix_waited(self, first: int, starts: np.ndarray) -> np.ndarray:
+        """zb-h1, straight: a lower bound on the iteration from the stages the layers [0, start) are split into on the
+        ranks before `first`: the least over such splits of the largest bound `waited` of the children's of one of
+        their stages (`_build_waited_table`); 0 without a table."""
+        if self.waited_table is None:
+            return np.zeros(len(starts))
+        return self.waited_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
+
+    def _build_waited_table(self) -> np.ndarray | None:
+        """The table of `_prefix_waited`: row r, column j for layers [0, j) on the ranks before r; None when the table
+        would pass PREFIX_TABLE_CELLS. A stage [i, j) on rank r runs its first B only once its first microbatch has
+        gone down and back, at F_before(i) + f + down(j) or later (down(j): every layer from j on forward and B, the
+        messages left out), then every B and W of its m microbatches and its m - k_r other forwards:
+
+            F_before(i) + (1 + m - k_r) f + m (b + w) + down(j),   k_r = min(m, D - r)
+
+        with the layers' lesser ways back (`work_before`: a first stage's backward runs whole), seconds."""
+        inputs, layers, m = self.inputs, self.inputs.arrays.num_layers, self.inputs.microbatches
+        devices = inputs.cluster.num_devices
+        if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
+            return None
+
+        def span(before: np.ndarray) -> np.ndarray:
+            return (before[None, :] - before[:, None])[:layers]  # [i, j]: layers [i, j)
+
+        forwards = span(self.fwd_before)
+        backwards = span(self.work_before) - forwards  # B and W
+        reached = self.fwd_before[:layers, None] + (self.compute_before[-1] - self.compute_before)[None, :]
+        empty = np.tril(np.ones((layers + 1, layers + 1), dtype=bool))[:layers]  # j <= i: no layer
+
+        def cost(rank: int, message: np.ndarray) -> np.ndarray:
+            waiting = m - int(in_flight("1f1b", m, 1, devices - rank))  # forwards after the first B
+            found = reached + (1 + waiting) * forwards + m * backwards
+            found[empty | np.isinf(message)[:, None]] = np.inf  # (rank 0 holds only a stage from layer 0)
+            return found
+
+        return self._min_max_table(cost)
 
     def _build_path_table(self) -> np.ndarray | None:
         """The table of `_prefix_path`: row r, column j for layers [0, j) on the ranks before r; None when the table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
 from planner.files.cluster import Cluster, make_cluster
 from planner.planning.optimizer import optimize, recompute_options
-from planner.planning.simulated_choice import best_simulated, simulated_s
+from planner.planning.simulated_choice import _StageBounds, best_simulated, simulated_s
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES
 from tests.planner.layer_strategies import layer_arrays
 from tests.planner.planning.test_optimizer import clusters, every_plan
@@ -142,3 +143,37 @@ def test_straight_prefix_path_bounds_hold(arrays: LayerArrays, cluster: Cluster,
     best, _ = brute_force(inputs, True, False)
     capped = best_simulated(inputs, [list(seed.stages)], True, False, *caps)
     assert capped.lower_bound_s <= best * (1 + TIE) + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays=layer_arrays(), devices=st.integers(1, 4), microbatches=st.integers(2, 8))  # (one: no table)
+def test_the_zero_bubble_prefix_table_is_its_formula_at_the_best_split(arrays: LayerArrays, devices: int,
+                                                                          microbatches: int) -> None:
+    # `_prefix_waited` against every split of the layers [0, j) into straight stages on the ranks before r (the
+    # last stage on rank r - 1): the least over them of the largest F_before(i) + (1 + m - k_q) f + m (b + w) +
+    # down(j') of a stage [i, j') on rank q, k_q = min(m, D - q), down(j') every later layer's forward and B
+    arrays = dataclasses.replace(arrays, split_backward_ratio=1.0, split_applied=1.0)  # (a first stage's way back
+    # is then every other stage's: the lesser of the two that the table takes is the one above)
+    inputs = CostInputs(arrays, make_cluster(devices), "zb-h1", microbatches)
+    bounds = _StageBounds(inputs, straight=True, allow_recompute=False)
+    fwd, work, weight = arrays.fwd_s, arrays.compute_s, arrays.weight_s
+    trip_back = work - weight  # forward and B
+    layers, m = arrays.num_layers, microbatches
+
+    def stage_s(i: int, j: int, rank: int) -> float:
+        f = fwd[j] - fwd[i]
+        return fwd[i] + (1 + m - min(m, devices - rank)) * f + m * (work[j] - work[i] - f) + trip_back[-1] - trip_back[j]
+
+    def best_split(j: int, ranks: int) -> float:  # stages on ranks [first, ranks), the last on ranks - 1
+        found = math.inf
+        for count in range(1, min(ranks, j) + 1):
+            for cuts in itertools.combinations(range(1, j), count - 1):
+                edges = (0, *cuts, j)
+                found = min(found, max(stage_s(edges[t], edges[t + 1], ranks - count + t) for t in range(count)))
+        return found
+
+    for first in range(1, devices + 1):
+        for j in range(1, layers + 1):
+            expected = best_split(j, first)
+            got = float(bounds._prefix_waited(first, np.array([j]))[0])
+            assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
