@@ -30,14 +30,16 @@ PROBES = 6  # bounds tried just above `low` before the bisection: up to 3.2% abo
 
 
 def smallest_bound(
-    solve: Callable[[float], Plan | None], value: Callable[[Plan], float], best: Plan, low: float
+    solve: Callable[[float], Plan | None], value: Callable[[Plan], float], best: Plan, low: float,
+    probes: int = PROBES,
 ) -> tuple[Plan, float]:
     """The plan of least `value` among those `solve(bound)` can return, and that value.
 
     `solve(bound)` returns a plan whose value is at most `bound`, or None when none exists, and
     must be monotone (a larger bound never loses a plan); `best` is any plan, `low` a bound no
-    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, ..., PROBES - 1, are tried first (optima
-    often lie just above such a bound); then the bound is bisected to a relative width of 1e-3, at the
+    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, ..., `probes` - 1, are tried first (optima
+    often lie just above such a bound: fewer probes where the caller knows better); then the bound is bisected to a
+    relative width of 1e-3, at the
     geometric mean of the interval's ends when low > 0 (a memory limit can put the optimum two orders
     of magnitude above the best plan without it: nasnetalarge on 8 GPUs under 1f1b at 8 GB, 0.406 s against
     0.00215; doubling the probes' step until one found a plan took 19 solves, 23 in all against 15 now),
@@ -51,7 +53,7 @@ def smallest_bound(
     best_value = value(best)
     high = best_value
     base, step = low, 1e-3
-    for _ in range(PROBES):
+    for _ in range(probes):
         probe = base * (1.0 + step)
         if not 0 < probe < high:
             break

@@ -23,11 +23,11 @@ class _Plans:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=30), st.floats(0.0, 1.0))
-def test_the_least_value_is_found(values: list[float], low_share: float) -> None:
+@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=30), st.floats(0.0, 1.0), st.integers(0, 8))
+def test_the_least_value_is_found(values: list[float], low_share: float, probes: int) -> None:
     plans = _Plans(values)
     low = low_share * min(values) * (1.0 - 1e-6)  # a bound no plan beats
-    plan, value = smallest_bound(plans.solve, lambda found: found, max(values), low)
+    plan, value = smallest_bound(plans.solve, lambda found: found, max(values), low, probes)
     assert plan == value and value <= min(values) * (1.0 + TIE)
 
 
@@ -50,3 +50,9 @@ def test_an_optimum_far_above_the_lower_bound_costs_a_logarithmic_bisection() ->
     plan, _ = smallest_bound(plans.solve, lambda found: found, 0.566354, 0.00215441)
     assert plan == 0.405727
     assert plans.calls == 15
+    # without the probes (the optimizer's choice where the limit binds, so that the optimum lies above the bound):
+    # the bisection alone, 9 solves
+    plans = _Plans(plans.values)
+    plan, _ = smallest_bound(plans.solve, lambda found: found, 0.566354, 0.00215441, probes=0)
+    assert plan == 0.405727
+    assert plans.calls == 9

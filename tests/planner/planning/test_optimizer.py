@@ -204,10 +204,35 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
     lows: list[float] = []
     search = optimizer_module.smallest_bound
     monkeypatch.setattr(optimizer_module, "smallest_bound",
-                        lambda solve, value, best, low: lows.append(low) or search(solve, value, best, low))
+                        lambda solve, value, best, low, *probes: lows.append(low) or search(solve, value, best, low,
+                                                                                          *probes))
     solution = optimize(limited, straight=True)
     assert lows and all(low <= max(cost.bound_s for cost in stage_costs(limited, two)) for low in lows)
     assert solution.objective_s == pytest.approx(objective_s(limited, two), rel=1e-9)
+
+
+def test_a_binding_memory_limit_bisects_without_probing_just_above_the_unlimited_optimum(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 layers of 1 s and 1 GB each on 2 devices, one microbatch: without a limit one stage is best. Where it fits the limit the
+    bisection's first probe finds it (one probe); where it does not, the optimum lies above it and probes just above
+    it would all fail, so the bisection starts at once (no probe); the optimum is the same either way."""
+    arrays = LayerArrays(compute_s=np.array([0.0, 1.0, 2.0]), param_bytes=np.array([0.0, 1e9, 2e9]),
+                         cut_bytes=np.zeros(2), saved_bytes=np.zeros(3), fwd_s=np.array([0.0, 0.3, 0.6]))
+    inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "1f1b", 1)
+    one, two = [Stage(0, 2, 1, False)], [Stage(0, 1, 1, False), Stage(1, 2, 1, False)]
+    assert list(optimize(inputs, straight=True).stages) == one
+    between = max(cost.memory_bytes for cost in stage_costs(inputs, two)) + 1.0  # two stages fit, one does not
+    probes: list[int] = []
+    search = optimizer_module.smallest_bound
+    monkeypatch.setattr(optimizer_module, "smallest_bound",
+                        lambda solve, value, best, low, count: probes.append(count) or search(solve, value, best,
+                                                                                               low, count))
+    for memory, plan, count in ((1e15, one, 1), (between, two, 0)):
+        limited = replace(inputs, memory_bytes=memory)
+        assert plan_fits(limited, plan) and (plan == one or not plan_fits(limited, one))
+        probes.clear()
+        assert list(optimize(limited, straight=True).stages) == plan
+        assert probes[-1] == count
 
 
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
