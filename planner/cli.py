@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import typer
 
@@ -62,6 +62,15 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
+def _stderr_progress(*columns: Any) -> Any:
+    """A rich Progress on stderr after `columns` with the time elapsed, gone when done; none for a pipe or a file."""
+    from rich.console import Console
+    from rich.progress import Progress, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    return Progress(*columns, TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+
+
 def _print_profile(profile: Profile, path: Path | None) -> None:
     from planner.display.tables import profile_table
 
@@ -104,8 +113,7 @@ def profile(
     """Measure every layer of MODEL_FILE: times, cut bytes, parameter and activation memory."""
 
     def action() -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, TextColumn
 
         from planner.profiling.model_file import load_model_file
         from planner.profiling.profiler import ProfileSettings, parse_batch_sizes, profile_model
@@ -118,12 +126,8 @@ def profile(
         )
         settings.check()  # option mistakes are reported before the model file is imported
         model_file_ = load_model_file(model_file)
-        progress_console = Console(stderr=True)
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), console=progress_console, transient=True,
-            disable=not progress_console.is_terminal,  # a pipe or file gets no progress lines
-        ) as progress:
+        with _stderr_progress(TextColumn("{task.description}"), BarColumn(),
+                              TextColumn("{task.completed}/{task.total}")) as progress:
             task = progress.add_task(f"profiling {model_file_.name}", total=None)
 
             def report(phase: str, done: int, total: int) -> None:
@@ -215,6 +219,8 @@ def partition_command(
     """Choose stage boundaries and per-stage replication for PROFILE on a cluster; write the plan."""
 
     def action() -> None:
+        from rich.progress import SpinnerColumn, TextColumn
+
         from planner.display.tables import comparison_table, plan_table
         from planner.files.cluster import assumed_links, load_cluster, make_cluster
         from planner.files.profile import load_profile
@@ -239,11 +245,17 @@ def partition_command(
         if count != "auto" and not count.isdigit():
             raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")
         profile = load_profile(profile_file)
-        plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
-                         profile_path=profile_file, schedule=schedule,
-                         microbatches="auto" if count == "auto" else int(count),
-                         microbatch_size=microbatch_size, recompute=not no_recompute,
-                         global_batch_size=global_batch_size)
+        with _stderr_progress(SpinnerColumn(), TextColumn("{task.description}")) as progress:
+            task = progress.add_task(f"planning {profile.model_name}", total=None)
+
+            def report(step: str) -> None:
+                progress.update(task, description=f"planning {profile.model_name}: {step}")
+
+            plan = partition(profile, cluster, cost_model=cost_model, straight=straight, optimizer=optimizer,
+                             profile_path=profile_file, schedule=schedule,
+                             microbatches="auto" if count == "auto" else int(count),
+                             microbatch_size=microbatch_size, recompute=not no_recompute,
+                             global_batch_size=global_batch_size, progress=report)
         if cluster_file is None:
             assumed = assumed_links(cluster, bandwidth is not None, latency is not None)
             plan = plan.with_notes(assumed) if assumed else plan

@@ -59,6 +59,7 @@ def partition(
     profile: Profile, cluster: Cluster, cost_model: str = "planner", straight: bool = False,
     optimizer: str = "adam", profile_path: str = "", schedule: str = AUTO, microbatches: int | str = AUTO,
     microbatch_size: int | None = None, recompute: bool = True, global_batch_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The best plan for `profile` on `cluster` under `cost_model` (see `schedule_cost`, `pipedream_optimizer`).
 
@@ -77,6 +78,9 @@ def partition(
     from the profiled batch, or interpolated between its measured sizes: `LayerArrays.at_batch_size`); a fixed
     count or size fixes the other. Without it the microbatch size is
     `microbatch_size` (default: the profiled batch) and the plan's global batch is what it implies.
+
+    `progress(what)` is told each step of the search as it starts (a schedule at a microbatch count, its final
+    choice simulating plans, a local search), for a status line: a memory-limited search can take many seconds.
     """
     if cost_model not in COST_MODELS:
         raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
@@ -105,7 +109,8 @@ def partition(
         schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
     chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
                      microbatches == AUTO and global_batch_size is None,
-                     (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None)
+                     (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
+                     progress or (lambda what: None))
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
@@ -175,12 +180,12 @@ class _Candidate:
 def _choose(
     base: CostInputs, schedules: tuple[str, ...], counts: tuple[int, ...], straight: bool, recompute: bool,
     size_of: Callable[[int], int], profiled: int, auto_counts: bool = False,
-    arrays_at: Callable[[int], LayerArrays] | None = None,
+    arrays_at: Callable[[int], LayerArrays] | None = None, progress: Callable[[str], None] = lambda what: None,
 ) -> _Candidate:
     """The fastest (schedule, microbatch count among `counts`, `size_of(count)` samples each, the profile's
     times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits. `arrays_at(size)`:
     the layers' arrays whose times, so scaled, are those at `size` (`LayerArrays.at_batch_size`: a profile of
-    several batch sizes); None: `base.arrays` at every size."""
+    several batch sizes); None: `base.arrays` at every size. `progress` as `partition`'s."""
     results: list[_Candidate] = []
     failures: list[InfeasiblePlanError] = []
     solved: dict[tuple[str, int], _Candidate | None] = {}
@@ -196,6 +201,7 @@ def _choose(
     def run(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
         if key not in solved:
+            progress(f"{schedule}, {_microbatches_text(count)}")
             inputs = inputs_for(schedule, count)
             twin = solved.get(("1f1b", count)) if schedule in ("gpipe", "zb-h1") else None
             # without a memory limit gpipe and 1f1b have the same objective and the same best plan; zb-h1 starts
@@ -218,6 +224,7 @@ def _choose(
     def run_chunked(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
         if key not in solved:
+            progress(f"{schedule}, {_microbatches_text(count)}")
             solved[key] = _chunked_candidate(inputs_for(schedule, count), size_of(count))
         return solved[key]
 
@@ -244,6 +251,7 @@ def _choose(
                 counts, lambda count: run(schedule, count),
                 lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
         if found is not None:
+            progress(f"{schedule}, {_microbatches_text(found.inputs.microbatches)}: simulating")
             results.append(_final_choice(found, straight, recompute))
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
@@ -251,10 +259,16 @@ def _choose(
                       key=lambda index: -results[index].samples_per_s)
     for index in unproven:
         if results[index].samples_per_s * REFINE_GAIN_CAP >= max(result.samples_per_s for result in results):
+            progress(f"{results[index].inputs.schedule}: local search")
             results[index] = _refined(results[index], straight, recompute)
     best = max(result.samples_per_s for result in results)
     fastest = [result for result in results if result.samples_per_s >= best * (1.0 - 1e-9)]
     return min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
+
+
+def _microbatches_text(count: int) -> str:
+    """"1 microbatch", "8 microbatches": for progress lines."""
+    return f"{count} microbatch{'' if count == 1 else 'es'}"
 
 
 def _refined(found: _Candidate, straight: bool, recompute: bool) -> _Candidate:

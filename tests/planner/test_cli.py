@@ -461,6 +461,7 @@ def make_plan(tmp_path: Path, profile_path: Path, *options: str) -> Path:
     result = invoke("partition", profile_path, "--gpus", "4", "--gpus-per-node", "2",
                     "--bandwidth", "50GB/s,5GB/s", *options, "--out", out)
     assert result.exit_code == 0, result.output
+    assert "planning" not in result.output  # the status line is for a terminal: a pipe or a file gets none
     return out
 
 

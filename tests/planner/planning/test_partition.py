@@ -510,3 +510,20 @@ def test_a_zero_bubble_plan_of_a_profile_without_the_split_backward_says_how_it_
     measured = partition(dataclasses.replace(mlp, split_backward_ratio=1.1), make_cluster(2, None, ["10GB/s"]),
                          schedule="zb-h1", straight=True, microbatches=4)
     assert not any("priced as whole" in note for note in measured.notes)
+
+
+def test_progress_is_told_each_step_of_the_search_as_it_starts() -> None:
+    """A memory-limited search can take many seconds: `progress` hears each schedule at each microbatch count it
+    plans, each final choice and local search, in order, and changes nothing of the plan."""
+    gpt = load_profile(REPO / "profiles" / "gpt.json")
+    steps: list[str] = []
+    plan = partition(gpt, make_cluster(2), schedule="1f1b", microbatches=4, progress=steps.append)
+    assert steps == ["1f1b, 4 microbatches", "1f1b, 4 microbatches: simulating"]
+    assert plan == partition(gpt, make_cluster(2), schedule="1f1b", microbatches=4)
+    steps.clear()
+    partition(gpt, make_cluster(4, memory="1GB"), progress=steps.append)
+    planned = [step for step in steps if not step.endswith(("simulating", "local search"))]
+    assert {"1f1b, 4 microbatches", "gpipe, 4 microbatches", "zb-h1, 1 microbatch"} <= set(planned)
+    assert len(planned) == len(set(planned))  # each (schedule, count) planned once
+    assert all(steps.index(f"{name}, 4 microbatches") < steps.index(f"{name}, 4 microbatches: simulating")
+               for name in ("1f1b", "gpipe"))
