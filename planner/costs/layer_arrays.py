@@ -91,12 +91,13 @@ class LayerArrays:
             object.__setattr__(self, "deferred_bytes", np.zeros_like(self.compute_s))
         if self.frozen_bytes is None:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
-        if self.shared:
-            own = np.diff(self.unshared_param_bytes())
-            if (own < -1e-9 * max(1.0, float(self.param_bytes[-1]))).any():
+        for shared, prefix, what in ((self.shared, self.param_bytes, "param_bytes"),
+                                     (self.frozen_shared, self.frozen_bytes, "frozen_bytes")):
+            own = _own_bytes(prefix, shared)
+            if shared and (own < -1e-9 * max(1.0, float(prefix[-1]))).any():
                 layer = int(np.argmin(own))
-                raise ValueError(f"the shared parameters first used by layer {layer} outweigh its parameter bytes by "
-                                 f"{-own[layer]:.0f}: a shared parameter is counted in its first layer's param_bytes")
+                raise ValueError(f"the shared parameters first used by layer {layer} outweigh its {what} by "
+                                 f"{-own[layer]:.0f}: a shared parameter is counted in its first layer's {what}")
 
     @property
     def num_layers(self) -> int:
@@ -203,10 +204,7 @@ class LayerArrays:
     def unshared_param_bytes(self) -> np.ndarray:
         """`param_bytes` without the shared parameters (a prefix sum): a lower bound of every stage's
         weights and of what its replicas all-reduce."""
-        own = np.diff(self.param_bytes).copy()
-        for first, _, nbytes in self.shared:
-            own[first] -= nbytes
-        return np.concatenate([[0.0], np.cumsum(own)])
+        return np.concatenate([[0.0], np.cumsum(_own_bytes(self.param_bytes, self.shared))])
 
     def stage_tensor_count(self, start: int, stop: int) -> float:
         """Parameter tensors a stage [start, stop) holds, shared copies included (as `stage_weight_bytes`)."""
@@ -333,3 +331,11 @@ def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     offsets = np.concatenate([[0], np.cumsum(counts)])
     stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
     return starts, stops, offsets
+
+
+def _own_bytes(prefix: np.ndarray, shared: tuple[tuple[int, tuple[int, ...], float], ...]) -> np.ndarray:
+    """Each layer's bytes of a prefix sum less the shared parameters it is the first user of (counted there)."""
+    own = np.diff(prefix).copy()
+    for first, _, nbytes in shared:
+        own[first] -= nbytes
+    return own

@@ -18,6 +18,7 @@ back to it (the later stages' t and twice their input messages), so that a loop 
     flush:     LB(s) = F + max(n t + (n - 1) acc + max(ar + opt, B), n c_in + B, n c_out + B)
                LB(s) = F + B + 2 c_in + ceil(n / k) L
                LB(s) = F + c_in + f + D + n (t - f) + (n - k) f + (n - 1) acc + max(ar + opt, c_in + B)
+                       (zero-bubble: + ar + opt alone, its last op a W)
     pipedream: LB(s) = max(t + opt, L / k) / r
 
 (flush: the busiest replica cannot start before its first microbatch's forward through the layers
@@ -35,8 +36,10 @@ and for the layers before a partial plan, T + (m - 1) h with h the least bottlen
 onto the ranks left can have (`_StageBounds.prefix_turns`, a small dynamic program), and for 1f1b and zb-h1
 T + the least over such splits of the largest max((m - 1) b_s + (m - k_s) f_s, (m - 1) c_in), k_s known from each rank
 (`_StageBounds._prefix_path`: PipeDream's densenet121 straight on 4 GPUs, 1f1b, at most x1.149 -> x1.079
-from the best), and for zb-h1 the least over such splits of the largest third flush bound above of one of their
-stages, which depends on the stage and its rank alone once the messages are left out (`_prefix_waited`:
+from the best), and for zb-h1 the least over such splits of the largest of a weaker form of the third flush
+bound above for one of their stages, F + f + D' + m (t - f) + (m - k) f with D' the later layers' forwards and
+B's alone (no messages, accumulation, all-reduce or step), which depends on the stage and its rank alone
+(`_prefix_waited`:
 with equal F = B = W per stage and m >= p it is the schedule's m (F + B + W) + (p - 1) (F + B - W), the first stage's;
 the zb-h1 plans of `benchmarks/model_agreement.py` proven within 2% went from 50 to 55 of 108 with it).
 
@@ -308,7 +311,9 @@ class _StageBounds:
                 if self.straight:
                     turns = self.prefix_turns(first, starts)
                     round_trip = child_trip + self.compute_before[starts]
-                    most = min(left + downstream + replicas, inputs.microbatches)  # in flight at the first stage
+                    # in flight at the first stage (1f1b and zb-h1; gpipe's first stage runs all m before a backward)
+                    most = inputs.microbatches if inputs.schedule == "gpipe" else min(left + downstream + replicas,
+                                                                                      inputs.microbatches)
                     if inputs.schedule == "pipedream":
                         child_bound = np.maximum.reduce([child_bound, turns, round_trip / (left + downstream + replicas)])
                     else:
@@ -386,9 +391,10 @@ class _StageBounds:
         return self.path_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)
 
     def _prefix_waited(self, first: int, starts: np.ndarray) -> np.ndarray:
-        """zb-h1, straight: a lower bound on the iteration from the stages the layers [0, start) are split into on the
-        ranks before `first`: the least over such splits of the largest bound `waited` of the children's of one of
-        their stages (`_build_waited_table`); 0 without a table."""
+        """zb-h1, straight: a lower bound on the iteration from the layers [0, start) split into straight stages on
+        the ranks before `first`: the least over such splits of the largest of their stages' bounds of
+        `_build_waited_table` (the children's `waited` without messages, accumulation, all-reduce and step); 0
+        without a table."""
         if self.waited_table is None:
             return np.zeros(len(starts))
         return self.waited_table[first][starts] if first > 0 else np.where(starts > 0, np.inf, 0.0)

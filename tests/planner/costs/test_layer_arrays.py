@@ -165,5 +165,8 @@ def test_shared_bytes_beyond_their_first_layers_parameters_are_refused() -> None
     params = np.array([0.0, 100.0, 150.0, 250.0])
     arrays = LayerArrays(compute_s=np.zeros(4), param_bytes=params, cut_bytes=np.zeros(3), shared=((1, (2,), 50.0),))
     assert list(np.diff(arrays.unshared_param_bytes())) == [100.0, 0.0, 100.0]
-    with pytest.raises(ValueError, match="layer 1 outweigh its parameter bytes by 10"):
+    with pytest.raises(ValueError, match="layer 1 outweigh its param_bytes by 10"):
         LayerArrays(compute_s=np.zeros(4), param_bytes=params, cut_bytes=np.zeros(3), shared=((1, (2,), 60.0),))
+    with pytest.raises(ValueError, match="layer 1 outweigh its frozen_bytes by 10"):  # frozen ones alike
+        LayerArrays(compute_s=np.zeros(4), param_bytes=np.zeros(4), cut_bytes=np.zeros(3), frozen_bytes=params,
+                    frozen_shared=((1, (2,), 60.0),))

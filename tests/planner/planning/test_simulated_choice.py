@@ -177,3 +177,21 @@ def test_the_zero_bubble_prefix_table_is_its_formula_at_the_best_split(arrays: L
             expected = best_split(j, first)
             got = float(bounds._prefix_waited(first, np.array([j]))[0])
             assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_a_gpipe_first_stage_runs_every_forward_before_a_backward_so_no_chain_of_round_trips_bounds_it() -> None:
+    """A review fuzzer's case (5 layers, 2 devices, gpipe, 7 microbatches, straight): the straight bound
+    ceil(m / k) x the round trip, k the microbatches in flight at the first stage, holds for 1f1b (microbatch q + k
+    waits for q's backward) but not for gpipe, whose first stage holds all m. With k = 2 it bounded the best plan
+    at 0.877 s against its 0.768 simulated, so the search, seeded with a plan of 0.833, returned that plan as
+    proven."""
+    compute = [0.01, 0.1, 0.07280606497966906, 0.1, 0.03]
+    forward = [0.005, 0.04, 0.02426868832655635, 0.025, 0.012]
+    arrays = LayerArrays(compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
+                         param_bytes=np.concatenate([[0.0], np.cumsum([1e6, 0, 1e6, 0, 4e8])]),
+                         cut_bytes=np.array([0.0, 1e7, 1e7, 1e5, 0.0]), fwd_s=np.concatenate([[0.0], np.cumsum(forward)]))
+    inputs = CostInputs(arrays, make_cluster(2, None, ["25GB/s"], latencies=[0.03125]), "gpipe", 7, scale=0.5)
+    best, worse = [Stage(0, 3, 1, False), Stage(3, 5, 1, False)], [Stage(0, 2, 1, False), Stage(2, 5, 1, False)]
+    assert simulated_s(inputs, best) < simulated_s(inputs, worse)
+    choice = best_simulated(inputs, [worse], True, False, math.inf, math.inf)
+    assert choice.exhaustive and list(choice.stages) == best
