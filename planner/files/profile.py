@@ -265,9 +265,10 @@ class Profile:
             if trainable > own or held > frozen[layer]:
                 kind, counted, limit = ("trainable", trainable, own) if trainable > own else ("frozen", held,
                                                                                              frozen[layer])
+                field_name = "param_bytes" if kind == "trainable" else "frozen_param_bytes"
                 raise ValueError(f"shared_params count {counted} {kind} bytes first used by layer {layer} "
                                  f"({self.layers[layer].name}), which holds {limit}: a shared parameter is counted "
-                                 "once, in its first layer's param_bytes")
+                                 f"once, in its first layer's {field_name}")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

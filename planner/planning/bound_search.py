@@ -37,17 +37,16 @@ def smallest_bound(
 
     `solve(bound)` returns a plan whose value is at most `bound`, or None when none exists, and
     must be monotone (a larger bound never loses a plan); `best` is any plan, `low` a bound no
-    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, ..., `probes` - 1, are tried first (optima
-    often lie just above such a bound: fewer probes where the caller knows better); then the bound is bisected to a
-    relative width of 1e-3, at the geometric mean of the interval's ends when low > 0 (a memory limit can put the optimum two orders
-    of magnitude above the best plan without it: nasnetalarge on 8 GPUs under 1f1b at 8 GB, 0.406 s against
-    0.00215; doubling the probes' step until one found a plan took 19 solves, 23 in all against 15 now),
-    then set just below the best plan's own value until nothing is found: the last plan is
-    optimal to a relative TIE. Once the interval is narrower than NEAR, a plan found by bisection is
-    tested at once (the bound just below its value): where nothing is found it is optimal, and the
-    bisection's last steps, which would only have confirmed that (6 solves of 18 in a memory-limited
-    resnet50 plan), are saved; a better plan found so is tested in turn, up to NEAR_TESTS in a row,
-    then the bisection goes on.
+    plan beats. When low > 0, bounds low (1 + 1e-3 2^k), k = 0, ..., `probes` - 1, are tried first (optima often
+    lie just above such a bound: fewer probes where the caller knows better); then the bound is bisected to a
+    relative width of 1e-3, at the geometric mean of the interval's ends when low > 0 (a memory limit can put
+    the optimum two orders of magnitude above the best plan without it: nasnetalarge on 8 GPUs under 1f1b at 8
+    GB, 0.406 s against 0.00215; doubling the probes' step until one found a plan took 19 solves, 23 in all
+    against 15 now), then set just below the best plan's own value until nothing is found: the last plan is
+    optimal to a relative TIE. Once the interval is narrower than NEAR, a plan found by bisection is tested at
+    once (the bound just below its value): where nothing is found it is optimal, and the bisection's last steps,
+    which would only have confirmed that (6 solves of 18 in a memory-limited resnet50 plan), are saved; a better
+    plan found so is tested in turn, up to NEAR_TESTS in a row, then the bisection goes on.
     """
     best_value = value(best)
     high = best_value

@@ -39,9 +39,9 @@ T + the least over such splits of the largest max((m - 1) b_s + (m - k_s) f_s, (
 from the best), and for zb-h1 the least over such splits of the largest of a weaker form of the third flush
 bound above for one of their stages, F + f + D' + m (t - f) + (m - k) f with D' the later layers' forwards and
 B's alone (no messages, accumulation, all-reduce or step), which depends on the stage and its rank alone
-(`_prefix_waited`:
-with equal F = B = W per stage and m >= p it is the schedule's m (F + B + W) + (p - 1) (F + B - W), the first stage's;
-the zb-h1 plans of `benchmarks/model_agreement.py` proven within 2% went from 50 to 55 of 108 with it).
+(`_prefix_waited`: with equal F = B = W per stage and m >= p it is the schedule's m (F + B + W) + (p - 1)
+(F + B - W), the first stage's; the zb-h1 plans of `benchmarks/model_agreement.py` proven within 2% went from
+50 to 55 of 108 with it).
 
 A partial plan's bound is the largest of its stages' (and of these for the layers before it, whose
 stages are not chosen yet: their sums spread over the devices left, their largest layer): adding
@@ -319,7 +319,8 @@ class _StageBounds:
                     else:
                         child_bound = np.maximum.reduce([
                             child_bound, round_trip + _times(inputs.microbatches - 1, turns),
-                            round_trip + self._prefix_path(first, starts), self._prefix_waited(first, starts),
+                            round_trip + self._prefix_path(first, starts),
+                            self._prefix_waited(first, starts),
                             -(-inputs.microbatches // most) * round_trip,
                             self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd,
                                              prefix, left + downstream + replicas)])
