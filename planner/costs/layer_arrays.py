@@ -93,8 +93,8 @@ class LayerArrays:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
         for shared, prefix, what in ((self.shared, self.param_bytes, "param_bytes"),
                                      (self.frozen_shared, self.frozen_bytes, "frozen_bytes")):
-            own = _own_bytes(prefix, shared)
-            if shared and (own < -1e-9 * max(1.0, float(prefix[-1]))).any():
+            own = _own_bytes(prefix, shared) if shared else None
+            if own is not None and (own < -1e-9 * max(1.0, float(prefix[-1]))).any():
                 layer = int(np.argmin(own))
                 raise ValueError(f"the shared parameters first used by layer {layer} outweigh its {what} by "
                                  f"{-own[layer]:.0f}: a shared parameter is counted in its first layer's {what}")

@@ -260,15 +260,14 @@ class Profile:
             if shared.nbytes < 0:
                 raise ValueError(f"shared_params[{index}].nbytes {shared.nbytes} is negative")
             (frozen_at if shared.frozen else trainable_at)[shared.layers[0]] += shared.nbytes
-        for layer, (trainable, held) in enumerate(zip(trainable_at, frozen_at)):
-            own = self.layers[layer].param_bytes - frozen[layer]
-            if trainable > own or held > frozen[layer]:
-                kind, counted, limit = ("trainable", trainable, own) if trainable > own else ("frozen", held,
-                                                                                             frozen[layer])
-                field_name = "param_bytes" if kind == "trainable" else "frozen_param_bytes"
-                raise ValueError(f"shared_params count {counted} {kind} bytes first used by layer {layer} "
-                                 f"({self.layers[layer].name}), which holds {limit}: a shared parameter is counted "
-                                 f"once, in its first layer's {field_name}")
+        for layer, name in enumerate(layer.name for layer in self.layers):
+            for kind, counted, holds, field_name in (
+                    ("trainable", trainable_at[layer], self.layers[layer].param_bytes - frozen[layer], "param_bytes"),
+                    ("frozen", frozen_at[layer], frozen[layer], "frozen_param_bytes")):
+                if counted > holds:
+                    raise ValueError(f"shared_params count {counted} {kind} bytes first used by layer {layer} "
+                                     f"({name}), which holds {holds}: a shared parameter is counted once, in its "
+                                     f"first layer's {field_name}")
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

@@ -413,14 +413,10 @@ class _StageBounds:
         devices = inputs.cluster.num_devices
         if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
             return None
-
-        def span(before: np.ndarray) -> np.ndarray:
-            return (before[None, :] - before[:, None])[:layers]  # [i, j]: layers [i, j)
-
-        forwards = span(self.fwd_before)
-        backwards = span(self.work_before) - forwards  # B and W
+        forwards = _spans(self.fwd_before)
+        backwards = _spans(self.work_before) - forwards  # B and W
         reached = self.fwd_before[:layers, None] + (self.compute_before[-1] - self.compute_before)[None, :]
-        empty = np.tril(np.ones((layers + 1, layers + 1), dtype=bool))[:layers]  # j <= i: no layer
+        empty = _no_layer(forwards)
 
         def cost(rank: int, message: np.ndarray) -> np.ndarray:
             waiting = m - int(in_flight("1f1b", m, 1, devices - rank))  # forwards after the first B
@@ -439,8 +435,7 @@ class _StageBounds:
         if devices * (layers + 1) ** 2 > PREFIX_TABLE_CELLS:
             return None
         backwards = (m - 1) * self._busy_matrix()
-        forward = self.inputs.scale * inputs.arrays.fwd_s
-        forwards = (forward[None, :] - forward[:, None])[:layers]  # [i, j]: layers [i, j)
+        forwards = _spans(self.fwd_before)
 
         def cost(rank: int, message: np.ndarray) -> np.ndarray:
             waiting = m - int(in_flight("1f1b", m, 1, devices - rank))  # forwards after the first round trip
@@ -462,15 +457,14 @@ class _StageBounds:
         """u[i, j] of a straight stage [i, j) (i < layers; inf where j <= i): b for 1f1b, B alone for zb-h1 (whose
         W's may wait past the flow; a first stage's own B from `schedule_cost.first_terms`), f + b for gpipe and
         pipedream, seconds."""
-        inputs, layers = self.inputs, self.inputs.arrays.num_layers
+        inputs = self.inputs
         busy = inputs.scale * (inputs.arrays.compute_s - (inputs.arrays.fwd_s if inputs.schedule in ("1f1b", "zb-h1")
                                                           else 0.0))
-        busy = busy - self.weight
-        stage = busy[None, :] - busy[:, None]  # [i, j]: layers [i, j)
+        stage = _spans(busy - self.weight)
         if self.split:
             stage[0] = self.first_back
-        stage[np.tril_indices(layers + 1)] = np.inf
-        return stage[:layers]
+        stage[_no_layer(stage)] = np.inf
+        return stage
 
     def _min_max_table(self, stage_cost: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
         """Row r, column j: the least over splits of layers [0, j) into straight stages on ranks before r of the
@@ -492,6 +486,17 @@ class _StageBounds:
             table[rank + 1] = row
             previous = row
         return table
+
+
+def _spans(before: np.ndarray) -> np.ndarray:
+    """[i, j] = before[j] - before[i] for i < layers = len(before) - 1: the sums of every stage [i, j) of a prefix
+    sum (negative where j < i)."""
+    return (before[None, :] - before[:, None])[:-1]
+
+
+def _no_layer(spans: np.ndarray) -> np.ndarray:
+    """Where a matrix of `_spans` holds no stage: j <= i."""
+    return np.tril(np.ones(spans.shape, dtype=bool))
 
 
 def _times(count: int, values: np.ndarray) -> np.ndarray:
