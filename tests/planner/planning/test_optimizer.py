@@ -17,6 +17,7 @@ from planner.costs.layer_arrays import LayerArrays
 from planner.errors import InfeasiblePlanError
 from planner.costs.stage_sums import Pairs
 from planner.planning import optimizer as optimizer_module
+from planner.planning.bound_search import PROBES
 from planner.planning.optimizer import Solution, _Evaluator, _StageGrid, optimize, recompute_options
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
@@ -202,9 +203,10 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
                          workspace_bytes=np.zeros(2), param_tensors=np.zeros(3), weight_s=np.zeros(3),
                          deferred_bytes=np.zeros(3))
     inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "1f1b", 1, step_s_per_byte=1e-18)
-    two = [Stage(0, 1, 1, False), Stage(1, 2, 1, False)]
-    limited = replace(inputs, memory_bytes=1e15)
-    assert plan_fits(limited, two)
+    one, two = [Stage(0, 2, 1, False)], [Stage(0, 1, 1, False), Stage(1, 2, 1, False)]
+    assert list(optimize(inputs, straight=True).stages) == one
+    limited = replace(inputs, memory_bytes=max(cost.memory_bytes for cost in stage_costs(inputs, two)) + 1.0)
+    assert plan_fits(limited, two) and not plan_fits(limited, one)  # the limit binds: the search runs
     lows: list[float] = []
     search = optimizer_module.smallest_bound
     monkeypatch.setattr(optimizer_module, "smallest_bound",
@@ -217,9 +219,10 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
 
 def test_a_binding_memory_limit_bisects_without_probing_just_above_the_unlimited_optimum(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """2 layers of 1 s and 1 GB each on 2 devices, one microbatch: without a limit one stage is best. Where it fits the limit the
-    bisection's first probe finds it (one probe); where it does not, the optimum lies above it and probes just above
-    it would all fail, so the bisection starts at once (no probe); the optimum is the same either way."""
+    """2 layers of 1 s and 1 GB each on 2 devices, one microbatch: without a limit one stage is best. Where it fits the
+    limit it is the answer, with no memory-limited search (the bound search runs once, without the limit, with its
+    probes); where it does not, the optimum lies above it and probes just above it would all fail, so the
+    memory-limited bisection starts at once (no probe)."""
     arrays = LayerArrays(compute_s=np.array([0.0, 1.0, 2.0]), param_bytes=np.array([0.0, 1e9, 2e9]),
                          cut_bytes=np.zeros(2), saved_bytes=np.zeros(3), fwd_s=np.array([0.0, 0.3, 0.6]))
     inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "1f1b", 1)
@@ -231,12 +234,12 @@ def test_a_binding_memory_limit_bisects_without_probing_just_above_the_unlimited
     monkeypatch.setattr(optimizer_module, "smallest_bound",
                         lambda solve, value, best, low, count: probes.append(count) or search(solve, value, best,
                                                                                                low, count))
-    for memory, plan, count in ((1e15, one, 1), (between, two, 0)):
+    for memory, plan, counts in ((1e15, one, [PROBES]), (between, two, [PROBES, 0])):
         limited = replace(inputs, memory_bytes=memory)
         assert plan_fits(limited, plan) and (plan == one or not plan_fits(limited, one))
         probes.clear()
         assert list(optimize(limited, straight=True).stages) == plan
-        assert probes[-1] == count
+        assert probes == counts
 
 
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
