@@ -8,7 +8,7 @@ from rich import box
 from rich.table import Table
 
 from planner.planning.partition import BaselineResult
-from planner.profiling.conditions import oversubscribed
+from planner.profiling.conditions import oversubscribed, profile_load_warning
 from planner.files.plan import Plan
 from planner.files.profile import LayerProfile, Profile
 from planner.schedules.schedule import BACKWARD, FORWARD, WEIGHT
@@ -88,6 +88,9 @@ def profile_summary(profile: Profile) -> str:
         )
     if profile.batch_coupling is not None:
         lines += [f"note: {note}" for note in profile.batch_coupling.notes()]
+    loaded = profile_load_warning(profile.settings.get("conditions") or {})
+    if loaded:
+        lines.append(f"warning: {loaded}")
     crowded = oversubscribed(profile.settings.get("conditions") or {})
     if crowded:
         lines.append(f"note: measured while {crowded}: the times are a crowded machine's, and training with a core "

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "busy_cores", "busy_share", "busy_warning", "cores", "current_conditions",
-           "default_cpu_processes", "default_cpu_threads", "differences", "keep_freed_memory", "oversubscribed",
-           "steady_malloc", "worker_threads"]
+__all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "CpuReading", "busy_cores", "busy_cores_between", "busy_share",
+           "busy_warning", "cores", "cpu_reading", "current_conditions", "default_cpu_processes", "default_cpu_threads",
+           "differences", "keep_freed_memory", "oversubscribed", "profile_load_warning", "steady_malloc",
+           "worker_threads"]
 
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 # glibc's mallopt parameters for them (malloc.h), and the largest value mallopt takes (a C int): trimming
@@ -62,6 +65,75 @@ def _cpu_ticks(stat_path: str) -> tuple[int, int]:
     with open(stat_path, encoding="ascii") as handle:
         fields = [int(value) for value in handle.readline().split()[1:]]
     return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """Seconds at one moment: wall clock, CPU the whole machine has spent busy since boot (/proc/stat), and CPU
+    this process and its children alive now have spent (user + system, every thread; /proc/PID/stat)."""
+
+    wall_s: float
+    machine_busy_s: float
+    own_s: float
+
+
+def cpu_reading(proc: str = "/proc") -> CpuReading | None:
+    """The CpuReading of now; None where /proc cannot be read (not Linux)."""
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+    try:
+        busy_ticks, _ = _cpu_ticks(f"{proc}/stat")
+        me = os.getpid()
+        own_ticks = 0
+        for entry in os.scandir(proc):
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid, ticks = _process_ticks(f"{entry.path}/stat")
+            except (OSError, ValueError, IndexError):  # ended meanwhile
+                continue
+            if int(entry.name) == me or ppid == me:
+                own_ticks += ticks
+    except (OSError, ValueError, IndexError):
+        return None
+    return CpuReading(time.monotonic(), busy_ticks * tick_s, own_ticks * tick_s)
+
+
+def _process_ticks(stat_path: str) -> tuple[int, int]:
+    """(parent pid, user + system ticks) of a /proc/PID/stat file (fields 4, 14 and 15; the name in parentheses,
+    field 2, may hold spaces)."""
+    with open(stat_path, encoding="ascii", errors="replace") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def busy_cores_between(start: CpuReading, end: CpuReading) -> tuple[float, float]:
+    """(this process and its children, every other process): cores' worth of CPU each used between two readings,
+    CPU s / wall s (own; machine busy less own, at least 0); (0, 0) when no time passed."""
+    wall_s = end.wall_s - start.wall_s
+    if wall_s <= 0:
+        return 0.0, 0.0
+    own_s = end.own_s - start.own_s
+    return own_s / wall_s, max(0.0, (end.machine_busy_s - start.machine_busy_s - own_s) / wall_s)
+
+
+def profile_load_warning(conditions: Mapping[str, Any]) -> str | None:
+    """The sentence for a CPU profile measured while other processes used at least half a core
+    (`conditions["others_busy_cores"]`, with `own_busy_cores`: `busy_cores_between` over its timings), else None.
+    Its P processes of T threads each would keep P T cores busy on a quiet machine; where they got fewer (the
+    others took the rest), each of its threads ran P T / own of the time, so its times may read up to that
+    factor too long; where they got their cores, the others still share the caches and the memory bandwidth
+    (a profile taken beside two pytest workers on the 2-core machine predicted 1.28-1.35x the compute that
+    training on the quiet machine measured)."""
+    others, own = conditions.get("others_busy_cores"), conditions.get("own_busy_cores")
+    if others is None or others < 0.5:
+        return None
+    demand = (conditions.get("processes") or 1) * (conditions.get("threads") or 1)
+    factor = demand / own if own else math.inf
+    how_far = f"up to {factor:.2g}x" if factor >= 1.1 else "somewhat"
+    return (f"the profile was measured while other processes used {others:.1f} of its machine's "
+            f"{conditions.get('cores')} cores (its own {demand} thread{'s' if demand != 1 else ''} got {own:.1f}): "
+            f"its layers may read {how_far} slower than they run on a quiet machine, and plans made from it predict "
+            "that (profile again with the machine quiet)")
 
 
 def busy_warning(busy: float | None, machine_cores: int, processes: int, threads: int,
@@ -135,6 +207,9 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
                      f"machine, training runs {now}: processes on one CPU share its caches and memory bandwidth "
                      f"(5-8% longer steps with a second one on the 2-core test machine), so compute may take "
                      f"{'longer' if now > was else 'less'} than predicted (profile with --processes {now})")
+    loaded = profile_load_warning(profiled)
+    if loaded:
+        found.append(loaded)
     crowded = oversubscribed(training)
     if profiled and crowded:
         slower = training["processes"] * training["threads"] / training["cores"]

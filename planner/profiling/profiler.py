@@ -12,8 +12,8 @@ from torch import nn
 
 from planner.profiling.batch_coupling import find_batch_coupling
 from planner.profiling.companions import companions
-from planner.profiling.conditions import (current_conditions, default_cpu_processes, default_cpu_threads,
-                                          keep_freed_memory)
+from planner.profiling.conditions import (busy_cores_between, cpu_reading, current_conditions, default_cpu_processes,
+                                          default_cpu_threads, keep_freed_memory)
 from planner.profiling.optimizer_step import time_grad_accumulation, time_optimizer_steps
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
@@ -282,6 +282,7 @@ def _measure_checked(
     if processes > 1:
         report(f"starting {processes - 1} process{'es' if processes > 2 else ''} to train beside the profile", 0, 1)
         companions_ready()
+    start = cpu_reading() if device.type == "cpu" else None  # what other processes use while it times (a CPU profile)
     times, bwd_input_ms = _time_layers(model_file, step, layers, settings, device, report)
     input_iters = min(settings.iters, INPUT_GRADIENT_ITERS)
     # B + W against a plain backward (zero-bubble schedules' extra cost): as many pairs, or a quarter of --min-seconds
@@ -307,7 +308,12 @@ def _measure_checked(
     step.zero_grad()
     size_times = tuple(_size_times(model_file, model, layers, size, settings, device, dtype, report)
                        for size in sorted(settings.other_batch_sizes))
+    end = cpu_reading() if start is not None else None
     threads = torch.get_num_threads()
+    conditions = current_conditions(threads, processes if device.type == "cpu" else None)
+    if start is not None and end is not None:
+        own, others = busy_cores_between(start, end)
+        conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
     param_bytes, param_tensors, frozen, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
@@ -331,7 +337,7 @@ def _measure_checked(
             "depth": settings.depth,
             "split_points": list(settings.split_points), "loss": "loss_fn" if model_file.loss_fn else "default",
             "instrumented_ratio": times.instrumented_ratio,
-            "conditions": current_conditions(threads, processes if device.type == "cpu" else None),
+            "conditions": conditions,
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), forward_workspace_bytes=tuple(forward_workspace),

@@ -385,6 +385,22 @@ def test_a_profile_measured_on_more_threads_than_cores_says_so(tmp_path: Path) -
     assert "--processes x --threads at most the cores" in text
 
 
+def test_a_profile_measured_beside_other_processes_says_so(tmp_path: Path) -> None:
+    # a profile taken while two pytest workers ran beside it predicted 1.28-1.35x the compute training measured on
+    # the quiet machine, with nothing said
+    document = json.loads((REPO / "profiles" / "mlp.json").read_text())
+    document["settings"]["conditions"].update(processes=2, threads=1, cores=2, own_busy_cores=0.8,
+                                              others_busy_cores=1.2)
+    path = tmp_path / "loaded.json"
+    path.write_text(json.dumps(document))
+    inspected = invoke("inspect", path)
+    assert inspected.exit_code == 0, inspected.output
+    text = " ".join(inspected.stdout.split())  # the table's caption wraps
+    assert ("warning: the profile was measured while other processes used 1.2 of its machine's 2 cores (its own 2 "
+            "threads got 0.8): its layers may read up to 2.5x slower") in text
+    assert "profile again with the machine quiet" in text
+
+
 def test_profile_at_several_batch_sizes_writes_their_times(tmp_path: Path) -> None:
     path = write(tmp_path, TWO_PARTS, "two_parts.py")
     result = profile(tmp_path, path, "--batch-size", "2, 1", "--iters", "1", "--warmup", "0", "--min-seconds", "0",

@@ -14,7 +14,9 @@ import pytest
 from planner.profiling import conditions
 from planner.profiling.conditions import (
     STEADY_MALLOC,
+    CpuReading,
     busy_cores,
+    busy_cores_between,
     busy_share,
     busy_warning,
     current_conditions,
@@ -22,6 +24,7 @@ from planner.profiling.conditions import (
     default_cpu_threads,
     differences,
     oversubscribed,
+    profile_load_warning,
     worker_threads,
 )
 
@@ -98,6 +101,60 @@ def test_a_spinning_process_is_a_busy_core() -> None:
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_a_reading_counts_this_process_and_its_children_as_its_own(tmp_path: Path) -> None:
+    (tmp_path / "stat").write_text("cpu  300 0 100 600 0 0 0 0 0 0\n")
+    me = os.getpid()
+    for pid, name, parent, user, system in ((me, "python", 1, 40, 10), (me + 1, "a (b) c", me, 20, 5),
+                                            (me + 2, "other", 1, 70, 30)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) R {parent} 1 1 0 -1 0 0 0 0 0 {user} {system} 0 0\n")
+    (tmp_path / "self").mkdir()  # not a pid
+    reading = conditions.cpu_reading(str(tmp_path))
+    assert reading is not None
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+    assert reading.machine_busy_s == pytest.approx(400 * tick_s) and reading.own_s == pytest.approx(75 * tick_s)
+    assert conditions.cpu_reading(str(tmp_path / "absent")) is None
+
+
+def test_busy_cores_between_two_readings_split_own_and_others() -> None:
+    start, end = CpuReading(10.0, 100.0, 20.0), CpuReading(12.0, 103.6, 21.6)
+    assert busy_cores_between(start, end) == pytest.approx((0.8, 1.0))  # (1.6 s, 2.0 s) over 2 s
+    assert busy_cores_between(start, CpuReading(12.0, 101.0, 21.6)) == pytest.approx((0.8, 0.0))  # never below 0
+    assert busy_cores_between(start, start) == (0.0, 0.0)
+
+
+def test_a_spinning_child_is_its_own_and_a_spinning_grandchild_another_process() -> None:
+    spin = "import time\nend = time.time() + 5\nwhile time.time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    grandchild = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {spin!r}])"])
+    try:
+        time.sleep(0.5)  # started
+        start = conditions.cpu_reading()
+        time.sleep(0.6)
+        end = conditions.cpu_reading()
+        assert start is not None and end is not None
+        own, others = busy_cores_between(start, end)
+        assert own >= 0.3 and others >= 0.3  # a spinner gets a third of a core even beside two others on 2 cores
+    finally:
+        for process in (child, grandchild):
+            process.kill()
+            process.wait()
+
+
+def test_a_profile_measured_beside_other_processes_is_named_with_how_far_it_may_be_off() -> None:
+    quiet = {"threads": 1, "cores": 2, "processes": 2, "own_busy_cores": 1.9, "others_busy_cores": 0.4}
+    assert profile_load_warning(quiet) is None and profile_load_warning({}) is None
+    squeezed = profile_load_warning({**quiet, "own_busy_cores": 0.8, "others_busy_cores": 1.2})
+    assert squeezed == ("the profile was measured while other processes used 1.2 of its machine's 2 cores (its own 2 "
+                        "threads got 0.8): its layers may read up to 2.5x slower than they run on a quiet machine, and "
+                        "plans made from it predict that (profile again with the machine quiet)")
+    beside = profile_load_warning({**quiet, "cores": 4, "others_busy_cores": 1.5})  # its cores, the caches shared
+    assert beside is not None and "may read somewhat slower" in beside
+    # training repeats it (`planner train`, `planner compare`)
+    training = {"threads": 1, "cores": 2, "processes": 2}
+    assert differences({**quiet, "own_busy_cores": 0.8, "others_busy_cores": 1.2}, training) == [squeezed]
 
 
 def test_the_busy_warning_starts_at_half_a_core() -> None:

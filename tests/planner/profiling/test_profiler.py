@@ -54,6 +54,8 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert profile.batch_size == SETTINGS[name][0] and profile.device == "cpu" and profile.threads == 1
     conditions = profile.settings["conditions"]
     assert conditions["threads"] == 1 and conditions["cores"] >= 1 and "malloc" in conditions
+    # the CPU its own processes and the others used while it timed (Linux: /proc)
+    assert 0 < conditions["own_busy_cores"] <= conditions["cores"] and conditions["others_busy_cores"] >= 0
     assert set(profile.optimizer_step_ms) == {"sgd", "adam"} and all(ms > 0 for ms in profile.optimizer_step_ms.values())
     assert set(profile.optimizer_scratch_bytes) == {"sgd", "adam"}
     assert profile.optimizer_scratch_bytes["adam"] > 0  # Adam's step computes per-tensor intermediates
