@@ -54,6 +54,8 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2, profile_path=str(path))
     profiled = _plan_profile(plan).settings.get("conditions")
     assert profiled is not None and profiled["threads"] == 2
+    # as if measured on a quiet machine: the other pytest worker's load is its own warning (test_conditions.py)
+    profiled = {**profiled, "others_busy_cores": 0.0}
     _warn_differences(profiled, {**profiled, "threads": 1}, str(path))
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: the profile was measured with 2 threads per process")
