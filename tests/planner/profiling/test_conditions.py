@@ -126,19 +126,38 @@ def test_busy_cores_between_two_readings_split_own_and_others() -> None:
 
 
 def test_a_spinning_child_is_its_own_and_a_spinning_grandchild_another_process() -> None:
-    spin = "import time\nend = time.time() + 5\nwhile time.time() < end: pass"
+    """Each spinner's CPU between two readings (its /proc/PID/stat) lands where it belongs: the child's in this
+    process's own, the grandchild's (its parent is the middle process) in the others'. Checked against what each
+    got, not a share of a core: beside the other pytest worker's jobs a spinner got 0.296 of one."""
+    spin = "import time\nend = time.time() + 10\nwhile time.time() < end: pass"
     child = subprocess.Popen([sys.executable, "-c", spin])
-    grandchild = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {spin!r}])"])
+    middle = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                               f"subprocess.run([sys.executable, '-c', {spin!r}])"])
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def spent(pid: int) -> float:
+        return conditions._process_ticks(f"/proc/{pid}/stat")[1] * tick_s
+
+    def parent(pid: str) -> int:
+        try:
+            return conditions._process_ticks(f"/proc/{pid}/stat")[0]
+        except OSError:  # ended meanwhile
+            return -1
+
     try:
         time.sleep(0.5)  # started
-        start = conditions.cpu_reading()
-        time.sleep(0.6)
-        end = conditions.cpu_reading()
-        assert start is not None and end is not None
-        own, others = busy_cores_between(start, end)
-        assert own >= 0.3 and others >= 0.3  # a spinner gets a third of a core even beside two others on 2 cores
+        grandchild = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent(pid) == middle.pid)
+        before = (spent(child.pid), spent(grandchild), conditions.cpu_reading())
+        time.sleep(1.0)
+        after = (spent(child.pid), spent(grandchild), conditions.cpu_reading())
+        assert before[2] is not None and after[2] is not None
+        own, others = busy_cores_between(before[2], after[2])
+        wall_s = after[2].wall_s - before[2].wall_s
+        child_s, grandchild_s = after[0] - before[0], after[1] - before[1]
+        assert child_s > 0.05 and grandchild_s > 0.05  # both ran
+        assert own * wall_s >= child_s - 2 * tick_s and others * wall_s >= grandchild_s - 2 * tick_s
     finally:
-        for process in (child, grandchild):
+        for process in (child, middle):
             process.kill()
             process.wait()
 
