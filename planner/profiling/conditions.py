@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
 import os
 import sys
 import time
@@ -80,6 +79,7 @@ class CpuReading:
 def cpu_reading(proc: str = "/proc") -> CpuReading | None:
     """The CpuReading of now; None where /proc cannot be read (not Linux)."""
     tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+    wall_s = time.monotonic()  # with the machine's reading; the scan of the processes after it takes milliseconds
     try:
         busy_ticks, _ = _cpu_ticks(f"{proc}/stat")
         me = os.getpid()
@@ -95,7 +95,7 @@ def cpu_reading(proc: str = "/proc") -> CpuReading | None:
                 own_ticks += ticks
     except (OSError, ValueError, IndexError):
         return None
-    return CpuReading(time.monotonic(), busy_ticks * tick_s, own_ticks * tick_s)
+    return CpuReading(wall_s, busy_ticks * tick_s, own_ticks * tick_s)
 
 
 def _process_ticks(stat_path: str) -> tuple[int, int]:
@@ -128,8 +128,7 @@ def profile_load_warning(conditions: Mapping[str, Any]) -> str | None:
     if others is None or others < 0.5:
         return None
     demand = (conditions.get("processes") or 1) * (conditions.get("threads") or 1)
-    factor = demand / own if own else math.inf
-    how_far = f"up to {factor:.2g}x" if factor >= 1.1 else "somewhat"
+    how_far = f"up to {demand / own:.2g}x" if own and demand / own >= 1.1 else "somewhat"
     return (f"the profile was measured while other processes used {others:.1f} of its machine's "
             f"{conditions.get('cores')} cores (its own {demand} thread{'s' if demand != 1 else ''} got {own:.1f}): "
             f"its layers may read {how_far} slower than they run on a quiet machine, and plans made from it predict "
