@@ -32,13 +32,14 @@ from planner.simulation.simulator import SimulationTooLongError, simulated_piped
 REFINE_OPS = 100_000  # simulated ops one start's descent may play: about half a second on the 2-core CPU machine
 GROUP_SHARE = 4  # a start from `group_plans` descends on this fraction of the budget (1 / GROUP_SHARE), after `start`
 SHIFTS = (1, -1, 2, -2, 4, -4, 8, -8)  # layers a cut moves by, nearest first
+SHORT_RUN = 3  # stages at most in a run `window_moves` cuts again inside the plan (any length from either end)
 
 Plan = tuple[Stage, ...]
 
 
 def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]],
             judge: Callable[[Plan], float | None], budget_ops: int, ops: Callable[[Plan], int],
-            resume: bool = True) -> tuple[Plan, float]:
+            resume: bool = True, wider: Callable[[Plan], Iterator[Plan]] | None = None) -> tuple[Plan, float]:
     """The plan reached from `start` (simulating `start_s` seconds) by taking, over and over, a move of
     `moves(plan)` that `judge` (seconds, None where it does not fit) finds `better` (faster by more than a relative
     TIE, or as fast on fewer devices, as the final choice breaks ties), until none is or the
@@ -47,13 +48,16 @@ def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]]
     when moves come and go with the stages), not from the first: the moves before it had just failed and mostly
     still do (resnet50 straight on 16 GPUs at 8 per node, 1f1b: x1.028 -> x1.057 faster on the same budget; for
     chunked plans the first-move order did better: gpt, interleaved-1f1b on 4 ranks, 32 microbatches, 2126.2
-    against 2320.2 ms). Never slower than `start` by more than a relative TIE a move (ties go to fewer devices);
-    deterministic."""
+    against 2320.2 ms). Where a whole round of `moves` finds nothing better, the moves of `wider` (from their own
+    position) are tried; one taken, `moves` again (a variable neighbourhood descent: on the same budget it reaches
+    the plan the descent over `moves` alone stops at, then goes on). Never slower than `start` by more than a
+    relative TIE a move (ties go to fewer devices); deterministic."""
     plan, plan_s = start, start_s
-    left, at = budget_ops, 0
-    while True:
-        trials = list(moves(plan))
-        at = at % len(trials) if resume and trials else 0
+    families = [moves] + ([wider] if wider is not None else [])
+    left, positions, level = budget_ops, [0] * len(families), 0
+    while level < len(families):
+        trials = list(families[level](plan))
+        at = positions[level] % len(trials) if resume and trials else 0
         for step in range(len(trials)):
             trial = trials[(at + step) % len(trials)]
             cost = ops(trial)
@@ -62,10 +66,11 @@ def descend(start: Plan, start_s: float, moves: Callable[[Plan], Iterator[Plan]]
             left -= cost
             trial_s = judge(trial)
             if trial_s is not None and better(trial, trial_s, plan, plan_s):
-                plan, plan_s, at = trial, trial_s, at + step
+                plan, plan_s, positions[level], level = trial, trial_s, at + step, 0
                 break
         else:
-            return plan, plan_s  # a whole round of moves without a better plan
+            level += 1  # a whole round of these moves without a better plan
+    return plan, plan_s
 
 
 def cut_moves(plan: Plan, shifts: Sequence[int] = SHIFTS) -> Iterator[Plan]:
@@ -76,6 +81,53 @@ def cut_moves(plan: Plan, shifts: Sequence[int] = SHIFTS) -> Iterator[Plan]:
             cut = before.stop + shift
             if before.start < cut < after.stop:
                 yield plan[:at] + (before._replace(stop=cut), after._replace(start=cut)) + plan[at + 2:]
+
+
+Split = Callable[[int, int, int], tuple[tuple[int, int], ...]]  # (start, stop, parts) -> the parts' layer spans
+
+
+def time_shares(inputs: CostInputs) -> Split:
+    """`split(start, stop, parts)`: layers start..stop cut into `parts` non-empty spans where the forward + backward
+    time reaches 1/parts, 2/parts, ... of theirs (each cut at the nearer layer boundary). Cheap (a few array
+    lookups), where the balance of `baselines.balanced_stages` (the least largest span, by bisection) made the
+    moves of a deep plan cost seconds to list; the cut moves then balance further."""
+    prefix_s = np.asarray(inputs.arrays.compute_s, dtype=float)  # seconds before each layer boundary
+
+    def split(start: int, stop: int, parts: int) -> tuple[tuple[int, int], ...]:
+        targets = prefix_s[start] + (prefix_s[stop] - prefix_s[start]) * np.arange(1, parts) / parts
+        above = np.clip(np.searchsorted(prefix_s, targets), 1, len(prefix_s) - 1)
+        nearer = np.where(targets - prefix_s[above - 1] < prefix_s[above] - targets, above - 1, above)
+        cuts = [start]
+        for index, cut in enumerate(nearer.tolist(), start=1):
+            cuts.append(min(max(cut, cuts[-1] + 1), stop - (parts - index)))
+        cuts.append(stop)
+        return tuple(zip(cuts, cuts[1:]))
+
+    return split
+
+
+def window_moves(plan: Plan, devices: int, split: Split) -> Iterator[Plan]:
+    """`plan` with a run of k one-device stages cut again by `split` into k - 1 (k > 2; two into one is a merge of
+    `plan_moves`) to k + (free devices) one-device stages without recompute, runs from the first stage on, shortest
+    first; inside the plan (not touching either end) runs of at most SHORT_RUN stages. A jump no one move makes: a
+    pipeline that fills one node gains on two only once several stages move at once (squeezenet1_0, PipeDream's
+    profile, straight on 2 nodes of 8 GPUs, 1f1b, 8 microbatches: the 8 stages on one node no cut, split or
+    merge improves simulate 584.8 ms; the first 6 of 7 stages cut again into 8, then more, reach 11 stages and
+    540.7 ms)."""
+    free = devices - sum(replicas_of(plan))
+    seen = {plan}  # runs cut again can meet (the first stage into two, the first two into three)
+    for first in range(len(plan)):
+        for stop in range(first + 1, len(plan) + 1):
+            if any(stage.replicas != 1 for stage in plan[first:stop]):
+                break
+            if first > 0 and stop < len(plan) and stop - first > SHORT_RUN:
+                continue
+            start, end, runs = plan[first].start, plan[stop - 1].stop, stop - first
+            for parts in range(runs - 1 if runs > 2 else runs, min(runs + free, end - start) + 1):
+                moved = plan[:first] + tuple(Stage(a, b, 1, False) for a, b in split(start, end, parts)) + plan[stop:]
+                if moved not in seen:
+                    seen.add(moved)
+                    yield moved
 
 
 def plan_moves(plan: Plan, devices: int, straight: bool) -> Iterator[Plan]:
@@ -116,7 +168,8 @@ class Refined(NamedTuple):
 
 def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool, allow_recompute: bool = True,
                 budget_ops: int = REFINE_OPS) -> Refined:
-    """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves`, judged by its simulated
+    """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves` (straight, and
+    `window_moves` where those find nothing better), judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
     from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the best by
     `better`; `start` as it is on a budget of 0. From all: the faster start does not
@@ -141,10 +194,12 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     starts = [(start, start_s)] + [(plan, plan_s) for plan in dict.fromkeys(others)
                                    if plan != start and (plan_s := judge(plan)) is not None]
     best = (start, start_s)
+    devices, split = inputs.cluster.num_devices, time_shares(inputs)
     for index, (first, first_s) in enumerate(starts):
-        found = descend(first, first_s, lambda plan: plan_moves(plan, inputs.cluster.num_devices, straight), judge,
+        found = descend(first, first_s, lambda plan: plan_moves(plan, devices, straight), judge,
                         budget_ops if index == 0 else budget_ops // GROUP_SHARE,
-                        lambda plan: simulated_ops(inputs, plan))
+                        lambda plan: simulated_ops(inputs, plan),
+                        wider=(lambda plan: window_moves(plan, devices, split)) if straight else None)
         if better(found[0], found[1], best[0], best[1]):
             best = found
     return Refined(*best, simulated)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,10 @@ from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
 from planner.files.cluster import Cluster, make_cluster
 from planner.planning.bound_search import TIE
 from planner.planning.baselines import baseline_plans
-from planner.planning.local_search import Plan, cut_moves, descend, group_plans, plan_moves, refine_plan
+from planner.files.pipedream import import_pipedream
+from planner.planning.local_search import (
+    SHORT_RUN, Plan, cut_moves, descend, group_plans, plan_moves, refine_plan, time_shares, window_moves,
+)
 from planner.planning.optimizer import optimize, recompute_options
 from planner.planning.simulated_choice import simulated_s
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES
@@ -23,6 +27,7 @@ from tests.planner.planning.test_optimizer import clusters, every_plan
 from tests.planner.planning.test_simulated_choice import brute_force
 
 CONTIGUOUS = tuple(name for name in SCHEDULES if name not in CHUNKED_SCHEDULES)
+SQUEEZENET = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles" / "squeezenet1_0.txt"
 
 
 def _plan(*stages: tuple[int, int, int]) -> Plan:
@@ -96,6 +101,26 @@ def test_descend_takes_a_faster_move_or_as_fast_on_fewer_devices_goes_on_from_th
     assert judged == [order[1]]
 
 
+def test_descend_tries_the_wider_moves_only_where_a_whole_round_of_moves_finds_nothing() -> None:
+    a, b, c, d = (_plan((0, stop, 1)) for stop in (1, 2, 3, 4))  # four plans, told apart by their time
+    times = {a: 10.0, b: 9.0, c: 8.0, d: 7.0}
+    judged: list[Plan] = []
+
+    def judge(plan: Plan) -> float:
+        judged.append(plan)
+        return times[plan]
+
+    near = {a: [b], b: [a], c: [a, d], d: [c]}  # from b nothing near is faster; from c, d is
+    far = {a: [], b: [a, c], c: [], d: [a]}
+    plan = descend(a, 10.0, lambda plan: iter(near[plan]), judge, 10**6, lambda plan: 1,
+                   wider=lambda plan: iter(far[plan]))
+    assert plan == (d, 7.0)
+    # a -> b (near); b's near round fails (a), then its wider moves (a, c): c taken; c's near moves again: d;
+    # d's near round (c) and wider round (a) fail
+    assert judged == [b, a, a, c, a, d, c, a]
+    assert descend(a, 10.0, lambda plan: iter(near[plan]), judge, 10**6, lambda plan: 1) == (b, 9.0)
+
+
 def test_a_refined_plan_as_fast_on_fewer_devices_is_taken() -> None:
     # gpipe, 1 microbatch, 4 layers of 10 ms, no transfers: 2 stages take 40 ms as 1 does, on one more device
     arrays = LayerArrays(compute_s=np.arange(5) / 100.0, param_bytes=np.zeros(5), cut_bytes=np.zeros(4),
@@ -119,6 +144,70 @@ def test_cut_moves_keep_every_stage_and_plan_moves_split_merge_and_move_replicas
     straight = list(plan_moves(_plan((0, 3, 1), (3, 9, 1)), devices=2, straight=True))
     assert _plan((0, 9, 1)) in straight and all(s.replicas == 1 for other in straight for s in other)
     assert not any(len(other) == 3 for other in straight)  # no device free: no split
+
+
+def test_time_shares_cut_at_equal_shares_of_time_and_keep_every_span() -> None:
+    # layers of 3, 1, 1, 1 ms (forward + backward): halves of 6 ms fall after the first layer; a first layer of
+    # 10 ms and three of none: the cuts of a third and two thirds fall at it, pushed on so that no span is empty
+    def split_of(layer_ms: list[float]):
+        arrays = LayerArrays(compute_s=np.concatenate([[0.0], np.cumsum(layer_ms)]) / 1e3,
+                             param_bytes=np.zeros(len(layer_ms) + 1), cut_bytes=np.zeros(len(layer_ms)))
+        return time_shares(CostInputs(arrays, make_cluster(4), "1f1b", 4))
+
+    assert split_of([3.0, 1.0, 1.0, 1.0])(0, 4, 2) == ((0, 1), (1, 4))
+    assert split_of([1.0] * 4)(0, 4, 2) == ((0, 2), (2, 4)) and split_of([1.0] * 4)(1, 4, 3) == ((1, 2), (2, 3), (3, 4))
+    assert split_of([10.0, 0.0, 0.0, 0.0])(0, 4, 3) == ((0, 1), (1, 2), (2, 4))
+    assert split_of([1.0] * 8)(2, 8, 1) == ((2, 8),)
+
+
+def test_window_moves_cut_runs_of_stages_again_into_fewer_or_more() -> None:
+    # 9 layers of 1 ms in 3 one-device stages of 3, 2 and 4 layers on 5 devices (2 free)
+    arrays = LayerArrays(compute_s=np.arange(10) / 1e3, param_bytes=np.zeros(10), cut_bytes=np.zeros(9))
+    split = time_shares(CostInputs(arrays, make_cluster(5), "1f1b", 4))
+    plan = _plan((0, 3, 1), (3, 5, 1), (5, 9, 1))
+    moves = list(window_moves(plan, 5, split))
+    assert all(_covers(other, 9) and all(stage.replicas == 1 and not stage.recompute for stage in other)
+               for other in moves)
+    assert len(set(moves)) == len(moves) and plan not in moves
+    assert _plan((0, 3, 1), (3, 6, 1), (6, 9, 1)) in moves  # the whole plan cut again into 3 of 3 layers
+    assert _plan((0, 2, 1), (2, 3, 1), (3, 5, 1), (5, 9, 1)) in moves  # the first stage into two
+    assert _plan((0, 2, 1), (2, 4, 1), (4, 5, 1), (5, 7, 1), (7, 9, 1)) in moves  # all three into five (1.8 ms each)
+    assert _plan((0, 4, 1), (4, 9, 1)) in moves  # all three into two
+    # counts: a run of k stages becomes k - 1 (k > 2) to k + 2 stages
+    assert {len(other) for other in moves} == {2, 3, 4, 5}
+    # a replicated stage ends every run; a run inside a long plan has at most SHORT_RUN stages
+    replicated = _plan((0, 3, 1), (3, 5, 2), (5, 9, 1))
+    assert all(replicated[1] in other for other in window_moves(replicated, 5, split))
+    arrays = LayerArrays(compute_s=np.arange(19) / 1e3, param_bytes=np.zeros(19), cut_bytes=np.zeros(18))
+    long = tuple(Stage(at, at + 2, 1, False) for at in range(0, 18, 2))  # 9 stages of 2 layers
+    shares = time_shares(CostInputs(arrays, make_cluster(9), "1f1b", 4))
+    asked: set[tuple[int, int]] = set()
+
+    def split(start: int, stop: int, parts: int) -> tuple[tuple[int, int], ...]:
+        asked.add((start, stop))
+        return shares(start, stop, parts)
+
+    assert list(window_moves(long, 9, split))
+    inside = {(start, stop) for start, stop in asked if start > 0 and stop < 18}
+    assert max(stop - start for start, stop in inside) == 2 * SHORT_RUN
+    assert (0, 18) in asked and (0, 16) in asked and (2, 18) in asked  # from either end, any length
+
+
+@pytest.mark.skipif(not SQUEEZENET.is_file(), reason="../shared/pipedream-profiles is not present")
+def test_a_pipeline_that_fills_one_node_reaches_the_second_by_cutting_runs_of_stages_again() -> None:
+    # PipeDream's squeezenet1_0 straight on 2 nodes of 8 GPUs (100 GB/s within, 10 GB/s between), 1f1b, 8
+    # microbatches: 8 stages on one node that no cut moved, stage split or merge makes faster simulate 584.8 ms; cut
+    # again in runs, the plan reaches the second node (11 stages, 540.7 ms, as fast as a search eight times longer
+    # from plans balanced by time on 2 to 16 devices found)
+    arrays = LayerArrays.from_profile(import_pipedream(SQUEEZENET))
+    inputs = CostInputs(arrays, make_cluster(16, 8, ["100GB/s", "10GB/s"]), "1f1b", 8)
+    stuck = tuple(Stage(start, stop, 1, False) for start, stop in zip(
+        (0, 2, 11, 19, 26, 34, 48, 57), (2, 11, 19, 26, 34, 48, 57, 67)))
+    stuck_s = simulated_s(inputs, list(stuck))
+    assert stuck_s == pytest.approx(0.5848, abs=1e-4)
+    assert all(simulated_s(inputs, list(other)) >= stuck_s for other in plan_moves(stuck, 16, True))  # a local optimum
+    refined, refined_s, _ = refine_plan(inputs, stuck, stuck_s, straight=True)
+    assert len(refined) > 8 and refined_s <= 0.545
 
 
 @pytest.mark.slow
