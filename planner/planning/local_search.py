@@ -112,8 +112,7 @@ def window_moves(plan: Plan, devices: int, split: Split) -> Iterator[Plan]:
     first; inside the plan (not touching either end) runs of at most SHORT_RUN stages. A jump no one move makes: a
     pipeline that fills one node gains on two only once several stages move at once (squeezenet1_0, PipeDream's
     profile, straight on 2 nodes of 8 GPUs, 1f1b, 8 microbatches: the 8 stages on one node no cut, split or
-    merge improves simulate 584.8 ms; the first 6 of 7 stages cut again into 8, then more, reach 11 stages and
-    540.7 ms)."""
+    merge improves simulate 584.8 ms; with these moves they reach 11 stages across both nodes and 540.7 ms)."""
     free = devices - sum(replicas_of(plan))
     seen = {plan}  # runs cut again can meet (the first stage into two, the first two into three)
     for first in range(len(plan)):
