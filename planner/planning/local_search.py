@@ -1,5 +1,5 @@
-"""Local search under the simulator: a plan's cuts moved, stages split and merged, replicas moved, while that
-shortens its simulated time (pure).
+"""Local search under the simulator: a plan's cuts moved (the one between nodes to where fewer bytes cross),
+stages split and merged, replicas moved, while that shortens its simulated time (pure).
 
 The final choice (`simulated_choice.best_simulated`) proves its plan the fastest only where its bounds are tight;
 where it stops on its budget, plans it never reached can simulate much faster. The dynamic program's closed form
@@ -129,6 +129,48 @@ def window_moves(plan: Plan, devices: int, split: Split) -> Iterator[Plan]:
                     yield moved
 
 
+def lower_crossings(cut_bytes: np.ndarray, at: int, low: int, high: int) -> list[int]:
+    """Where a cut now before layer `at` could cross more cheaply, within layers `low`..`high`: walking outward
+    from `at` on each side, every cut whose bytes (`cut_bytes[layer - 1]`) are a local minimum and fewer than
+    at `at` and at every cut picked before it on that side (the steps down of a staircase); nearest first."""
+    picks = []
+    for side in (range(at + 1, high + 1), range(at - 1, low - 1, -1)):
+        fewest = cut_bytes[at - 1]
+        for layer in side:
+            here = cut_bytes[layer - 1]
+            if here < fewest and (layer == low or here <= cut_bytes[layer - 2]) and (
+                    layer == high or here <= cut_bytes[layer]):
+                fewest = here
+                picks.append(layer)
+    return sorted(picks, key=lambda layer: (abs(layer - at), layer))
+
+
+def crossing_moves(plan: Plan, group_sizes: Sequence[int], cut_bytes: np.ndarray, split: Split) -> Iterator[Plan]:
+    """`plan` with a cut where it crosses from one group of ranks to the next (a node to the next: each of
+    `group_sizes`, the inner levels' groups) moved to one of its `lower_crossings`, the one-device stages of the
+    two groups either side cut again by `split` into as many as before. The cut over the slowest link decides
+    more than any balance, and no move of a few layers reaches the next cheap one: densenet121 (PipeDream's
+    profile) straight on 2 nodes of 8 GPUs at 100 and 10 GB/s, 1f1b, 8 microbatches, crossed after layer 119
+    (89.9 MB a microbatch) and simulated 507.6 ms; moved to cross after layer 145 (14.5 MB), then refined, 468.0 ms
+    (crossing after layer 180, 22.5 MB). `refine_plan` tries these first: they are few (the steps down on each
+    side), and a deep plan's descent spends its budget before one round of `plan_moves` ends (that plan's round
+    is about 135 simulations of 768 ops, past the 100k of `REFINE_OPS`), so moves listed after them are not reached."""
+    first_ranks = np.cumsum([0] + replicas_of(plan)[:-1]).tolist()
+    seen = {plan}
+    for group in group_sizes:
+        edges = [0] + [at for at in range(1, len(plan)) if first_ranks[at] % group == 0] + [len(plan)]
+        for low, at, high in zip(edges, edges[1:], edges[2:]):
+            if any(stage.replicas != 1 for stage in plan[low:high]):
+                continue
+            start, stop, left, right = plan[low].start, plan[high - 1].stop, at - low, high - at
+            for cut in lower_crossings(cut_bytes, plan[at].start, start + left, stop - right):
+                moved = (plan[:low] + tuple(Stage(a, b, 1, False) for a, b in split(start, cut, left))
+                         + tuple(Stage(a, b, 1, False) for a, b in split(cut, stop, right)) + plan[high:])
+                if moved not in seen:
+                    seen.add(moved)
+                    yield moved
+
+
 def plan_moves(plan: Plan, devices: int, straight: bool) -> Iterator[Plan]:
     """The moves of `refine_plan`, in order: a cut moved (`cut_moves`); a one-device stage split in two at the
     middle of its layers, where a device is free; two neighbours merged onto one device, or (replicas allowed)
@@ -167,8 +209,8 @@ class Refined(NamedTuple):
 
 def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool, allow_recompute: bool = True,
                 budget_ops: int = REFINE_OPS) -> Refined:
-    """A plan of one stage per rank block (not chunked) after `descend` over `plan_moves` (straight, and
-    `window_moves` where those find nothing better), judged by its simulated
+    """A plan of one stage per rank block (not chunked) after `descend` over `crossing_moves` then `plan_moves`
+    (straight, and `window_moves` where those find nothing better), judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
     from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the best by
     `better`; `start` as it is on a budget of 0. From all: the faster start does not
@@ -194,8 +236,14 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                                    if plan != start and (plan_s := judge(plan)) is not None]
     best = (start, start_s)
     devices, split = inputs.cluster.num_devices, time_shares(inputs)
+    groups, cut_bytes = inputs.cluster.group_sizes()[:-1], inputs.arrays.cut_bytes
+
+    def moves(plan: Plan) -> Iterator[Plan]:
+        yield from crossing_moves(plan, groups, cut_bytes, split)
+        yield from plan_moves(plan, devices, straight)
+
     for index, (first, first_s) in enumerate(starts):
-        found = descend(first, first_s, lambda plan: plan_moves(plan, devices, straight), judge,
+        found = descend(first, first_s, moves, judge,
                         budget_ops if index == 0 else budget_ops // GROUP_SHARE,
                         lambda plan: simulated_ops(inputs, plan),
                         wider=(lambda plan: window_moves(plan, devices, split)) if straight else None)

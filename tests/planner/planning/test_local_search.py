@@ -17,7 +17,8 @@ from planner.planning.bound_search import TIE
 from planner.planning.baselines import baseline_plans
 from planner.files.pipedream import import_pipedream
 from planner.planning.local_search import (
-    SHORT_RUN, Plan, cut_moves, descend, group_plans, plan_moves, refine_plan, time_shares, window_moves,
+    SHORT_RUN, Plan, crossing_moves, cut_moves, descend, group_plans, lower_crossings, plan_moves, refine_plan,
+    time_shares, window_moves,
 )
 from planner.planning.optimizer import optimize, recompute_options
 from planner.planning.simulated_choice import simulated_s
@@ -27,7 +28,8 @@ from tests.planner.planning.test_optimizer import clusters, every_plan
 from tests.planner.planning.test_simulated_choice import brute_force
 
 CONTIGUOUS = tuple(name for name in SCHEDULES if name not in CHUNKED_SCHEDULES)
-SQUEEZENET = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles" / "squeezenet1_0.txt"
+PIPEDREAM = Path(__file__).resolve().parents[4] / "shared" / "pipedream-profiles"
+SQUEEZENET, DENSENET = PIPEDREAM / "squeezenet1_0.txt", PIPEDREAM / "densenet121.txt"
 
 
 def _plan(*stages: tuple[int, int, int]) -> Plan:
@@ -191,6 +193,54 @@ def test_window_moves_cut_runs_of_stages_again_into_fewer_or_more() -> None:
     inside = {(start, stop) for start, stop in asked if start > 0 and stop < 18}
     assert max(stop - start for start, stop in inside) == 2 * SHORT_RUN
     assert (0, 18) in asked and (0, 16) in asked and (2, 18) in asked  # from either end, any length
+
+
+def test_lower_crossings_are_the_steps_down_of_the_cut_bytes_walking_out_from_the_cut() -> None:
+    # bytes crossing after layers 1..8; the cut is after layer 3 (7 B). Right: 3 B after 4 (a local minimum), then
+    # 2 B after 6 (fewer still); 6 B after 7 and 8 are not fewer than 2. Left: 5 B after 2; 9 B after 1 is not
+    cut_bytes = np.array([9.0, 5.0, 7.0, 3.0, 8.0, 2.0, 6.0, 6.0])
+    assert lower_crossings(cut_bytes, 3, 1, 8) == [2, 4, 6]  # nearest first
+    assert lower_crossings(cut_bytes, 3, 3, 5) == [4]  # within low..high only
+    # a descent that goes on past `high` is a minimum at `high`; a flat run is picked once, where it starts
+    assert lower_crossings(np.array([4.0, 3.0, 2.0, 1.0]), 1, 1, 3) == [3]
+    assert lower_crossings(np.array([4.0, 2.0, 2.0, 2.0, 3.0]), 1, 1, 5) == [2]
+    assert lower_crossings(np.array([1.0, 5.0, 9.0]), 1, 1, 3) == []  # nothing fewer than at the cut
+
+
+def test_crossing_moves_move_the_cut_between_groups_and_cut_both_groups_again() -> None:
+    # layers of 2, 1, 1, 1, 3, 1, 2, 1 ms on 2 nodes of 2 ranks; 4 one-device stages crossing from node 0 to node 1
+    # after layer 5 (40 B). Fewer cross after layer 3 (10 B, a local minimum) and after 7 (1 B), but a stage of node
+    # 1 must keep a layer: only the cut after 3 is within reach. Both nodes' layers are cut again in two at equal
+    # time (4 ms: after layer 1 of 0-3; 8 ms: after layer 5 of 3-8)
+    layer_ms = [2.0, 1.0, 1.0, 1.0, 3.0, 1.0, 2.0, 1.0]
+    arrays = LayerArrays(compute_s=np.concatenate([[0.0], np.cumsum(layer_ms)]) / 1e3, param_bytes=np.zeros(9),
+                         cut_bytes=np.array([50.0, 30.0, 10.0, 20.0, 40.0, 45.0, 1.0, 0.0]))
+    split = time_shares(CostInputs(arrays, make_cluster(4, 2), "1f1b", 4))
+    plan = _plan((0, 2, 1), (2, 5, 1), (5, 6, 1), (6, 8, 1))
+    assert list(crossing_moves(plan, [2], arrays.cut_bytes, split)) == [
+        _plan((0, 1, 1), (1, 3, 1), (3, 5, 1), (5, 8, 1))]
+    assert list(crossing_moves(plan, [], arrays.cut_bytes, split)) == []  # one level: nothing crosses
+    # three stages on four ranks cross where the third starts (rank 2): after 7 (nearer) or after 3
+    assert list(crossing_moves(_plan((0, 5, 1), (5, 6, 1), (6, 8, 1)), [2], arrays.cut_bytes, split)) == [
+        _plan((0, 4, 1), (4, 7, 1), (7, 8, 1)), _plan((0, 1, 1), (1, 3, 1), (3, 8, 1))]
+    # a group with a replicated stage is left as it is
+    assert list(crossing_moves(_plan((0, 5, 2), (5, 6, 1), (6, 8, 1)), [2], arrays.cut_bytes, split)) == []
+
+
+@pytest.mark.skipif(not DENSENET.is_file(), reason="../shared/pipedream-profiles is not present")
+def test_a_pipeline_across_two_nodes_moves_its_crossing_to_where_few_bytes_cross() -> None:
+    # PipeDream's densenet121 straight on 2 nodes of 8 GPUs (100 GB/s within, 10 GB/s between), 1f1b, 8
+    # microbatches: the plan the local search stopped at before crossed the nodes after layer 119 (89.9 MB a
+    # microbatch each way) and simulated 507.6 ms; moved to cross after layer 145 (14.5 MB), then refined: 468.0 ms,
+    # crossing after layer 180 (22.5 MB)
+    arrays = LayerArrays.from_profile(import_pipedream(DENSENET))
+    inputs = CostInputs(arrays, make_cluster(16, 8, ["100GB/s", "10GB/s"]), "1f1b", 8)
+    stops = (10, 17, 31, 38, 50, 70, 91, 119, 138, 180, 222, 256, 291, 320, 374, 428)
+    stuck = tuple(Stage(start, stop, 1, False) for start, stop in zip((0,) + stops[:-1], stops))
+    stuck_s = simulated_s(inputs, list(stuck))
+    assert stuck_s == pytest.approx(0.5076, abs=1e-4)
+    refined, refined_s, _ = refine_plan(inputs, stuck, stuck_s, straight=True)
+    assert refined_s < 0.470 and arrays.cut_bytes[refined[8].start - 1] < 0.3 * arrays.cut_bytes[118]
 
 
 @pytest.mark.skipif(not SQUEEZENET.is_file(), reason="../shared/pipedream-profiles is not present")
