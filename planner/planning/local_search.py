@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, plan_fits, replicas_of
+from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, plan_fits, replicas_of
 from planner.errors import InfeasiblePlanError
 from planner.files.cluster import Cluster
 from planner.planning.baselines import balanced_stages, baseline_plans
@@ -87,6 +87,11 @@ def cut_moves(plan: Plan, shifts: Sequence[int] = SHIFTS) -> Iterator[Plan]:
 Split = Callable[[int, int, int], tuple[tuple[int, int], ...]]  # (start, stop, parts) -> the parts' layer spans
 
 
+def recut(split: Split, start: int, stop: int, parts: int) -> Plan:
+    """Layers start..stop as `parts` one-device stages without recompute, cut where `split` cuts them."""
+    return tuple(Stage(a, b, 1, False) for a, b in split(start, stop, parts))
+
+
 def time_shares(inputs: CostInputs) -> Split:
     """`split(start, stop, parts)`: layers start..stop cut into `parts` non-empty spans where the forward + backward
     time reaches 1/parts, 2/parts, ... of theirs (each cut at the nearer layer boundary). Cheap (a few array
@@ -124,7 +129,7 @@ def window_moves(plan: Plan, devices: int, split: Split) -> Iterator[Plan]:
                 continue
             start, end, runs = plan[first].start, plan[stop - 1].stop, stop - first
             for parts in range(runs - 1 if runs > 2 else runs, min(runs + free, end - start) + 1):
-                moved = plan[:first] + tuple(Stage(a, b, 1, False) for a, b in split(start, end, parts)) + plan[stop:]
+                moved = plan[:first] + recut(split, start, end, parts) + plan[stop:]
                 if moved not in seen:
                     seen.add(moved)
                     yield moved
@@ -146,27 +151,28 @@ def lower_crossings(cut_bytes: np.ndarray, at: int, low: int, high: int) -> list
     return sorted(picks, key=lambda layer: (abs(layer - at), layer))
 
 
-def crossing_moves(plan: Plan, group_sizes: Sequence[int], cut_bytes: np.ndarray, split: Split) -> Iterator[Plan]:
-    """`plan` with a cut where it crosses from one group of ranks to the next (a node to the next: each of
-    `group_sizes`, the inner levels' groups) moved to one of its `lower_crossings`, the one-device stages of the
-    two groups either side cut again by `split` into as many as before. The cut over the slowest link decides
-    more than any balance, and no move of a few layers reaches the next cheap one: densenet121 (PipeDream's
-    profile) straight on 2 nodes of 8 GPUs at 100 and 10 GB/s, 1f1b, 8 microbatches, crossed after layer 119
-    (89.9 MB a microbatch) and simulated 507.6 ms; moved to cross after layer 145 (14.5 MB), then refined, 468.0 ms
-    (crossing after layer 180, 22.5 MB). `refine_plan` tries these first: they are few (the steps down on each
-    side), and a deep plan's descent spends its budget before one round of `plan_moves` ends (that plan's round
-    is about 135 simulations of 768 ops, past the 100k of `REFINE_OPS`), so moves listed after them are not reached."""
-    first_ranks = np.cumsum([0] + replicas_of(plan)[:-1]).tolist()
+def crossing_moves(plan: Plan, ranks: Sequence[int], group_sizes: Sequence[int], cut_bytes: np.ndarray,
+                   split: Split) -> Iterator[Plan]:
+    """`plan`, its stages starting on `ranks` (`schedule_cost.first_ranks`: right-aligned), with a cut where it
+    crosses from one group of ranks to the next (a node to the next: each of `group_sizes`, the inner levels'
+    groups) moved to one of its `lower_crossings`, the stages of the two groups either side (one device each, else
+    the crossing is left alone) cut again by `split` into as many as before, without recompute. The cut over the
+    slowest link decides more than any balance, and no move of a few layers reaches the next cheap one:
+    densenet121 (PipeDream's profile) straight on 2 nodes of 8 GPUs at 100 and 10 GB/s, 1f1b, 8 microbatches,
+    crossed after layer 119 (89.9 MB a microbatch) and simulated 507.6 ms; crossing after layer 138 (12.8 MB), both
+    nodes cut again, 487.8 ms; refined from there with these moves, 462.8 ms, without them 491.2 ms.
+    `refine_plan` tries these first: they are few (the steps down on each side, a dozen at most on that plan), and
+    a deep plan's descent spends its budget before one round of `plan_moves` ends (that plan's round is about 135
+    simulations of 768 ops, past the 100k of `REFINE_OPS`), so moves listed after them are not reached."""
     seen = {plan}
     for group in group_sizes:
-        edges = [0] + [at for at in range(1, len(plan)) if first_ranks[at] % group == 0] + [len(plan)]
+        edges = [0] + [at for at in range(1, len(plan)) if ranks[at] % group == 0] + [len(plan)]
         for low, at, high in zip(edges, edges[1:], edges[2:]):
             if any(stage.replicas != 1 for stage in plan[low:high]):
                 continue
             start, stop, left, right = plan[low].start, plan[high - 1].stop, at - low, high - at
             for cut in lower_crossings(cut_bytes, plan[at].start, start + left, stop - right):
-                moved = (plan[:low] + tuple(Stage(a, b, 1, False) for a, b in split(start, cut, left))
-                         + tuple(Stage(a, b, 1, False) for a, b in split(cut, stop, right)) + plan[high:])
+                moved = plan[:low] + recut(split, start, cut, left) + recut(split, cut, stop, right) + plan[high:]
                 if moved not in seen:
                     seen.add(moved)
                     yield moved
@@ -214,9 +220,9 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     (straight, and `window_moves` where those find nothing better), judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
     from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the best by
-    `better`, which then descends again on 1 / CONTINUE_SHARE of the budget (the descents mostly stop on their
-    budget, not where no move helps: squeezenet1_0 straight on 2 nodes of 8 GPUs, 1f1b, 8 microbatches, 574.5 ->
-    540.7 ms); `start` as it is on a budget of 0. From all: the faster start does not
+    `better`, which (unless it is `start` itself) descends again on 1 / CONTINUE_SHARE of the budget (the
+    descents mostly stop on their budget, not where no move helps: squeezenet1_0 straight on 2 nodes of 8 GPUs,
+    1f1b, 8 microbatches, 574.5 -> 540.7 ms); `start` as it is on a budget of 0. From all: the faster start does not
     always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and
     halving the budget of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b). The
     balanced starts lead to optima that moves from the optimizer's plan do not reach (PipeDream's squeezenet1_0
@@ -242,7 +248,7 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     groups, cut_bytes = inputs.cluster.group_sizes()[:-1], inputs.arrays.cut_bytes
 
     def moves(plan: Plan) -> Iterator[Plan]:
-        yield from crossing_moves(plan, groups, cut_bytes, split)
+        yield from crossing_moves(plan, first_ranks(inputs, list(plan)), groups, cut_bytes, split)
         yield from plan_moves(plan, devices, straight)
 
     def descent(plan: Plan, plan_s: float, budget: int) -> tuple[Plan, float]:
@@ -254,7 +260,7 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
         found = descent(first, first_s, share)
         if better(found[0], found[1], best[0], best[1]):
             best = found
-    if len(starts) > 1:  # the best of them goes on
+    if len(starts) > 1 and best[0] != start:  # the best of them goes on (from `start` itself: a replay)
         found = descent(*best, budget_ops // CONTINUE_SHARE)
         if better(found[0], found[1], best[0], best[1]):
             best = found
