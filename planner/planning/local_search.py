@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, plan_fits, replicas_of
+from planner.costs.schedule_cost import CostInputs, Stage, StageMemo, first_ranks, plan_fits, replicas_of
 from planner.errors import InfeasiblePlanError
 from planner.files.cluster import Cluster
 from planner.planning.baselines import balanced_stages, baseline_plans
@@ -229,13 +229,14 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     straight on 8 GPUs, zb-h1, 8 microbatches: 509.0 ms from the optimizer's plan, 469.5 from a balanced one).
     Straight plans only: on PipeDream's profiles no replicated plan was faster for them."""
     simulated = 0
+    memo: StageMemo = {}
 
     def judge(plan: Plan) -> float | None:
         nonlocal simulated
-        if not plan_fits(inputs, list(plan)):
+        if not plan_fits(inputs, list(plan), memo):
             return None
         simulated += 1
-        value = simulated_s(inputs, list(plan))
+        value = simulated_s(inputs, list(plan), memo)
         return value if math.isfinite(value) else None
 
     if budget_ops <= 0:

@@ -74,6 +74,7 @@ import numpy as np
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
+    StageMemo,
     accumulate_terms,
     allreduce_s,
     allreduce_terms,
@@ -129,11 +130,12 @@ def better(plan: Sequence[Stage], plan_s: float, than: Sequence[Stage], than_s: 
         plan_s <= than_s * (1.0 + TIE) and sum(replicas_of(plan)) < sum(replicas_of(than)))
 
 
-def simulated_s(inputs: CostInputs, stages: list[Stage]) -> float:
+def simulated_s(inputs: CostInputs, stages: list[Stage], memo: StageMemo | None = None) -> float:
     """What a plan states as its time: the simulated iteration (flush) or steady-state time per
-    microbatch (pipedream); inf when a pipedream plan's replica counts make simulation too long."""
+    microbatch (pipedream); inf when a pipedream plan's replica counts make simulation too long. `memo`: as in
+    `schedule_cost.stage_costs`, for the plans of one search."""
     try:
-        return simulated_iteration_s(inputs, stages)
+        return simulated_iteration_s(inputs, stages, memo)
     except SimulationTooLongError:
         return math.inf
 
@@ -146,10 +148,11 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
     program's) are simulated first. Ties within a relative TIE go to the fewest devices."""
     best: tuple[float, tuple[Stage, ...]] | None = None
     simulations = 0
+    memo: StageMemo = {}
 
     def consider(stages: tuple[Stage, ...]) -> None:
         nonlocal best, simulations
-        value = simulated_s(inputs, list(stages))
+        value = simulated_s(inputs, list(stages), memo)
         simulations += 1
         if best is None or better(stages, value, best[1], best[0]):
             best = (value, stages)

@@ -55,7 +55,9 @@ from planner.schedules.schedule import (
     build_schedule,
     pipedream_microbatches,
 )
-from planner.costs.schedule_cost import CostInputs, Stage, first_ranks, link_terms, replicas_of, stage_costs
+from planner.costs.schedule_cost import (
+    CostInputs, Stage, StageMemo, first_ranks, link_terms, replicas_of, stage_costs,
+)
 from planner.costs.schedule_cost import transfer_s as message_s
 
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None,
@@ -174,11 +176,11 @@ def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluste
     return rows
 
 
-def stage_times(inputs: CostInputs, stages: Sequence[Stage]) -> tuple[StageTimes, ...]:
-    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`)."""
+def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | None = None) -> tuple[StageTimes, ...]:
+    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`; `memo` as there)."""
     arrays, sigma = inputs.arrays, inputs.scale
     result = []
-    for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages))):
+    for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages), memo)):
         result.append(StageTimes(
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s - cost.weight_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
@@ -225,13 +227,13 @@ def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int
                              inputs.library_bytes)
 
 
-def simulated_iteration_s(inputs: CostInputs, stages: Sequence[Stage]) -> float:
+def simulated_iteration_s(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | None = None) -> float:
     """`simulate_stages(inputs, stages).iteration_s()` (seconds), without building the timeline for a flush
     schedule: its iteration is the end of the last op played (a search simulating many plans spent a fifth of
-    its time making tables it only read that from)."""
+    its time making tables it only read that from); `memo` as in `schedule_cost.stage_costs`."""
     if inputs.schedule == "pipedream":
         return simulate_stages(inputs, stages).iteration_s()
-    rows = _play(_stage_schedule(inputs, stages, 1), stage_times(inputs, stages), inputs.cluster)
+    rows = _play(_stage_schedule(inputs, stages, 1), stage_times(inputs, stages, memo), inputs.cluster)
     return max((row[-1] for row in rows), default=0.0)
 
 

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.costs.layer_arrays import per_weight_byte
 from planner.files.cluster import Cluster, make_cluster
@@ -25,8 +27,10 @@ from planner.costs.schedule_cost import (
     stage_costs,
     tied_allreduce_s,
 )
-from planner.schedules.schedule import FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from planner.simulation.simulator import simulate_stages
+from tests.planner.layer_strategies import layer_arrays
+from tests.planner.planning.test_optimizer import clusters
 
 WHOLE_BACKWARD = ("gpipe", "1f1b")  # flush schedules whose backward is one op
 
@@ -601,3 +605,40 @@ def test_frozen_weights_are_held_without_gradients_or_optimizer_state() -> None:
     assert first.base_bytes == pytest.approx(3e6 * 4 + 4e6 + 5e5, rel=REL)  # the tie's copy: weights only
     assert second.base_bytes == pytest.approx(5e5, rel=REL)
     assert second.step_s == 0.0 and tied_allreduce_s(inputs, [(0, 2, 1, False), (2, 3, 1, False)]) == [0.0, 0.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), data=st.data())
+def test_a_memo_of_stage_costs_shared_by_the_plans_of_a_search_changes_no_cost(
+        arrays: LayerArrays, cluster: Cluster, data: st.DataObject) -> None:
+    # the plans of a search share stages (same layers, replicas, recompute and place): each is computed once and
+    # kept, and every plan's costs (tied all-reduces included, which depend on the whole plan) are as computed alone
+    schedule = data.draw(st.sampled_from([name for name in SCHEDULES if name not in CHUNKED_SCHEDULES]))
+    inputs = CostInputs(arrays, cluster, schedule, data.draw(st.sampled_from([1, 2, 4])),
+                        memory_bytes=data.draw(st.sampled_from([None, 5e8])))
+    memo: dict = {}
+    for _ in range(3):
+        cuts = data.draw(st.sets(st.integers(1, arrays.num_layers), max_size=3)) - {arrays.num_layers}
+        bounds = [0, *sorted(cuts), arrays.num_layers]
+        replicas = data.draw(st.integers(1, max(1, cluster.num_devices // len(bounds))))
+        plan = [Stage(start, stop, replicas, data.draw(st.booleans())) for start, stop in zip(bounds, bounds[1:])]
+        # the same plan with its last stage split: the stages before it move one place left, on other ranks,
+        # with more devices after them (no cost of theirs may come from the memo of the first)
+        last = plan[-1]
+        split = plan[:-1] + ([last._replace(stop=last.start + 1), last._replace(start=last.start + 1)]
+                             if last.stop - last.start >= 2 else [last])
+        for trial in (plan, split):
+            assert stage_costs(inputs, trial, memo) == stage_costs(inputs, trial)
+            assert plan_fits(inputs, trial, memo) == plan_fits(inputs, trial)
+    assert memo
+
+
+def test_a_memo_keeps_a_stage_apart_from_the_same_layers_elsewhere_in_the_pipeline() -> None:
+    # 1f1b, 4 microbatches: layer 0 first of two stages holds 2 microbatches' activations, first of three 3
+    inputs = CostInputs(layers([0.01] * 4, saved=[1e8] * 4), flat(4), "1f1b", 4)
+    memo: dict = {}
+    two = [Stage(0, 1, 1, False), Stage(1, 4, 1, False)]
+    three = [Stage(0, 1, 1, False), Stage(1, 2, 1, False), Stage(2, 4, 1, False)]
+    first_of_two, first_of_three = stage_costs(inputs, two, memo)[0], stage_costs(inputs, three, memo)[0]
+    assert first_of_three.memory_bytes - first_of_two.memory_bytes == pytest.approx(1e8)  # one microbatch more
+    assert first_of_three == stage_costs(inputs, three)[0] and len(memo) == 5
