@@ -29,7 +29,7 @@ from planner.planning.optimizer import optimize
 from planner.planning.simulated_choice import better, simulated_s
 from planner.simulation.simulator import SimulationTooLongError, simulated_pipedream_microbatches
 
-REFINE_OPS = 100_000  # simulated ops one start's descent may play: about 0.15 s on the 2-core CPU machine
+REFINE_OPS = 100_000  # simulated ops one start's descent may play: 0.1-0.2 s on the 2-core CPU machine
 GROUP_SHARE = 4  # a start from `group_plans` descends on this fraction of the budget (1 / GROUP_SHARE), after `start`
 CONTINUE_SHARE = 2  # then the best plan found from all starts descends again on 1 / CONTINUE_SHARE of the budget
 SHIFTS = (1, -1, 2, -2, 4, -4, 8, -8)  # layers a cut moves by, nearest first
