@@ -221,10 +221,12 @@ def simulated_pipedream_microbatches(stages: Sequence[Stage]) -> int:
     return pipedream_microbatches(replicas, max(32, 4 * len(stages) * max(replicas)))
 
 
-def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1) -> Timeline:
-    """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches."""
-    return simulate_schedule(_stage_schedule(inputs, stages, iterations), stage_times(inputs, stages), inputs.cluster,
-                             inputs.library_bytes)
+def simulate_stages(inputs: CostInputs, stages: Sequence[Stage], iterations: int = 1,
+                    memo: StageMemo | None = None) -> Timeline:
+    """Simulate a plan given as cost-model stages: `iterations` flushes, or for pipedream enough microbatches
+    (`memo` as in `schedule_cost.stage_costs`)."""
+    return simulate_schedule(_stage_schedule(inputs, stages, iterations), stage_times(inputs, stages, memo),
+                             inputs.cluster, inputs.library_bytes)
 
 
 def simulated_iteration_s(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | None = None) -> float:
@@ -232,7 +234,7 @@ def simulated_iteration_s(inputs: CostInputs, stages: Sequence[Stage], memo: Sta
     schedule: its iteration is the end of the last op played (a search simulating many plans spent a fifth of
     its time making tables it only read that from); `memo` as in `schedule_cost.stage_costs`."""
     if inputs.schedule == "pipedream":
-        return simulate_stages(inputs, stages).iteration_s()
+        return simulate_stages(inputs, stages, memo=memo).iteration_s()
     rows = _play(_stage_schedule(inputs, stages, 1), stage_times(inputs, stages, memo), inputs.cluster)
     return max((row[-1] for row in rows), default=0.0)
 
