@@ -62,9 +62,8 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -80,6 +79,9 @@ from planner.schedules.schedule import (
 )
 from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where used, by rank 0 alone: its 0.3 s would start every rank of every job
 
 __all__ = [
     "RankTrace", "build_run_report", "gather_traces", "rank_trace", "run_meta",
@@ -358,6 +360,8 @@ def _events(traces: Sequence[RankTrace], ops: dict[tuple[int, int], list[OpTime]
             rows.append((trace.rank, op.stage if op.stage >= 0 else trace.stage, trace.replica, op.microbatch,
                          op.iteration, op.op, -1 if op.peer is None else op.peer, op.start_s + offset,
                          op.end_s + offset))
+    import pandas as pd
+
     events = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["start_s", "rank"], kind="stable")
     return events.reset_index(drop=True)
 

@@ -37,9 +37,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import pandas as pd
 from rich import box
 from rich.table import Table
 
@@ -49,6 +48,9 @@ from planner.files.plan import Plan, StageLayout, layout_fields
 from planner.schedules.schedule import OPS, RECEIVES
 from planner.files.timeline import COLUMNS, StageTimes, Timeline
 from planner.units import format_ms
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where used: training ranks load this module to write a report's parts
 
 __all__ = [
     "EVENT_OPS", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "RankPlacement", "ReportPlanMismatchError",
@@ -290,6 +292,8 @@ def _events_frame(rows: Any) -> pd.DataFrame:
             raise ValueError(f"unknown op {op!r} in events")
         parsed.append((int(rank), int(stage), int(replica), int(microbatch), int(iteration), str(op), int(peer),
                        float(start_s), float(end_s)))
+    import pandas as pd
+
     return pd.DataFrame(parsed, columns=list(COLUMNS))
 
 
@@ -337,6 +341,8 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
     predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when
     `simulated` is given, else NaN."""
+    import pandas as pd
+
     timing = "time per microbatch (ms)" if report.schedule == "pipedream" else "iteration (ms)"
     rows: list[tuple[str, float, float]] = [
         (timing, report.predicted_iteration_ms, report.iteration_ms),

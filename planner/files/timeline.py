@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from planner.files.fileformat import write_atomically
 from planner.schedules.schedule import (
@@ -22,6 +21,7 @@ from planner.schedules.schedule import (
 )
 
 if TYPE_CHECKING:
+    import pandas as pd
     from matplotlib.figure import Figure
 
 COLUMNS = ("rank", "stage", "replica", "microbatch", "iteration", "op", "peer", "start_s", "end_s")
@@ -90,6 +90,8 @@ class Timeline:
         ranks = sorted(self.events["rank"].unique())
         span = self.makespan_s
         if span <= 0:
+            import pandas as pd  # imported where used: a training rank loads this module and never uses pandas
+
             return pd.Series(0.0, index=ranks, name="bubble_fraction")
         return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).clip(lower=0.0).rename("bubble_fraction")
 
@@ -100,6 +102,8 @@ class Timeline:
         forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph until
         then, and deferred bytes from the end of its B to the end of its W: the gradients W starts from),
         rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
+        import pandas as pd  # (as in `bubble_fraction`)
+
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
         term = {name: np.array([getattr(times, name) for times in self.stage_times], dtype=float)
