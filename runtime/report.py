@@ -81,7 +81,7 @@ from planner.files.timeline import COLUMNS, Timeline
 from runtime.trace import OpTime, clock_offset_s
 
 if TYPE_CHECKING:
-    import pandas as pd  # imported where used, by rank 0 alone: its 0.3 s would start every rank of every job
+    import pandas as pd  # imported where used, by rank 0 alone, at the end: not in the start of every rank
 
 __all__ = [
     "RankTrace", "build_run_report", "gather_traces", "rank_trace", "run_meta",
