@@ -33,17 +33,21 @@ python3 - ${models[*]} <<'PY'
 import sys
 from planner.files.profile import load_profile
 from planner.files.run_report import load_run_report
-print("| model | forward ms measured / profiled | backward ms measured / profiled | library MiB |")
-print("|---|---|---|---|")
+print("| model | forward ms measured / profiled | backward ms measured / profiled | forward / backward profiled by one "
+      "factor (before 2026-11-27) | instrumented ratio | library MiB |")
+print("|---|---|---|---|---|---|")
 for model in sys.argv[1:]:
     try:
         profile, report = load_profile(f"/tmp/mvp/{model}.json"), load_run_report(f"/tmp/mvp/{model}-1f1b.report.json")
     except Exception as exc:
-        print(f"| {model} | not measured: {exc} | | |")
+        print(f"| {model} | not measured: {exc} | | | | |")
         continue
-    found = report.measured[0]
+    found, layers_ms = report.measured[0], profile.total_fwd_ms + profile.total_bwd_ms
+    share = profile.settings.get("instrumented_forward_share")
+    one_factor = "" if share is None else f"{layers_ms * share:.2f} / {layers_ms * (1 - share):.2f}"
     print(f"| {model} | {found.forward_ms:.2f} / {profile.total_fwd_ms:.2f} | {found.backward_ms:.2f} / "
-          f"{profile.total_bwd_ms:.2f} | {profile.library_bytes / 2**20:.1f} |")
+          f"{profile.total_bwd_ms:.2f} | {one_factor} | {profile.settings.get('instrumented_ratio', 0):.2f} | "
+          f"{profile.library_bytes / 2**20:.1f} |")
 PY
 fi
 if [ "${SIZES_S:-60}" != 0 ]; then

@@ -12,11 +12,14 @@ This stays right when layers run side by side (branches sharing an input) and wh
 input needs no gradient. Gradient accumulation into parameters is counted with the node before it.
 Marks are host clocks on CPU and CUDA events on GPU (no synchronisation inside the step), so
 per-layer times add up exactly to the instrumented step. `step_ms` is the median of uninstrumented
-steps, each paired with an instrumented one. Over the steps, each layer's median is taken and all
-are scaled by one factor so that they add up to `step_ms`, what training (uninstrumented) takes:
-the layers' shares are the instrumented steps', their sum the plain steps'. That takes out the
+steps, each paired with an instrumented one. Over the steps, each layer's median is taken; the forwards
+are scaled by one factor so that they add up to the plain steps' forward (`forward_share x step_ms`, the
+median share from the step's start to the loss) and the backwards by another to the rest, so that
+together they add up to `step_ms`, what training (uninstrumented) takes: within a phase the layers'
+shares are the instrumented steps', each phase's sum the plain steps'. That takes out the
 instrumentation's own cost, a few microseconds of host time per layer and per autograd node, in
-proportion to each layer's time. On CPU it is ~1-4% of a step; on a GPU whose step is bound by
+proportion to each layer's time within its phase (the backward has a hook per node, the forward one per
+layer). On CPU it is ~1-4% of a step; on a GPU whose step is bound by
 kernel launches it is not small, since the hooks' host time delays the launches: 1.45x on the gpt
 example at batch 8 on an H200, 1.01x on a GPT-2 of width 1024 (`instrumented_ratio`, the median of
 instrumented_k / plain_k over the pairs, keeps it in the profile).
@@ -138,13 +141,17 @@ class StepTimes:
 
     `step_ms`: median uninstrumented step; `instrumented_ratio`: median over pairs of the
     instrumented step's time over its paired plain step's (the instrumentation's overhead, taken
-    out of the layers' times; ~1 on CPU).
+    out of the layers' times; ~1 on CPU); `forward_share`: the median over plain steps of the forward's
+    (and loss's) share of the step, to which the forwards add up (`phase_scales`);
+    `instrumented_forward_share`: the forwards' share of the instrumented medians, before that scaling.
     """
 
     fwd_ms: list[float]
     bwd_ms: list[float]
     step_ms: float
     instrumented_ratio: float
+    forward_share: float
+    instrumented_forward_share: float
 
 
 @contextlib.contextmanager
@@ -385,19 +392,23 @@ def time_layers(
     bwd_samples: list[list[float]] = []
     step_samples: list[float] = []
     stretches: list[float] = []  # per instrumented step: its `Clock.step_ms` over its marks' span
+    forward_shares: list[float] = []  # per plain step: its forward's share of its time
 
-    def plain() -> float:
+    def plain() -> tuple[float, float]:
         with _gc_paused():
             began_s = time.perf_counter()
             start = clock.mark()
             loss = run_step()
+            middle = clock.mark()
+            forward_wall_ms = (time.perf_counter() - began_s) * 1e3
             loss.backward()
             end = clock.mark()
             del loss
         clock.synchronize()
         wall_ms = (time.perf_counter() - began_s) * 1e3
         after_step()
-        return clock.step_ms(start, end, wall_ms)
+        whole_ms = clock.step_ms(start, end, wall_ms)
+        return whole_ms, min(clock.step_ms(start, middle, forward_wall_ms), whole_ms)
 
     def measured() -> tuple[list[float], list[float], float]:
         fwd, bwd, _, stretch = _instrumented_ms(layers, run_step, after_step, clock)
@@ -414,12 +425,13 @@ def time_layers(
                 plain()
         else:
             if iteration % 2 == 0:
-                step_ms = plain()
+                step_ms, forward_ms = plain()
                 fwd, bwd, stretch = measured()
             else:
                 fwd, bwd, stretch = measured()
-                step_ms = plain()
+                step_ms, forward_ms = plain()
             step_samples.append(step_ms)
+            forward_shares.append(forward_ms / step_ms if step_ms > 0 else 0.0)
             fwd_samples.append(fwd)
             bwd_samples.append(bwd)
             stretches.append(stretch)
@@ -437,14 +449,32 @@ def time_layers(
     # the machine's drift over seconds cancels within a pair, not between medians of each kind.
     totals = [(sum(fwd) + sum(bwd)) * stretch for fwd, bwd, stretch in zip(fwd_samples, bwd_samples, stretches)]
     ratio = statistics.median(total / plain for total, plain in zip(totals, step_samples) if plain > 0)
+    forward_share = statistics.median(forward_shares)
     medians_sum = sum(fwd_ms) + sum(bwd_ms)
-    scale = step_ms / medians_sum if medians_sum > 0 else 1.0
+    fwd_scale, bwd_scale = phase_scales(sum(fwd_ms), sum(bwd_ms), step_ms, forward_share)
     return StepTimes(
-        fwd_ms=[ms * scale for ms in fwd_ms],
-        bwd_ms=[ms * scale for ms in bwd_ms],
+        fwd_ms=[ms * fwd_scale for ms in fwd_ms],
+        bwd_ms=[ms * bwd_scale for ms in bwd_ms],
         step_ms=step_ms,
         instrumented_ratio=ratio,
+        forward_share=forward_share,
+        instrumented_forward_share=sum(fwd_ms) / medians_sum if medians_sum > 0 else 0.0,
     )
+
+
+def phase_scales(fwd_sum_ms: float, bwd_sum_ms: float, step_ms: float, forward_share: float) -> tuple[float, float]:
+    """The factors that scale the instrumented layers' forward and backward medians (summing to `fwd_sum_ms`
+    and `bwd_sum_ms`) to the plain step: forwards to `forward_share x step_ms`, backwards to the rest, so
+    that each phase carries its own share of the instrumentation's cost (the backward's node hooks cost more
+    host time than the forward's layer hooks: on a launch-bound H100, one factor for both gave the gpt
+    example's forwards 0.73x the plain step's forward, which training then measured at 0.98x of the
+    forwards scaled this way). Where a phase measured nothing, one factor
+    `step_ms / (fwd_sum_ms + bwd_sum_ms)` scales both."""
+    total = fwd_sum_ms + bwd_sum_ms
+    if fwd_sum_ms <= 0 or bwd_sum_ms <= 0:
+        scale = step_ms / total if total > 0 else 1.0
+        return scale, scale
+    return forward_share * step_ms / fwd_sum_ms, (1.0 - forward_share) * step_ms / bwd_sum_ms
 
 
 @contextlib.contextmanager

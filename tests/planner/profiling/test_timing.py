@@ -21,6 +21,7 @@ from planner.profiling.timing import (
     measured_iterations,
     frozen,
     needs_grad_flags,
+    phase_scales,
     requiring_grad,
     time_input_gradients,
     time_layers,
@@ -152,6 +153,54 @@ def test_the_instrumentations_own_cost_is_taken_out_of_the_layers_times() -> Non
     assert sum(times.fwd_ms) + sum(times.bwd_ms) == pytest.approx(times.step_ms, rel=1e-9)
     assert times.fwd_ms[0] == pytest.approx(times.fwd_ms[1], rel=0.5)
     assert times.bwd_ms[0] == pytest.approx(times.bwd_ms[1], rel=0.5)
+
+
+class _SleepThenTinyOps(nn.Module):
+    """One layer that sleeps 10 ms forward and 10 ms backward, then makes 20 autograd nodes that take no time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Sleep.apply(x * self.scale, 0.010, 0.010)
+        for _ in range(20):
+            x = x * self.scale
+        return x
+
+
+class _MarkCostsOneMs(HostClock):
+    """A host clock on `VirtualTime` whose every mark costs 1 ms first: the backward's node hooks (one per autograd
+    node) then cost the instrumented step far more than the forward's layer hooks, as on a launch-bound GPU."""
+
+    def mark(self) -> float:
+        time.sleep(0.001)
+        return super().mark()
+
+
+def test_each_phase_adds_up_to_its_own_share_of_the_plain_step(virtual_time: VirtualTime) -> None:
+    """The forwards add up to the plain step's forward (start mark to the loss), the backwards to the rest, however
+    unevenly the hooks cost the two phases: here the plain step is 1 + 10 + 1 ms forward and 10 + 1 ms backward (its
+    three marks cost 1 ms each, the first before the clock reads its start), while the instrumented backward pays
+    a mark per node (over 20 ms more). One factor for both phases gave the forward 5.4 ms."""
+    model = nn.Sequential(_SleepThenTinyOps())
+    x = torch.randn(1)
+    layers = find_layers(model, lambda: model(x))
+    times = time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True),
+                        _MarkCostsOneMs(), warmup=1, iters=3)
+    assert times.step_ms == pytest.approx(10 + 1 + 10 + 1)
+    assert times.forward_share == pytest.approx(0.5)
+    assert sum(times.fwd_ms) == pytest.approx(11) and sum(times.bwd_ms) == pytest.approx(11)
+    assert times.instrumented_ratio > 1.5 and times.instrumented_forward_share < 0.4
+
+
+def test_phase_scales_put_each_phase_at_its_share_and_fall_back_to_one_factor() -> None:
+    """Hand-derived: forwards of 30 ms and backwards of 90 ms (instrumented) onto a plain step of 100 ms whose forward
+    took a quarter: 25 / 30 and 75 / 90. Without a backward (or a forward), one factor 100 / 120 for both."""
+    assert phase_scales(30.0, 90.0, 100.0, 0.25) == pytest.approx((25 / 30, 75 / 90))
+    assert phase_scales(120.0, 0.0, 100.0, 0.25) == pytest.approx((100 / 120, 100 / 120))
+    assert phase_scales(0.0, 120.0, 100.0, 0.25) == pytest.approx((100 / 120, 100 / 120))
+    assert phase_scales(0.0, 0.0, 100.0, 0.25) == (1.0, 1.0)
 
 
 class _LaggingDeviceClock(HostClock):
