@@ -5,7 +5,8 @@
 
 In a fresh folder, exactly the commands of the README, with their defaults:
 
-1. `planner cluster` measures this machine (2 processes: link latency and bandwidth);
+1. `planner cluster` measures this machine (2 processes: link latency and bandwidth; `--default-cluster`
+   skips it and partitions with `--gpus 2`, the links `partition` assumes for the profile's device);
 2. per model, `planner profile MODEL` (defaults: batch 8, on CPU cores / 2 threads);
 3. per schedule, `planner partition PROFILE --cluster cluster.json --straight --schedule S --microbatches 4`;
 4. `planner train MODEL --plan PLAN --steps N --report REPORT` (2 processes under torchrun);
@@ -76,11 +77,12 @@ def row(model: str, schedule: str, report: RunReport) -> list[str]:
     return cells
 
 
-def cluster_arguments(folder: Path, gpus: int, memory_bytes: int | None = None) -> list[str]:
+def cluster_arguments(folder: Path, gpus: int, memory_bytes: int | None = None, measured: bool = True) -> list[str]:
     """`planner partition`'s cluster options: the measured cluster file (a copy whose devices have
-    `memory_bytes` each, when given), or on one GPU `--gpus 1` (and `--memory`)."""
-    if gpus == 1:
-        return ["--gpus", "1", *([] if memory_bytes is None else ["--memory", str(memory_bytes)])]
+    `memory_bytes` each, when given), or on one GPU or without `measured` `--gpus N` (and `--memory`): the
+    links `partition` assumes for the profile's device."""
+    if gpus == 1 or not measured:
+        return ["--gpus", str(gpus), *([] if memory_bytes is None else ["--memory", str(memory_bytes)])]
     if memory_bytes is None:
         return ["--cluster", "cluster.json"]
     cluster = json.loads((folder / "cluster.json").read_text())
@@ -89,21 +91,22 @@ def cluster_arguments(folder: Path, gpus: int, memory_bytes: int | None = None) 
     return ["--cluster", "cluster-small.json"]
 
 
-def recompute_row(model: str, schedule: str, free_plan: str, steps: int, gpus: int, folder: Path) -> list[str]:
+def recompute_row(model: str, schedule: str, free_plan: str, steps: int, gpus: int, folder: Path,
+                  measured: bool) -> list[str]:
     """The same path on devices halfway between the least memory any plan needs (with recompute; the planner
     says it when asked for the least it accepts) and what the plan without a limit needs: the planner recomputes
     activations where they no longer fit."""
     needed = max(stage["memory_bytes"] for stage in json.loads((folder / free_plan).read_text())["stages"])
     arguments = ("--straight", "--schedule", schedule, "--microbatches", str(MICROBATCHES))
     refused = subprocess.run([sys.executable, "-m", "planner", "partition", f"{model}.json",
-                              *cluster_arguments(folder, gpus, MIN_MEMORY_BYTES), *arguments, "--out", "refused.json"],
+                              *cluster_arguments(folder, gpus, MIN_MEMORY_BYTES, measured), *arguments, "--out", "refused.json"],
                              cwd=folder, capture_output=True, text=True, timeout=TIMEOUT_S)
     least = re.search(r"smallest memory that admits a plan is ([0-9.]+) GB", refused.stderr)
     if least is None:
         sys.exit(f"`planner partition` did not name the least memory for {model}:\n{refused.stderr[-2000:]}")
     limit = int((float(least.group(1)) * 1e9 + needed) / 2)
     plan, report = f"{model}-{schedule}-small.json", f"{model}-{schedule}-small.report.json"
-    planner("partition", f"{model}.json", *cluster_arguments(folder, gpus, limit), *arguments, "--out", plan,
+    planner("partition", f"{model}.json", *cluster_arguments(folder, gpus, limit, measured), *arguments, "--out", plan,
             folder=folder)
     flags = "".join("r" if stage["recompute"] else "-" for stage in json.loads((folder / plan).read_text())["stages"])
     planner("train", str(MODEL_FILES[model]), "--plan", plan, "--steps", str(steps), "--report", report, folder=folder)
@@ -119,11 +122,13 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep its files")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
                         help="leave out the plans made for devices too small to hold the activations")
+    parser.add_argument("--default-cluster", dest="measured", action="store_false",
+                        help="skip `planner cluster`: partition with --gpus N and the links it assumes")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="default-path-"))
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if args.gpus > 1:
+    if args.gpus > 1 and args.measured:
         planner("cluster", "--nproc", str(args.gpus), "--out", "cluster.json", folder=folder)
     headers = ["model", "schedule", "predicted ms", "measured ms", "iteration", "compute per stage",
                "transfers per stage", "optimizer step per stage", "peak memory per stage"]
@@ -134,15 +139,15 @@ def main() -> None:
         planner("profile", str(MODEL_FILES[model]), "--out", f"{model}.json", folder=folder)
         for schedule in args.schedules:
             plan = f"{model}-{schedule}.json"
-            planner("partition", f"{model}.json", *cluster_arguments(folder, args.gpus), "--straight",
-                    "--schedule", schedule, "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
+            planner("partition", f"{model}.json", *cluster_arguments(folder, args.gpus, measured=args.measured),
+                    "--straight", "--schedule", schedule, "--microbatches", str(MICROBATCHES), "--out", plan, folder=folder)
             said = planner("train", str(MODEL_FILES[model]), "--plan", plan, "--steps", str(args.steps), "--report",
                            f"{model}-{schedule}.report.json", folder=folder)
             warnings += [f"{model} {schedule}: {line}" for line in said.splitlines()
                          if line.startswith(("warning:", "note:"))]
             rows = [row(model, schedule, load_run_report(folder / f"{model}-{schedule}.report.json"))]
             if args.recompute:
-                rows.append(recompute_row(model, schedule, plan, args.steps, args.gpus, folder))
+                rows.append(recompute_row(model, schedule, plan, args.steps, args.gpus, folder, args.measured))
             for cells in rows:  # each row as soon as it is measured: a run cut short keeps what it found
                 print("| " + " | ".join(cells) + " |", flush=True)
             print(f"  {model} {schedule} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)

@@ -176,20 +176,18 @@ def inspect(
     _run(debug, lambda: _print_profile(load_profile(profile_file), None))
 
 
-DEFAULT_BANDWIDTH = "300GB/s,25GB/s"  # within a node, between nodes
-
-
 @app.command("partition")
 def partition_command(
     profile_file: str = typer.Argument(..., help="A profile written by `planner profile` or `import-pipedream`."),
     gpus: Optional[int] = typer.Option(None, "--gpus", "-g", help="Number of GPUs."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default: all in one)."),
     bandwidth: Optional[str] = typer.Option(
-        None, help=f"Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s "
-                   f"(default: {DEFAULT_BANDWIDTH})."
+        None, help="Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s "
+                   "(default: 300GB/s,25GB/s for a GPU profile, 2.5GB/s,1GB/s for a CPU one)."
     ),
     latency: Optional[str] = typer.Option(
-        None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: 0)."
+        None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: 0 for a GPU "
+                   "profile, 130us,200us for a CPU one)."
     ),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
@@ -222,7 +220,7 @@ def partition_command(
         from rich.progress import SpinnerColumn, TextColumn
 
         from planner.display.tables import comparison_table, plan_table
-        from planner.files.cluster import assumed_links, load_cluster, make_cluster
+        from planner.files.cluster import assumed_links, default_links, load_cluster, make_cluster
         from planner.files.profile import load_profile
         from planner.planning.partition import compare_baselines, compare_schedules, partition
 
@@ -233,18 +231,20 @@ def partition_command(
             raise PlannerError(f"--cluster {cluster_file} describes the whole cluster, so {', '.join(given)} would be "
                                "ignored: give either the cluster file or the flags (--gpus, --gpus-per-node, "
                                "--bandwidth, --latency, --memory)")
-        if cluster_file is not None:
-            cluster = load_cluster(cluster_file)
-        elif gpus is None:
+        if cluster_file is None and gpus is None:
             raise PlannerError("give --gpus N (or --cluster FILE)")
-        else:
-            rates = [rate.strip() for rate in (bandwidth or DEFAULT_BANDWIDTH).split(",") if rate.strip()]
-            delays = [delay.strip() for delay in (latency or "").split(",") if delay.strip()]
-            cluster = make_cluster(gpus, gpus_per_node, rates, memory, delays)
         count = microbatches.strip()
         if count != "auto" and not count.isdigit():
             raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")
         profile = load_profile(profile_file)
+        links = default_links(profile.device)
+        if cluster_file is not None:
+            cluster = load_cluster(cluster_file)
+        else:
+            rates = [rate.strip() for rate in bandwidth.split(",") if rate.strip()] if bandwidth else links.bandwidths
+            delays = [delay.strip() for delay in latency.split(",") if delay.strip()] if latency else links.latencies
+            cluster = make_cluster(gpus, gpus_per_node, rates, memory, delays,
+                                   links.allreduce if bandwidth is None and latency is None else None)
         with _stderr_progress(SpinnerColumn(), TextColumn("{task.description}")) as progress:
             task = progress.add_task(f"planning {profile.model_name}", total=None)
 
@@ -257,7 +257,7 @@ def partition_command(
                              microbatch_size=microbatch_size, recompute=not no_recompute,
                              global_batch_size=global_batch_size, progress=report)
         if cluster_file is None:
-            assumed = assumed_links(cluster, bandwidth is not None, latency is not None)
+            assumed = assumed_links(cluster, bandwidth is not None, latency is not None, links.kind)
             plan = plan.with_notes(assumed) if assumed else plan
         default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
         path = plan.save(out or Path("plans") / default_name)

@@ -142,9 +142,35 @@ def _check_reduce_terms(level: Level) -> None:
                            f"0 or more and below {MAX_LATENCY_S:g} s per message (seconds)")
 
 
-def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool) -> str:
-    """A note naming the link values of `cluster` that are defaults rather than given ("" when both
-    were given), and how to measure them."""
+@dataclass(frozen=True)
+class DefaultLinks:
+    """The links `planner partition --gpus` assumes where neither a cluster file nor the link flags give them,
+    for one kind of device (`default_links`): bandwidths and latencies per message within a node and between
+    nodes, and the all-reduce's ring terms within a node (bandwidth, latency; None: the link's own)."""
+
+    kind: str
+    bandwidths: tuple[str, str]
+    latencies: tuple[str, str]
+    allreduce: tuple[str, str] | None = None
+
+
+GPU_LINKS = DefaultLinks("GPUs", ("300GB/s", "25GB/s"), ("0us", "0us"))
+# What `planner cluster` measured for 2 gloo processes on the 2-core development machine (2026-11-27: links
+# 2.63 GB/s + 127 us a message, all-reduce ring terms 1.40 GB/s + 180 us; earlier days 2.0-2.9 GB/s + 53-243 us).
+# Between hosts: a 10 Gbit/s Ethernet's payload rate with a TCP round trip's latency, not measured here.
+CPU_LINKS = DefaultLinks("CPU processes", ("2.5GB/s", "1GB/s"), ("130us", "200us"), ("1.4GB/s", "180us"))
+
+
+def default_links(device: str) -> DefaultLinks:
+    """The links assumed for a profile measured on `device` ("cpu", "cuda:0", ...): a CPU profile trains as gloo
+    processes, whose messages cost a hundred times what a GPU link's default says (300 GB/s and no latency: x261
+    for a CPU pipeline's transfers, x284-654 for its all-reduces)."""
+    return CPU_LINKS if device.split(":")[0] == "cpu" else GPU_LINKS
+
+
+def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool, kind: str = GPU_LINKS.kind) -> str:
+    """A note naming the link values of `cluster` that are defaults for `kind` (`DefaultLinks.kind`) rather than
+    given ("" when both were given), and how to measure them."""
     assumed = []
     if not bandwidth_given:
         assumed.append("bandwidth " + ", ".join(f"{lv.bandwidth_Bps / 1e9:.3g} GB/s" for lv in cluster.levels))
@@ -152,19 +178,22 @@ def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool) 
         assumed.append("latency " + ", ".join(f"{lv.latency_s * 1e6:.3g} us" for lv in cluster.levels))
     if not assumed:
         return ""
-    return (f"assumed {' and '.join(assumed)} per level (defaults, not measured): transfer times may be far off; "
-            "measure this machine with `planner cluster` and pass --cluster")
+    return (f"assumed {' and '.join(assumed)} per level (defaults for {kind}, not measured): transfer times may be "
+            "far off; measure this machine with `planner cluster` and pass --cluster")
 
 
 def make_cluster(
-    gpus: int, gpus_per_node: int | None = None, bandwidths: Sequence[str | float] = ("300GB/s", "25GB/s"),
+    gpus: int, gpus_per_node: int | None = None, bandwidths: Sequence[str | float] = GPU_LINKS.bandwidths,
     memory: str | int | None = None, latencies: Sequence[str | float] = (),
+    node_allreduce: tuple[str | float, str | float] | None = None,
 ) -> Cluster:
     """The cluster of the `--gpus/--gpus-per-node/--bandwidth/--latency/--memory` flags.
 
     With `gpus_per_node` None or equal to `gpus`, the cluster is flat (one node) at the first
     bandwidth; otherwise GPUs within a node use the first bandwidth and nodes the second.
     `latencies` pair with the bandwidths the same way (none given: 0 s per message).
+    `node_allreduce`: the all-reduce's (bandwidth, latency) within a node (`Level.allreduce_bandwidth_Bps`; None:
+    the link's own).
     """
     if gpus < 1:
         raise ClusterError(f"--gpus must be at least 1, got {gpus}")
@@ -178,8 +207,11 @@ def make_cluster(
         raise ClusterError("--bandwidth needs at least one value")
     delays = [_latency(value) for value in latencies] or [0.0]
     memory_bytes = None if memory is None else _memory(memory)
+    reduce_rate, reduce_delay = (None, None) if node_allreduce is None else (
+        _bandwidth(node_allreduce[0]), _latency(node_allreduce[1]))
+    node = Level("node", per_node, rates[0], delays[0], reduce_rate, reduce_delay)
     if per_node == gpus:
-        return Cluster((Level("node", gpus, rates[0], delays[0]),), memory_bytes)
+        return Cluster((node,), memory_bytes)
     if len(rates) < 2:
         raise ClusterError(
             f"{gpus // per_node} nodes need two bandwidths (within a node, between nodes), got {len(rates)}"
@@ -187,8 +219,7 @@ def make_cluster(
     if len(delays) < 2 and latencies:
         raise ClusterError(f"{gpus // per_node} nodes need two latencies (within a node, between nodes), got 1")
     outer_delay = delays[1] if len(delays) > 1 else delays[0]
-    return Cluster((Level("node", per_node, rates[0], delays[0]),
-                    Level("cluster", gpus // per_node, rates[1], outer_delay)), memory_bytes)
+    return Cluster((node, Level("cluster", gpus // per_node, rates[1], outer_delay)), memory_bytes)
 
 
 def _bandwidth(value: str | float) -> float:

@@ -607,3 +607,31 @@ def test_partition_refuses_flags_a_cluster_file_would_override(tmp_path: Path, f
     assert invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster,
                   "--out", tmp_path / "p.json").exit_code == 0
 
+
+
+def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path: Path) -> None:
+    """Without a cluster file or link flags, a CPU profile is planned on the links of gloo processes (2.5 GB/s and
+    130 us a message, all-reduces at 1.4 GB/s and 180 us within a machine; 1 GB/s and 200 us between machines), a
+    GPU profile on 300 and 25 GB/s without latency: a GPU's links put a CPU pipeline's transfers at 1/261 of what
+    training measured. The notes name the defaults and their kind; a given bandwidth keeps the link's all-reduce."""
+    def planned(profile_path: Path, *flags: str) -> tuple[list[dict], str]:
+        out = tmp_path / "plan.json"
+        result = invoke("partition", profile_path, *flags, "--out", out)
+        assert result.exit_code == 0, result.output
+        body = json.loads(out.read_text())
+        return body["cluster"]["levels"], " ".join(body["notes"])
+
+    levels, notes = planned(REPO / "profiles" / "mlp.json", "--gpus", "4", "--gpus-per-node", "2")
+    assert [(lv["bandwidth_Bps"], lv["latency_s"]) for lv in levels] == [(2.5e9, pytest.approx(130e-6)),
+                                                                         (1e9, pytest.approx(200e-6))]
+    assert (levels[0]["allreduce_bandwidth_Bps"], levels[0]["allreduce_latency_s"]) == (1.4e9, pytest.approx(180e-6))
+    assert "allreduce_bandwidth_Bps" not in levels[1]
+    assert "bandwidth 2.5 GB/s, 1 GB/s and latency 130 us, 200 us per level (defaults for CPU processes" in notes
+
+    levels, notes = planned(REPO / "profiles" / "mlp.json", "--gpus", "2", "--bandwidth", "10GB/s")
+    assert levels == [{"name": "node", "size": 2, "bandwidth_Bps": 10e9, "latency_s": pytest.approx(130e-6)}]
+    assert "assumed latency 130 us per level (defaults for CPU processes" in notes and "bandwidth 10" not in notes
+
+    levels, notes = planned(REPO / "tests" / "data" / "profiles-h200" / "gpt2-medium.json", "--gpus", "2")
+    assert levels == [{"name": "node", "size": 2, "bandwidth_Bps": 300e9, "latency_s": 0.0}]
+    assert "bandwidth 300 GB/s and latency 0 us per level (defaults for GPUs" in notes

@@ -10,10 +10,13 @@ import pytest
 
 from planner.costs.schedule_cost import allreduce_terms, link_terms
 from planner.files.cluster import (
+    CPU_LINKS,
+    GPU_LINKS,
     Cluster,
     ClusterError,
     Level,
     cluster_from_dict,
+    default_links,
     load_cluster,
     make_cluster,
 )
@@ -144,3 +147,19 @@ def test_measured_all_reduce_terms_round_trip_and_price_all_reduces_but_not_mess
     assert [float(x) for x in allreduce_terms(measured, 0, 3)] == pytest.approx([1e11, 5e-6])
     assert [float(x) for x in allreduce_terms(measured, 2, 5)] == pytest.approx([4e9, 2e-4])
     assert [float(x) for x in link_terms(measured, 3, 4)] == pytest.approx([1e10, 5e-5])  # messages: the link
+
+
+def test_default_links_follow_the_profiles_device() -> None:
+    """A CPU profile's plan trains as gloo processes; any other device (cuda, cuda:1, an imported profile's) gets
+    the GPU defaults."""
+    assert default_links("cpu") is CPU_LINKS and default_links("cuda:1") is GPU_LINKS is default_links("cuda")
+    assert GPU_LINKS.bandwidths == ("300GB/s", "25GB/s") and CPU_LINKS.allreduce == ("1.4GB/s", "180us")
+
+
+def test_make_cluster_gives_the_node_level_the_all_reduce_terms_asked_for() -> None:
+    cluster = make_cluster(4, 2, ["2.5GB/s", "1GB/s"], latencies=["130us", "200us"],
+                           node_allreduce=("1.4GB/s", "180us"))
+    node, outer = cluster.levels
+    assert (node.reduce_bandwidth_Bps, node.reduce_latency_s) == (1.4e9, pytest.approx(180e-6))
+    assert (outer.reduce_bandwidth_Bps, outer.reduce_latency_s) == (1e9, pytest.approx(200e-6))  # the link's own
+    assert make_cluster(2).levels[0].allreduce_bandwidth_Bps is None
