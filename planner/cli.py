@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 import typer
 
 from planner.errors import PlannerError
+from planner.files.cluster import CPU_LINKS, GPU_LINKS
 from planner.files.export import TARGETS as EXPORT_TARGETS
 from planner.files.plan import COST_MODELS
 
@@ -176,6 +177,12 @@ def inspect(
     _run(debug, lambda: _print_profile(load_profile(profile_file), None))
 
 
+def _listed(values: str | None) -> list[str] | None:
+    """"a, b" -> ["a", "b"]; None for None or a text of no values."""
+    listed = [value.strip() for value in (values or "").split(",") if value.strip()]
+    return listed or None
+
+
 @app.command("partition")
 def partition_command(
     profile_file: str = typer.Argument(..., help="A profile written by `planner profile` or `import-pipedream`."),
@@ -183,11 +190,12 @@ def partition_command(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default: all in one)."),
     bandwidth: Optional[str] = typer.Option(
         None, help="Bandwidth within a node[,between nodes]: bytes/s or units such as GB/s, Gbit/s "
-                   "(default: 300GB/s,25GB/s for a GPU profile, 2.5GB/s,1GB/s for a CPU one)."
+                   f"(default: {','.join(GPU_LINKS.bandwidths)} for a GPU profile, {','.join(CPU_LINKS.bandwidths)} "
+                   "for a CPU one)."
     ),
     latency: Optional[str] = typer.Option(
-        None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: 0 for a GPU "
-                   "profile, 130us,200us for a CPU one)."
+        None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: "
+                   f"{','.join(GPU_LINKS.latencies)} for a GPU profile, {','.join(CPU_LINKS.latencies)} for a CPU one)."
     ),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
@@ -238,13 +246,12 @@ def partition_command(
             raise PlannerError(f"--microbatches must be auto or a whole number, got {microbatches!r}")
         profile = load_profile(profile_file)
         links = default_links(profile.device)
+        rates, delays = _listed(bandwidth), _listed(latency)  # None where not given (or given empty)
         if cluster_file is not None:
             cluster = load_cluster(cluster_file)
         else:
-            rates = [rate.strip() for rate in bandwidth.split(",") if rate.strip()] if bandwidth else links.bandwidths
-            delays = [delay.strip() for delay in latency.split(",") if delay.strip()] if latency else links.latencies
-            cluster = make_cluster(gpus, gpus_per_node, rates, memory, delays,
-                                   links.allreduce if bandwidth is None and latency is None else None)
+            cluster = make_cluster(gpus, gpus_per_node, rates or links.bandwidths, memory, delays or links.latencies,
+                                   links.allreduce if rates is None and delays is None else None)
         with _stderr_progress(SpinnerColumn(), TextColumn("{task.description}")) as progress:
             task = progress.add_task(f"planning {profile.model_name}", total=None)
 
@@ -257,7 +264,7 @@ def partition_command(
                              microbatch_size=microbatch_size, recompute=not no_recompute,
                              global_batch_size=global_batch_size, progress=report)
         if cluster_file is None:
-            assumed = assumed_links(cluster, bandwidth is not None, latency is not None, links.kind)
+            assumed = assumed_links(cluster, rates is not None, delays is not None, links.kind)
             plan = plan.with_notes(assumed) if assumed else plan
         default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
         path = plan.save(out or Path("plans") / default_name)

@@ -163,14 +163,15 @@ CPU_LINKS = DefaultLinks("CPU processes", ("2.5GB/s", "1GB/s"), ("130us", "200us
 
 def default_links(device: str) -> DefaultLinks:
     """The links assumed for a profile measured on `device` ("cpu", "cuda:0", ...): a CPU profile trains as gloo
-    processes, whose messages cost a hundred times what a GPU link's default says (300 GB/s and no latency: x261
-    for a CPU pipeline's transfers, x284-654 for its all-reduces)."""
+    processes, whose messages cost a hundred times what a GPU link's default says (300 GB/s and no latency: a CPU
+    pipeline's transfers measured x158-x261 their prediction, its all-reduces x284-x654)."""
     return CPU_LINKS if device.split(":")[0] == "cpu" else GPU_LINKS
 
 
 def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool, kind: str = GPU_LINKS.kind) -> str:
     """A note naming the link values of `cluster` that are defaults for `kind` (`DefaultLinks.kind`) rather than
-    given ("" when both were given), and how to measure them."""
+    given ("" when both were given), the all-reduce terms of a level that has its own (only defaults set them
+    here), and how to measure them."""
     assumed = []
     if not bandwidth_given:
         assumed.append("bandwidth " + ", ".join(f"{lv.bandwidth_Bps / 1e9:.3g} GB/s" for lv in cluster.levels))
@@ -178,8 +179,11 @@ def assumed_links(cluster: Cluster, bandwidth_given: bool, latency_given: bool, 
         assumed.append("latency " + ", ".join(f"{lv.latency_s * 1e6:.3g} us" for lv in cluster.levels))
     if not assumed:
         return ""
-    return (f"assumed {' and '.join(assumed)} per level (defaults for {kind}, not measured): transfer times may be "
-            "far off; measure this machine with `planner cluster` and pass --cluster")
+    reducing = "".join(f", and all-reduces at {lv.reduce_bandwidth_Bps / 1e9:.3g} GB/s + {lv.reduce_latency_s * 1e6:.3g}"
+                       f" us a ring step within a {lv.name}" for lv in cluster.levels
+                       if lv.allreduce_bandwidth_Bps is not None)
+    return (f"assumed {' and '.join(assumed)} per level{reducing} (defaults for {kind}, not measured): transfer "
+            "times may be far off; measure this machine with `planner cluster` and pass --cluster")
 
 
 def make_cluster(

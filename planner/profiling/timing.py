@@ -1,8 +1,10 @@
 """Times training steps and splits them into per-layer forward and backward times.
 
 Forward: a mark when each layer begins (its module's first call) splits the step into segments
-F[0] (before the model is called) <= F[1] <= ... <= F[L] (after the loss), so
-`fwd_ms[i] = F[i+1] - F[i]`: a layer's time includes the functional operations after it.
+F[0] (the first layer's start) <= F[1] <= ... <= F[L] (after the loss), so
+`fwd_ms[i] = F[i+1] - F[i]`: a layer's time includes the functional operations after it. Work before the
+first layer (inside the step, before the model reaches it) is in no layer's instrumented time; the plain
+step's forward counts it, so scaling the forwards to that forward spreads it over them.
 
 Backward: every autograd node belongs to the layer that was running when the forward created it
 (autograd numbers nodes in creation order, so the sequence number at each layer's start splits
@@ -79,8 +81,9 @@ class Clock(Protocol):
         """Milliseconds between two marks (after `synchronize`)."""
 
     def step_ms(self, start: Any, end: Any, wall_ms: float) -> float:
-        """A whole step's milliseconds, given its marks and `wall_ms`, the host's time from just before its
-        start mark until `synchronize` returned after it."""
+        """The milliseconds from mark `start` to mark `end`, given `wall_ms`, the host's time from just before
+        `start` until `end` was marked, or until `synchronize` returned after it (a whole step's, to its device's
+        end)."""
 
 
 class HostClock:
@@ -124,9 +127,10 @@ class CudaClock:
         return float(start.elapsed_time(end))
 
     def step_ms(self, start: torch.cuda.Event, end: torch.cuda.Event, wall_ms: float) -> float:
-        """The host's time until the device finished, `wall_ms`, or the events' span if longer: a launch-bound
-        step's host work before its first kernel and after its last launch, which the events miss (6-7% of a
-        small transformer's step on an H200), is paid in training too."""
+        """The host's time, `wall_ms`, or the events' span if longer: a launch-bound step's host work before its
+        first kernel and after its last launch, which the events miss (6-7% of a small transformer's step on an
+        H200), is paid in training too. Where the device lags the host (its kernels dominate), the events' span
+        is the longer, whether or not `wall_ms` waited for the device."""
         return max(wall_ms, self.elapsed_ms(start, end))
 
 
@@ -443,8 +447,8 @@ def time_layers(
     fwd_ms = [statistics.median(column) for column in zip(*fwd_samples)]
     bwd_ms = [statistics.median(column) for column in zip(*bwd_samples)]
     step_ms = statistics.median(step_samples)
-    # The layers' medians keep each layer's share and are scaled to add up to the plain step, what
-    # training takes. The instrumentation's cost is reported as median(instrumented_k / plain_k), both
+    # The layers' medians keep each layer's share within its phase, and each phase is scaled to add up to its
+    # share of the plain step, what training takes (`phase_scales`). The instrumentation's cost is reported as median(instrumented_k / plain_k), both
     # read by the plain step's clock (the layers' sum stretched as that clock read the step's span):
     # the machine's drift over seconds cancels within a pair, not between medians of each kind.
     totals = [(sum(fwd) + sum(bwd)) * stretch for fwd, bwd, stretch in zip(fwd_samples, bwd_samples, stretches)]
@@ -541,7 +545,7 @@ def time_input_gradients(
     records which layer outputs need a gradient, and a frozen one. `after_step` runs after every
     step; `progress(done, total)` after every iteration.
 
-    Why ratios within pairs rather than the frozen steps' own medians times `time_layers`'s scale
+    Why ratios within pairs rather than the frozen steps' own medians times `time_layers`'s backward scale
     factor: these steps come after `time_layers`'s, and the machine's speed drifts by several
     percent over seconds, which a ratio of two steps run back to back cancels. Multiplying by
     `bwd_ms` puts the result in its units (shares of the plain step), and `bwd_ms[i] - bwd_input_ms[i]`

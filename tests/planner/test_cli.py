@@ -613,7 +613,8 @@ def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path
     """Without a cluster file or link flags, a CPU profile is planned on the links of gloo processes (2.5 GB/s and
     130 us a message, all-reduces at 1.4 GB/s and 180 us within a machine; 1 GB/s and 200 us between machines), a
     GPU profile on 300 and 25 GB/s without latency: a GPU's links put a CPU pipeline's transfers at 1/261 of what
-    training measured. The notes name the defaults and their kind; a given bandwidth keeps the link's all-reduce."""
+    training measured. The notes name the defaults and their kind; a given bandwidth keeps the link's all-reduce.
+    Before, every profile got the GPU's links."""
     def planned(profile_path: Path, *flags: str) -> tuple[list[dict], str]:
         out = tmp_path / "plan.json"
         result = invoke("partition", profile_path, *flags, "--out", out)
@@ -626,11 +627,16 @@ def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path
                                                                          (1e9, pytest.approx(200e-6))]
     assert (levels[0]["allreduce_bandwidth_Bps"], levels[0]["allreduce_latency_s"]) == (1.4e9, pytest.approx(180e-6))
     assert "allreduce_bandwidth_Bps" not in levels[1]
-    assert "bandwidth 2.5 GB/s, 1 GB/s and latency 130 us, 200 us per level (defaults for CPU processes" in notes
+    assert ("assumed bandwidth 2.5 GB/s, 1 GB/s and latency 130 us, 200 us per level, and all-reduces at 1.4 GB/s + "
+            "180 us a ring step within a node (defaults for CPU processes, not measured)") in notes
+
+    assert planned(REPO / "profiles" / "mlp.json", "--gpus", "4", "--gpus-per-node", "2", "--latency", " ") == (
+        levels, notes)  # a flag of no values is no flag
 
     levels, notes = planned(REPO / "profiles" / "mlp.json", "--gpus", "2", "--bandwidth", "10GB/s")
     assert levels == [{"name": "node", "size": 2, "bandwidth_Bps": 10e9, "latency_s": pytest.approx(130e-6)}]
     assert "assumed latency 130 us per level (defaults for CPU processes" in notes and "bandwidth 10" not in notes
+    assert "all-reduces at" not in notes
 
     levels, notes = planned(REPO / "tests" / "data" / "profiles-h200" / "gpt2-medium.json", "--gpus", "2")
     assert levels == [{"name": "node", "size": 2, "bandwidth_Bps": 300e9, "latency_s": 0.0}]

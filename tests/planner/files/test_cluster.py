@@ -153,7 +153,6 @@ def test_default_links_follow_the_profiles_device() -> None:
     """A CPU profile's plan trains as gloo processes; any other device (cuda, cuda:1, an imported profile's) gets
     the GPU defaults."""
     assert default_links("cpu") is CPU_LINKS and default_links("cuda:1") is GPU_LINKS is default_links("cuda")
-    assert GPU_LINKS.bandwidths == ("300GB/s", "25GB/s") and CPU_LINKS.allreduce == ("1.4GB/s", "180us")
 
 
 def test_make_cluster_gives_the_node_level_the_all_reduce_terms_asked_for() -> None:

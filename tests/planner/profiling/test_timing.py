@@ -180,7 +180,7 @@ class _MarkCostsOneMs(HostClock):
 
 def test_each_phase_adds_up_to_its_own_share_of_the_plain_step(virtual_time: VirtualTime) -> None:
     """The forwards add up to the plain step's forward (start mark to the loss), the backwards to the rest, however
-    unevenly the hooks cost the two phases: here the plain step is 1 + 10 + 1 ms forward and 10 + 1 ms backward (its
+    unevenly the hooks cost the two phases: here the plain step is 10 + 1 ms forward and 10 + 1 ms backward (its
     three marks cost 1 ms each, the first before the clock reads its start), while the instrumented backward pays
     a mark per node (over 20 ms more). One factor for both phases gave the forward 5.4 ms."""
     model = nn.Sequential(_SleepThenTinyOps())
