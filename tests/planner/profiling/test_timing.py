@@ -194,6 +194,66 @@ def test_each_phase_adds_up_to_its_own_share_of_the_plain_step(virtual_time: Vir
     assert times.instrumented_ratio > 1.5 and times.instrumented_forward_share < 0.4
 
 
+class _FakeDevice:
+    """A device on `VirtualTime` that runs the work queued on it one item after another while the host goes on:
+    `queue(s)` takes no host time; a mark is the time the device reaches it (a CUDA event's); `synchronize` waits
+    for the device's last item; the whole step reads as CUDA's clock reads it (`CudaClock.step_ms`)."""
+
+    def __init__(self) -> None:
+        self.busy_until = 0.0
+
+    def queue(self, seconds: float) -> None:
+        self.busy_until = max(self.busy_until, time.perf_counter()) + seconds
+
+    def mark(self) -> float:
+        return max(self.busy_until, time.perf_counter())
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.busy_until - time.perf_counter()))
+
+    elapsed_ms = HostClock.elapsed_ms
+    step_ms = CudaClock.step_ms
+
+
+class _Kernels(torch.autograd.Function):
+    """Identity that queues `fwd_s` of device work in its forward and `bwd_s` in its backward, host time 0."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, device: _FakeDevice, fwd_s: float, bwd_s: float) -> torch.Tensor:
+        ctx.device, ctx.bwd_s = device, bwd_s
+        device.queue(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.device.queue(ctx.bwd_s)
+        return grad, None, None, None
+
+
+class _KernelLayer(nn.Module):
+    def __init__(self, device: _FakeDevice, fwd_s: float, bwd_s: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.device, self.fwd_s, self.bwd_s = device, fwd_s, bwd_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Kernels.apply(x * self.scale, self.device, self.fwd_s, self.bwd_s)
+
+
+def test_where_the_device_lags_the_host_each_phase_is_its_kernels_time(virtual_time: VirtualTime) -> None:
+    """A device whose kernels outlast the host's launches (a GPU-bound step): the plain step's forward ends when the
+    device reaches the forward's end, not when the host does (the host launched it at once), so the forwards add up
+    to the kernels' 5 + 10 ms and the backwards to their 20 + 5 ms."""
+    device = _FakeDevice()
+    model = nn.Sequential(_KernelLayer(device, 0.005, 0.020), _KernelLayer(device, 0.010, 0.005))
+    x = torch.randn(1)
+    layers = find_layers(model, lambda: model(x))
+    times = time_layers(layers, lambda: model(x).sum(), lambda: model.zero_grad(set_to_none=True), device,
+                        warmup=1, iters=3)
+    assert times.step_ms == pytest.approx(40) and times.forward_share == pytest.approx(15 / 40)
+    assert times.fwd_ms == pytest.approx([5, 10]) and times.bwd_ms == pytest.approx([20, 5])
+
+
 def test_phase_scales_put_each_phase_at_its_share_and_fall_back_to_one_factor() -> None:
     """Hand-derived: forwards of 30 ms and backwards of 90 ms (instrumented) onto a plain step of 100 ms whose forward
     took a quarter: 25 / 30 and 75 / 90. Without a backward (or a forward), one factor 100 / 120 for both."""
