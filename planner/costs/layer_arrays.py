@@ -17,23 +17,27 @@ OPTIMIZER_STATE_COPIES = {"adam": 2, "sgd": 1}  # optimizer state per parameter 
 ASSUMED_WEIGHT_SHARE = 0.5  # W / backward where the profile did not measure input gradients (a linear layer's dW ~ dX)
 
 
-def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float, float]:
-    """(step seconds, step scratch bytes, accumulation seconds) per parameter byte, and step seconds per
-    parameter tensor: one `optimizer` step's time and scratch memory and one gradient accumulation's
-    time over the whole model (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`,
+def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, float, float, float]:
+    """(step seconds, step scratch bytes, accumulation seconds) per parameter byte, step seconds per
+    parameter tensor and per step call: one `optimizer` step's time and scratch memory and one gradient
+    accumulation's time over the whole model (`Profile.optimizer_step_ms`, `optimizer_scratch_bytes`,
     `grad_accumulation_ms`) divided by its parameter bytes that need a gradient (the others have none to
-    step or add), the step's time after taking off its per-tensor cost (`optimizer_step_per_tensor_ms` x
-    the model's tensors) when measured; 0 for what the profile did not measure."""
+    step or add), the step's time after taking off its per-call cost (`optimizer_step_per_call_ms`, once) and
+    its per-tensor cost (`optimizer_step_per_tensor_ms` x the model's tensors) when measured, each at most
+    what is left of the step; 0 for what the profile did not measure. So a one-stage plan steps in the measured
+    time, and a plan of k stages that step pays the per-call cost k times."""
     total = profile.trainable_param_bytes
     if total <= 0:
-        return 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0
     step_ms = profile.optimizer_step_ms.get(optimizer, 0.0)
+    per_call_ms = min(profile.optimizer_step_per_call_ms.get(optimizer, 0.0), step_ms)
+    step_ms -= per_call_ms
     per_tensor_ms = profile.optimizer_step_per_tensor_ms.get(optimizer, 0.0) if profile.param_tensors else 0.0
     per_tensor_ms = min(per_tensor_ms, step_ms / max(sum(profile.param_tensors), 1))
     step_ms -= per_tensor_ms * sum(profile.param_tensors)
     scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
     return (step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total,
-            per_tensor_ms / 1000.0)
+            per_tensor_ms / 1000.0, per_call_ms / 1000.0)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ class CostInputs:
     scratch_per_byte: float = 0.0  # the optimizer step's scratch memory per parameter byte (0: not counted)
     accumulate_s_per_byte: float = 0.0  # adding a microbatch's gradients into .grad, seconds per byte
     step_s_per_tensor: float = 0.0  # one optimizer step, seconds per parameter tensor (on top of per byte)
+    step_s_per_call: float = 0.0  # one optimizer step, seconds per call: once per stage that has a tensor to step
     chunks: int = 1  # stages per rank: v under a chunked schedule (`stage_placement`), else 1
     library_bytes: float = 0.0  # L: held by every device beyond tensors, bytes
 
@@ -253,9 +254,11 @@ def accumulate_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrF
 
 
 def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrFloat) -> ArrayOrFloat:
-    """opt = W x the optimizer step's time per parameter byte + n x its time per parameter tensor: one
-    optimizer step over the stage's W bytes in n tensors (shared copies included), seconds."""
-    return inputs.step_s_per_byte * weight_bytes + inputs.step_s_per_tensor * tensors
+    """opt = W x the optimizer step's time per parameter byte + n x its time per parameter tensor + its time per
+    call where n > 0: one optimizer step over the stage's W bytes in n tensors (shared copies included), seconds."""
+    per_call = (np.where(tensors > 0, inputs.step_s_per_call, 0.0) if isinstance(tensors, np.ndarray)
+                else inputs.step_s_per_call if tensors > 0 else 0.0)
+    return inputs.step_s_per_byte * weight_bytes + inputs.step_s_per_tensor * tensors + per_call
 
 
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,

@@ -78,8 +78,8 @@ def profile_digest(profile: Profile) -> str:
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
     for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms", "workspace_bytes",
-                "optimizer_step_per_tensor_ms", "param_tensors", "split_backward_ratio", "deferred_bytes",
-                "size_times", "library_bytes"):
+                "optimizer_step_per_tensor_ms", "optimizer_step_per_call_ms", "param_tensors", "split_backward_ratio",
+                "deferred_bytes", "size_times", "library_bytes"):
         if body.get(key):  # (profiles from before they were measured keep their digest)
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))

@@ -152,7 +152,9 @@ class Profile:
     holds beyond weights, gradients and state. `grad_accumulation_ms`: adding one more batch's
     gradients into every `.grad` (each backward after a stage's first in a step does).
     `optimizer_step_per_tensor_ms`: per optimizer, its step's cost per parameter tensor, ms (timed over
-    many one-element tensors), the rest of `optimizer_step_ms` being per byte; `param_tensors[i]`: the
+    many one-element tensors); `optimizer_step_per_call_ms`: per optimizer, what a step costs once per call
+    whatever it steps, ms (timed right after a backward; empty in older files: 0), the rest of
+    `optimizer_step_ms` being per byte; `param_tensors[i]`: the
     parameter tensors layer i holds that need a gradient, counted as `param_bytes` is.
     `frozen_param_bytes[i]`: the part of layer i's `param_bytes` that needs no gradient (`requires_grad=False`,
     as in fine-tuning with a frozen backbone or LoRA): weights only, no gradient, optimizer state or all-reduce;
@@ -205,6 +207,7 @@ class Profile:
     workspace_bytes: tuple[int, ...] = ()
     forward_workspace_bytes: tuple[int, ...] = ()
     optimizer_step_per_tensor_ms: dict[str, float] = field(default_factory=dict)
+    optimizer_step_per_call_ms: dict[str, float] = field(default_factory=dict)
     param_tensors: tuple[int, ...] = ()
     frozen_param_bytes: tuple[int, ...] = ()
     split_backward_ratio: float | None = None
@@ -327,7 +330,8 @@ class Profile:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
         size's empty `bwd_input_ms`), `library_bytes` 0, an unchecked `batch_coupling` (None), empty
-        `frozen_param_bytes` and `forward_workspace_bytes` and a shared parameter's `frozen` False are left out, so
+        `frozen_param_bytes`, `forward_workspace_bytes` and `optimizer_step_per_call_ms` and a shared parameter's
+        `frozen` False are left out, so
         that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
         as when it was made before they were measured."""
         body = dataclasses.asdict(self)
@@ -347,7 +351,7 @@ class Profile:
             del body["library_bytes"]
         if body["batch_coupling"] is None:
             del body["batch_coupling"]
-        for name in ("frozen_param_bytes", "forward_workspace_bytes"):
+        for name in ("frozen_param_bytes", "forward_workspace_bytes", "optimizer_step_per_call_ms"):
             if not body[name]:
                 del body[name]
         for shared in body["shared_params"]:
@@ -394,6 +398,8 @@ class Profile:
                 forward_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("forward_workspace_bytes", ())),
                 optimizer_step_per_tensor_ms={str(name): float(ms) for name, ms
                                               in body.get("optimizer_step_per_tensor_ms", {}).items()},
+                optimizer_step_per_call_ms={str(name): float(ms) for name, ms
+                                            in body.get("optimizer_step_per_call_ms", {}).items()},
                 param_tensors=tuple(int(count) for count in body.get("param_tensors", ())),
                 frozen_param_bytes=tuple(int(nbytes) for nbytes in body.get("frozen_param_bytes", ())),
                 split_backward_ratio=None if body.get("split_backward_ratio") is None

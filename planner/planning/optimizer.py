@@ -125,7 +125,8 @@ class _Evaluator:
         inputs, p = self.inputs, self.pairs
         group = inputs.class_size
         if (self.top_latency > 0 or self.ar_top_latency > 0 or self.inputs.step_s_per_byte > 0
-                or self.inputs.accumulate_s_per_byte > 0 or self.inputs.step_s_per_tensor > 0):
+                or self.inputs.accumulate_s_per_byte > 0 or self.inputs.step_s_per_tensor > 0
+                or self.inputs.step_s_per_call > 0):
             # the closed forms below leave latency, the optimizer step and accumulation out: try every count
             return self._fewest_outer_scan(pair, first_end, recompute, downstream, bound)
         top = self.ar_top

@@ -302,7 +302,7 @@ def _measure_checked(
     step.zero_grad()
     # each timed step follows a whole training step: as few as the input gradients' pairs, or a quarter of
     # --min-seconds per optimizer (at --iters 12, 24 steps had taken a third of the gpt example's profile)
-    optimizer_ms, optimizer_scratch, per_tensor_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
+    optimizer_ms, optimizer_scratch, per_tensor_ms, per_call_ms = _phase(model_file, "timing the optimizer step", lambda: time_optimizer_steps(
         model, lambda: step.loss().backward(), clock_for(device), input_iters, device,
         min_seconds=settings.min_seconds / 4))
     step.zero_grad()
@@ -342,7 +342,7 @@ def _measure_checked(
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), forward_workspace_bytes=tuple(forward_workspace),
-        optimizer_step_per_tensor_ms=per_tensor_ms,
+        optimizer_step_per_tensor_ms=per_tensor_ms, optimizer_step_per_call_ms=per_call_ms,
         param_tensors=tuple(param_tensors), frozen_param_bytes=tuple(frozen) if any(frozen) else (),
         split_backward_ratio=split_backward_ratio,
         deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library, batch_coupling=coupling,

@@ -562,11 +562,29 @@ def test_the_profiles_step_splits_into_per_tensor_and_per_byte_rates() -> None:
     profile = dataclasses.replace(load_profile(REPO / "profiles" / "mlp.json"), optimizer_step_ms={"adam": 10.0},
                                   optimizer_step_per_tensor_ms={"adam": 0.5})
     tensors, total = sum(profile.param_tensors), profile.total_param_bytes
-    per_byte, _, _, per_tensor = per_weight_byte(profile, "adam")
-    assert per_tensor == pytest.approx(0.5e-3, rel=REL)
+    per_byte, _, _, per_tensor, per_call = per_weight_byte(profile, "adam")
+    assert per_tensor == pytest.approx(0.5e-3, rel=REL) and per_call == 0.0  # a profile that did not time calls
     assert per_byte == pytest.approx((10.0 - 0.5 * tensors) / 1000.0 / total, rel=REL)
     older = dataclasses.replace(profile, param_tensors=())  # before tensors were counted: all per byte
     assert per_weight_byte(older, "adam")[::3] == pytest.approx((10.0 / 1000.0 / total, 0.0), rel=REL)
+    timed = dataclasses.replace(profile, optimizer_step_per_call_ms={"adam": 0.4})  # once per call, off the rest
+    per_byte, _, _, per_tensor, per_call = per_weight_byte(timed, "adam")
+    assert (per_tensor, per_call) == pytest.approx((0.5e-3, 0.4e-3), rel=REL)
+    assert per_byte == pytest.approx((10.0 - 0.4 - 0.5 * tensors) / 1000.0 / total, rel=REL)
+
+
+def test_each_stage_with_a_tensor_to_step_pays_the_steps_per_call_cost() -> None:
+    """A plan of one stage steps in the profile's whole step; two stages pay the call twice: the per-call cost
+    (0.4 ms) on top of per tensor and per byte, and none for a stage with no tensor that needs a gradient."""
+    arrays = dataclasses.replace(layers([0.1, 0.1, 0.1], params=[3e9, 1e9, 0.0]), param_tensors=prefix([3, 1, 0]))
+    inputs = CostInputs(arrays, flat(3), "1f1b", 2, step_s_per_byte=1e-11, step_s_per_tensor=2e-5,
+                        step_s_per_call=4e-4)
+    (whole,) = stage_costs(inputs, [(0, 3, 1, False)])
+    assert whole.step_s == pytest.approx(4e9 * 1e-11 + 4 * 2e-5 + 4e-4, rel=REL)
+    first, second, third = stage_costs(inputs, [(0, 1, 1, False), (1, 2, 1, False), (2, 3, 1, False)])
+    assert first.step_s == pytest.approx(3e9 * 1e-11 + 3 * 2e-5 + 4e-4, rel=REL)
+    assert second.step_s == pytest.approx(1e9 * 1e-11 + 2e-5 + 4e-4, rel=REL)
+    assert third.step_s == 0.0
 
 
 def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations() -> None:

@@ -94,10 +94,20 @@ def test_deferred_bytes_round_trip_and_are_left_out_where_not_measured(tmp_path:
         dataclasses.replace(_profile(), deferred_bytes=(1,) * (_profile().num_layers + 1))
 
 
+def test_the_steps_per_call_cost_round_trips_and_is_left_out_where_not_measured(tmp_path: Path) -> None:
+    profile = dataclasses.replace(_profile(), optimizer_step_per_call_ms={"adam": 0.42, "sgd": 0.3})
+    path = profile.save(tmp_path / "c.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["optimizer_step_per_call_ms"] == {"adam": 0.42, "sgd": 0.3}
+    assert "optimizer_step_per_call_ms" not in _profile().to_dict()  # an unmeasured one keeps the digest of before
+    assert profile_digest(profile) != profile_digest(_profile())
+
+
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
     del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
     del body["batch_coupling"], body["frozen_param_bytes"], body["forward_workspace_bytes"]
+    del body["optimizer_step_per_call_ms"]
     for shared in body["shared_params"]:
         del shared["frozen"]
     path = tmp_path / "v2.json"

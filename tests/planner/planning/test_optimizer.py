@@ -157,18 +157,20 @@ def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
     scratch_per_byte=st.sampled_from([0.0, 0.0, 1.0, 3.0]),  # the step's scratch memory per weight byte
     accumulate_s_per_byte=st.sampled_from([0.0, 0.0, 1e-11, 1e-10]),  # gradient accumulation per weight byte
     step_s_per_tensor=st.sampled_from([0.0, 0.0, 1e-5, 0.01]),  # the optimizer step's cost per parameter tensor
+    step_s_per_call=st.sampled_from([0.0, 0.0, 4e-4, 0.02]),  # and per call, once per stage with a tensor to step
     library_bytes=st.sampled_from([0.0, 0.0, 0.0, 5e7]),  # CUDA libraries' workspaces, once per device
     straight=st.booleans(), allow_recompute=st.booleans(), data=st.data(),
 )
 def test_optimum_matches_brute_force(
     arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, scale: float, input_bytes: float,
     optimizer_copies: int, step_s_per_byte: float, scratch_per_byte: float, accumulate_s_per_byte: float,
-    step_s_per_tensor: float, library_bytes: float, straight: bool, allow_recompute: bool, data: st.DataObject,
+    step_s_per_tensor: float, step_s_per_call: float, library_bytes: float, straight: bool, allow_recompute: bool,
+    data: st.DataObject,
 ) -> None:
     inputs = CostInputs(arrays, cluster, schedule, microbatches, scale, input_bytes, optimizer_copies,
                         step_s_per_byte=step_s_per_byte, scratch_per_byte=scratch_per_byte,
                         accumulate_s_per_byte=accumulate_s_per_byte, step_s_per_tensor=step_s_per_tensor,
-                        library_bytes=library_bytes)
+                        step_s_per_call=step_s_per_call, library_bytes=library_bytes)
     scored = score_plans(inputs, straight, allow_recompute)
     inputs = replace(inputs, memory_bytes=memory_limit(data, scored))
     plans = feasible(scored, inputs.memory_bytes)
