@@ -255,9 +255,10 @@ def accumulate_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat) -> ArrayOrF
 
 def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrFloat) -> ArrayOrFloat:
     """opt = W x the optimizer step's time per parameter byte + n x its time per parameter tensor + its time per
-    call where n > 0: one optimizer step over the stage's W bytes in n tensors (shared copies included), seconds."""
-    per_call = (np.where(tensors > 0, inputs.step_s_per_call, 0.0) if isinstance(tensors, np.ndarray)
-                else inputs.step_s_per_call if tensors > 0 else 0.0)
+    call / v where n > 0: one optimizer step over the stage's W bytes in n tensors (shared copies included),
+    seconds. A rank steps its v chunks (`CostInputs.chunks`) in one call, so each chunk pays 1/v of it."""
+    call = inputs.step_s_per_call / inputs.chunks
+    per_call = np.where(tensors > 0, call, 0.0) if isinstance(tensors, np.ndarray) else call if tensors > 0 else 0.0
     return inputs.step_s_per_byte * weight_bytes + inputs.step_s_per_tensor * tensors + per_call
 
 

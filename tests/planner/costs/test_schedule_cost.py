@@ -585,6 +585,11 @@ def test_each_stage_with_a_tensor_to_step_pays_the_steps_per_call_cost() -> None
     assert first.step_s == pytest.approx(3e9 * 1e-11 + 3 * 2e-5 + 4e-4, rel=REL)
     assert second.step_s == pytest.approx(1e9 * 1e-11 + 2e-5 + 4e-4, rel=REL)
     assert third.step_s == 0.0
+    # one rank holding v = 2 chunks steps them in one optimizer call: each chunk pays half of it
+    chunked = dataclasses.replace(inputs, cluster=flat(1), schedule="interleaved-1f1b", chunks=2)
+    first, second = stage_costs(chunked, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert first.step_s == pytest.approx(3e9 * 1e-11 + 3 * 2e-5 + 2e-4, rel=REL)
+    assert second.step_s == pytest.approx(1e9 * 1e-11 + 2e-5 + 2e-4, rel=REL)
 
 
 def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations() -> None:
