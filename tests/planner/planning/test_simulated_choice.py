@@ -41,13 +41,15 @@ def brute_force(inputs: CostInputs, straight: bool, allow_recompute: bool) -> tu
     arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 6),
     memory=st.sampled_from([None, None, 2e9, 4e9]), step_s_per_byte=st.sampled_from([0.0, 1e-11, 2.5e-10]),
     accumulate_s_per_byte=st.sampled_from([0.0, 1e-10]), straight=st.booleans(), allow_recompute=st.booleans(),
+    step_s_per_call=st.sampled_from([0.0, 0.0, 4e-4, 0.02]),  # the optimizer step's cost per call, per stage
 )
 def test_choice_matches_brute_force_under_the_simulator(
     arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, memory: float | None,
     step_s_per_byte: float, accumulate_s_per_byte: float, straight: bool, allow_recompute: bool,
+    step_s_per_call: float,
 ) -> None:
     inputs = CostInputs(arrays, cluster, schedule, microbatches, memory_bytes=memory, step_s_per_byte=step_s_per_byte,
-                        accumulate_s_per_byte=accumulate_s_per_byte)
+                        accumulate_s_per_byte=accumulate_s_per_byte, step_s_per_call=step_s_per_call)
     if not any(plan_fits(inputs, list(plan)) for plan in every_plan(arrays.num_layers, cluster.num_devices, straight,
                                                                       True in recompute_options(inputs, allow_recompute))):
         return  # nothing fits: the optimizer raises (tested in test_optimizer)
