@@ -80,7 +80,7 @@ def time_optimizer_steps(model: nn.Module, backward: Callable[[], None], clock: 
 PER_TENSOR_PROBE = 256  # one-element tensors `_step_ms_per_tensor` steps over
 # steps `_step_ms_per_call` times, each after a whole forward and backward: the gpt example's profile took 19.1 s
 # without them, 20.9 s with 5 per optimizer, 20.4 s with 3 (means of two runs side by side); Adam's cost per call
-# read 0.39-0.48 ms in five profiles
+# read 0.39-0.48 ms in six profiles
 PER_CALL_ITERS = 3
 
 
