@@ -9,8 +9,10 @@ starts, before torch initialises CUDA, unless PLANNER_TEST_GPU=1: then the GPU-o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -18,6 +20,8 @@ if os.environ.get("PLANNER_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402  (after the GPUs are hidden)
+
+from tests.machine_lock import MachineLock  # noqa: E402
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(),
                               reason="needs a CUDA device and PLANNER_TEST_GPU=1 (tests/conftest.py)")
@@ -33,3 +37,26 @@ PROFILES_V1 = REPO / "tests" / "data" / "profiles-v1"
 def examples_dir() -> Path:
     """The shipped example model files."""
     return EXAMPLES
+
+
+MACHINE_LOCK = pytest.StashKey[MachineLock]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[MACHINE_LOCK] = MachineLock.for_this_run()
+
+
+@pytest.fixture(scope="session")
+def machine_lock(request: pytest.FixtureRequest) -> MachineLock:
+    """This run's lock between its worker processes (`tests/machine_lock.py`): `exclusive()` while timing."""
+    return request.config.stash[MACHINE_LOCK]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Every test holds the machine shared from its fixtures' setup (a module's torchrun job may be one) to
+    their teardown, so that a timing fixture's exclusive hold waits for it and it for that; a test that asks
+    for `machine_lock` holds it as its fixtures say."""
+    lock = item.config.stash[MACHINE_LOCK]
+    with contextlib.nullcontext() if "machine_lock" in getattr(item, "fixturenames", ()) else lock.shared():
+        yield

@@ -11,6 +11,7 @@ from planner.errors import ProfileError
 from planner.profiling.conditions import default_cpu_processes
 from planner.profiling.profiler import ProfileSettings, _processes, profile_model
 from tests.conftest import EXAMPLES, gpu_only
+from tests.machine_lock import MachineLock
 
 # More measured steps than the default, and one torch thread, so that the medians are steady on a
 # shared 2-core machine: with two threads on two cores, any other process stalls torch's thread
@@ -25,18 +26,21 @@ SETTINGS = {"mlp": (8, 40), "resnet": (8, 30), "gpt": (8, 12)}
 # backward (0.41-0.44 on a quiet machine) in one clean-clone run, below twice the first layer's
 MIN_SECONDS = 1.0
 # alone (processes=1): a companion would train each model on the other core for the whole fixture, beside the
-# suite's other worker; profiles among companions run in test_companions.py and test_cli.py's default profile
+# suite's other worker; profiles among companions run in test_companions.py and test_cli.py's default profile.
+# And with the machine to itself (`machine_lock`): beside the other worker's torchrun jobs resnet's steps read
+# 50-120 ms (23 ms alone), its pairs of steps 0.55-1.8x each other, and the median of 30 pairs 0.874 in one run
 
 
 @pytest.fixture(scope="module")
-def profiles() -> dict[str, Profile]:
-    return {
-        name: profile_model(
-            load_model_file(EXAMPLES / f"{name}.py"),
-            ProfileSettings(batch_size=batch, iters=iters, threads=1, min_seconds=MIN_SECONDS, processes=1)
-        )
-        for name, (batch, iters) in SETTINGS.items()
-    }
+def profiles(machine_lock: MachineLock) -> dict[str, Profile]:
+    with machine_lock.exclusive():
+        return {
+            name: profile_model(
+                load_model_file(EXAMPLES / f"{name}.py"),
+                ProfileSettings(batch_size=batch, iters=iters, threads=1, min_seconds=MIN_SECONDS, processes=1)
+            )
+            for name, (batch, iters) in SETTINGS.items()
+        }
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
