@@ -24,8 +24,9 @@ On a GPU machine the profile and the training run on the GPU by default (`--devi
 Models: examples/mlp.py, examples/gpt.py, examples/resnet.py, benchmarks/models/gpt2.py (a
 transformers GPT-2 that no test or example uses) and benchmarks/models/gpt2_medium.py (the same
 at width 1024, 12 layers, context 512: big enough for a GPU's kernels to dominate; not a default,
-it takes minutes per step on CPU); examples/llama.py (a transformers Llama) and examples/vgg.py
-can be asked for too. The lines `planner train` printed about
+it takes minutes per step on CPU); examples/llama.py (a transformers Llama), examples/vgg.py, and the
+transformers BERT, ViT and T5 of benchmarks/models (bert, vit, t5: an attention mask, patches and a class token,
+an encoder-decoder with a shared embedding and position bias) can be asked for too. The lines `planner train` printed about
 conditions that differ from the profile's are shown under the table. Takes about 3 minutes on
 the 2-core CPU machine; absolute times on a shared machine drift by tens of percent within
 minutes, so compare ratios, and rerun before reading much into one.

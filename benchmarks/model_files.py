@@ -11,4 +11,6 @@ MODEL_FILES = {"mlp": REPO / "examples" / "mlp.py", "gpt": REPO / "examples" / "
                "gpt2-medium": REPO / "benchmarks" / "models" / "gpt2_medium.py",
                "gpt2-checkpointed": REPO / "benchmarks" / "models" / "gpt2_checkpointed.py",
                "gpt2-frozen": REPO / "benchmarks" / "models" / "gpt2_frozen.py",
-               "whisper": REPO / "benchmarks" / "models" / "whisper.py"}
+               "whisper": REPO / "benchmarks" / "models" / "whisper.py",
+               "bert": REPO / "benchmarks" / "models" / "bert.py", "vit": REPO / "benchmarks" / "models" / "vit.py",
+               "t5": REPO / "benchmarks" / "models" / "t5.py"}
