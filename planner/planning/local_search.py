@@ -32,6 +32,9 @@ from planner.simulation.simulator import SimulationTooLongError, simulated_piped
 REFINE_OPS = 100_000  # simulated ops one start's descent may play: 0.1-0.2 s on the 2-core CPU machine
 GROUP_SHARE = 4  # a start from `group_plans` descends on this fraction of the budget (1 / GROUP_SHARE), after `start`
 CONTINUE_SHARE = 2  # then the best plan found from all starts descends again on 1 / CONTINUE_SHARE of the budget
+CONTINUED = 2  # ... and so do the next best (CONTINUED in all)
+GAINING_ROUNDS = 4  # then the best descends on that share again, at most this often, while each round gains MIN_GAIN
+MIN_GAIN = 0.001  # (relative): a descent that stops where no move helps gains nothing the next round
 SHIFTS = (1, -1, 2, -2, 4, -4, 8, -8)  # layers a cut moves by, nearest first
 SHORT_RUN = 3  # stages at most in a run `window_moves` cuts again inside the plan (any length from either end)
 
@@ -219,10 +222,13 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
     """A plan of one stage per rank block (not chunked) after `descend` over `crossing_moves` then `plan_moves`
     (straight, and `window_moves` where those find nothing better), judged by its simulated
     time (`simulated_s`) among plans that fit (`plan_fits`: placement and memory), from `start` on `budget_ops`, then
-    from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the best by
-    `better`, which (unless it is `start` itself) descends again on 1 / CONTINUE_SHARE of the budget (the
+    from each of the `group_plans` and (straight) of the `straight_starts`, on a share of it each; the CONTINUED best
+    by `better` (but `start` itself) descend again on 1 / CONTINUE_SHARE of the budget each (the
     descents mostly stop on their budget, not where no move helps: squeezenet1_0 straight on 2 nodes of 8 GPUs,
-    1f1b, 8 microbatches, 574.5 -> 540.7 ms); `start` as it is on a budget of 0. From all: the faster start does not
+    1f1b, 8 microbatches, 574.5 -> 540.7 ms; the second best too: resnet101 straight on 8 GPUs, 1f1b, from the
+    two-stage balanced start, 787.8 -> 774.2 ms), then the best on that share again while a round gains MIN_GAIN,
+    GAINING_ROUNDS at most (inception_v3 straight on 8 GPUs, 1f1b: 1342.9 -> 1295.0 ms, for 0.1 s more); `start` as
+    it is on a budget of 0. From all: the faster start does not
     always descend further (vgg16 on 2 nodes of 8 GPUs, zb-h1: from the one-node plan alone, x0.90 the speed), and
     halving the budget of `start` lost up to 5% on deep pipelines (squeezenet1_0 straight on 16 GPUs, 1f1b). The
     balanced starts lead to optima that moves from the optimizer's plan do not reach (PipeDream's squeezenet1_0
@@ -257,14 +263,25 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
                        wider=(lambda trial: window_moves(trial, devices, split)) if straight else None)
 
     shares = [budget_ops] + [budget_ops // GROUP_SHARE] * (len(starts) - 1)
+    reached = []
     for (first, first_s), share in zip(starts, shares):
         found = descent(first, first_s, share)
+        reached.append(found)
         if better(found[0], found[1], best[0], best[1]):
             best = found
-    if len(starts) > 1 and best[0] != start:  # the best of them goes on (from `start` itself: a replay)
+    if len(starts) > 1:  # the best CONTINUED of them go on (a plan that is `start` itself: a replay)
+        ranked = sorted(dict(reached).items(), key=lambda item: item[1])
+        for plan, plan_s in [item for item in ranked if item[0] != start][:CONTINUED]:
+            found = descent(plan, plan_s, budget_ops // CONTINUE_SHARE)
+            if better(found[0], found[1], best[0], best[1]):
+                best = found
+    for _ in range(GAINING_ROUNDS):  # and the best goes on while that pays
         found = descent(*best, budget_ops // CONTINUE_SHARE)
+        gained = best[1] / found[1] - 1.0 if found[1] > 0 else 0.0
         if better(found[0], found[1], best[0], best[1]):
             best = found
+        if gained < MIN_GAIN:
+            break
     return Refined(*best, simulated)
 
 
