@@ -245,28 +245,20 @@ def test_the_best_plan_of_all_starts_descends_again() -> None:
     assert refined.seconds == pytest.approx(0.5407, abs=1e-4) and len(refined.stages) == 11
 
 
-@pytest.mark.skipif(not INCEPTION.is_file(), reason="../shared/pipedream-profiles is not present")
-def test_the_best_plan_goes_on_while_a_round_gains() -> None:
-    # PipeDream's inception_v3 straight on 8 GPUs, 1f1b, 8 microbatches: the descents from every start and the
-    # best's one continuation stopped on their budgets at 1342.9 ms; more rounds of the best reach 1295.0 ms (a
-    # search eight times longer from balanced plans of 2-8 stages: 1279.4 ms)
-    arrays = LayerArrays.from_profile(import_pipedream(INCEPTION))
+# PipeDream's profiles straight on 8 GPUs, 1f1b, 8 microbatches, refined from the final choice's plan. inception_v3:
+# the descents from every start and the best's one continuation stopped on their budgets at 1342.9 ms; more rounds
+# of the best reach 1295.0 ms (a search eight times longer from balanced plans of 2-8 stages: 1279.4 ms).
+# resnet101: the best start's descent stops at 787.8 ms; the two-stage balanced start, second on its quarter budget
+# (791.7 ms), goes on to 774.2 ms (the long search: 759.1 ms)
+@pytest.mark.parametrize("path, refined_s", [(INCEPTION, 1.2950), (RESNET101, 0.7742)], ids=["inception_v3", "resnet101"])
+def test_the_two_best_starts_go_on_and_then_the_best_while_a_round_gains(path: Path, refined_s: float) -> None:
+    if not path.is_file():
+        pytest.skip("../shared/pipedream-profiles is not present")
+    arrays = LayerArrays.from_profile(import_pipedream(path))
     inputs = CostInputs(arrays, make_cluster(8, None, ["100GB/s", "10GB/s"]), "1f1b", 8)
     choice = best_simulated(inputs, [list(optimize(inputs, straight=True).stages)], True, True)
     refined = refine_plan(inputs, choice.stages, choice.simulated_s, straight=True)
-    assert refined.seconds == pytest.approx(1.2950, abs=1e-4)
-
-
-@pytest.mark.skipif(not RESNET101.is_file(), reason="../shared/pipedream-profiles is not present")
-def test_the_second_best_start_descends_again_too() -> None:
-    # PipeDream's resnet101 straight on 8 GPUs, 1f1b, 8 microbatches: the best start's descent (the final choice's
-    # plan) stops at 787.8 ms; the two-stage balanced start, second on its quarter budget (791.7 ms), goes on to
-    # 774.2 ms (the long search: 759.1 ms)
-    arrays = LayerArrays.from_profile(import_pipedream(RESNET101))
-    inputs = CostInputs(arrays, make_cluster(8, None, ["100GB/s", "10GB/s"]), "1f1b", 8)
-    choice = best_simulated(inputs, [list(optimize(inputs, straight=True).stages)], True, True)
-    refined = refine_plan(inputs, choice.stages, choice.simulated_s, straight=True)
-    assert refined.seconds == pytest.approx(0.7742, abs=1e-4)
+    assert refined.seconds == pytest.approx(refined_s, abs=1e-4)
 
 
 @pytest.mark.skipif(not DENSENET.is_file(), reason="../shared/pipedream-profiles is not present")
