@@ -275,8 +275,8 @@ def refine_plan(inputs: CostInputs, start: Plan, start_s: float, straight: bool,
             found = descent(plan, plan_s, budget_ops // CONTINUE_SHARE)
             if better(found[0], found[1], best[0], best[1]):
                 best = found
-    for _ in range(GAINING_ROUNDS):  # and the best goes on while that pays
-        found = descent(*best, budget_ops // CONTINUE_SHARE)
+    for _ in range(GAINING_ROUNDS if best[0] != start else 0):  # and the best goes on while that pays (`start`
+        found = descent(*best, budget_ops // CONTINUE_SHARE)  # itself, no move made it faster: a replay)
         gained = best[1] / found[1] - 1.0 if found[1] > 0 else 0.0
         if better(found[0], found[1], best[0], best[1]):
             best = found
