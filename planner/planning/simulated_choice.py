@@ -63,6 +63,7 @@ heuristic that proves nothing (`exhaustive` False, lower bound 0).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -196,6 +197,21 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
     return SimulatedChoice(best[1], best[0], exhaustive, simulations, lower)
 
 
+@dataclass(frozen=True)
+class _Placements:
+    """Where a stage can go before a partial plan on a given number of devices, a row per replica count
+    (ascending) that the placement rule allows: its replicas, the first rank of the first row, the links in and
+    out and the all-reduce's (bandwidth, latency), the microbatches in flight, the devices left before it."""
+
+    replicas: np.ndarray
+    first: int
+    link_in: tuple[np.ndarray, np.ndarray]
+    link_out: tuple[np.ndarray, np.ndarray]
+    allreduce_link: tuple[np.ndarray, np.ndarray]
+    flights: np.ndarray
+    left: np.ndarray
+
+
 class _StageBounds:
     """The module docstring's lower bounds of every stage ending at a layer, element-wise over its start."""
 
@@ -235,16 +251,24 @@ class _StageBounds:
         self.path_table = self._build_path_table() if path else None
         self.waited_table = self._build_waited_table() if path and self.split else None
         self.prefix_table = self._build_prefix_table() if straight and not path else None
+        self.placements: dict[int, _Placements | None] = {}  # `children`'s, per devices after the stage
 
     def children(self, stop: int, downstream: int, bound: float, trip: float, peaks: tuple[float, float],
                  limit: float) -> list[tuple[int, int, bool, float, float, tuple[float, float]]]:
         """(start, replicas, recompute, bound, round trip so far, peaks) of every stage [start, stop) that can go
         before a partial plan starting at `stop` on `downstream` devices, fits and whose bound is at most `limit`;
-        peaks are the partial plan's largest forward and backward (with accumulation) per stage and message."""
+        peaks are the partial plan's largest forward and backward (with accumulation) per stage and message.
+        In the order replicas, recompute flag, start (the search's ties follow it). Every replica count at once:
+        a row per count, a column per start."""
         inputs, arrays, sigma = self.inputs, self.inputs.arrays, self.inputs.scale
-        devices = inputs.cluster.num_devices
+        if downstream not in self.placements:
+            self.placements[downstream] = self._placements(downstream)
+        placement = self.placements[downstream]
+        if placement is None:
+            return []
+        replicas, flights, left = placement.replicas, placement.flights, placement.left
+        m = inputs.microbatches
         starts = np.arange(stop)
-        layers = arrays.num_layers
         fwd = sigma * (arrays.fwd_s[stop] - arrays.fwd_s[starts])
         stops = np.full(stop, stop)
         both = both_terms(inputs, starts, stops)
@@ -257,93 +281,116 @@ class _StageBounds:
         deferred = deferred_terms(inputs, starts, stops)
         cut_in = np.where(starts > 0, self.cut[starts - 1], 0.0)
         entering = np.where(starts > 0, cut_in, sigma * inputs.input_bytes)
-        found = []
-        for replicas in range(1, (1 if self.straight else devices - downstream) + 1):
-            first = devices - downstream - replicas
-            if first < 0 or not bool(placement_ok(inputs.cluster, first, replicas)):
-                continue
-            last = first + replicas - 1
-            comm_in = transfer_s(cut_in, *link_terms(inputs.cluster, first - 1, first), starts > 0)
-            comm_out = float(transfer_s(self.cut[stop - 1], *link_terms(inputs.cluster, last, last + 1), stop < layers))
-            allreduce = allreduce_s(replicated, replicas, *allreduce_terms(inputs.cluster, first, last))
-            step = step_terms(inputs, weights, tensors)
-            accumulate = accumulate_terms(inputs, weights)
-            weight = weight_terms(inputs, starts, stops)  # W (0 but for zero-bubble schedules)
-            for recompute in self.options:
-                compute = both + (fwd if recompute else 0.0)
+        comm_in = transfer_s(cut_in, *placement.link_in, starts > 0)
+        comm_out = transfer_s(self.cut[stop - 1], *placement.link_out, stop < arrays.num_layers)
+        allreduce = allreduce_s(replicated, replicas, *placement.allreduce_link)
+        step = step_terms(inputs, weights, tensors)
+        accumulate = accumulate_terms(inputs, weights)
+        weight = weight_terms(inputs, starts, stops)  # W (0 but for zero-bubble schedules)
+        turns = -(-m // replicas)
+        prefix = self._prefix_peaks(starts, left)
+        count = 1 if inputs.schedule == "pipedream" else m
+        prefix_bound = count * (prefix[3] if self.straight else prefix[4])
+        peak_fwd = _largest(peaks[0], fwd, comm_in, comm_out)
+        shape = (len(replicas), len(self.options), stop)  # (count, flag, start)
+        bounds, trips, bwd_peaks, fitting = np.empty(shape), np.empty(shape), np.empty(shape), np.empty(shape, bool)
+        for option, recompute in enumerate(self.options):
+            compute = both + (fwd if recompute else 0.0)
+            loop = compute - weight + trip  # from the stage's forward of a microbatch to the end of its B
+            if inputs.schedule == "pipedream":
+                stage_bound = np.maximum(compute + step, loop / flights) / replicas
+                child_trip = trip + compute + 2.0 * comm_in
+                child_bound = np.maximum(bound, stage_bound)
+            else:
+                backward = compute - fwd - weight
+                before_bwd = self.bwd_before[starts]
+                busy = np.maximum(turns * compute + (turns - 1) * accumulate,  # every op of the busiest replica
+                                  turns * fwd + (turns - flights) * backward + trip + backward  # its last
+                                  + weight)  # microbatch (zero-bubble: and that one's W, after its B)
+                channels = turns * np.maximum(comm_in, comm_out) + before_bwd
+                # after its last op, the replica all-reduces and steps, or (its last op a backward) the stages
+                # before it run theirs; a zero-bubble replica's last op is a W, after which only the first holds
+                after = allreduce + step if self.split else np.maximum(allreduce + step, before_bwd)
+                stage_bound = self.fwd_before[starts] + np.maximum(busy + after, channels)
+                child_trip = trip + compute - weight + 2.0 * comm_in
+                # the chain's last B, then (side by side) its W here and the trip back through the stages before
+                chain = (self.fwd_before[starts] + comm_in + -(-turns // flights) * loop
+                         + np.maximum(weight, comm_in + self.bwd_before[starts]))
+                # the busiest replica's first B waits for its first microbatch's way down and back; all its B's
+                # and W's, its other forwards and accumulations come after it, then what follows its last op
+                waited = (self.fwd_before[starts] + comm_in + fwd + trip + turns * (compute - fwd)
+                          + (turns - 1) * accumulate + np.maximum(turns - flights, 0) * fwd
+                          + (after if self.split else np.maximum(allreduce + step, comm_in + before_bwd)))
+                child_bound = _largest(bound, stage_bound, chain, waited, child_trip + self.compute_before[starts])
+            child_bound = np.maximum(child_bound, prefix_bound)
+            own_bwd = compute - fwd - weight + (0.0 if self.split else accumulate)  # (W accumulates, not B)
+            peak_bwd = _largest(peaks[1], own_bwd, comm_in, comm_out)
+            if self.straight:  # one replica count, 1
+                child_bound = self._straight_bound(child_bound, child_trip, fwd, own_bwd, int(flights[0, 0]),
+                                                   peak_fwd, peak_bwd, prefix, placement.first, int(left[0, 0]),
+                                                   downstream, starts)
+            ok = child_bound <= limit
+            if inputs.memory_bytes is not None:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
                                       workspace, deferred, frozen)[4]
-                loop = compute - weight + trip  # from the stage's forward of a microbatch to the end of its B
-                # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
-                flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,
-                                    replicas + downstream)
-                if inputs.schedule == "pipedream":
-                    stage_bound = np.maximum(compute + step, loop / flights) / replicas
-                    child_trip = trip + compute + 2.0 * comm_in
-                    child_bound = np.maximum(bound, stage_bound)
-                else:
-                    turns = -(-inputs.microbatches // replicas)
-                    backward = compute - fwd - weight
-                    before_bwd = self.bwd_before[starts]
-                    busy = np.maximum(turns * compute + (turns - 1) * accumulate,  # every op of the busiest replica
-                                      turns * fwd + (turns - flights) * backward + trip + backward  # its last
-                                      + weight)  # microbatch (zero-bubble: and that one's W, after its B)
-                    channels = turns * np.maximum(comm_in, comm_out) + before_bwd
-                    # after its last op, the replica all-reduces and steps, or (its last op a backward) the stages
-                    # before it run theirs; a zero-bubble replica's last op is a W, after which only the first holds
-                    after = allreduce + step if self.split else np.maximum(allreduce + step, before_bwd)
-                    stage_bound = self.fwd_before[starts] + np.maximum(busy + after, channels)
-                    child_trip = trip + compute - weight + 2.0 * comm_in
-                    # the chain's last B, then (side by side) its W here and the trip back through the stages before
-                    chain = (self.fwd_before[starts] + comm_in + -(-turns // int(flights)) * loop
-                             + np.maximum(weight, comm_in + self.bwd_before[starts]))
-                    # the busiest replica's first B waits for its first microbatch's way down and back; all its B's
-                    # and W's, its other forwards and accumulations come after it, then what follows its last op
-                    waited = (self.fwd_before[starts] + comm_in + fwd + trip + turns * (compute - fwd)
-                              + (turns - 1) * accumulate + max(turns - int(flights), 0) * fwd
-                              + (after if self.split else np.maximum(allreduce + step, comm_in + before_bwd)))
-                    child_bound = np.maximum.reduce([np.full(stop, bound), stage_bound, chain, waited,
-                                                     child_trip + self.compute_before[starts]])
-                left = devices - downstream - replicas  # for the layers before the stage
-                prefix = self._prefix_peaks(starts, left)
-                count = 1 if inputs.schedule == "pipedream" else inputs.microbatches
-                child_bound = np.maximum(child_bound, count * (prefix[3] if self.straight else prefix[4]))
-                peak_fwd = np.maximum.reduce([np.full(stop, peaks[0]), fwd, comm_in, np.full(stop, comm_out)])
-                own_bwd = compute - fwd - weight + (0.0 if self.split else accumulate)  # (W accumulates, not B)
-                peak_bwd = np.maximum.reduce([np.full(stop, peaks[1]), own_bwd, comm_in, np.full(stop, comm_out)])
-                if self.straight:
-                    turns = self.prefix_turns(first, starts)
-                    round_trip = child_trip + self.compute_before[starts]
-                    # in flight at the first stage (1f1b and zb-h1; gpipe's first stage runs all m before a backward)
-                    most = inputs.microbatches if inputs.schedule == "gpipe" else min(left + downstream + replicas,
-                                                                                      inputs.microbatches)
-                    if inputs.schedule == "pipedream":
-                        child_bound = np.maximum.reduce([child_bound, turns, round_trip / (left + downstream + replicas)])
-                    else:
-                        child_bound = np.maximum.reduce([
-                            child_bound, round_trip + _times(inputs.microbatches - 1, turns),
-                            round_trip + self._prefix_path(first, starts),
-                            self._prefix_waited(first, starts),
-                            -(-inputs.microbatches // most) * round_trip,
-                            self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd,
-                                             prefix, left + downstream + replicas)])
-                ok = child_bound <= limit
-                if inputs.memory_bytes is not None:
-                    ok &= memory <= inputs.memory_bytes
-                for start in np.flatnonzero(ok):
-                    found.append((int(start), replicas, recompute, float(child_bound[start]), float(child_trip[start]),
-                                  (float(peak_fwd[start]), float(peak_bwd[start]))))
-        return found
+                ok &= memory <= inputs.memory_bytes
+            bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
+                child_bound, child_trip, peak_bwd, ok)
+        row, option, start = np.nonzero(fitting)  # in C order
+        column = np.broadcast_to(peak_fwd, (len(replicas), stop))[row, start]
+        return list(zip(start.tolist(), replicas[row, 0].tolist(), np.array(self.options)[option].tolist(),
+                        bounds[row, option, start].tolist(), trips[row, option, start].tolist(),
+                        zip(column.tolist(), bwd_peaks[row, option, start].tolist())))
 
-    def _prefix_peaks(self, starts: np.ndarray, left: int) -> tuple[np.ndarray, ...]:
+    def _placements(self, downstream: int) -> _Placements | None:
+        """`children`'s stage placements before a partial plan on `downstream` devices; None where none fits."""
+        inputs, cluster = self.inputs, self.inputs.cluster
+        devices = cluster.num_devices
+        counts = np.arange(1, (1 if self.straight else devices - downstream) + 1)
+        firsts = devices - downstream - counts
+        placed = (firsts >= 0) & placement_ok(cluster, firsts, counts)
+        if not placed.any():
+            return None
+        replicas, first = counts[placed][:, None], firsts[placed][:, None]
+        last = first + replicas - 1
+        # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
+        flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,
+                            replicas + downstream)
+        return _Placements(replicas, int(first[0, 0]), link_terms(cluster, first - 1, first),
+                           link_terms(cluster, last, last + 1), allreduce_terms(cluster, first, last), flights,
+                           devices - downstream - replicas)
+
+    def _straight_bound(self, child_bound: np.ndarray, child_trip: np.ndarray, fwd: np.ndarray, own_bwd: np.ndarray,
+                        flights: int, peak_fwd: np.ndarray, peak_bwd: np.ndarray, prefix: tuple[np.ndarray, ...],
+                        first: int, left: int, downstream: int, starts: np.ndarray) -> np.ndarray:
+        """`children`'s bound of a straight stage on rank `first` with the flow-shop and prefix bounds added (module
+        docstring), a row of one replica."""
+        inputs = self.inputs
+        turns = self.prefix_turns(first, starts)
+        round_trip = child_trip + self.compute_before[starts]
+        if inputs.schedule == "pipedream":
+            return _largest(child_bound, turns, round_trip / (left + downstream + 1))
+        # in flight at the first stage (1f1b and zb-h1; gpipe's first stage runs all m before a backward)
+        most = inputs.microbatches if inputs.schedule == "gpipe" else min(left + downstream + 1, inputs.microbatches)
+        return _largest(child_bound, round_trip + _times(inputs.microbatches - 1, turns),
+                        round_trip + self._prefix_path(first, starts), self._prefix_waited(first, starts),
+                        -(-inputs.microbatches // most) * round_trip,
+                        self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd, prefix,
+                                         left + downstream + 1))
+
+    def _prefix_peaks(self, starts: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, ...]:
         """Lower bounds on the largest forward, backward (B alone for zero-bubble schedules) and both of one
-        stage among layers [0, start) on `left` devices, unreplicated (a stage holds whole layers, and `left`
+        stage among layers [0, start) on `left` devices (a column, a row per replica count), unreplicated (a stage holds whole layers, and `left`
         stages share the sums), on the largest work of one such stage (W included: a device runs its W's within
         the iteration too), and on a device's share of the work of one microbatch through them (W included,
         replicas allowed); inf where layers are left without devices, 0 where no layer is."""
         with np.errstate(divide="ignore", invalid="ignore"):
+            some = left > 0
+            spread = np.where(some, left, 1)
+
             def share(before: np.ndarray, largest: np.ndarray | None) -> np.ndarray:
-                each = before[starts] / left if left > 0 else np.full(len(starts), np.inf)
+                each = before[starts] / spread
+                each = each if some.all() else np.where(some, each, np.inf)
                 if largest is not None:
                     each = np.maximum(each, largest[starts])
                 return np.where(starts > 0, each, 0.0)
@@ -500,6 +547,11 @@ def _spans(before: np.ndarray) -> np.ndarray:
 def _no_layer(spans: np.ndarray) -> np.ndarray:
     """Where a matrix of `_spans` holds no stage: j <= i."""
     return np.tril(np.ones(spans.shape, dtype=bool))
+
+
+def _largest(*values: float | np.ndarray) -> np.ndarray:
+    """The element-wise maximum of arrays (and numbers) that broadcast together."""
+    return functools.reduce(np.maximum, values)
 
 
 def _times(count: int, values: np.ndarray) -> np.ndarray:
