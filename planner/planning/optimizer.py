@@ -19,7 +19,10 @@ search over a bound beta on max_s Q(s):
   is the outermost one, and the fewest feasible replicas come from a short fixed-point
   iteration (flush: `_flush_fixed_point`) or the quadratic of PipeDream's objective (pipedream).
 - beta is bisected to the smallest feasible value (relative 1e-3), then lowered just below the
-  best plan's own max Q until nothing is feasible: exact to a relative 1e-9.
+  best plan's own max Q until nothing is feasible: exact to a relative 1e-9. With a memory limit the
+  smallest feasible beta comes instead from one pass of the same dynamic program that keeps per entry
+  the largest Q of its suffix (`_least_bound`; exact), then one solve at it: the bisection took 7-14
+  solves there. (The bisection stays where the closed forms of many whole outer groups need a bound.)
 - Recompute costs time in the fill/drain sum, so with a memory limit (the only case where it
   can help) every cheaper-recompute breakpoint of solve(beta) above the smallest beta is found
   by bisection, as long as it can still beat the best plan; the best fill_drain + max Q wins.
@@ -438,6 +441,14 @@ def _solve(
     return found[0] if found else None
 
 
+def _grid(evaluator: _Evaluator, straight: bool, recompute_options: tuple[bool, ...]) -> _StageGrid:
+    """The evaluator's `_StageGrid` for these options, built on first use."""
+    key = (straight, recompute_options)
+    if key not in evaluator.grids:
+        evaluator.grids[key] = _StageGrid(evaluator, straight, recompute_options)
+    return evaluator.grids[key]
+
+
 def _solve_front(
     evaluator: _Evaluator, bound: float, straight: bool, recompute_options: tuple[bool, ...], track_cost: bool
 ) -> list[list[Stage]]:
@@ -451,10 +462,7 @@ def _solve_front(
     """
     inputs, pairs = evaluator.inputs, evaluator.pairs
     n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
-    key = (straight, recompute_options)
-    if key not in evaluator.grids:
-        evaluator.grids[key] = _StageGrid(evaluator, straight, recompute_options)
-    grid = evaluator.grids[key]
+    grid = _grid(evaluator, straight, recompute_options)
     options = len(recompute_options)
     front = _Front(*(np.zeros(1 + n * total, dtype=t)
                      for t in (np.int64, float, np.int64, np.int64, np.int64, bool, np.int64)))
@@ -528,6 +536,53 @@ def _solve_front(
     return plans
 
 
+def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple[bool, ...],
+                 upper: float) -> float | None:
+    """The least max Q(s) of a plan within memory, given `upper`, the max Q of one (None where the closed forms of
+    many whole outer groups would be needed: they take a bound). One pass of `_solve_front`'s dynamic program
+    with, per entry, the largest Q of its suffix's stages, v, in place of a bound: a candidate stage on an entry
+    has v' = max(v, Q); per start the least v' of each device count is kept, then within a residue only those
+    below every fewer-device count's (fewer devices never hurt a stage placed before them: the module docstring;
+    under zb-h1 with deferred gradients every count, as there). Exact: min over plans of max Q is
+    min_d v(0, d), as `smallest_bound`'s bisection finds with many solves."""
+    inputs, pairs = evaluator.inputs, evaluator.pairs
+    n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
+    grid = _grid(evaluator, straight, recompute_options)
+    if not straight and not grid.scans_outer:
+        return None
+    devices = np.zeros(1 + n * (total + 1), dtype=np.int64)
+    first = np.zeros(len(devices), dtype=np.int64)
+    largest = np.zeros(len(devices))
+    first[0], size = n, 1
+    for start in range(n - 1, -1, -1):
+        downstream = devices[:size]
+        pair = grid.row[start] + first[:size]
+        entries, combos = grid.live(pair, downstream, upper, inputs.memory_bytes)
+        q = grid.bound(pair[entries], downstream[entries], combos)
+        ok = q <= upper
+        entries, combos, q = entries[ok], combos[ok], q[ok]
+        if inputs.memory_bytes is not None:
+            ok = grid.fits(pair[entries], downstream[entries], combos, inputs.memory_bytes)
+            entries, combos, q = entries[ok], combos[ok], q[ok]
+        if len(entries) == 0:
+            continue
+        least = np.full(total + 1, np.inf)
+        np.minimum.at(least, downstream[entries] + grid.replicas[combos], np.maximum(largest[entries], q))
+        counts = np.nonzero(least < np.inf)[0]  # ascending
+        values = least[counts]
+        if not grid.more_devices_can_help:  # a row per residue, a column per device count of it (ascending)
+            table = np.full((group, total // group + 1), np.inf)
+            table[counts % group, counts // group] = values
+            fewer = np.minimum.accumulate(np.concatenate([np.full((group, 1), np.inf), table[:, :-1]], axis=1), axis=1)
+            keep = values < fewer[counts % group, counts // group]
+            counts, values = counts[keep], values[keep]
+        added = slice(size, size + len(counts))
+        devices[added], first[added], largest[added] = counts, start, values
+        size += len(counts)
+    at_zero = np.nonzero(first[:size] == 0)[0]
+    return float(np.min(largest[at_zero])) if len(at_zero) else None
+
+
 def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, ...]:
     """The recompute flags a stage may take: both where allowed and a memory limit is set, except under
     zero-bubble schedules (their W would need the recomputed activations kept from B on: not planned)."""
@@ -577,8 +632,18 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         # that plan does not fit: the limit binds and the optimum lies above it, mostly far (x1.1-37 in `planner
         # partition` of resnet50 on 16 GPUs at 16 GB): probes just above `low` would fail
         probes = 0
-    best, best_bound = smallest_bound(solve, max_bound, best, low, probes)
-    if inputs.schedule in FLUSH_SCHEDULES and True in options:
+    # the least max Q within the limit, in one pass
+    least = None if unlimited is None else _least_bound(evaluator, straight, options, max_bound(best) * (1.0 + TIE))
+    recomputing = inputs.schedule in FLUSH_SCHEDULES and True in options
+    if least is not None and recomputing:  # `_cheaper_recompute` solves at it first
+        best_bound = least
+    else:
+        found = None if least is None else solve(least)
+        if found is not None:
+            best, best_bound = found, max_bound(found)
+        else:
+            best, best_bound = smallest_bound(solve, max_bound, best, low, probes)
+    if recomputing:
         best = _cheaper_recompute(inputs, solve, best, best_bound)
     best_value = objective_s(inputs, best)
     # ties within the tolerance go to the fewest devices: every Pareto plan whose max Q could tie

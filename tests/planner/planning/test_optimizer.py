@@ -198,8 +198,9 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
     """A review's case: 2 layers of 1 s and 1 GB each on 2 devices, 1f1b, one microbatch, an optimizer step of 1e-18
     s per byte. Without a limit the optimizer keeps one stage (largest term 2e-9 s, the objective within TIE of the
     two-stage plan's, whose terms are 1e-9 s): the tie goes to fewer devices. The memory-limited search starts its
-    bisection at that plan's term, less TIE x its objective, which no plan within the limit beats; at the term itself
-    it would have started above the two-stage plan, which fits."""
+    bisection (where `_least_bound` cannot run: many outer groups) at that plan's term, less TIE x its objective,
+    which no plan within the limit beats; at the term itself it would have started above the two-stage plan, which
+    fits."""
     arrays = LayerArrays(compute_s=np.array([0.0, 1.0, 2.0]), param_bytes=np.array([0.0, 1e9, 2e9]),
                          cut_bytes=np.zeros(2), saved_bytes=np.zeros(3), fwd_s=np.array([0.0, 0.3, 0.6]),
                          workspace_bytes=np.zeros(2), param_tensors=np.zeros(3), weight_s=np.zeros(3),
@@ -211,6 +212,7 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
     assert plan_fits(limited, two) and not plan_fits(limited, one)  # the limit binds: the search runs
     lows: list[float] = []
     search = optimizer_module.smallest_bound
+    monkeypatch.setattr(optimizer_module, "_least_bound", lambda *args: None)  # the bisection, as on many outer groups
     monkeypatch.setattr(optimizer_module, "smallest_bound",
                         lambda solve, value, best, low, *probes: lows.append(low) or search(solve, value, best, low,
                                                                                           *probes))
@@ -219,12 +221,15 @@ def test_a_memory_limited_search_starts_no_higher_than_any_plan_within_the_limit
     assert solution.objective_s == pytest.approx(objective_s(limited, two), rel=1e-9)
 
 
-def test_a_binding_memory_limit_bisects_without_probing_just_above_the_unlimited_optimum(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_binding_memory_limit_is_searched_in_one_pass_or_bisected_without_probes(
+        monkeypatch: pytest.MonkeyPatch, one_pass: bool) -> None:
     """2 layers of 1 s and 1 GB each on 2 devices, one microbatch: without a limit one stage is best. Where it fits the
     limit it is the answer, with no memory-limited search (the bound search runs once, without the limit, with its
-    probes); where it does not, the optimum lies above it and probes just above it would all fail, so the
-    memory-limited bisection starts at once (no probe)."""
+    probes); where it does not, `_least_bound` finds the least max Q within the limit in one pass, and no bisection
+    runs but the one without the limit. Where that pass cannot run (the closed forms of many outer groups), the
+    optimum lies above the unlimited one and probes just above it would all fail, so the memory-limited bisection
+    starts at once (no probe)."""
     arrays = LayerArrays(compute_s=np.array([0.0, 1.0, 2.0]), param_bytes=np.array([0.0, 1e9, 2e9]),
                          cut_bytes=np.zeros(2), saved_bytes=np.zeros(3), fwd_s=np.array([0.0, 0.3, 0.6]))
     inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "1f1b", 1)
@@ -236,12 +241,38 @@ def test_a_binding_memory_limit_bisects_without_probing_just_above_the_unlimited
     monkeypatch.setattr(optimizer_module, "smallest_bound",
                         lambda solve, value, best, low, count: probes.append(count) or search(solve, value, best,
                                                                                                low, count))
-    for memory, plan, counts in ((1e15, one, [PROBES]), (between, two, [PROBES, 0])):
+    if not one_pass:
+        monkeypatch.setattr(optimizer_module, "_least_bound", lambda *args: None)
+    for memory, plan, counts in ((1e15, one, [PROBES]), (between, two, [PROBES] if one_pass else [PROBES, 0])):
         limited = replace(inputs, memory_bytes=memory)
         assert plan_fits(limited, plan) and (plan == one or not plan_fits(limited, one))
         probes.clear()
         assert list(optimize(limited, straight=True).stages) == plan
         assert probes == counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(CONTIGUOUS), microbatches=st.integers(1, 6),
+       straight=st.booleans(), allow_recompute=st.booleans(), data=st.data())
+def test_least_bound_is_the_least_largest_term_of_a_plan_within_memory(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, straight: bool, allow_recompute: bool,
+    data: st.DataObject,
+) -> None:
+    """`_least_bound` (one pass of the dynamic program) against brute force: the least max Q(s) over every plan that
+    fits the limit, given the max Q of any one of them as its upper bound."""
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
+                        scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
+    scored = score_plans(inputs, straight, allow_recompute)
+    limit = memory_limit(data, scored)
+    assume(limit is not None)
+    limited = replace(inputs, memory_bytes=limit)
+    plans = feasible(scored, limit)
+    assume(plans)
+    largest = [max(cost.bound_s for cost in stage_costs(limited, list(plan.stages))) for plan in plans]
+    upper = data.draw(st.sampled_from(largest))
+    options = recompute_options(limited, allow_recompute)
+    found = optimizer_module._least_bound(_Evaluator(limited, Pairs(limited)), straight, options, upper * (1 + TIE))
+    assert found == pytest.approx(min(largest), rel=TIE, abs=0.0)
 
 
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
