@@ -21,8 +21,9 @@ search over a bound beta on max_s Q(s):
 - beta is bisected to the smallest feasible value (relative 1e-3), then lowered just below the
   best plan's own max Q until nothing is feasible: exact to a relative 1e-9. With a memory limit the
   smallest feasible beta comes instead from one pass of the same dynamic program that keeps per entry
-  the largest Q of its suffix (`_least_bound`; exact), then one solve at it: the bisection took 7-14
-  solves there. (The bisection stays where the closed forms of many whole outer groups need a bound.)
+  the largest Q of its suffix (`_least_bound`; exact; it also finds that no plan fits), then one solve at
+  it: the bisection took 7-14 solves there, and a first solve for any plan. (The bisection stays where the
+  closed forms of many whole outer groups need a bound: `_bisected`.)
 - Recompute costs time in the fill/drain sum, so with a memory limit (the only case where it
   can help) every cheaper-recompute breakpoint of solve(beta) above the smallest beta is found
   by bisection, as long as it can still beat the best plan; the best fill_drain + max Q wins.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -538,8 +540,8 @@ def _solve_front(
 
 def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple[bool, ...],
                  upper: float) -> float | None:
-    """The least max Q(s) of a plan within memory, given `upper`, the max Q of one (None where the closed forms of
-    many whole outer groups would be needed: they take a bound). One pass of `_solve_front`'s dynamic program
+    """The least max Q(s) of a plan within memory, at most `upper` (inf where none is; None where the closed forms
+    of many whole outer groups would be needed: they take a bound). One pass of `_solve_front`'s dynamic program
     with, per entry, the largest Q of its suffix's stages, v, in place of a bound: a candidate stage on an entry
     has v' = max(v, Q); per start the least v' of each device count is kept, then within a residue only those
     below every fewer-device count's (fewer devices never hurt a stage placed before them: the module docstring;
@@ -580,7 +582,7 @@ def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple
         devices[added], first[added], largest[added] = counts, start, values
         size += len(counts)
     at_zero = np.nonzero(first[:size] == 0)[0]
-    return float(np.min(largest[at_zero])) if len(at_zero) else None
+    return float(np.min(largest[at_zero])) if len(at_zero) else math.inf
 
 
 def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, ...]:
@@ -616,6 +618,41 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     def max_bound(stages: list[Stage]) -> float:
         return max(cost.bound_s for cost in stage_costs(inputs, stages))
 
+    recomputing = inputs.schedule in FLUSH_SCHEDULES and True in options
+    # with a memory limit, the least max Q within it in one pass (no plan: inf), where that pass can run
+    least = None if unlimited is None else _least_bound(evaluator, straight, options, math.inf)
+    if least is None:
+        best, best_bound = _bisected(inputs, solve, max_bound, straight, options, unlimited)
+    elif math.isinf(least):
+        raise InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options))
+    else:  # (`_cheaper_recompute` solves at it itself)
+        best, best_bound = None if recomputing else solve(least), least
+        if best is None and not recomputing:  # (never: some plan reaches the least bound)
+            best, best_bound = _bisected(inputs, solve, max_bound, straight, options, unlimited)
+    if recomputing:
+        best = _cheaper_recompute(inputs, solve, best, best_bound)
+    assert best is not None
+    best_value = objective_s(inputs, best)
+    # ties within the tolerance go to the fewest devices: every Pareto plan whose max Q could tie
+    limit = best_value * (1.0 + TIE)
+    bound = limit - fill_drain_s(inputs, [])
+    if True in options and inputs.schedule in FLUSH_SCHEDULES:
+        candidates = _solve_front(evaluator, bound, straight, options, True)
+    else:
+        candidates = [plan for plan in [solve(bound)] if plan is not None]
+    tied = [plan for plan in candidates if objective_s(inputs, plan) <= limit]
+    if tied:
+        fewest = min(tied, key=lambda plan: sum(replicas_of(plan)))
+        if sum(replicas_of(fewest)) < sum(replicas_of(best)):
+            best = fewest
+    return Solution(tuple(best), objective_s(inputs, best))
+
+
+def _bisected(inputs: CostInputs, solve: Callable[[float], list[Stage] | None],
+              max_bound: Callable[[list[Stage]], float], straight: bool, options: tuple[bool, ...],
+              unlimited: Solution | None) -> tuple[list[Stage], float]:
+    """The plan of least max Q and that max Q, by `smallest_bound`'s bisection from any plan (`unlimited`: the
+    optimum without the memory limit, which does not fit it); InfeasiblePlanError where no plan fits."""
     best = solve(math.inf)
     if best is None:
         raise InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options))
@@ -632,33 +669,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         # that plan does not fit: the limit binds and the optimum lies above it, mostly far (x1.1-37 in `planner
         # partition` of resnet50 on 16 GPUs at 16 GB): probes just above `low` would fail
         probes = 0
-    # the least max Q within the limit, in one pass
-    least = None if unlimited is None else _least_bound(evaluator, straight, options, max_bound(best) * (1.0 + TIE))
-    recomputing = inputs.schedule in FLUSH_SCHEDULES and True in options
-    if least is not None and recomputing:  # `_cheaper_recompute` solves at it first
-        best_bound = least
-    else:
-        found = None if least is None else solve(least)
-        if found is not None:
-            best, best_bound = found, max_bound(found)
-        else:
-            best, best_bound = smallest_bound(solve, max_bound, best, low, probes)
-    if recomputing:
-        best = _cheaper_recompute(inputs, solve, best, best_bound)
-    best_value = objective_s(inputs, best)
-    # ties within the tolerance go to the fewest devices: every Pareto plan whose max Q could tie
-    limit = best_value * (1.0 + TIE)
-    bound = limit - fill_drain_s(inputs, [])
-    if True in options and inputs.schedule in FLUSH_SCHEDULES:
-        candidates = _solve_front(evaluator, bound, straight, options, True)
-    else:
-        candidates = [plan for plan in [solve(bound)] if plan is not None]
-    tied = [plan for plan in candidates if objective_s(inputs, plan) <= limit]
-    if tied:
-        fewest = min(tied, key=lambda plan: sum(replicas_of(plan)))
-        if sum(replicas_of(fewest)) < sum(replicas_of(best)):
-            best = fewest
-    return Solution(tuple(best), objective_s(inputs, best))
+    return smallest_bound(solve, max_bound, best, low, probes)
 
 
 _SLACK = 1e-12  # relative: far above the rounding of a plan's objective (a sum of a few terms)
@@ -677,7 +688,7 @@ class _Interval:
     depth: int  # splits so far (a walk bisects each breakpoint at most MAX_STEPS times)
 
 
-def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage], lowest_bound: float) -> list[Stage]:
+def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage] | None, lowest_bound: float) -> list[Stage]:
     """The plan of least objective at the cheaper-recompute breakpoints of solve(beta, True) (module docstring).
 
     Write c(beta) for the recompute cost of solve(beta, True), the least of any plan with max Q <= beta (so
@@ -701,7 +712,7 @@ def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage], lowest_boun
         return fill_drain_s(inputs, plan) - constant
 
     low = lowest_bound * (1.0 + TIE)
-    plan = solve(low, True) or best
+    plan = solve(low, True) or best or solve(math.inf, True)  # (a plan reaches `lowest_bound`: the first finds it)
     best, best_value, best_at = plan, objective_s(inputs, plan), low
     high = best_value - constant  # a plan with a larger max Q cannot beat the best one
     if cost(plan) <= 0 or high <= low:
