@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -43,7 +44,16 @@ MACHINE_LOCK = pytest.StashKey[MachineLock]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # xdist's controller names the run itself (else its NodeManager draws the id), to delete the lock files at the end
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
     config.stash[MACHINE_LOCK] = MachineLock.for_this_run()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = getattr(config.option, "testrunuid", None)
+    if not hasattr(config, "workerinput") and run:  # the controller, after its workers ended
+        MachineLock.of_run(run).remove()
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,18 @@ class MachineLock:
         run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # not in xdist's controller, whose workers inherit OWNER
         if run is None or os.environ.setdefault(OWNER_VARIABLE, str(os.getpid())) != str(os.getpid()):
             return cls(None)
+        return cls.of_run(run)
+
+    @classmethod
+    def of_run(cls, run: str) -> "MachineLock":
+        """The lock of the xdist run `run` (its PYTEST_XDIST_TESTRUNUID), in the temporary folder."""
         return cls(Path(tempfile.gettempdir()) / f"planner-tests-{run}")
+
+    def remove(self) -> None:
+        """Delete the lock files (once no process of the run can hold them: xdist's controller at its end)."""
+        if self.stem is not None:
+            for suffix in (".gate", ".lock"):
+                self.stem.with_suffix(suffix).unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:

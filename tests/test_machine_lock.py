@@ -6,6 +6,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.machine_lock import MachineLock
 
 
@@ -58,3 +60,18 @@ def test_holds_nest_in_one_process_and_no_stem_locks_nothing(tmp_path: Path) -> 
     assert lock.exclusive_depth == 0
     with MachineLock(None).exclusive(), MachineLock(None).shared():  # no xdist: nothing to wait for
         pass
+
+
+def test_a_run_s_lock_files_are_in_the_temporary_folder_until_removed(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`of_run` names the files by the xdist run; a hold creates them, `remove` (xdist's controller, at its end)
+    deletes them, and removing twice or without a stem does nothing."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    lock = MachineLock.of_run("abc")
+    with lock.shared():
+        pass
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["planner-tests-abc.gate", "planner-tests-abc.lock"]
+    lock.remove()
+    lock.remove()
+    MachineLock(None).remove()
+    assert list(tmp_path.iterdir()) == []
