@@ -200,16 +200,16 @@ def best_simulated(inputs: CostInputs, seeds: list[list[Stage]], straight: bool,
 @dataclass(frozen=True)
 class _Placements:
     """Where a stage can go before a partial plan on a given number of devices, a row per replica count
-    (ascending) that the placement rule allows: its replicas, the first rank of the first row, the links in and
-    out and the all-reduce's (bandwidth, latency), the microbatches in flight, the devices left before it."""
+    (ascending) that the placement rule allows: its replicas, the links in and out and the all-reduce's
+    (bandwidth, latency), the microbatches in flight, and its first rank, which is the count of devices left
+    before it."""
 
     replicas: np.ndarray
-    first: int
     link_in: tuple[np.ndarray, np.ndarray]
     link_out: tuple[np.ndarray, np.ndarray]
     allreduce_link: tuple[np.ndarray, np.ndarray]
     flights: np.ndarray
-    left: np.ndarray
+    first: np.ndarray
 
 
 class _StageBounds:
@@ -266,7 +266,7 @@ class _StageBounds:
         placement = self.placements[downstream]
         if placement is None:
             return []
-        replicas, flights, left = placement.replicas, placement.flights, placement.left
+        replicas, flights, left = placement.replicas, placement.flights, placement.first
         m = inputs.microbatches
         starts = np.arange(stop)
         fwd = sigma * (arrays.fwd_s[stop] - arrays.fwd_s[starts])
@@ -327,8 +327,7 @@ class _StageBounds:
             peak_bwd = _largest(peaks[1], own_bwd, comm_in, comm_out)
             if self.straight:  # one replica count, 1
                 child_bound = self._straight_bound(child_bound, child_trip, fwd, own_bwd, int(flights[0, 0]),
-                                                   peak_fwd, peak_bwd, prefix, placement.first, int(left[0, 0]),
-                                                   downstream, starts)
+                                                   peak_fwd, peak_bwd, prefix, int(left[0, 0]), starts)
             ok = child_bound <= limit
             if inputs.memory_bytes is not None:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
@@ -356,27 +355,26 @@ class _StageBounds:
         # how many forwards run ahead of the backwards (zb-h1 orders F and B as 1f1b does)
         flights = in_flight("1f1b" if self.split else inputs.schedule, inputs.microbatches, replicas,
                             replicas + downstream)
-        return _Placements(replicas, int(first[0, 0]), link_terms(cluster, first - 1, first),
-                           link_terms(cluster, last, last + 1), allreduce_terms(cluster, first, last), flights,
-                           devices - downstream - replicas)
+        return _Placements(replicas, link_terms(cluster, first - 1, first), link_terms(cluster, last, last + 1),
+                           allreduce_terms(cluster, first, last), flights, first)
 
     def _straight_bound(self, child_bound: np.ndarray, child_trip: np.ndarray, fwd: np.ndarray, own_bwd: np.ndarray,
                         flights: int, peak_fwd: np.ndarray, peak_bwd: np.ndarray, prefix: tuple[np.ndarray, ...],
-                        first: int, left: int, downstream: int, starts: np.ndarray) -> np.ndarray:
-        """`children`'s bound of a straight stage on rank `first` with the flow-shop and prefix bounds added (module
+                        first: int, starts: np.ndarray) -> np.ndarray:
+        """`children`'s bound of a straight stage on rank `first` (the `first` ranks before it hold the layers before
+        it; every rank of the cluster from it on holds one stage) with the flow-shop and prefix bounds added (module
         docstring), a row of one replica."""
-        inputs = self.inputs
+        inputs, devices = self.inputs, self.inputs.cluster.num_devices
         turns = self.prefix_turns(first, starts)
         round_trip = child_trip + self.compute_before[starts]
         if inputs.schedule == "pipedream":
-            return _largest(child_bound, turns, round_trip / (left + downstream + 1))
+            return _largest(child_bound, turns, round_trip / devices)
         # in flight at the first stage (1f1b and zb-h1; gpipe's first stage runs all m before a backward)
-        most = inputs.microbatches if inputs.schedule == "gpipe" else min(left + downstream + 1, inputs.microbatches)
+        most = inputs.microbatches if inputs.schedule == "gpipe" else min(devices, inputs.microbatches)
         return _largest(child_bound, round_trip + _times(inputs.microbatches - 1, turns),
                         round_trip + self._prefix_path(first, starts), self._prefix_waited(first, starts),
                         -(-inputs.microbatches // most) * round_trip,
-                        self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd, prefix,
-                                         left + downstream + 1))
+                        self._path_bound(round_trip, fwd, own_bwd, flights, peak_fwd, peak_bwd, prefix, devices))
 
     def _prefix_peaks(self, starts: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, ...]:
         """Lower bounds on the largest forward, backward (B alone for zero-bubble schedules) and both of one
