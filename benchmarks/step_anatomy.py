@@ -65,7 +65,7 @@ def main() -> None:
     print(f"# one-stage step of {args.microbatches} microbatches of {args.microbatch_size} on {device}: median ms "
           f"over {args.steps} steps, and / plain")
     for name in args.models:
-        ways = build_ways(name, device, args.microbatches, args.microbatch_size)
+        ways, engine = build_ways(name, device, args.microbatches, args.microbatch_size)
         samples: dict[str, list[float]] = {way: [] for way in ways}
         for step in range(args.steps + 3):  # 3 warm-up rounds
             for way, run in ways.items():
@@ -79,11 +79,13 @@ def main() -> None:
         cells = "  ".join(f"{way} {statistics.median(found):7.2f} ms x{statistics.median(found) / plain:.2f}"
                           for way, found in samples.items())
         print(f"{name:7s} {cells}", flush=True)
+        engine.close()  # (its threads, before the next model's engine)
 
 
-def build_ways(name: str, device: torch.device, microbatches: int, size: int) -> dict[str, Callable[[], Any]]:
-    """The ways of running one step of model `name`: functions that run one step and return None (timed by
-    the harness's wall clock) or the ms their own clock read."""
+def build_ways(name: str, device: torch.device, microbatches: int,
+               size: int) -> tuple[dict[str, Callable[[], Any]], Engine]:
+    """The ways of running one step of model `name` (functions that run one step and return None, timed by
+    the harness's wall clock, or the ms their own clock read), and the engine they share, to close after."""
     model_file = load_model_file(MODEL_FILES[name])
     torch.manual_seed(0)
     model = model_file.build_model().to(device).train()
@@ -146,7 +148,9 @@ def build_ways(name: str, device: torch.device, microbatches: int, size: int) ->
         model.zero_grad(set_to_none=True)
 
     engine = Engine([model], "1f1b", microbatches=microbatches, loss_fn=loss_fn, device=device)
-    whole = (torch.cat([inputs[0] for inputs, _ in batches]), torch.cat([target for _, target in batches]))
+    # every argument's microbatches joined (BERT and T5 take several); the engine splits them again
+    whole = (tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in batches))),
+             torch.cat([target for _, target in batches]))
 
     def through_engine() -> None:
         engine.train_step(whole[0], whole[1])
@@ -155,7 +159,7 @@ def build_ways(name: str, device: torch.device, microbatches: int, size: int) ->
     return {"plain": plain, "copies": copies, "runner": through_runner, "clock": lambda: through_runner(True),
             "engine": through_engine, "one-by-one": one_by_one,
             **({"events": lambda: one_by_one(True)} if device.type == "cuda" else {}),
-            "plain-nogc": lambda: without_gc(plain), "engine-nogc": lambda: without_gc(through_engine)}
+            "plain-nogc": lambda: without_gc(plain), "engine-nogc": lambda: without_gc(through_engine)}, engine
 
 
 def without_gc(run: Callable[[], None]) -> None:
