@@ -1,7 +1,7 @@
 """Measured against predicted on the default path a user takes: no hand-set bandwidth, no calibration.
 
     python benchmarks/measured_vs_predicted.py [--steps 12] [--models mlp gpt resnet gpt2]
-                                               [--schedules gpipe 1f1b zb-h1] [--gpus 2] [--keep DIR]
+                                               [--schedules gpipe 1f1b zb-h1] [--gpus 2] [--keep DIR] [--repeats R]
 
 In a fresh folder, exactly the commands of the README, with their defaults:
 
@@ -29,7 +29,10 @@ transformers BERT, ViT and T5 of benchmarks/models (bert, vit, t5: an attention 
 an encoder-decoder with a shared embedding and position bias) can be asked for too. The lines `planner train` printed about
 conditions that differ from the profile's are shown under the table. Takes about 3 minutes on
 the 2-core CPU machine; absolute times on a shared machine drift by tens of percent within
-minutes, so compare ratios, and rerun before reading much into one.
+minutes, so compare ratios, and rerun before reading much into one: `--repeats R` runs steps 2-6 R times
+per model (each time a fresh profile, so each pair of profile and training meets the machine anew), prints
+every run's row, and then each ratio's median over the runs (rows without a memory limit) with the iteration's
+range (`--keep` keeps the last run's files).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,11 +72,32 @@ def ratio(measured: float, predicted: float) -> str:
     return f"x{measured / predicted:.2f}" if predicted > 0 and measured > 0 else "-"
 
 
+STAGE_FIGURES = ("compute_ms", "comm_ms", "step_ms", "peak_memory_bytes")  # the table's per-stage columns
+
+
+def summary_row(model: str, schedule: str, reports: list[RunReport]) -> list[str]:
+    """A row of medians over `reports` (runs of one model and schedule): the iteration's median ratio with its
+    range, then each stage's median ratio of each figure of STAGE_FIGURES."""
+    def median_ratio(found: list[float], expected: list[float]) -> str:
+        ratios = [m / p for m, p in zip(found, expected) if m > 0 and p > 0]
+        return f"x{statistics.median(ratios):.2f}" if ratios else "-"
+
+    iterations = sorted(r.iteration_ms / r.predicted_iteration_ms for r in reports)
+    cells = [model, f"{schedule}, median of {len(reports)}", "", "",
+             f"x{statistics.median(iterations):.2f} [{iterations[0]:.2f}-{iterations[-1]:.2f}]"]
+    for name in STAGE_FIGURES:
+        cells.append(", ".join(
+            median_ratio([getattr(r.measured[stage], name) for r in reports],
+                         [getattr(r.predicted[stage], name) for r in reports])
+            for stage in range(len(reports[0].measured))))
+    return cells
+
+
 def row(model: str, schedule: str, report: RunReport) -> list[str]:
     """One table row: iteration, then per stage compute, transfers, step, peak memory."""
     cells = [model, schedule, f"{report.predicted_iteration_ms:.1f}", f"{report.iteration_ms:.1f}",
              ratio(report.iteration_ms, report.predicted_iteration_ms)]
-    for name in ("compute_ms", "comm_ms", "step_ms", "peak_memory_bytes"):
+    for name in STAGE_FIGURES:
         cells.append(", ".join(ratio(getattr(found, name), getattr(expected, name))
                                for found, expected in zip(report.measured, report.predicted)))
     return cells
@@ -125,6 +150,8 @@ def main() -> None:
                         help="leave out the plans made for devices too small to hold the activations")
     parser.add_argument("--default-cluster", dest="measured", action="store_false",
                         help="skip `planner cluster`: partition with --gpus N and the links it assumes")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="profile, partition and train each model this many times; then the medians")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="default-path-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,7 +163,8 @@ def main() -> None:
     print("| " + " | ".join(headers) + " |")
     print("|" + "---|" * len(headers), flush=True)
     warnings = []
-    for model in args.models:
+    runs: dict[tuple[str, str], list[RunReport]] = {}
+    for model, repeat in ((model, repeat) for model in args.models for repeat in range(args.repeats)):
         planner("profile", str(MODEL_FILES[model]), "--out", f"{model}.json", folder=folder)
         for schedule in args.schedules:
             plan = f"{model}-{schedule}.json"
@@ -146,12 +174,18 @@ def main() -> None:
                            f"{model}-{schedule}.report.json", folder=folder)
             warnings += [f"{model} {schedule}: {line}" for line in said.splitlines()
                          if line.startswith(("warning:", "note:"))]
-            rows = [row(model, schedule, load_run_report(folder / f"{model}-{schedule}.report.json"))]
+            report = load_run_report(folder / f"{model}-{schedule}.report.json")
+            runs.setdefault((model, schedule), []).append(report)
+            rows = [row(model, schedule if args.repeats == 1 else f"{schedule} (run {repeat + 1})", report)]
             if args.recompute:
                 rows.append(recompute_row(model, schedule, plan, args.steps, args.gpus, folder, args.measured))
             for cells in rows:  # each row as soon as it is measured: a run cut short keeps what it found
                 print("| " + " | ".join(cells) + " |", flush=True)
             print(f"  {model} {schedule} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.repeats > 1:
+        print()
+        for (model, schedule), reports in runs.items():
+            print("| " + " | ".join(summary_row(model, schedule, reports)) + " |")
     print(f"\n(measured / predicted; {args.steps} steps, the first two a warm-up; {time.perf_counter() - started:.0f} s; "
           f"files in {folder})")
     for line in warnings or ["(planner train printed no warning about conditions)"]:
