@@ -188,7 +188,7 @@ def main() -> None:
             print("| " + " | ".join(summary_row(model, schedule, reports)) + " |")
     print(f"\n(measured / predicted; {args.steps} steps, the first two a warm-up; {time.perf_counter() - started:.0f} s; "
           f"files in {folder})")
-    for line in warnings or ["(planner train printed no warning about conditions)"]:
+    for line in dict.fromkeys(warnings) or ["(planner train printed no warning about conditions)"]:  # once each
         print(line)
 
 
