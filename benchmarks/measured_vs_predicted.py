@@ -89,7 +89,7 @@ def summary_row(model: str, schedule: str, reports: list[RunReport]) -> list[str
         cells.append(", ".join(
             median_ratio([getattr(r.measured[stage], name) for r in reports],
                          [getattr(r.predicted[stage], name) for r in reports])
-            for stage in range(len(reports[0].measured))))
+            for stage in range(min(len(r.measured) for r in reports))))  # (a plan of fewer stages: the common ones)
     return cells
 
 
