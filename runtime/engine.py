@@ -499,7 +499,7 @@ class Engine:
                         work.wait()
                     except RuntimeError as failure:
                         self._check()  # a failure another rank published explains it best
-                        raise self._lost(what, failure) from failure
+                        raise self.lost(what, failure) from failure
                     return
             self._check()
             if time.monotonic() - started > self.timeout_s:
@@ -514,16 +514,21 @@ class Engine:
         self._heartbeat.check()
         if self._links.error is not None:
             what, exc, peer = self._links.error
-            raise self._lost(what, exc, peer) from exc
+            raise self.lost(what, exc, peer) from exc
 
-    def _lost(self, what: str, exc: BaseException, peer: int | None = None) -> BaseException:
-        """What a failed transfer (with `peer`) or collective means: a rank gone (RankMissing) or an error of its own."""
+    def lost(self, what: str, exc: BaseException, peer: int | None = None) -> BaseException:
+        """What a failed transfer (with `peer`) or collective means: a rank gone or silent (RankMissing), or an
+        error of this rank's own. A rank frozen for `timeout_s` makes gloo's wait time out at about the moment
+        the heartbeat would name it, so the heartbeat gets the few seconds it may lag (`missing_within`)."""
         gone = self.gone(wait_s=1.0)
         if gone:
             names = ", ".join(str(rank) for rank in gone)
             return RankMissing(f"rank {names} exited: its process is gone (seen when {what} failed)", gone[0])
         if not isinstance(exc, RuntimeError):  # not a torch.distributed error: a bug or a bad value
             return RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}")
+        silent = self._heartbeat.missing_within(2 * self._heartbeat.interval_s + 0.5)
+        if silent is not None and silent.rank is not None:
+            return RankMissing(f"{silent} (seen when {what} failed)", silent.rank)
         return RankMissing(f"lost the connection to {'a rank' if peer is None else f'rank {peer}'} ({what} failed: "
                            f"{type(exc).__name__}: {exc}); it exited or cannot be reached", peer)
 

@@ -52,6 +52,17 @@ class Heartbeat:
         if self.missing is not None:
             raise self.missing
 
+    def missing_within(self, wait_s: float) -> RankMissing | None:
+        """The rank (or store) found missing, looking for up to `wait_s` seconds; None if none was.
+
+        A collective or transfer that times out after `timeout_s` can end before this thread has
+        seen the rank's counter stand still for as long: it sees a change up to `interval_s` late
+        and looks again every `interval_s`, so 2 x `interval_s` after such a timeout it knows."""
+        deadline = time.monotonic() + wait_s
+        while self.missing is None and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        return self.missing
+
     def gone(self, wait_s: float = 0.0) -> list[int]:
         """Ranks on this machine whose process has exited (or is a zombie), looking again for up to
         `wait_s` seconds while none has (a killed process closes its connections a moment before

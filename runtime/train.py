@@ -390,16 +390,11 @@ def train(options: TrainOptions, setup: Setup) -> None:
 
 @contextmanager
 def _collective(engine: Engine, what: str) -> Iterator[None]:
-    """Turn a failed collective of the training loop into _CollectiveFailed, naming a rank that exited."""
+    """Turn a failed collective of the training loop into _CollectiveFailed, naming a rank that exited or froze."""
     try:
         yield
-    except RuntimeError as exc:  # torch.distributed's errors: a peer gone, or a timeout
-        gone = engine.gone(wait_s=1.0)
-        if gone:
-            reason = f"rank {', '.join(map(str, gone))} exited: its process is gone (seen when {what} failed)"
-        else:
-            reason = f"{what} failed: {' '.join(str(exc).split())}"
-        raise _CollectiveFailed(reason) from None
+    except RuntimeError as exc:  # torch.distributed's errors: a peer gone or frozen, or a timeout
+        raise _CollectiveFailed(str(engine.lost(what, exc))) from None
 
 
 def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: bool, engine: Engine) -> str:
