@@ -1,8 +1,10 @@
-"""partition(): from a profile and a cluster to a Plan, with its predictions (pure, no I/O)."""
+"""partition(): from a profile and a cluster to a Plan, with its predictions (pure, no I/O; long memory-limited solves
+may run in worker processes: `solve_ahead`)."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -22,6 +24,7 @@ from planner.planning.pipedream_optimizer import optimize_pipedream
 from planner.planning.chunked import ChunkedChoice, best_chunked, chunk_choices, chunked_counts, refine_chunked
 from planner.planning.local_search import refine_plan
 from planner.planning.simulated_choice import best_simulated
+from planner.planning.solve_ahead import SolvesAhead, usable_cpus
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
@@ -48,6 +51,9 @@ MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its 
 # behind the fastest candidate is not refined (up to a second each): a heuristic that may miss a plan.
 REFINE_GAIN_CAP = 1.25
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
+# a memory-limited solve that took this long hands the search's other solves to worker processes (`solve_ahead`):
+# starting them costs about half a second each
+SOLVE_AHEAD_AFTER_S = 1.0
 # on equal throughput: least memory first
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
 # never pipedream (stale weights change what training computes); the chunked ones (their cut a heuristic) at the
@@ -59,7 +65,7 @@ def partition(
     profile: Profile, cluster: Cluster, cost_model: str = "planner", straight: bool = False,
     optimizer: str = "adam", profile_path: str = "", schedule: str = AUTO, microbatches: int | str = AUTO,
     microbatch_size: int | None = None, recompute: bool = True, global_batch_size: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, workers: int | None = None,
 ) -> Plan:
     """The best plan for `profile` on `cluster` under `cost_model` (see `schedule_cost`, `pipedream_optimizer`).
 
@@ -81,6 +87,8 @@ def partition(
 
     `progress(what)` is told each step of the search as it starts (a schedule at a microbatch count, its final
     choice simulating plans, a local search), for a status line: a memory-limited search can take many seconds.
+    Once one of its solves took SOLVE_AHEAD_AFTER_S, the others run ahead in `workers` processes (default: the
+    CPUs this process may use; 1: none), which changes the wall time, not the plan.
     """
     if cost_model not in COST_MODELS:
         raise PlannerError(f"unknown cost model {cost_model!r}; available: {', '.join(COST_MODELS)}")
@@ -110,7 +118,7 @@ def partition(
     chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
                      microbatches == AUTO and global_batch_size is None,
                      (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
-                     progress or (lambda what: None))
+                     progress or (lambda what: None), usable_cpus() if workers is None else workers)
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
@@ -181,14 +189,16 @@ def _choose(
     base: CostInputs, schedules: tuple[str, ...], counts: tuple[int, ...], straight: bool, recompute: bool,
     size_of: Callable[[int], int], profiled: int, auto_counts: bool = False,
     arrays_at: Callable[[int], LayerArrays] | None = None, progress: Callable[[str], None] = lambda what: None,
+    workers: int = 1,
 ) -> _Candidate:
     """The fastest (schedule, microbatch count among `counts`, `size_of(count)` samples each, the profile's
     times scaled by size / `profiled`) and its optimal plan; InfeasiblePlanError if none fits. `arrays_at(size)`:
     the layers' arrays whose times, so scaled, are those at `size` (`LayerArrays.at_batch_size`: a profile of
-    several batch sizes); None: `base.arrays` at every size. `progress` as `partition`'s."""
+    several batch sizes); None: `base.arrays` at every size. `progress` and `workers` as `partition`'s."""
     results: list[_Candidate] = []
     failures: list[InfeasiblePlanError] = []
     solved: dict[tuple[str, int], _Candidate | None] = {}
+    ahead: list[SolvesAhead] = []  # started once a memory-limited solve was slow
     sized: dict[int, LayerArrays] = {}  # arrays_at per microbatch size, made once
 
     def inputs_for(schedule: str, count: int) -> CostInputs:
@@ -213,13 +223,33 @@ def _choose(
                 solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
                 return solved[key]
             try:
-                solution = optimize(inputs, straight, recompute)
+                solution = ahead[0].result(key) if ahead and key in ahead[0] else None
+                if solution is None:  # not solved ahead, or no plan fits (its error comes from solving it here)
+                    started = time.perf_counter()
+                    solution = optimize(inputs, straight, recompute)
+                    if time.perf_counter() - started >= SOLVE_AHEAD_AFTER_S:
+                        solve_ahead(key)
             except InfeasiblePlanError as exc:
                 failures.append(exc)
                 solved[key] = None
             else:
                 solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
         return solved[key]
+
+    def solve_ahead(current: tuple[str, int]) -> None:
+        """Once: the memory-limited solves `run` may come to after `current`, in worker processes, in about the
+        order it would: schedule by schedule (zb-h1's last: it mostly takes 1f1b's plan), the highest throughput
+        ceiling first."""
+        if ahead or base.memory_bytes is None or workers <= 1:
+            return
+        keys = [(schedule, count) for schedule in sorted(ordered, key=lambda name: name == "zb-h1")
+                for count in sorted(counts, key=lambda count: (-throughput_ceiling(inputs_for(schedule, count),
+                                                                                   size_of(count)), count))
+                if (schedule, count) not in solved and (schedule, count) != current]
+        if keys:
+            ahead.append(SolvesAhead(min(workers, len(keys))))  # (and this process, on what none has begun)
+            for schedule, count in keys:
+                ahead[0].submit((schedule, count), inputs_for(schedule, count), straight, recompute)
 
     def run_chunked(schedule: str, count: int) -> _Candidate | None:
         key = (schedule, count)
@@ -229,30 +259,37 @@ def _choose(
         return solved[key]
 
     # chunked schedules last: beside plans of one stage per rank, they are tried at the count the best of those chose
-    for schedule in sorted(schedules, key=lambda name: (name in CHUNKED_SCHEDULES, SCHEDULE_PREFERENCE.index(name))):
-        if schedule == "pipedream":
-            found = run(schedule, 1)
-        elif schedule in CHUNKED_SCHEDULES:
-            ranks = base.cluster.num_devices
-            allowed = chunked_counts(schedule, counts, ranks, auto_counts)
-            if results and len(allowed) > 1:
-                allowed = (_nearest_count(allowed, max(results, key=lambda r: r.samples_per_s).inputs.microbatches),)
-            found = _auto_microbatches(
-                allowed, lambda count: run_chunked(schedule, count),
-                lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
-            if found is not None:  # refined below, before the comparison, where that could make it the fastest
-                results.append(found)
-            elif len(schedules) == 1:
-                raise PlannerError(_no_chunked_plan(schedule, chunked_counts(schedule, counts, ranks, auto_counts),
-                                                    ranks, base))
-            continue
-        else:
-            found = _auto_microbatches(
-                counts, lambda count: run(schedule, count),
-                lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
-        if found is not None:
-            progress(f"{schedule}, {_microbatches_text(found.inputs.microbatches)}: simulating")
-            results.append(_final_choice(found, straight, recompute))
+    in_turn = sorted(schedules, key=lambda name: (name in CHUNKED_SCHEDULES, SCHEDULE_PREFERENCE.index(name)))
+    ordered = [name for name in in_turn if name not in CHUNKED_SCHEDULES and name != "pipedream"]  # `run` solves them
+    try:
+        for schedule in in_turn:
+            if schedule == "pipedream":
+                found = run(schedule, 1)
+            elif schedule in CHUNKED_SCHEDULES:
+                ranks = base.cluster.num_devices
+                allowed = chunked_counts(schedule, counts, ranks, auto_counts)
+                if results and len(allowed) > 1:
+                    leader = max(results, key=lambda r: r.samples_per_s)
+                    allowed = (_nearest_count(allowed, leader.inputs.microbatches),)
+                found = _auto_microbatches(
+                    allowed, lambda count: run_chunked(schedule, count),
+                    lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
+                if found is not None:  # refined below, before the comparison, where that could make it the fastest
+                    results.append(found)
+                elif len(schedules) == 1:
+                    raise PlannerError(_no_chunked_plan(schedule, chunked_counts(schedule, counts, ranks, auto_counts),
+                                                        ranks, base))
+                continue
+            else:
+                found = _auto_microbatches(
+                    counts, lambda count: run(schedule, count),
+                    lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
+            if found is not None:
+                progress(f"{schedule}, {_microbatches_text(found.inputs.microbatches)}: simulating")
+                results.append(_final_choice(found, straight, recompute))
+    finally:  # every solve is done
+        for solves in ahead:
+            solves.close()
     if not results:
         raise min(failures, key=lambda exc: exc.smallest_memory_bytes)
     unproven = sorted((index for index, result in enumerate(results) if not result.exhaustive),
