@@ -1,6 +1,7 @@
 """Optimizer solve times: every PipeDream profile for 4 to 64 GPUs, and a 1,000-layer profile on 1,024.
 
     python benchmarks/solve_time.py [--profiles ../shared/pipedream-profiles] [--cost-model pipedream|planner|auto]
+                                    [--memory-limited]
 
 `pipedream`: PipeDream's cost model on a flat cluster at 10 GB/s, with and without replication.
 `planner`: the planner's cost model (1f1b with 8 microbatches, and pipedream) on a flat cluster
@@ -10,6 +11,9 @@ solve and the slowest; targets: each PipeDream profile under 1 s, the synthetic 
 synchronous schedule, microbatch count and recompute, then the simulated final choice), without a memory
 limit, flat and 8 per node at 300 GB/s within and 25 GB/s between nodes; targets: under 1 s for profiles
 of at most 200 layers, under 3 s for nasnetalarge (1,250 layers) on 16 GPUs at 8 per node.
+`--memory-limited`: the same search where the memory limit binds (resnet50 and inception_v3 at 16 GB,
+densenet121 at 8 GB, 16 GPUs at 8 per node), in one process against its solves ahead in child processes
+(`planner.planning.solve_ahead`), side by side.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from planner.planning.optimizer import optimize
 from planner.planning.partition import partition
 from planner.files.pipedream import import_pipedream
 from planner.planning.pipedream_optimizer import optimize_pipedream
+from planner.planning.solve_ahead import usable_cpus
 from planner.costs.schedule_cost import CostInputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +70,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=Path, default=REPO.parent / "shared" / "pipedream-profiles")
     parser.add_argument("--cost-model", choices=("pipedream", "planner", "auto"), default="pipedream")
+    parser.add_argument("--memory-limited", action="store_true",
+                        help="the auto search where a memory limit binds, in one process and with its solves ahead")
     args = parser.parse_args()
+    if args.memory_limited:
+        memory_limited_main(args.profiles)
+        return
     if args.cost_model == "auto":
         auto_main(args.profiles)
         return
@@ -112,6 +122,27 @@ def planner_main(profiles: Path) -> None:
         seconds, objective, used = timed_planner(arrays, 1024, per_node, "1f1b")
         print(f"synthetic 1000 layers, 1024 GPUs, {'flat' if per_node is None else '8/node'}, 1f1b: {seconds:.2f} s "
               f"(target < 10 s), objective {objective * 1000:.3f} ms on {used} GPUs", flush=True)
+
+
+MEMORY_LIMITED = (("resnet50", 16, "16GB"), ("inception_v3", 16, "16GB"), ("densenet121", 16, "8GB"))
+
+
+def memory_limited_main(profiles: Path) -> None:
+    """`partition`'s auto search on 16 GPUs at 8 per node where the memory limit binds: each case in one process
+    (`workers=1`) and with its solves ahead in child processes (the default: as many as this process has CPUs),
+    one after the other; the same plan both ways."""
+    print(f"{'case':28s} {'one process':>12s} {'solves ahead':>13s} {'ratio':>6s}   ({usable_cpus()} CPUs)")
+    for name, gpus, memory in MEMORY_LIMITED:
+        profile = import_pipedream(profiles / f"{name}.txt")
+        cluster = make_cluster(gpus, 8, ["300GB/s", "25GB/s"], memory=memory)
+        seconds, plans = [], []
+        for workers in (1, None):
+            start = time.perf_counter()
+            plans.append(partition(profile, cluster, workers=workers))
+            seconds.append(time.perf_counter() - start)
+        assert plans[0] == plans[1], f"{name}: the plans differ"
+        print(f"{name + f', {gpus} GPUs, {memory}':28s} {seconds[0]:10.1f} s {seconds[1]:11.1f} s "
+              f"{seconds[0] / seconds[1]:5.2f}x", flush=True)
 
 
 def auto_main(profiles: Path) -> None:
