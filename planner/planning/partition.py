@@ -219,6 +219,8 @@ def _choose(
             # its own dynamic program doubled the time of `--schedule auto` for nothing it found better)
             if twin is not None and (schedule == "zb-h1" or base.memory_bytes is None) and \
                     plan_fits(inputs, list(twin.solution.stages)):
+                for solves in ahead:  # (not needed after all)
+                    solves.forget(key)
                 solution = Solution(twin.solution.stages, objective_s(inputs, list(twin.solution.stages)))
                 solved[key] = _simulated_candidate(inputs, solution, straight, size_of(count))
                 return solved[key]
@@ -284,6 +286,9 @@ def _choose(
                 found = _auto_microbatches(
                     counts, lambda count: run(schedule, count),
                     lambda count: throughput_ceiling(inputs_for(schedule, count), size_of(count)))
+                for solves in ahead:  # the counts it ruled out, left to the other schedules' solves
+                    for count in counts:
+                        solves.forget((schedule, count))
             if found is not None:
                 progress(f"{schedule}, {_microbatches_text(found.inputs.microbatches)}: simulating")
                 results.append(_final_choice(found, straight, recompute))

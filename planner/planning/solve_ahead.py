@@ -75,6 +75,12 @@ class SolvesAhead:
         future = self._pending[key]
         return None if future.cancel() else future.result()
 
+    def forget(self, key: Hashable) -> None:
+        """Take `key` back from the queue where no child has begun it (one already begun runs on, unread)."""
+        future = self._pending.pop(key, None)
+        if future is not None:
+            future.cancel()
+
     def close(self) -> None:
         """End the children, with any solve still queued or running."""
         with self._lock:

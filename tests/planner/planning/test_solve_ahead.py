@@ -53,6 +53,9 @@ def test_a_solve_no_child_has_begun_is_given_back_and_close_ends_the_rest() -> N
     solves.submit("first", slow, False, True)
     solves.submit("second", replace(slow, microbatches=8), False, True)
     assert solves.result("second") is None  # queued behind the first: the caller solves it
+    solves.submit("third", replace(slow, microbatches=2), False, True)
+    solves.forget("third")  # not needed after all: never begun
+    assert "third" not in solves
     started = time.monotonic()
     solves.close()  # the first's child, if still running, is killed
     assert time.monotonic() - started < 30
