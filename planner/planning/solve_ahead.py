@@ -90,7 +90,13 @@ class SolvesAhead:
         self._threads.shutdown(wait=True, cancel_futures=True)
 
     def _in_child(self, task: bytes) -> Solution | None:
-        """The child's answer; None if it could not start, failed or was killed (the caller solves it then)."""
+        """The child's answer; None if it could not start, failed or was killed (the caller solves it then).
+
+        It runs in `_PACKAGE_ROOT` with that first on its path, so that it imports the caller's `planner`, not
+        one in the caller's working directory (`python -m` puts that first). A frozen application's
+        interpreter is the application itself: no children there."""
+        if getattr(sys, "frozen", False) or not sys.executable:
+            return None
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [_PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
         with self._lock:
@@ -98,8 +104,9 @@ class SolvesAhead:
                 return None
             try:
                 child = subprocess.Popen([sys.executable, "-m", "planner.planning.solve_ahead"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment)
-            except OSError:  # (no more processes or files here)
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment,
+                                         cwd=_PACKAGE_ROOT)
+            except (OSError, ValueError):  # (no more processes or files here)
                 return None
             self._children.add(child)
         try:
@@ -108,9 +115,10 @@ class SolvesAhead:
             with self._lock:
                 self._children.discard(child)
         try:
-            return pickle.loads(answer) if child.returncode == 0 else None
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):  # not what a child writes
+            found = pickle.loads(answer) if child.returncode == 0 else None
+        except Exception:  # not what a child writes (something else printed to its stdout): solved by the caller
             return None
+        return found if isinstance(found, Solution) else None
 
 
 if __name__ == "__main__":  # a child: one task from stdin, its plan to stdout

@@ -114,3 +114,24 @@ def test_children_that_fail_leave_the_solves_to_the_caller(monkeypatch: pytest.M
         solves.close()
     monkeypatch.setattr(partition_module, "SOLVE_AHEAD_AFTER_S", 0.0)
     assert partition(gpt, cluster, workers=2) == alone
+
+
+def test_children_import_the_callers_planner_not_one_in_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory first on a child's path: a checkout of another version there would
+    otherwise answer."""
+    shadow = tmp_path / "planner" / "planning"
+    shadow.mkdir(parents=True)
+    for package in (tmp_path / "planner", shadow):
+        (package / "__init__.py").write_text("")
+    (shadow / "solve_ahead.py").write_text("import pickle, sys\npickle.dump('SHADOW', sys.stdout.buffer)\n")
+    monkeypatch.chdir(tmp_path)
+    inputs = gpt_inputs("1f1b", 4, 1e9)
+    solves = SolvesAhead(1)
+    try:
+        solves.submit("here", inputs, False, True)
+        while not solves._pending["here"].done():
+            time.sleep(0.01)
+        assert solves.result("here") == optimize(inputs, False, True)
+    finally:
+        solves.close()
