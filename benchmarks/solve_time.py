@@ -31,7 +31,7 @@ from planner.planning.optimizer import optimize
 from planner.planning.partition import partition
 from planner.files.pipedream import import_pipedream
 from planner.planning.pipedream_optimizer import optimize_pipedream
-from planner.planning.solve_ahead import usable_cpus
+from planner.profiling.conditions import cores
 from planner.costs.schedule_cost import CostInputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ def memory_limited_main(profiles: Path) -> None:
     """`partition`'s auto search on 16 GPUs at 8 per node where the memory limit binds: each case in one process
     (`workers=1`) and with its solves ahead in child processes (the default: as many as this process has CPUs),
     one after the other; the same plan both ways."""
-    print(f"{'case':28s} {'one process':>12s} {'solves ahead':>13s} {'ratio':>6s}   ({usable_cpus()} CPUs)")
+    print(f"{'case':28s} {'one process':>12s} {'solves ahead':>13s} {'ratio':>6s}   ({cores()} CPUs)")
     for name, gpus, memory in MEMORY_LIMITED:
         profile = import_pipedream(profiles / f"{name}.txt")
         cluster = make_cluster(gpus, 8, ["300GB/s", "25GB/s"], memory=memory)

@@ -24,7 +24,8 @@ from planner.planning.pipedream_optimizer import optimize_pipedream
 from planner.planning.chunked import ChunkedChoice, best_chunked, chunk_choices, chunked_counts, refine_chunked
 from planner.planning.local_search import refine_plan
 from planner.planning.simulated_choice import best_simulated
-from planner.planning.solve_ahead import SolvesAhead, usable_cpus
+from planner.planning.solve_ahead import SolvesAhead
+from planner.profiling.conditions import cores
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
@@ -118,7 +119,7 @@ def partition(
     chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
                      microbatches == AUTO and global_batch_size is None,
                      (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
-                     progress or (lambda what: None), usable_cpus() if workers is None else workers)
+                     progress or (lambda what: None), cores() if workers is None else workers)
     plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)

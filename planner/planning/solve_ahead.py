@@ -27,17 +27,9 @@ from planner.costs.schedule_cost import CostInputs
 from planner.errors import InfeasiblePlanError
 from planner.planning.optimizer import Solution, optimize
 
-__all__ = ["SolvesAhead", "usable_cpus"]
+__all__ = ["SolvesAhead"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding `planner`, for the children
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _solve(inputs: CostInputs, straight: bool, recompute: bool) -> Solution | None:

@@ -62,15 +62,13 @@ def test_a_solve_no_child_has_begun_is_given_back_and_close_ends_the_rest() -> N
     assert not solves._children
 
 
-@pytest.mark.parametrize("workers", [2])
-def test_partition_makes_the_same_plan_with_its_solves_ahead(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
-    gpt = load_profile(GPT)
-    cluster = make_cluster(4, memory="1GB")
-    alone = partition(gpt, cluster, workers=1)
+def answers_from_children(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each `SolvesAhead.result` partition takes, from now on, was a child's plan (False: None, left to the
+    caller); each waits until a child has begun its key (these solves are quick: none is given back unbegun)."""
     taken: list[bool] = []
     result = SolvesAhead.result
 
-    def counted(self: SolvesAhead, key: object) -> object:  # once a child has begun it (these solves are quick)
+    def counted(self: SolvesAhead, key: object) -> object:
         while not (self._pending[key].running() or self._pending[key].done()):
             time.sleep(0.01)
         found = result(self, key)
@@ -79,7 +77,15 @@ def test_partition_makes_the_same_plan_with_its_solves_ahead(monkeypatch: pytest
 
     monkeypatch.setattr(partition_module, "SOLVE_AHEAD_AFTER_S", 0.0)  # every memory-limited search solves ahead
     monkeypatch.setattr(SolvesAhead, "result", counted)
-    assert partition(gpt, cluster, workers=workers) == alone
+    return taken
+
+
+def test_partition_makes_the_same_plan_with_its_solves_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpt = load_profile(GPT)
+    cluster = make_cluster(4, memory="1GB")
+    alone = partition(gpt, cluster, workers=1)
+    taken = answers_from_children(monkeypatch)
+    assert partition(gpt, cluster, workers=2) == alone
     assert any(taken), taken  # solves came from children (None: no plan fits there, solved here for the error)
 
 
@@ -112,8 +118,9 @@ def test_children_that_fail_leave_the_solves_to_the_caller(monkeypatch: pytest.M
         assert solves.result("fails") is None
     finally:
         solves.close()
-    monkeypatch.setattr(partition_module, "SOLVE_AHEAD_AFTER_S", 0.0)
+    taken = answers_from_children(monkeypatch)
     assert partition(gpt, cluster, workers=2) == alone
+    assert taken and not any(taken), taken  # every solve went to a child that failed, then to the caller
 
 
 def test_children_import_the_callers_planner_not_one_in_the_working_directory(
