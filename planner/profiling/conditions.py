@@ -19,10 +19,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "CpuReading", "busy_cores", "busy_cores_between", "busy_share",
-           "busy_warning", "cores", "cpu_reading", "current_conditions", "default_cpu_processes", "default_cpu_threads",
+           "busy_warning", "cgroup_cpu_quota", "cores", "cpu_reading", "current_conditions", "default_cpu_processes", "default_cpu_threads",
            "differences", "keep_freed_memory", "oversubscribed", "profile_load_warning", "steady_malloc",
            "worker_threads"]
 
@@ -34,9 +35,64 @@ _INT_MAX = 2**31 - 1
 DEFAULT_RANKS = 2  # processes per machine a CPU profile is measured for, unless --threads says otherwise
 
 
-def cores() -> int:
-    """CPU cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def cores(cgroup_root: str = "/sys/fs/cgroup", cgroup_list: str = "/proc/self/cgroup") -> int:
+    """CPU cores this process may use: the CPUs of its affinity mask (a cpuset's included), fewer where a cgroup's
+    CPU quota allows less time, floor(quota) and at least 1 (`docker run --cpus 2` on a 64-core host: 2)."""
+    visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(cgroup_root, cgroup_list)
+    return visible if quota is None else max(1, min(visible, int(quota)))
+
+
+def cgroup_cpu_quota(cgroup_root: str = "/sys/fs/cgroup", cgroup_list: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroups allow it, quota / period: the least over its own cgroup and those
+    above it, as `cgroup_list` places it under `cgroup_root` (cgroup v2's `cpu.max`, "max" for none; v1's
+    `cpu.cfs_quota_us` over `cpu.cfs_period_us`, -1 for none). None where no quota is set or the files cannot be
+    read (not Linux)."""
+    try:
+        lines = Path(cgroup_list).read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        controllers, path = fields[1], fields[2]
+        if controllers == "":  # v2's one hierarchy
+            quotas += _quotas(Path(cgroup_root), path, _v2_quota)
+        elif "cpu" in controllers.split(","):  # v1: a hierarchy mounted per controller list
+            quotas += _quotas(Path(cgroup_root) / controllers, path, _v1_quota)
+    return min(quotas, default=None)
+
+
+def _quotas(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The quotas `read` finds in the folder of the cgroup at `path` under `mount` and in those above it, up to
+    `mount`. In a container the listed path is the host's, and the mount shows the container's own cgroup at its
+    top: a path not found under the mount is read as the top."""
+    folder = mount / path.strip("/")
+    if not folder.is_dir():
+        folder = mount
+    found = (read(each) for each in [folder, *(mount / above for above in folder.relative_to(mount).parents)])
+    return [quota for quota in found if quota is not None]
+
+
+def _v2_quota(folder: Path) -> float | None:
+    """cgroup v2: `cpu.max` of `folder` ("QUOTA PERIOD" in microseconds, or "max PERIOD") as CPUs; None for none."""
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    """cgroup v1: `cpu.cfs_quota_us` / `cpu.cfs_period_us` of `folder` as CPUs; None for -1 (none) or no files."""
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def busy_cores(interval_s: float = 0.2, stat_path: str = "/proc/stat") -> float | None:

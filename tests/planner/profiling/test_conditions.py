@@ -19,6 +19,8 @@ from planner.profiling.conditions import (
     busy_cores_between,
     busy_share,
     busy_warning,
+    cgroup_cpu_quota,
+    cores,
     current_conditions,
     default_cpu_processes,
     default_cpu_threads,
@@ -50,6 +52,55 @@ def test_workers_get_the_profiles_threads_where_the_cores_allow(sixteen_cores: N
     assert worker_threads(4, 2) == 4  # fewer than their share: still as profiled
     assert worker_threads(8, 4) == 4  # 4 x 8 do not fit: each its share
     assert worker_threads(None, 3) == 5  # nothing known: the share
+
+
+def _cgroup_tree(root: Path, listed: str, files: dict[str, str]) -> Path:
+    """A fake /sys/fs/cgroup under `root` with `files` (path under it: text), and the /proc/self/cgroup text
+    `listed` beside it; the latter's path."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "job").mkdir(parents=True, exist_ok=True)
+    listing = root.parent / "cgroup-list"
+    listing.write_text(listed)
+    return listing
+
+
+def test_a_cgroup_v2_quota_is_the_least_of_its_cgroup_and_those_above(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    listing = _cgroup_tree(root, "0::/kube/pod/job\n", {"cpu.max": "max 100000\n", "kube/cpu.max": "600000 100000\n",
+                                                        "kube/pod/cpu.max": "150000 100000\n",
+                                                        "kube/pod/job/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(str(root), str(listing)) == 1.5
+    assert cores(str(root), str(listing)) == 1  # floor(1.5)
+
+
+def test_a_cgroup_v1_quota_is_read_from_the_cpu_hierarchy(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    listing = _cgroup_tree(root, "4:memory:/job\n3:cpu,cpuacct:/job\n0::/\n",
+                           {"cpu,cpuacct/job/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n",
+                            "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+                            "memory/job/cpu.cfs_quota_us": "10000\n", "memory/job/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(str(root), str(listing)) == 1.5  # not the memory hierarchy's files
+    assert cores(str(root), str(listing)) == 1
+
+
+def test_a_container_whose_host_path_is_not_under_its_mount_reads_the_mount(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    listing = _cgroup_tree(root, "0::/system.slice/docker-1234.scope\n", {"cpu.max": "100000 100000\n"})
+    assert cgroup_cpu_quota(str(root), str(listing)) == 1.0
+
+
+def test_no_quota_or_no_cgroup_files_leave_the_affinity_mask(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    unlimited = _cgroup_tree(root, "0::/job\n", {"cpu.max": "max 100000\n", "job/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(str(root), str(unlimited)) is None
+    assert cgroup_cpu_quota(str(root), str(tmp_path / "absent")) is None
+    assert cores(str(root), str(tmp_path / "absent")) == len(os.sched_getaffinity(0))
+    garbled = tmp_path / "garbled"
+    garbled.write_text("no colons here\n0::/job\n")
+    (root / "job" / "cpu.max").write_text("lots\n")
+    assert cgroup_cpu_quota(str(root), str(garbled)) is None
 
 
 def test_current_conditions_name_threads_cores_and_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
