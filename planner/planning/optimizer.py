@@ -25,8 +25,12 @@ search over a bound beta on max_s Q(s):
   it: the bisection took 7-14 solves there, and a first solve for any plan. (The bisection stays where the
   closed forms of many whole outer groups need a bound: `_bisected`.)
 - Recompute costs time in the fill/drain sum, so with a memory limit (the only case where it
-  can help) every cheaper-recompute breakpoint of solve(beta) above the smallest beta is found
-  by bisection, as long as it can still beat the best plan; the best fill_drain + max Q wins.
+  can help) the objective is C + c + max Q (c: the recomputed forwards): one more pass of the dynamic
+  program, whose entries carry (devices, largest Q so far, c) and keep those no other of their residue
+  beats in all three, finds the least c + max Q and the plans that could tie it (`_least_objectives`).
+  Where the closed forms of many whole outer groups are needed, every cheaper-recompute breakpoint of
+  solve(beta) above the smallest beta is found by bisection instead, as long as it can still beat the
+  best plan (`_cheaper_recompute`, 9-16 solves a call where the pass takes about two).
 - Ties within a relative 1e-9 go to the plan with the fewest devices.
 - With a memory limit, the optimum without it is found first; where it fits, it is the answer: every plan
   within the limit is a plan without it, or one with recompute flags, which only add time (a recomputing
@@ -585,6 +589,104 @@ def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple
     return float(np.min(largest[at_zero])) if len(at_zero) else math.inf
 
 
+def _undominated(residue: np.ndarray, devices: np.ndarray, largest: np.ndarray, cost: np.ndarray,
+                 exact_devices: bool) -> np.ndarray:
+    """Indices of the entries no other entry of the same residue dominates: one with at most as many devices (the
+    same count where `exact_devices`), at most as large a largest Q and at most the cost; of equal entries the
+    first. Entries are taken in the order given (the caller's tie order)."""
+    order = np.lexsort((np.arange(len(cost)), cost, largest, devices))
+    # first, within each device count: the Pareto entries of (largest Q, cost), largest Q ascending
+    count, cost_sorted = devices[order], cost[order]
+    offset = 2.0 * (float(np.max(np.abs(cost_sorted))) + 1.0)
+    shifted = cost_sorted - count * offset  # later counts restart the running min
+    running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
+    fresh = np.concatenate([[True], count[1:] != count[:-1]])
+    kept = order[fresh | (shifted < running)]
+    if exact_devices or len(kept) < 2:
+        return kept
+    # then across the counts of a residue: dominated by an entry of fewer devices (matrix; few entries survive)
+    r, d, v, c = residue[kept], devices[kept], largest[kept], cost[kept]
+    dominates = (r[:, None] == r[None, :]) & (d[:, None] < d[None, :]) & (v[:, None] <= v[None, :]) & \
+        (c[:, None] <= c[None, :])
+    return kept[~dominates.any(axis=0)]
+
+
+def _least_objectives(evaluator: _Evaluator, straight: bool, recompute_options: tuple[bool, ...], least: float,
+                      upper: float) -> list[list[Stage]] | None:
+    """The plans within memory with c + max(max Q, `least`) <= `upper` that no other such plan beats in devices,
+    max Q and c together (c: its recomputed forwards, so that C + c + max Q is its objective, C the fill and drain
+    without them), least c + max Q first, then fewest devices; None where the closed forms of many whole outer
+    groups would be needed. One pass of `_solve_front`'s dynamic program whose entries
+    carry (devices, largest Q of the suffix v, recompute cost c): a candidate stage on an entry has v' = max(v, Q)
+    and c' = c + its forwards if it recomputes; per start an entry is kept unless one of the same residue has at
+    most its devices, v and c (fewer devices never hurt a stage placed before them: the module docstring; under
+    zb-h1 with deferred gradients, the same device count). Every plan's v and c only grow as stages are added
+    before it, so the pass finds min c + v exactly, and the fewest devices of the plans within a tie of it, where
+    `_cheaper_recompute` solves at each breakpoint of c (densenet121 on 16 GPUs at 8 GB, 1f1b: 2.4-4.7 s -> 0.7-0.9
+    s a microbatch count, the same objectives)."""
+    inputs, pairs = evaluator.inputs, evaluator.pairs
+    n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
+    grid = _grid(evaluator, straight, recompute_options)
+    if not straight and not grid.scans_outer:
+        return None
+    capacity = 1 + n * (total + 1)
+    devices, first, parent, replicas = (np.zeros(capacity, dtype=np.int64) for _ in range(4))
+    largest, cost, flags = np.zeros(capacity), np.zeros(capacity), np.zeros(capacity, dtype=bool)
+    first[0], parent[0], size = n, -1, 1
+    # the layers before a start need some max Q on the devices left: with r_i replicas and compute t_i each, a
+    # flush stage's Q >= (ceil(m / r_i) - 1) t_i (`_StageGrid.live`'s floor), and the stage of most t_i / r_i has
+    # t_i / r_i >= T / R (T: their compute, R: the devices left), so max Q >= m T / R - T; one replica each
+    # (straight): >= (m - 1) T / R
+    before = np.concatenate([[0.0], pairs.both[grid.row[0] + np.arange(1, n + 1)]])  # T of layers [0, start)
+    m = float(inputs.microbatches)
+    for start in range(n - 1, -1, -1):
+        downstream = devices[:size]
+        pair = grid.row[start] + first[:size]
+        entries, combos = grid.live(pair, downstream, upper, inputs.memory_bytes)
+        q = grid.bound(pair[entries], downstream[entries], combos)
+        recomputes = grid.flags[combos]
+        new_cost = cost[entries] + np.where(recomputes, pairs.fwd[pair[entries]], 0.0)
+        new_largest = np.maximum(largest[entries], q)
+        floor = np.maximum(new_largest, least)
+        if start > 0 and grid.busy_floor is not None:
+            left = total - downstream[entries] - grid.replicas[combos]
+            with np.errstate(divide="ignore", invalid="ignore"):  # (no device left: no plan, below)
+                share = before[start] / left
+            floor = np.maximum(floor, np.where(left > 0, (m - 1) * share if straight else m * share - before[start],
+                                               np.inf))
+        ok = floor + new_cost <= upper
+        entries, combos, new_cost, new_largest = entries[ok], combos[ok], new_cost[ok], new_largest[ok]
+        if inputs.memory_bytes is not None:
+            ok = grid.fits(pair[entries], downstream[entries], combos, inputs.memory_bytes)
+            entries, combos, new_cost, new_largest = entries[ok], combos[ok], new_cost[ok], new_largest[ok]
+        if len(entries) == 0:
+            continue
+        new_devices = downstream[entries] + grid.replicas[combos]
+        keep = _undominated(new_devices % group, new_devices, new_largest, new_cost, grid.more_devices_can_help)
+        if size + len(keep) > capacity:
+            grow = max(capacity, len(keep))
+            devices, first, parent, replicas = (np.concatenate([a, np.zeros(grow, dtype=np.int64)])
+                                                for a in (devices, first, parent, replicas))
+            largest, cost = np.concatenate([largest, np.zeros(grow)]), np.concatenate([cost, np.zeros(grow)])
+            flags = np.concatenate([flags, np.zeros(grow, dtype=bool)])
+            capacity += grow
+        added = slice(size, size + len(keep))
+        devices[added], first[added], parent[added] = new_devices[keep], start, entries[keep]
+        replicas[added], flags[added] = grid.replicas[combos[keep]], grid.flags[combos[keep]]
+        largest[added], cost[added] = new_largest[keep], new_cost[keep]
+        size += len(keep)
+    at_zero = np.nonzero(first[:size] == 0)[0]
+    plans = []
+    for entry in at_zero[np.lexsort((devices[at_zero], cost[at_zero] + largest[at_zero]))]:
+        stages = []
+        while first[entry] < n:
+            stages.append(Stage(int(first[entry]), int(first[parent[entry]]), int(replicas[entry]),
+                                bool(flags[entry])))
+            entry = parent[entry]
+        plans.append(stages)
+    return plans
+
+
 def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, ...]:
     """The recompute flags a stage may take: both where allowed and a memory limit is set, except under
     zero-bubble schedules (their W would need the recomputed activations kept from B on: not planned)."""
@@ -629,14 +731,23 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         best, best_bound = None if recomputing else solve(least), least
         if best is None and not recomputing:  # (never: some plan reaches the least bound)
             best, best_bound = _bisected(inputs, solve, max_bound, straight, options, unlimited)
-    if recomputing:
+    front = None  # every plan that could win or tie, where one pass found them
+    if recomputing and least is not None:
+        first = solve(least * (1.0 + TIE), True)  # (its objective bounds the pass: no worse plan can tie the best)
+        assert first is not None
+        upper = (objective_s(inputs, first) * (1.0 + TIE) - fill_drain_s(inputs, [])) * (1.0 + _SLACK)
+        front = _least_objectives(evaluator, straight, options, least, upper)
+        best = min(front or [first], key=lambda plan: objective_s(inputs, plan))
+    elif recomputing:
         best = _cheaper_recompute(inputs, solve, best, best_bound)
     assert best is not None
     best_value = objective_s(inputs, best)
     # ties within the tolerance go to the fewest devices: every Pareto plan whose max Q could tie
     limit = best_value * (1.0 + TIE)
     bound = limit - fill_drain_s(inputs, [])
-    if True in options and inputs.schedule in FLUSH_SCHEDULES:
+    if front:
+        candidates = front
+    elif True in options and inputs.schedule in FLUSH_SCHEDULES:
         candidates = _solve_front(evaluator, bound, straight, options, True)
     else:
         candidates = [plan for plan in [solve(bound)] if plan is not None]

@@ -279,6 +279,57 @@ def test_least_bound_is_the_least_largest_term_of_a_plan_within_memory(
     assert found == pytest.approx(min(largest), rel=TIE, abs=0.0)
 
 
+@settings(max_examples=300, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(0, 7), st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+                                  st.sampled_from([0.0, 0.25, 1.0])), min_size=1, max_size=40),
+       group=st.sampled_from([1, 2, 4]), exact_devices=st.booleans())
+def test_undominated_keeps_what_no_entry_of_its_residue_beats_in_devices_largest_q_and_cost(
+        entries: list[tuple[int, float, float]], group: int, exact_devices: bool) -> None:
+    """`_undominated` against the definition: an entry goes where another of its residue has at most its devices
+    (the same count where `exact_devices`), at most its largest Q and at most its cost, and is not the same entry
+    seen later (of equal entries the first stays)."""
+    devices = np.array([d for d, _, _ in entries])
+    largest, cost = np.array([v for _, v, _ in entries]), np.array([c for _, _, c in entries])
+    kept = optimizer_module._undominated(devices % group, devices, largest, cost, exact_devices)
+
+    def beats(i: int, j: int) -> bool:
+        same = devices[i] == devices[j] if exact_devices else devices[i] % group == devices[j] % group
+        no_worse = devices[i] <= devices[j] and largest[i] <= largest[j] and cost[i] <= cost[j]
+        equal = (devices[i], largest[i], cost[i]) == (devices[j], largest[j], cost[j])
+        return same and no_worse and (not equal or i < j)
+
+    expected = {j for j in range(len(entries)) if not any(beats(i, j) for i in range(len(entries)) if i != j)}
+    assert sorted(kept.tolist()) == sorted(expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), schedule=st.sampled_from(["gpipe", "1f1b"]),
+       microbatches=st.integers(1, 6), straight=st.booleans(), data=st.data())
+def test_one_pass_over_recompute_costs_finds_the_optimum_of_a_binding_limit(
+    arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, straight: bool, data: st.DataObject,
+) -> None:
+    """Where a memory limit binds and stages may recompute, the plans that can win come from one pass of the dynamic
+    program over (devices, largest Q, recompute cost) (`_least_objectives`): against brute force, the least
+    objective and, within a tie of it, the fewest devices, at limits between two plans' peaks or at one."""
+    inputs = CostInputs(arrays, cluster, schedule, microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
+                        scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
+    scored = score_plans(inputs, straight, True)
+    peaks = sorted({plan.peak_bytes for plan in scored})
+    index = data.draw(st.integers(0, len(peaks) - 1))
+    limit = peaks[index] if index == len(peaks) - 1 or data.draw(st.booleans()) else (peaks[index] + peaks[index + 1]) / 2
+    limited = replace(inputs, memory_bytes=limit)
+    passes = []
+    one_pass = optimizer_module._least_objectives
+    with mock.patch.object(optimizer_module, "_least_objectives", lambda *args: passes.append(1) or one_pass(*args)):
+        solution = optimize(limited, straight, True)
+    check_solution(limited, solution, straight, True)
+    best, fewest = optimal(feasible(scored, limit))
+    assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0)
+    assert solution.devices == fewest
+    unlimited = optimize(inputs, straight, True)
+    assert passes == ([] if plan_fits(limited, list(unlimited.stages)) else [1])  # the pass ran where the limit binds
+
+
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
     """A review fuzzer's case (6 layers, 6 GPUs at 10 GB/s, zb-h1, 7 microbatches, 4 GB): the stage of layer 2 alone
     keeps min(d + 1, 7) microbatches' deferred gradients (400 MB each), d = 6 - D with D the devices from it on:
