@@ -259,7 +259,8 @@ def test_least_bound_is_the_least_largest_term_of_a_plan_within_memory(
     data: st.DataObject,
 ) -> None:
     """`_least_bound` (one pass of the dynamic program) against brute force: the least max Q(s) over every plan that
-    fits the limit (some plan's peak, or between two), given the max Q of any one of them as its upper bound."""
+    fits the limit (some plan's peak, or between two), given the max Q of any one of them as its upper bound, and a
+    plan within the limit that has it."""
     inputs = CostInputs(arrays, cluster, schedule, microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
                         scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
     recompute = allow_recompute and schedule not in SPLIT_BACKWARD_SCHEDULES
@@ -275,8 +276,12 @@ def test_least_bound_is_the_least_largest_term_of_a_plan_within_memory(
     limited = replace(inputs, memory_bytes=limit)
     options = recompute_options(limited, allow_recompute)
     upper = data.draw(st.sampled_from(largest))
-    found = optimizer_module._least_bound(_Evaluator(limited, Pairs(limited)), straight, options, upper * (1 + TIE))
-    assert found == pytest.approx(min(largest), rel=TIE, abs=0.0)
+    value, plan = optimizer_module._least_bound(_Evaluator(limited, Pairs(limited)), straight, options,
+                                                upper * (1 + TIE))
+    assert value == pytest.approx(min(largest), rel=TIE, abs=0.0)
+    assert plan_fits(limited, plan) and plan[0][0] == 0 and plan[-1][1] == arrays.num_layers  # a plan that has it
+    assert max(cost.bound_s for cost in stage_costs(limited, plan)) == pytest.approx(value, rel=TIE, abs=0.0)
+    assert not straight or all(stage[2] == 1 for stage in plan)
 
 
 @settings(max_examples=300, deadline=None)
