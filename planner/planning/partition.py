@@ -53,8 +53,9 @@ MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its 
 REFINE_GAIN_CAP = 1.25
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
 # a memory-limited solve that took this long hands the search's other solves to worker processes (`solve_ahead`):
-# starting them costs about half a second each
-SOLVE_AHEAD_AFTER_S = 1.0
+# starting them costs about half a second each. (At 1 s, once the recompute search took one pass, densenet121 at 8
+# GB on 2 cores planned in 0.94x the time of one process; nasnetalarge, 3.6-6.6 s a solve, in 1.2x less.)
+SOLVE_AHEAD_AFTER_S = 3.0
 # on equal throughput: least memory first
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
 # never pipedream (stale weights change what training computes); the chunked ones (their cut a heuristic) at the
