@@ -335,6 +335,23 @@ def test_one_pass_over_recompute_costs_finds_the_optimum_of_a_binding_limit(
     assert passes == ([] if plan_fits(limited, list(unlimited.stages)) else [1])  # the pass ran where the limit binds
 
 
+def test_a_replicated_zero_bubble_stage_can_hold_more_microbatches_on_fewer_devices_after_it() -> None:
+    """A review's case: 2 layers on 4 devices at 1 GB/s, zb-h1, 6 microbatches, 3.5 GB, nothing deferred from B to W.
+    Layer 0 on 2 replicas holds min(3, ceil(D / 2) + ceil((4 - D) / 2)) microbatches' activations: 2 with layer 1
+    on 2 devices after it (D = 4), 3 with layer 1 on one (D = 3), 4.2 GB. The search kept only the fewest devices
+    after layer 0 of each residue, the 1-device entry, and returned [(0, 1) x 3, (1, 2) x 1] at 0.51 s; brute force
+    finds [(0, 1) x 2, (1, 2) x 2] at 0.46 s."""
+    arrays = LayerArrays(compute_s=np.array([0.0, 0.05, 0.06]), param_bytes=np.array([0.0, 3e8, 3.5e8]),
+                         cut_bytes=np.zeros(2), saved_bytes=np.array([0.0, 1e9, 1e9]),
+                         fwd_s=np.array([0.0, 0.02, 0.024]), weight_s=np.zeros(3), deferred_bytes=np.zeros(3))
+    inputs = CostInputs(arrays, make_cluster(4, None, [1e9]), "zb-h1", 6, memory_bytes=3.5e9)
+    best, fewest = optimal(feasible(score_plans(inputs, False, False), inputs.memory_bytes))
+    solution = optimize(inputs, False, False)
+    check_solution(inputs, solution, False, False)
+    assert solution.objective_s == pytest.approx(best, rel=TIE, abs=0.0) == pytest.approx(0.46)
+    assert solution.devices == fewest == 4
+
+
 def test_a_zero_bubble_suffix_on_more_devices_can_let_a_stage_before_it_fit() -> None:
     """A review fuzzer's case (6 layers, 6 GPUs at 10 GB/s, zb-h1, 7 microbatches, 4 GB): the stage of layer 2 alone
     keeps min(d + 1, 7) microbatches' deferred gradients (400 MB each), d = 6 - D with D the devices from it on:
