@@ -411,9 +411,11 @@ class _StageGrid:
     def before_floor(self, start: int, left: np.ndarray, straight: bool) -> np.ndarray | float:
         """A floor under the largest Q of any plan of layers [0, `start`) on `left` devices (inf where none are
         left, 0 where `live` has no floor or start is 0). With r_i replicas and compute t_i each, a flush stage's
-        Q >= (ceil(m / r_i) - 1) t_i (`live`'s floor), and the stage of most t_i / r_i has t_i / r_i >= T / R (T:
-        their compute, R: the devices left), so max Q >= m T / R - T; one replica each (straight): >= (m - 1) T / R.
-        Pipedream's Q >= t_i / r_i gives T / R."""
+        Q >= (ceil(m / r_i) - 1) t_i >= (t_i / r_i)(m - r_i) (`live`'s floor), and the stage of most t_i / r_i has
+        t_i / r_i >= sum t_i / R >= T / R (R: the devices left; T: both(0, start), at most the stages' sum, also
+        under zb-h1 whose split backwards cost no less than the unsplit one of a first stage) and r_i <= R, so
+        max Q >= (T / R)(m - R) = m T / R - T (also where r_i > m: Q >= 0 >= it); one replica each (straight):
+        >= (m - 1) T / R. Pipedream's Q >= t_i / r_i gives T / R."""
         if start == 0 or self.busy_floor is None:
             return 0.0
         before, m = float(self.pairs.both[self.row[0] + start]), float(self.inputs.microbatches)
