@@ -291,15 +291,55 @@ def _copies(values: np.ndarray, count: int) -> np.ndarray:
 
 @dataclass
 class _Front:
-    """Every Pareto entry of every suffix, as parallel arrays; entry 0 is the empty suffix."""
+    """The entries of a dynamic program over suffixes, as parallel arrays grown as needed; entry 0 is the empty
+    suffix, and the first `size` are in use. An entry is a stage [start, stop) on `replicas` devices, recomputing or
+    not, placed on the entry `parent` (whose start is `stop`), with the `devices`, the recompute cost (seconds) and
+    the largest Q (seconds) of its whole suffix."""
 
     devices: np.ndarray
     cost: np.ndarray
-    stop: np.ndarray  # first layer of the suffix the entry extends (its own start is its state)
+    largest: np.ndarray
+    stop: np.ndarray
     parent: np.ndarray
     replicas: np.ndarray
     recompute: np.ndarray
     start: np.ndarray
+    size: int
+
+    @classmethod
+    def empty(cls, layers: int, capacity: int) -> _Front:
+        """Room for `capacity` entries, with entry 0, the empty suffix of a model of `layers` layers."""
+        front = cls(*(np.zeros(capacity, dtype=t) for t in (np.int64, float, float, np.int64, np.int64, np.int64,
+                                                             bool, np.int64)), size=1)
+        front.start[0], front.stop[0], front.parent[0] = layers, layers, -1
+        return front
+
+    def add(self, start: int, parent: np.ndarray, replicas: np.ndarray, recompute: np.ndarray, devices: np.ndarray,
+            cost: np.ndarray, largest: np.ndarray) -> None:
+        """New entries of stages from `start` on the entries `parent` (the arrays element for element)."""
+        if self.size + len(parent) > len(self.devices):  # (the passes' Pareto sets may outgrow a guess)
+            grow = max(len(self.devices), len(parent))
+            for name in ("devices", "cost", "largest", "stop", "parent", "replicas", "recompute", "start"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros(grow, dtype=old.dtype)]))
+        added = slice(self.size, self.size + len(parent))
+        self.start[added], self.stop[added], self.parent[added] = start, self.start[parent], parent
+        self.replicas[added], self.recompute[added], self.devices[added] = replicas, recompute, devices
+        self.cost[added], self.largest[added] = cost, largest
+        self.size += len(parent)
+
+    def plan(self, entry: int) -> list[Stage]:
+        """The stages of the whole suffix of `entry`, first to last."""
+        stages = []
+        while self.start[entry] < self.stop[0]:
+            stages.append(Stage(int(self.start[entry]), int(self.stop[entry]), int(self.replicas[entry]),
+                                bool(self.recompute[entry])))
+            entry = int(self.parent[entry])
+        return stages
+
+    def at_zero(self) -> np.ndarray:
+        """The entries of whole plans (their suffix starts at layer 0)."""
+        return np.nonzero(self.start[:self.size] == 0)[0]
 
 
 _SCANNED = 64  # whole-outer-group counts `_solve_front` tries one by one, beyond which it takes the closed forms
@@ -493,13 +533,10 @@ def _solve_front(
     n, total, group = pairs.num_layers, inputs.cluster.num_devices, inputs.class_size
     grid = _grid(evaluator, straight, recompute_options)
     options = len(recompute_options)
-    front = _Front(*(np.zeros(1 + n * total, dtype=t)
-                     for t in (np.int64, float, np.int64, np.int64, np.int64, bool, np.int64)))
-    front.start[0], front.stop[0], front.parent[0] = n, n, -1
-    size = 1
+    front = _Front.empty(n, 1 + n * total)
     for start in range(n - 1, -1, -1):
-        downstream = front.devices[:size]
-        pair = grid.row[start] + front.start[:size]
+        downstream = front.devices[:front.size]
+        pair = grid.row[start] + front.start[:front.size]
         entries, combos = grid.live(pair, downstream, bound, inputs.memory_bytes)
         ok = grid.bound(pair[entries], downstream[entries], combos) <= bound
         entries, combos = entries[ok], combos[ok]
@@ -548,21 +585,9 @@ def _solve_front(
             running = np.minimum.accumulate(np.concatenate([[np.inf], shifted[:-1]]))
             keep = keep | (shifted < running)
         chosen = order[keep]
-        added = slice(size, size + len(chosen))
-        front.devices[added], front.cost[added], front.stop[added] = devices[chosen], cost[keep], stop[chosen]
-        front.parent[added], front.replicas[added] = parent[chosen], replicas[chosen]
-        front.recompute[added], front.start[added] = flags[chosen], start
-        size += len(chosen)
-    at_zero = np.nonzero(front.start[:size] == 0)[0]
-    plans = []
-    for entry in at_zero[np.lexsort((front.devices[at_zero], front.cost[at_zero]))]:
-        stages = []
-        while front.start[entry] < n:
-            stages.append(Stage(int(front.start[entry]), int(front.stop[entry]), int(front.replicas[entry]),
-                                bool(front.recompute[entry])))
-            entry = int(front.parent[entry])
-        plans.append(stages)
-    return plans
+        front.add(start, parent[chosen], replicas[chosen], flags[chosen], devices[chosen], cost[keep], 0.0)
+    at_zero = front.at_zero()
+    return [front.plan(entry) for entry in at_zero[np.lexsort((front.devices[at_zero], front.cost[at_zero]))]]
 
 
 def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple[bool, ...],
@@ -581,24 +606,12 @@ def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple
     grid = _grid(evaluator, straight, recompute_options)
     if not straight and not grid.scans_outer:
         return None
-    devices, first, parent, replicas = (np.zeros(1 + n * (total + 1), dtype=np.int64) for _ in range(4))
-    largest, cost, flags = np.zeros(len(devices)), np.zeros(len(devices)), np.zeros(len(devices), dtype=bool)
-    first[0], parent[0], size = n, -1, 1
+    front = _Front.empty(n, 1 + n * (total + 1))
     for start in range(n - 1, -1, -1):
-        downstream = devices[:size]
-        pair = grid.row[start] + first[:size]
-        entries, combos = grid.live(pair, downstream, upper, inputs.memory_bytes)
-        q = grid.bound(pair[entries], downstream[entries], combos)
-        left = total - downstream[entries] - grid.replicas[combos]
-        ok = np.maximum(np.maximum(largest[entries], q), grid.before_floor(start, left, straight)) <= upper
-        entries, combos, q = entries[ok], combos[ok], q[ok]
-        if inputs.memory_bytes is not None:
-            ok = grid.fits(pair[entries], downstream[entries], combos, inputs.memory_bytes)
-            entries, combos, q = entries[ok], combos[ok], q[ok]
+        entries, combos, new_largest, new_cost = _candidates(grid, front, start, straight, upper, -math.inf, False)
         if len(entries) == 0:
             continue
-        new_devices, new_largest = downstream[entries] + grid.replicas[combos], np.maximum(largest[entries], q)
-        new_cost = cost[entries] + np.where(grid.flags[combos], pairs.fwd[pair[entries]], 0.0)
+        new_devices = front.devices[entries] + grid.replicas[combos]
         tie = np.empty(len(entries), dtype=np.int64)
         tie[np.lexsort((np.arange(len(entries)), new_cost))] = np.arange(len(entries))  # distinct, by cost
         chosen = _firsts(total + 1, new_devices, new_largest, tie)
@@ -609,21 +622,32 @@ def _least_bound(evaluator: _Evaluator, straight: bool, recompute_options: tuple
             table[counts % group, counts // group] = values
             fewer = np.minimum.accumulate(np.concatenate([np.full((group, 1), np.inf), table[:, :-1]], axis=1), axis=1)
             chosen = chosen[values < fewer[counts % group, counts // group]]
-        added = slice(size, size + len(chosen))
-        devices[added], first[added], largest[added] = new_devices[chosen], start, new_largest[chosen]
-        parent[added], replicas[added], flags[added] = entries[chosen], grid.replicas[combos[chosen]], \
-            grid.flags[combos[chosen]]
-        cost[added] = new_cost[chosen]
-        size += len(chosen)
-    at_zero = np.nonzero(first[:size] == 0)[0]
+        front.add(start, entries[chosen], grid.replicas[combos[chosen]], grid.flags[combos[chosen]],
+                  new_devices[chosen], new_cost[chosen], new_largest[chosen])
+    at_zero = front.at_zero()
     if len(at_zero) == 0:
         return math.inf, []
-    entry = int(at_zero[np.lexsort((cost[at_zero], largest[at_zero]))[0]])
-    value, stages = float(largest[entry]), []
-    while first[entry] < n:
-        stages.append(Stage(int(first[entry]), int(first[parent[entry]]), int(replicas[entry]), bool(flags[entry])))
-        entry = int(parent[entry])
-    return value, stages
+    entry = int(at_zero[np.lexsort((front.cost[at_zero], front.largest[at_zero]))[0]])
+    return float(front.largest[entry]), front.plan(entry)
+
+
+def _candidates(grid: _StageGrid, front: _Front, start: int, straight: bool, upper: float, least: float,
+                priced: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(entries, combinations, largest Q, recompute cost) of the candidate stages from `start` on the entries of
+    `front` that fit in memory and whose floor, at most `upper`, rules nothing out: the larger of their suffix's
+    largest Q, `least` and what the layers before them need (`_StageGrid.before_floor`), plus their recompute cost
+    where `priced` (the objective's part that only grows as stages are added before them)."""
+    inputs, total = grid.inputs, grid.inputs.cluster.num_devices
+    downstream, pair = front.devices[:front.size], grid.row[start] + front.start[:front.size]
+    entries, combos = grid.live(pair, downstream, upper, inputs.memory_bytes)
+    largest = np.maximum(front.largest[entries], grid.bound(pair[entries], downstream[entries], combos))
+    cost = front.cost[entries] + np.where(grid.flags[combos], grid.pairs.fwd[pair[entries]], 0.0)
+    left = total - downstream[entries] - grid.replicas[combos]
+    floor = np.maximum(np.maximum(largest, least), grid.before_floor(start, left, straight))
+    ok = np.nonzero((floor + cost if priced else floor) <= upper)[0]
+    if inputs.memory_bytes is not None:
+        ok = ok[grid.fits(pair[entries[ok]], downstream[entries[ok]], combos[ok], inputs.memory_bytes)]
+    return entries[ok], combos[ok], largest[ok], cost[ok]
 
 
 def _undominated(residue: np.ndarray, devices: np.ndarray, largest: np.ndarray, cost: np.ndarray,
@@ -666,51 +690,18 @@ def _least_objectives(evaluator: _Evaluator, straight: bool, recompute_options: 
     grid = _grid(evaluator, straight, recompute_options)
     if not straight and not grid.scans_outer:
         return None
-    capacity = 1 + n * (total + 1)
-    devices, first, parent, replicas = (np.zeros(capacity, dtype=np.int64) for _ in range(4))
-    largest, cost, flags = np.zeros(capacity), np.zeros(capacity), np.zeros(capacity, dtype=bool)
-    first[0], parent[0], size = n, -1, 1
+    front = _Front.empty(n, 1 + n * (total + 1))
     for start in range(n - 1, -1, -1):
-        downstream = devices[:size]
-        pair = grid.row[start] + first[:size]
-        entries, combos = grid.live(pair, downstream, upper, inputs.memory_bytes)
-        q = grid.bound(pair[entries], downstream[entries], combos)
-        recomputes = grid.flags[combos]
-        new_cost = cost[entries] + np.where(recomputes, pairs.fwd[pair[entries]], 0.0)
-        new_largest = np.maximum(largest[entries], q)
-        left = total - downstream[entries] - grid.replicas[combos]
-        floor = np.maximum(np.maximum(new_largest, least), grid.before_floor(start, left, straight))
-        ok = floor + new_cost <= upper
-        entries, combos, new_cost, new_largest = entries[ok], combos[ok], new_cost[ok], new_largest[ok]
-        if inputs.memory_bytes is not None:
-            ok = grid.fits(pair[entries], downstream[entries], combos, inputs.memory_bytes)
-            entries, combos, new_cost, new_largest = entries[ok], combos[ok], new_cost[ok], new_largest[ok]
+        entries, combos, new_largest, new_cost = _candidates(grid, front, start, straight, upper, least, True)
         if len(entries) == 0:
             continue
-        new_devices = downstream[entries] + grid.replicas[combos]
+        new_devices = front.devices[entries] + grid.replicas[combos]
         keep = _undominated(new_devices % group, new_devices, new_largest, new_cost, grid.more_devices_can_help)
-        if size + len(keep) > capacity:
-            grow = max(capacity, len(keep))
-            devices, first, parent, replicas = (np.concatenate([a, np.zeros(grow, dtype=np.int64)])
-                                                for a in (devices, first, parent, replicas))
-            largest, cost = np.concatenate([largest, np.zeros(grow)]), np.concatenate([cost, np.zeros(grow)])
-            flags = np.concatenate([flags, np.zeros(grow, dtype=bool)])
-            capacity += grow
-        added = slice(size, size + len(keep))
-        devices[added], first[added], parent[added] = new_devices[keep], start, entries[keep]
-        replicas[added], flags[added] = grid.replicas[combos[keep]], grid.flags[combos[keep]]
-        largest[added], cost[added] = new_largest[keep], new_cost[keep]
-        size += len(keep)
-    at_zero = np.nonzero(first[:size] == 0)[0]
-    plans = []
-    for entry in at_zero[np.lexsort((devices[at_zero], cost[at_zero] + largest[at_zero]))]:
-        stages = []
-        while first[entry] < n:
-            stages.append(Stage(int(first[entry]), int(first[parent[entry]]), int(replicas[entry]),
-                                bool(flags[entry])))
-            entry = parent[entry]
-        plans.append(stages)
-    return plans
+        front.add(start, entries[keep], grid.replicas[combos[keep]], grid.flags[combos[keep]], new_devices[keep],
+                  new_cost[keep], new_largest[keep])
+    at_zero = front.at_zero()
+    order = np.lexsort((front.devices[at_zero], front.cost[at_zero] + front.largest[at_zero]))
+    return [front.plan(entry) for entry in at_zero[order]]
 
 
 def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, ...]:
@@ -772,7 +763,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     bound = limit - fill_drain_s(inputs, [])
     if front:
         candidates = front
-    elif True in options and inputs.schedule in FLUSH_SCHEDULES:
+    elif recomputing:
         candidates = _solve_front(evaluator, bound, straight, options, True)
     else:
         candidates = [plan for plan in [solve(bound)] if plan is not None]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
@@ -32,13 +33,14 @@ def equal_compute_cuts(compute_s: np.ndarray, stages: int) -> list[int] | None:
     return cuts if all(a < b for a, b in zip(cuts, cuts[1:])) else None
 
 
-def quick_plans(inputs: CostInputs, straight: bool, recompute: bool, own: list[list[Stage]] = ()) -> list[list[Stage]]:
+def quick_plans(inputs: CostInputs, straight: bool, recompute: bool,
+                own: Sequence[Sequence[Stage]] = ()) -> list[list[Stage]]:
     """The plans of the module docstring that fit the memory limit and the placement rule; `own`: the caller's."""
     devices, layers = inputs.cluster.num_devices, inputs.arrays.num_layers
     shapes = [(k, 1) for k in range(1, min(devices, layers) + 1)]
     if not straight:
         shapes += [(k, devices // k) for k in range(1, min(devices, layers)) if devices % k == 0]
-    plans = list(own)
+    plans = [list(plan) for plan in own]
     for count, replicas in shapes:
         cuts = equal_compute_cuts(inputs.arrays.compute_s, count)
         if cuts is not None:
@@ -50,7 +52,7 @@ def quick_plans(inputs: CostInputs, straight: bool, recompute: bool, own: list[l
     return [plan for plan in plans if plan_fits(inputs, plan)]
 
 
-def quick_bound(inputs: CostInputs, straight: bool, recompute: bool, own: list[list[Stage]] = (),
+def quick_bound(inputs: CostInputs, straight: bool, recompute: bool, own: Sequence[Sequence[Stage]] = (),
                 slack: float = 0.0) -> float:
     """The least max Q(s) of `quick_plans`, times 1 + `slack` (the caller's rounding); inf where none fits."""
     plans = quick_plans(inputs, straight, recompute, own)
