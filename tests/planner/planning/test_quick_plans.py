@@ -1,4 +1,4 @@
-"""Plans made without a search: equal-compute cuts, plans within the limit, and a bound no lower than the least."""
+"""Plans made without a search: equal-share cuts, plans within the limit, and a bound no lower than the least."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from hypothesis import strategies as st
 from planner.costs.layer_arrays import LayerArrays
 from planner.costs.schedule_cost import CostInputs, plan_fits, stage_costs
 from planner.files.cluster import make_cluster
-from planner.planning.quick_plans import equal_compute_cuts, quick_bound, quick_plans
+from planner.planning.quick_plans import equal_share_cuts, quick_bound, quick_plans
 from tests.planner.layer_strategies import layer_arrays
 from tests.planner.planning.test_optimizer import CONTIGUOUS, clusters, every_plan
 
 
-def test_equal_compute_cuts_fall_where_the_running_compute_reaches_each_share() -> None:
+def test_equal_share_cuts_fall_where_the_running_compute_reaches_each_share() -> None:
     compute_s = np.cumsum([0.0, 1.0, 1.0, 1.0, 1.0, 4.0])  # five layers, the last as heavy as the four before
-    assert equal_compute_cuts(compute_s, 1) == [0, 5]
-    assert equal_compute_cuts(compute_s, 2) == [0, 4, 5]  # 4 of 8 after four layers
-    assert equal_compute_cuts(compute_s, 4) is None  # the last layer holds half: two cuts on one layer
-    assert equal_compute_cuts(np.cumsum([0.0, 1.0, 1.0]), 3) is None  # more stages than layers
+    assert equal_share_cuts(compute_s, 1) == [0, 5]
+    assert equal_share_cuts(compute_s, 2) == [0, 4, 5]  # 4 of 8 after four layers
+    assert equal_share_cuts(compute_s, 4) is None  # the last layer holds half: two cuts on one layer
+    assert equal_share_cuts(np.cumsum([0.0, 1.0, 1.0]), 3) is None  # more stages than layers
 
 
 def test_a_stage_that_does_not_fit_recomputes_and_a_plan_that_cannot_fit_is_left_out() -> None:
@@ -40,6 +40,20 @@ def test_a_stage_that_does_not_fit_recomputes_and_a_plan_that_cannot_fit_is_left
     assert quick_bound(inputs, True, False) == math.inf
     own = [[(0, 1, 1, True), (1, 2, 1, True)]]
     assert own[0] in [[tuple(stage) for stage in plan] for plan in quick_plans(inputs, True, True, own)]
+
+
+def test_cuts_at_equal_saved_bytes_fit_where_equal_compute_cuts_do_not() -> None:
+    """Four layers of 1 s on 2 devices in a line; the first saves 300 MB, the others 100 MB each. Equal compute
+    cuts after two layers (400 MB on the first device), equal saved bytes after the first (300 MB on each): at
+    350 MB only that plan fits, and the bound is its largest term (the second stage's three layers)."""
+    arrays = LayerArrays(compute_s=np.arange(5.0), param_bytes=np.zeros(5), cut_bytes=np.array([1e3, 1e3, 1e3, 0.0]),
+                         saved_bytes=np.cumsum([0.0, 3e8, 1e8, 1e8, 1e8]), fwd_s=np.arange(5.0) / 3)
+    inputs = CostInputs(arrays, make_cluster(2, None, [1e10]), "gpipe", 1, memory_bytes=3.5e8)
+    assert equal_share_cuts(arrays.compute_s, 2) == [0, 2, 4]
+    assert not plan_fits(inputs, [(0, 2, 1, False), (2, 4, 1, False)])
+    plans = [[tuple(stage) for stage in plan] for plan in quick_plans(inputs, straight=True, recompute=False)]
+    assert plans and all(plan == [(0, 1, 1, False), (1, 4, 1, False)] for plan in plans)
+    assert quick_bound(inputs, True, False) == max(cost.bound_s for cost in stage_costs(inputs, list(plans[0])))
 
 
 @settings(max_examples=150, deadline=None)
