@@ -41,7 +41,8 @@ search over a bound beta on max_s Q(s):
 - With a memory limit, the optimum without it is found first; where it fits, it is the answer: every plan
   within the limit is a plan without it, or one with recompute flags, which only add time (a recomputing
   plan that ties is tied by its plan without recompute, on as many devices). nasnetalarge on 16 GPUs at 16
-  GB with `--schedule auto --microbatches auto`: 11.5 s -> 1.2 s, the same plan.
+  GB with `--schedule auto --microbatches auto`: 11.5 s -> 1.2 s, the same plan. gpipe and 1f1b share that
+  optimum (their objectives without a limit are one), so `partition` finds it once per count for both.
 
 Without a memory limit (the default) solve(beta) is `unlimited_dp.solve_unlimited`: one state
 per (layer, residue), the fewest devices. Here: the memory-limited DP over Pareto fronts, the
@@ -711,8 +712,11 @@ def recompute_options(inputs: CostInputs, allow_recompute: bool) -> tuple[bool, 
     return (False, True) if allowed else (False,)
 
 
-def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool = True) -> Solution:
-    """The plan minimising `schedule_cost.objective_s` on at most the cluster's devices (module docstring)."""
+def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool = True,
+             unlimited: Solution | None = None) -> Solution:
+    """The plan minimising `schedule_cost.objective_s` on at most the cluster's devices (module docstring).
+    `unlimited`: with a memory limit, the best plan of `inputs` without it where the caller has it (gpipe's and
+    1f1b's are one: `partition` passes 1f1b's on), or None to find it here; ignored without a limit."""
     if inputs.schedule not in SCHEDULES:
         raise PlannerError(f"unknown schedule {inputs.schedule!r}; use one of {', '.join(SCHEDULES)}")
     if inputs.schedule in CHUNKED_SCHEDULES:
@@ -722,9 +726,11 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
         raise PlannerError(f"need at least one microbatch, got {inputs.microbatches}")
     if inputs.arrays.num_layers < 1:
         raise PlannerError("the profile has no layers")
-    unlimited = None
-    if inputs.memory_bytes is not None:
-        unlimited = optimize(replace(inputs, memory_bytes=None), straight, allow_recompute)
+    if inputs.memory_bytes is None:
+        unlimited = None
+    else:
+        if unlimited is None:
+            unlimited = optimize(replace(inputs, memory_bytes=None), straight, allow_recompute)
         if plan_fits(inputs, list(unlimited.stages)):  # the limit does not bind (module docstring)
             return Solution(unlimited.stages, objective_s(inputs, list(unlimited.stages)))
     pairs = Pairs(inputs)

@@ -447,6 +447,30 @@ def test_optimize_is_deterministic(
     assert second.stages == first.stages and second.objective_s == first.objective_s
 
 
+@settings(max_examples=100, deadline=None)
+@given(arrays=layer_arrays(), cluster=clusters(), microbatches=st.integers(1, 6), straight=st.booleans(),
+       allow_recompute=st.booleans(), fraction=st.sampled_from([0.4, 0.7, 0.9, 1.0]))
+def test_gpipe_searches_a_binding_limit_from_1f1bs_best_plan_without_it_as_from_its_own(
+    arrays: LayerArrays, cluster: Cluster, microbatches: int, straight: bool, allow_recompute: bool, fraction: float,
+) -> None:
+    """Without a memory limit gpipe's and 1f1b's objectives are one, and so are their best plans: `partition` finds
+    it once and passes it to both searches within a limit, which then find what each finds alone."""
+    gpipe = CostInputs(arrays, cluster, "gpipe", microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
+                       scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
+    shared = optimize(replace(gpipe, schedule="1f1b"), straight, allow_recompute)
+    own = optimize(gpipe, straight, allow_recompute)
+    assert own.stages == shared.stages and own.objective_s == shared.objective_s
+    peak = max(cost.memory_bytes for cost in stage_costs(gpipe, list(own.stages)))
+    limited = replace(gpipe, memory_bytes=fraction * peak)
+    try:
+        alone = optimize(limited, straight, allow_recompute)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            optimize(limited, straight, allow_recompute, shared)
+        return
+    assert optimize(limited, straight, allow_recompute, shared) == alone
+
+
 def test_unhelpful_devices_are_left_unused() -> None:
     # one layer with 4 GB of weights: replicating it costs more in all-reduce than it saves
     arrays = LayerArrays(np.array([0.0, 0.001]), np.array([0.0, 4e9]), np.array([0.0]), fwd_s=np.array([0.0, 0.0005]))

@@ -19,6 +19,7 @@ from planner.cli import app
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.files.cluster import make_cluster
 from planner.costs.schedule_cost import CostInputs, Stage, samples_per_s
+import planner.planning.optimizer as optimizer_module
 import planner.planning.partition as partition_module
 from planner.planning.partition import (
     AUTO_MICROBATCH_SHARE, MICROBATCH_CHOICES, _auto_microbatches, partition, predicted_iteration_s,
@@ -527,3 +528,26 @@ def test_progress_is_told_each_step_of_the_search_as_it_starts() -> None:
     assert len(planned) == len(set(planned))  # each (schedule, count) planned once
     assert all(steps.index(f"{name}, 4 microbatches") < steps.index(f"{name}, 4 microbatches: simulating")
                for name in ("1f1b", "gpipe"))
+
+
+def test_gpipe_and_1f1b_under_a_memory_limit_share_one_search_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their best plan without the limit is one (`test_optimizer`), so partition finds it once per microbatch count
+    for both, and gives each schedule's limited search the same plan as before."""
+    gpt = load_profile(REPO / "profiles" / "gpt.json")
+    cluster = make_cluster(4, memory="1GB")
+    expected = partition(gpt, cluster, schedule="gpipe", microbatches=4)
+    unlimited: list[tuple[str, int]] = []
+    search = optimizer_module.optimize
+
+    def counted(inputs: CostInputs, *args, **kwargs):
+        if inputs.memory_bytes is None and inputs.cluster.num_devices == 4:
+            unlimited.append((inputs.schedule, inputs.microbatches))
+        return search(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "optimize", counted)
+    monkeypatch.setattr(partition_module, "optimize", counted)
+    partition(gpt, cluster, microbatches=4)  # every schedule
+    assert [count for schedule, count in unlimited if schedule in ("gpipe", "1f1b")] == [4]
+    unlimited.clear()
+    assert partition(gpt, cluster, schedule="gpipe", microbatches=4) == expected
+    assert unlimited == [("gpipe", 4)]
