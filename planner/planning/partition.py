@@ -61,6 +61,8 @@ SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pip
 # never pipedream (stale weights change what training computes); the chunked ones (their cut a heuristic) at the
 # microbatch count the best plan of one stage per rank chose
 AUTO_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv")
+# schedules whose objectives are one without a memory limit, so that they share their best plan without it
+SAME_UNLIMITED = ("gpipe", "1f1b")
 
 
 def partition(
@@ -244,7 +246,7 @@ def _choose(
     def unlimited_plan(schedule: str, count: int, inputs: CostInputs) -> Solution | None:
         """Under a memory limit, gpipe's and 1f1b's best plan without it at `count`, found once for both (3 s of
         each memory-limited solve of nasnetalarge on 16 GPUs); None otherwise (`optimize` finds its own)."""
-        if base.memory_bytes is None or schedule not in ("gpipe", "1f1b"):
+        if base.memory_bytes is None or schedule not in SAME_UNLIMITED:
             return None
         if count not in unlimited_at:
             unlimited_at[count] = optimize(replace(inputs, memory_bytes=None), straight, recompute)

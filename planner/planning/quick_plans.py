@@ -39,12 +39,14 @@ def equal_share_cuts(running: np.ndarray, stages: int) -> list[int] | None:
     return cuts if all(a < b for a, b in zip(cuts, cuts[1:])) else None
 
 
-def _shares(inputs: CostInputs) -> list[np.ndarray]:
+def _running_sums(inputs: CostInputs) -> list[np.ndarray]:
     """The running sums whose equal shares the quick plans cut at: compute, saved activation bytes (where the
-    profile has them), and the two as fractions of their totals, summed."""
+    profile has them), and the two as fractions of their totals, summed (where both totals are positive)."""
     compute, saved = inputs.arrays.compute_s, inputs.arrays.saved_bytes
-    if saved is None or saved[-1] <= 0.0 or compute[-1] <= 0.0:
+    if saved is None or not np.isfinite(saved[-1]) or saved[-1] <= 0.0:
         return [compute]
+    if not np.isfinite(compute[-1]) or compute[-1] <= 0.0:
+        return [compute, saved]
     return [compute, saved, compute / compute[-1] + saved / saved[-1]]
 
 
@@ -56,11 +58,14 @@ def quick_plans(inputs: CostInputs, straight: bool, recompute: bool,
     if not straight:
         shapes += [(k, devices // k) for k in range(1, min(devices, layers)) if devices % k == 0]
     plans = [list(plan) for plan in own]
-    for running in _shares(inputs):
+    for running in _running_sums(inputs):
         for count, replicas in shapes:
             cuts = equal_share_cuts(running, count)
-            if cuts is not None:
-                plans.append([Stage(start, stop, replicas, False) for start, stop in zip(cuts, cuts[1:])])
+            if cuts is None:
+                continue
+            plan = [Stage(start, stop, replicas, False) for start, stop in zip(cuts, cuts[1:])]
+            if plan not in plans:  # (the shares often cut alike: one stage always does)
+                plans.append(plan)
     if recompute and inputs.memory_bytes is not None:  # each stage recomputes where it does not fit without
         unlimited = replace(inputs, memory_bytes=None)
         plans = [[Stage(start, stop, replicas, cost.memory_bytes > inputs.memory_bytes)
