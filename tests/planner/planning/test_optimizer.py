@@ -20,7 +20,7 @@ from planner.planning import optimizer as optimizer_module
 from planner.planning.bound_search import PROBES
 from planner.planning.optimizer import Solution, _Evaluator, _StageGrid, optimize, recompute_options
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
-from planner.costs.schedule_cost import CostInputs, Stage, objective_s, plan_fits, stage_costs
+from planner.costs.schedule_cost import CostInputs, Stage, StageMemo, objective_s, plan_fits, stage_costs
 
 CONTIGUOUS = tuple(name for name in SCHEDULES if name not in CHUNKED_SCHEDULES)  # one stage per rank
 
@@ -66,12 +66,24 @@ def score_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> li
     unlimited = replace(inputs, memory_bytes=None)
     scored = []
     recompute = allow_recompute and inputs.schedule not in SPLIT_BACKWARD_SCHEDULES
+    memo: StageMemo = {}  # (each stage's terms once: the plans share most of their stages)
     for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
         if plan_fits(unlimited, list(stages)):
-            costs = stage_costs(unlimited, list(stages))
+            costs = stage_costs(unlimited, list(stages), memo)
             peak = max(cost.memory_bytes for cost in costs)
             scored.append(Scored(stages, objective_s(unlimited, list(stages), costs), peak))
     return scored
+
+
+def peaks_and_largest_terms(inputs: CostInputs, straight: bool, recompute: bool) -> list[tuple[float, float]]:
+    """(peak bytes, max Q(s)) of every plan that obeys the placement rule (`inputs` without a memory limit)."""
+    memo: StageMemo = {}
+    found = []
+    for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
+        if plan_fits(inputs, list(stages)):
+            costs = stage_costs(inputs, list(stages), memo)
+            found.append((max(cost.memory_bytes for cost in costs), max(cost.bound_s for cost in costs)))
+    return found
 
 
 def feasible(scored: list[Scored], memory_bytes: float | None) -> list[Scored]:
@@ -264,11 +276,7 @@ def test_least_bound_is_the_least_largest_term_of_a_plan_within_memory(
     inputs = CostInputs(arrays, cluster, schedule, microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
                         scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
     recompute = allow_recompute and schedule not in SPLIT_BACKWARD_SCHEDULES
-    scored = []  # (peak bytes, max Q) of every plan that obeys the placement rule
-    for stages in every_plan(arrays.num_layers, cluster.num_devices, straight, recompute):
-        if plan_fits(inputs, list(stages)):
-            costs = stage_costs(inputs, list(stages))
-            scored.append((max(cost.memory_bytes for cost in costs), max(cost.bound_s for cost in costs)))
+    scored = peaks_and_largest_terms(inputs, straight, recompute)
     peaks = sorted({peak for peak, _ in scored})
     index = data.draw(st.integers(0, len(peaks) - 1))
     limit = peaks[index] if index == len(peaks) - 1 or data.draw(st.booleans()) else (peaks[index] + peaks[index + 1]) / 2

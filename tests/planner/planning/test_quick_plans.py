@@ -15,7 +15,7 @@ from planner.costs.schedule_cost import CostInputs, plan_fits, stage_costs
 from planner.files.cluster import make_cluster
 from planner.planning.quick_plans import equal_share_cuts, quick_bound, quick_plans
 from tests.planner.layer_strategies import layer_arrays
-from tests.planner.planning.test_optimizer import CONTIGUOUS, clusters, every_plan
+from tests.planner.planning.test_optimizer import CONTIGUOUS, clusters, peaks_and_largest_terms
 
 
 def test_equal_share_cuts_fall_where_the_running_compute_reaches_each_share() -> None:
@@ -68,14 +68,10 @@ def test_quick_plans_fit_and_bound_the_least_largest_term_from_above(
     quick plan fits."""
     inputs = CostInputs(arrays, cluster, schedule, microbatches, 1.0, 1e6, 2, step_s_per_byte=1e-11,
                         scratch_per_byte=1.0, accumulate_s_per_byte=1e-11)
-    peaks = sorted({max(cost.memory_bytes for cost in stage_costs(inputs, list(plan)))
-                    for plan in every_plan(arrays.num_layers, cluster.num_devices, straight, recompute)
-                    if plan_fits(inputs, list(plan))})
-    limit = data.draw(st.sampled_from(peaks))
+    scored = peaks_and_largest_terms(inputs, straight, recompute)
+    limit = data.draw(st.sampled_from(sorted({peak for peak, _ in scored})))
     limited = replace(inputs, memory_bytes=limit)
-    largest = [max(cost.bound_s for cost in stage_costs(limited, list(plan)))
-               for plan in every_plan(arrays.num_layers, cluster.num_devices, straight, recompute)
-               if plan_fits(limited, list(plan))]
+    largest = [bound for peak, bound in scored if peak <= limit]
     plans = quick_plans(limited, straight, recompute)
     for plan in plans:
         assert plan_fits(limited, plan) and plan[0][0] == 0 and plan[-1][1] == arrays.num_layers

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs.layer_arrays import LayerArrays
-from planner.costs.schedule_cost import CostInputs, Stage, plan_fits
+from planner.costs.schedule_cost import CostInputs, Stage, StageMemo, plan_fits
 from planner.files.cluster import Cluster, make_cluster
 from planner.planning.optimizer import optimize, recompute_options
 from planner.planning.simulated_choice import _StageBounds, best_simulated, simulated_s
@@ -28,9 +28,10 @@ TIE = 1e-9
 def brute_force(inputs: CostInputs, straight: bool, allow_recompute: bool) -> tuple[float, int]:
     """(least simulated time over every plan that fits, fewest devices among plans within TIE of it)."""
     recompute = True in recompute_options(inputs, allow_recompute)
-    found = [(simulated_s(inputs, list(plan)), sum(stage[2] for stage in plan))
+    memo: StageMemo = {}  # (each stage's terms once: the plans share most of their stages)
+    found = [(simulated_s(inputs, list(plan), memo), sum(stage[2] for stage in plan))
              for plan in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute)
-             if plan_fits(inputs, list(plan))]
+             if plan_fits(inputs, list(plan), memo)]
     best = min(value for value, _ in found)
     return best, min(devices for value, devices in found if value <= best * (1 + TIE))
 
