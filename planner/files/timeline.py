@@ -44,6 +44,7 @@ class StageTimes:
     tied_s: float = 0.0  # all-reduce of tied weights with the other stages holding them, before each step
     weight_s: float = 0.0  # zero-bubble schedules: W, the weight-gradient part (backward_s is then B alone)
     deferred_bytes: float = 0.0  # zero-bubble schedules: kept per microbatch from the end of its B to the end of its W
+    weight_rebuilt_bytes: float = 0.0  # zero-bubble schedules: held during a W on top of the above (`stage_times`)
 
 
 @dataclass(frozen=True)
@@ -101,20 +102,22 @@ class Timeline:
         and the base bytes of every stage it holds (several under a chunked schedule), held bytes from each
         forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph until
         then, and deferred bytes from the end of its B to the end of its W: the gradients W starts from),
-        rebuilt bytes during a backward (and a W), scratch bytes during each optimizer step."""
+        rebuilt bytes during a backward (zero-bubble schedules: during a B, and the weight-rebuilt bytes during
+        a W), scratch bytes during each optimizer step."""
         import pandas as pd  # (as in `bubble_fraction`)
 
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
         releasing = WEIGHT if self.schedule in SPLIT_BACKWARD_SCHEDULES else BACKWARD
         term = {name: np.array([getattr(times, name) for times in self.stage_times], dtype=float)
-                for name in ("base_bytes", "held_bytes", "rebuilt_bytes", "deferred_bytes", "scratch_bytes")}
+                for name in ("base_bytes", "held_bytes", "rebuilt_bytes", "deferred_bytes", "scratch_bytes",
+                             "weight_rebuilt_bytes")}
         rank, stage = compute["rank"].to_numpy(), compute["stage"].to_numpy().astype(int)
         op, start, end = compute["op"].to_numpy(), compute["start_s"].to_numpy(float), compute["end_s"].to_numpy(float)
         forward, step, computing = op == FORWARD, op == STEP, np.isin(op, (BACKWARD, WEIGHT))
         freed = np.where(op == releasing, term["held_bytes"][stage], 0.0)
         if releasing == WEIGHT:  # the deferred gradients live from the end of B to the end of W
             freed += np.where(op == WEIGHT, 1.0, -1.0) * term["deferred_bytes"][stage]
-        rebuilt = term["rebuilt_bytes"][stage]
+        rebuilt = np.where(op == WEIGHT, term["weight_rebuilt_bytes"][stage], term["rebuilt_bytes"][stage])
         scratch = np.where(step & (term["scratch_bytes"][stage] > 0) & (end > start), term["scratch_bytes"][stage], 0.0)
         at_start = np.where(forward, term["held_bytes"][stage], 0.0) + np.where(computing, rebuilt, 0.0) + scratch
         at_end = np.where(computing, -rebuilt - freed, 0.0) - scratch

@@ -23,8 +23,10 @@ two stages of one rank (zbv's turn of the V, interleaved-1f1b on one rank).
 Memory per device (bytes): the profile's `library_bytes` (once per device), `base_bytes` of each of its
 stages, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
-its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds): the
-terms of `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
+its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds;
+a zero-bubble W holds them only where `stage_times` says): the terms of `schedule_cost.StageCost`, so the cost
+model's memory formula played out over time (under zero-bubble schedules the formula is a bound above it: it adds
+B's workspace to every deferred gradient).
 """
 
 from __future__ import annotations
@@ -177,7 +179,13 @@ def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluste
 
 
 def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | None = None) -> tuple[StageTimes, ...]:
-    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`; `memo` as there)."""
+    """Each stage's durations and memory terms under the planner cost model (`schedule_cost`; `memo` as there).
+
+    A zero-bubble W holds the stage's rebuilt bytes only where it is the whole backward (a first stage, whose B
+    computes nothing) or where the stage recomputes (its B rebuilt the activations W reads). Elsewhere W starts
+    from the deferred gradients B kept and makes little beyond the weight gradients, which the base bytes count
+    already (the gpt example's last stage, live tensors: W's peak 7 MB over what B kept, its first .grad
+    included, against a backward workspace of 34 MB)."""
     arrays, sigma = inputs.arrays, inputs.scale
     result = []
     for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages), memo)):
@@ -187,6 +195,7 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | N
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes, rebuilt_bytes=cost.rebuilt_bytes,
             step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
             tied_s=cost.tied_s, weight_s=cost.weight_s, deferred_bytes=cost.deferred_bytes,
+            weight_rebuilt_bytes=cost.rebuilt_bytes if start == 0 or recompute else 0.0,
         ))
     return tuple(result)
 

@@ -180,6 +180,27 @@ def test_zb_h1_keeps_the_deferred_gradients_of_d_plus_1_microbatches(m: int) -> 
     assert [cost.memory_bytes for cost in whole] == pytest.approx([min(4 - s, m) for s in range(4)], rel=REL)
 
 
+@pytest.mark.parametrize("workspace", [10.0, 1000.0])
+def test_a_zero_bubble_w_holds_the_backwards_workspace_only_where_it_is_the_whole_backward(workspace: float) -> None:
+    """Two stages of a layer each under zb-h1, 4 microbatches, 1 byte saved per microbatch, 100 deferred, `workspace`
+    bytes of backward workspace. The last stage runs F0 B0 F1 B1 W0 F2 B2 W1 ...: during B1, microbatch 0 waits for
+    its W (1 + 100) while 1 is in its B (1 + workspace); after B1 both wait (2 + 200), and W starts from those
+    gradients with no workspace of its own: 2 + 100 + max(workspace, 100). The first stage's W is its whole backward
+    (its B computes nothing) and keeps the workspace: its two microbatches in flight + workspace. The closed form
+    adds the last stage's workspace to both deferred gradients, a bound above (2 + 200 + workspace); where the
+    stage recomputes, B's rebuilt activations are W's, and W holds them too."""
+    arrays = dataclasses.replace(layers([1.0, 1.0], fwd=[0.3, 0.3], saved=[1.0, 1.0], workspace=[workspace] * 2),
+                                 deferred_bytes=prefix([100.0, 100.0]))
+    inputs = CostInputs(arrays, flat(2), "zb-h1", 4, optimizer_copies=0)
+    plan = one_layer_per_stage(2)
+    assert list(simulate_stages(inputs, plan).peak_memory()) == pytest.approx(
+        [2 + workspace, 2 + 100 + max(workspace, 100.0)], rel=REL)
+    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx(
+        [2 + workspace, 2 + 200 + workspace], rel=REL)
+    recomputing = [(0, 1, 1, False), (1, 2, 1, True)]  # holds its input (0 bytes here), rebuilds 1 + workspace
+    assert list(simulate_stages(inputs, recomputing).peak_memory())[1] == pytest.approx(200 + 1 + workspace, rel=REL)
+
+
 @pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
 def test_flush_recompute_adds_forward_to_stage_and_fill_drain(schedule: str) -> None:
     f, b, m = 0.25, 0.5, 4

@@ -551,3 +551,21 @@ def test_gpipe_and_1f1b_under_a_memory_limit_share_one_search_without_it(monkeyp
     unlimited.clear()
     assert partition(gpt, cluster, schedule="gpipe", microbatches=4) == expected
     assert unlimited == [("gpipe", 4)]
+
+
+def test_a_zero_bubble_plan_states_the_memory_the_simulator_plays_under_the_bound_it_was_fitted_to() -> None:
+    """gpt's straight zb-h1 plan on 2 GPUs, 4 microbatches: each stage's stated memory is the simulated peak (its
+    last stage's backward workspace and its W never coexist), at most the closed form the search fitted to the
+    limit, and below it on the last stage, where B's workspace and two microbatches' deferred gradients add up
+    in the closed form only."""
+    from planner.costs.schedule_cost import stage_costs
+    from planner.simulation.plan_simulation import plan_cost_inputs, plan_stages, simulate
+
+    gpt = load_profile(GPT)
+    plan = partition(gpt, make_cluster(2, None, ["10GB/s"]), schedule="zb-h1", straight=True, microbatches=4)
+    peaks = simulate(plan, gpt).peak_memory()
+    assert [stage.memory_bytes for stage in plan.stages] == [int(peaks[s]) for s in range(len(plan.stages))]
+    bounds = [cost.memory_bytes for cost in stage_costs(plan_cost_inputs(gpt, plan), plan_stages(plan))]
+    assert all(stage.memory_bytes <= bound for stage, bound in zip(plan.stages, bounds))
+    assert plan.stages[-1].memory_bytes < bounds[-1]
+    assert plan.predicted.peak_memory_bytes == max(stage.memory_bytes for stage in plan.stages)
