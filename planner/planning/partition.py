@@ -582,6 +582,11 @@ def _planner_plan(
     if inputs.schedule in SPLIT_BACKWARD_SCHEDULES:
         notes.append(f"{inputs.schedule}: each backward split into B (input gradients, sent back at once) and W (weight "
                      "gradients, deferred into the bubbles); a microbatch's activations live until its W")
+        bound = max(cost.memory_bytes for cost in costs)
+        if inputs.chunks == 1 and bound > predicted.peak_memory_bytes:
+            notes.append(f"memory: each stage states the peak the simulator plays (most {predicted.peak_memory_bytes / 1e6:.4g}"
+                         f" MB); the search fitted a bound above it to the limit (most {bound / 1e6:.4g} MB: B's "
+                         "workspace added to every deferred gradient), so --memory needs that much for this plan")
         if not inputs.arrays.weight_measured:
             notes.append("the profile did not measure input-gradient times (bwd_input_ms; made before it did, or "
                          f"imported): W is assumed {ASSUMED_WEIGHT_SHARE:.0%} of each backward; profile again to measure it")

@@ -569,3 +569,5 @@ def test_a_zero_bubble_plan_states_the_memory_the_simulator_plays_under_the_boun
     assert all(stage.memory_bytes <= bound for stage, bound in zip(plan.stages, bounds))
     assert plan.stages[-1].memory_bytes < bounds[-1]
     assert plan.predicted.peak_memory_bytes == max(stage.memory_bytes for stage in plan.stages)
+    said = [note for note in plan.notes if note.startswith("memory: each stage states the peak the simulator plays")]
+    assert len(said) == 1 and f"most {max(bounds) / 1e6:.4g} MB" in said[0]
