@@ -29,7 +29,7 @@ from planner.profiling.conditions import cores
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
-from planner.simulation.simulator import SimulationTooLongError, simulate_stages, simulated_iteration_s
+from planner.simulation.simulator import SimulationTooLongError, simulated_iteration_s
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
@@ -504,10 +504,6 @@ def _planner_plan(
     inputs, solution, size = chosen.inputs, chosen.solution, chosen.microbatch_size
     stages_list = list(solution.stages)
     costs = stage_costs(inputs, stages_list)
-    # each stage's memory as the simulator plays it where the closed form is a bound above it (chunked plans
-    # carry theirs; a zero-bubble stage's B workspace and its W never coexist), else the closed form
-    peaks = chosen.peak_bytes or (tuple(simulate_stages(inputs, stages_list).peak_memory())
-                                  if inputs.schedule in SPLIT_BACKWARD_SCHEDULES else ())
     ranks = first_ranks(inputs, stages_list)
     stages = tuple(
         StagePlan(
@@ -515,11 +511,11 @@ def _planner_plan(
             replicas=replicas, ranks=tuple(range(rank, rank + replicas)), recompute=flag,
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
-            memory_bytes=int(peak if peaks else cost.memory_bytes), step_ms=cost.step_s * 1000.0,
+            memory_bytes=int(peak if chosen.peak_bytes else cost.memory_bytes), step_ms=cost.step_s * 1000.0,
             accumulate_ms=cost.accumulate_s * 1000.0, tied_allreduce_ms=cost.tied_s * 1000.0,
         )
         for (start, stop, replicas, flag), cost, rank, peak in zip(stages_list, costs, ranks,
-                                                                    peaks or [0.0] * len(costs))
+                                                                    chosen.peak_bytes or [0.0] * len(costs))
     )
     used = len(stages_list) // inputs.chunks if inputs.chunks > 1 else solution.devices  # chunks share devices
     objective, closed_form = chosen.iteration_s, solution.objective_s
@@ -582,11 +578,6 @@ def _planner_plan(
     if inputs.schedule in SPLIT_BACKWARD_SCHEDULES:
         notes.append(f"{inputs.schedule}: each backward split into B (input gradients, sent back at once) and W (weight "
                      "gradients, deferred into the bubbles); a microbatch's activations live until its W")
-        bound = max(cost.memory_bytes for cost in costs)
-        if inputs.chunks == 1 and bound > predicted.peak_memory_bytes:
-            notes.append(f"memory: each stage states the peak the simulator plays (most {predicted.peak_memory_bytes / 1e6:.4g}"
-                         f" MB); the search fitted a bound above it to the limit (most {bound / 1e6:.4g} MB: B's "
-                         "workspace added to every deferred gradient), so --memory needs that much for this plan")
         if not inputs.arrays.weight_measured:
             notes.append("the profile did not measure input-gradient times (bwd_input_ms; made before it did, or "
                          f"imported): W is assumed {ASSUMED_WEIGHT_SHARE:.0%} of each backward; profile again to measure it")

@@ -27,7 +27,7 @@ from planner.costs.schedule_cost import (
     stage_costs,
     tied_allreduce_s,
 )
-from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, WEIGHT
 from planner.simulation.simulator import simulate_stages
 from tests.planner.layer_strategies import layer_arrays
 from tests.planner.planning.test_optimizer import clusters
@@ -181,24 +181,32 @@ def test_zb_h1_keeps_the_deferred_gradients_of_d_plus_1_microbatches(m: int) -> 
 
 
 @pytest.mark.parametrize("workspace", [10.0, 1000.0])
-def test_a_zero_bubble_w_holds_the_backwards_workspace_only_where_it_is_the_whole_backward(workspace: float) -> None:
+def test_a_zero_bubble_b_holds_its_kept_gradients_and_workspace_and_a_w_holds_a_workspace_only_if_whole(
+        workspace: float) -> None:
     """Two stages of a layer each under zb-h1, 4 microbatches, 1 byte saved per microbatch, 100 deferred, `workspace`
     bytes of backward workspace. The last stage runs F0 B0 F1 B1 W0 F2 B2 W1 ...: during B1, microbatch 0 waits for
-    its W (1 + 100) while 1 is in its B (1 + workspace); after B1 both wait (2 + 200), and W starts from those
-    gradients with no workspace of its own: 2 + 100 + max(workspace, 100). The first stage's W is its whole backward
-    (its B computes nothing) and keeps the workspace: its two microbatches in flight + workspace. The closed form
-    adds the last stage's workspace to both deferred gradients, a bound above (2 + 200 + workspace); where the
-    stage recomputes, B's rebuilt activations are W's, and W holds them too."""
+    its W (1 + 100) while 1 is in its B (1 + workspace + up to 100 of gradients kept as it goes); after B1 both wait
+    (2 + 200), and W starts from those gradients with no workspace of its own. The first stage's W is its whole
+    backward (its B computes nothing) and keeps the workspace: its two microbatches in flight + workspace. Where
+    the stage recomputes (holding its 0-byte input), W reads what B rebuilt (1 + workspace): 200 + 1 + workspace
+    while W0 runs. The simulated peaks are the closed form's; the memory over time shows W without the workspace."""
     arrays = dataclasses.replace(layers([1.0, 1.0], fwd=[0.3, 0.3], saved=[1.0, 1.0], workspace=[workspace] * 2),
                                  deferred_bytes=prefix([100.0, 100.0]))
     inputs = CostInputs(arrays, flat(2), "zb-h1", 4, optimizer_copies=0)
     plan = one_layer_per_stage(2)
-    assert list(simulate_stages(inputs, plan).peak_memory()) == pytest.approx(
-        [2 + workspace, 2 + 100 + max(workspace, 100.0)], rel=REL)
-    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx(
-        [2 + workspace, 2 + 200 + workspace], rel=REL)
-    recomputing = [(0, 1, 1, False), (1, 2, 1, True)]  # holds its input (0 bytes here), rebuilds 1 + workspace
+    expected = [2 + workspace, 2 + 200 + workspace]
+    timeline = simulate_stages(inputs, plan)
+    assert list(timeline.peak_memory()) == pytest.approx(expected, rel=REL)
+    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx(expected, rel=REL)
+    events = timeline.events
+    w0 = events[(events["op"] == WEIGHT) & (events["stage"] == 1) & (events["microbatch"] == 0)].iloc[0]
+    memory = timeline.memory()
+    last = memory[memory["rank"] == 1]
+    during_w0 = last[last["time_s"] <= w0["start_s"]]["bytes"].iloc[-1]
+    assert during_w0 == pytest.approx(2 + 200, rel=REL)  # both microbatches wait for their W, no workspace on top
+    recomputing = [(0, 1, 1, False), (1, 2, 1, True)]
     assert list(simulate_stages(inputs, recomputing).peak_memory())[1] == pytest.approx(200 + 1 + workspace, rel=REL)
+    assert stage_costs(inputs, recomputing)[1].memory_bytes == pytest.approx(200 + 1 + workspace, rel=REL)
 
 
 @pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
