@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from unittest import mock
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from planner.planning import optimizer as optimizer_module
 from planner.planning.bound_search import PROBES
 from planner.planning.optimizer import Solution, _Evaluator, _StageGrid, optimize, recompute_options
 from planner.schedules.schedule import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
-from planner.costs.schedule_cost import CostInputs, Stage, StageMemo, objective_s, plan_fits, stage_costs
+from planner.costs.schedule_cost import (
+    CostInputs, Stage, StageCost, StageMemo, objective_s, plan_fits, stage_costs,
+)
 
 CONTIGUOUS = tuple(name for name in SCHEDULES if name not in CHUNKED_SCHEDULES)  # one stage per rank
 
@@ -64,26 +67,25 @@ def score_plans(inputs: CostInputs, straight: bool, allow_recompute: bool) -> li
     """Every plan that obeys the placement rule (memory ignored), scored by the cost model (recompute where the
     schedule allows it: not under zb-h1)."""
     unlimited = replace(inputs, memory_bytes=None)
-    scored = []
     recompute = allow_recompute and inputs.schedule not in SPLIT_BACKWARD_SCHEDULES
-    memo: StageMemo = {}  # (each stage's terms once: the plans share most of their stages)
+    return [Scored(stages, objective_s(unlimited, list(stages), costs), max(cost.memory_bytes for cost in costs))
+            for stages, costs in priced_plans(unlimited, straight, recompute)]
+
+
+def priced_plans(inputs: CostInputs, straight: bool, recompute: bool) -> Iterator[tuple[tuple[Stage, ...], list[StageCost]]]:
+    """Every plan that obeys the placement rule with its stage costs, memory limit ignored; each stage's terms
+    computed once (`StageMemo`: the plans share most of their stages)."""
+    unlimited = replace(inputs, memory_bytes=None)
+    memo: StageMemo = {}
     for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
         if plan_fits(unlimited, list(stages)):
-            costs = stage_costs(unlimited, list(stages), memo)
-            peak = max(cost.memory_bytes for cost in costs)
-            scored.append(Scored(stages, objective_s(unlimited, list(stages), costs), peak))
-    return scored
+            yield stages, stage_costs(unlimited, list(stages), memo)
 
 
 def peaks_and_largest_terms(inputs: CostInputs, straight: bool, recompute: bool) -> list[tuple[float, float]]:
-    """(peak bytes, max Q(s)) of every plan that obeys the placement rule (`inputs` without a memory limit)."""
-    memo: StageMemo = {}
-    found = []
-    for stages in every_plan(inputs.arrays.num_layers, inputs.cluster.num_devices, straight, recompute):
-        if plan_fits(inputs, list(stages)):
-            costs = stage_costs(inputs, list(stages), memo)
-            found.append((max(cost.memory_bytes for cost in costs), max(cost.bound_s for cost in costs)))
-    return found
+    """(peak bytes, max Q(s)) of every plan that obeys the placement rule (memory limit ignored)."""
+    return [(max(cost.memory_bytes for cost in costs), max(cost.bound_s for cost in costs))
+            for _, costs in priced_plans(inputs, straight, recompute)]
 
 
 def feasible(scored: list[Scored], memory_bytes: float | None) -> list[Scored]:

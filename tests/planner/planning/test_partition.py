@@ -554,9 +554,9 @@ def test_gpipe_and_1f1b_under_a_memory_limit_share_one_search_without_it(monkeyp
 
 
 def test_a_zero_bubble_plan_states_the_memory_it_was_fitted_to_and_the_simulator_plays() -> None:
-    """gpt's straight zb-h1 plan on 2 GPUs, 4 microbatches: each stage's stated memory is the simulated peak and the
-    closed form the search fits to the limit alike (the last stage's backward workspace and its W never coexist:
-    neither adds it to both microbatches' deferred gradients), so a limit at the stated peak admits the same plan."""
+    """gpt's straight zb-h1 plan on 2 GPUs, 4 microbatches: each stage's stated memory is the closed form the search
+    fits to the limit, and the simulator plays the same peak (a B holding its workspace and the gradients it keeps,
+    a W no workspace but on the first stage), so a limit at the stated peak admits the same plan."""
     from planner.costs.schedule_cost import stage_costs
     from planner.simulation.plan_simulation import plan_cost_inputs, plan_stages, simulate
 
