@@ -62,7 +62,13 @@ class LayerArrays:
     schedules' backwards. `deferred_bytes`: what a zero-bubble schedule keeps per microbatch from a B to
     its W beyond saved activations, a prefix sum (`Profile.deferred_bytes`; where not measured, each layer
     after the first is assumed to keep its output's size, one recorded gradient; None: all zero);
-    `deferred_measured`: whether the profile measured it.
+    `deferred_measured`: whether the profile measured it. `input_workspace_bytes[k]`: what a split backward's B
+    holds at layer k beyond saved activations and the gradients the layers after k keep for W (b_k, not a
+    prefix sum; the larger of it and the layer's forward workspace, since a forward runs while other
+    microbatches wait for their W; None: not measured, see `kept_workspace_bytes`). `largest_param_bytes[k]`:
+    the largest parameter that layer k uses and trains, bytes (not a prefix sum; None: all zero).
+    `received_saved_bytes[k]`: what layer k saves of the tensors made before it that an earlier layer's saved bytes
+    count (`Profile.received_saved_bytes`; not a prefix sum; None: all zero).
     """
 
     compute_s: np.ndarray
@@ -79,6 +85,9 @@ class LayerArrays:
     split_applied: float = 1.0  # the ratio the backward times carry now (`for_schedule`)
     deferred_bytes: np.ndarray | None = None
     deferred_measured: bool = False
+    input_workspace_bytes: np.ndarray | None = None
+    largest_param_bytes: np.ndarray | None = None
+    received_saved_bytes: np.ndarray | None = None
     frozen_bytes: np.ndarray | None = None
     frozen_shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
 
@@ -95,6 +104,10 @@ class LayerArrays:
             object.__setattr__(self, "deferred_bytes", np.zeros_like(self.compute_s))
         if self.frozen_bytes is None:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
+        if self.largest_param_bytes is None:
+            object.__setattr__(self, "largest_param_bytes", np.zeros(len(self.cut_bytes)))
+        if self.received_saved_bytes is None:
+            object.__setattr__(self, "received_saved_bytes", np.zeros(len(self.cut_bytes)))
         for shared, prefix, what in ((self.shared, self.param_bytes, "param_bytes"),
                                      (self.frozen_shared, self.frozen_bytes, "frozen_bytes")):
             own = _own_bytes(prefix, shared) if shared else None
@@ -140,6 +153,11 @@ class LayerArrays:
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
             split_backward_ratio=max(1.0, float(getattr(profile, "split_backward_ratio", None) or 1.0)),
             deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]), deferred_measured=deferred_measured,
+            input_workspace_bytes=_input_working_bytes(profile),
+            largest_param_bytes=np.array(profile.largest_param_bytes, dtype=float)
+            if getattr(profile, "largest_param_bytes", ()) else None,
+            received_saved_bytes=np.array(profile.received_saved_bytes, dtype=float)
+            if getattr(profile, "received_saved_bytes", ()) else None,
         )
 
     @classmethod
@@ -185,6 +203,24 @@ class LayerArrays:
         for start in range(self.num_layers):
             found[offsets[start]:offsets[start + 1]] = np.maximum.accumulate(self.workspace_bytes[start:])
         return found
+
+    def kept_workspace_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """b of stages [start, stop) (element-wise): the most a split backward's B holds beyond saved
+        activations, bytes per mini-batch. At layer k, what B holds there (`input_workspace_bytes`, b_k: the
+        gradient flowing in, temporaries, and what k keeps for W as it goes) plus what the stage's layers after
+        k keep for W: b = G[stop] + max_k (b_k - G[k + 1]), G = `deferred_bytes` (prefix sums). Where the
+        profile did not measure b_k: the stage's workspace plus all it keeps, w + G[stop] - G[start], the most
+        it can be."""
+        kept = self.deferred_bytes
+        if self.input_workspace_bytes is None:
+            return range_max(self.workspace_bytes, starts, stops) + kept[stops] - kept[starts]
+        return kept[stops] + range_max(self.input_workspace_bytes - kept[1:], starts, stops)
+
+    def largest_param_in(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """The largest parameter gradient a layer of stages [start, stop) makes (element-wise), bytes, not
+        scaled with the batch (`largest_param_bytes`): what a zero-bubble W holds beyond the gradients it
+        starts from while it adds a weight's gradient into `.grad`."""
+        return range_max(self.largest_param_bytes, starts, stops)
 
     def stage_weight_bytes(self, start: int, stop: int) -> float:
         """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared
@@ -261,6 +297,16 @@ def _working_bytes(profile: Profile) -> np.ndarray | None:
     return np.maximum.reduce(measured) if measured else None
 
 
+def _input_working_bytes(profile: Profile) -> np.ndarray | None:
+    """Per layer, the larger of what a split backward's B holds there (`Profile.input_workspace_bytes`) and what
+    its forward holds beyond saved activations (None: B's not measured)."""
+    measured = getattr(profile, "input_workspace_bytes", ())
+    if not measured:
+        return None
+    forward = getattr(profile, "forward_workspace_bytes", ()) or [0] * len(measured)
+    return np.maximum(np.array(measured, dtype=float), np.array(forward, dtype=float))
+
+
 def interpolate_ms(sizes: Sequence[int], times_ms: np.ndarray, size: float) -> np.ndarray:
     """Per layer, the time of a batch of `size` samples from `times_ms[k]` (one row per layer's time, ms)
     measured at `sizes[k]` (ascending, distinct, at least 1), ms: piecewise linear between neighbouring
@@ -335,6 +381,23 @@ def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     offsets = np.concatenate([[0], np.cumsum(counts)])
     stops = starts + 1 + (np.arange(len(starts)) - offsets[starts])
     return starts, stops, offsets
+
+
+def range_max(values: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """max(values[start:stop]) for each pair (start < stop), element-wise, from a sparse table: level j holds
+    the maxima of the 2^j values from each index, and a range is the larger of the two 2^j-long ranges at its
+    ends, j = floor(log2(stop - start)). O(n log n) to build, O(1) per range."""
+    starts, stops = np.asarray(starts, dtype=int), np.asarray(stops, dtype=int)
+    levels = [np.asarray(values, dtype=float)]
+    while 2 ** len(levels) <= len(levels[0]):
+        below, half = levels[-1], 2 ** (len(levels) - 1)
+        levels.append(np.maximum(below[:-half], below[half:]))
+    level = np.floor(np.log2(np.maximum(stops - starts, 1))).astype(int)
+    found = np.empty(len(starts))
+    for j in np.unique(level):
+        chosen = level == j
+        found[chosen] = np.maximum(levels[j][starts[chosen]], levels[j][stops[chosen] - 2 ** j])
+    return found
 
 
 def _own_bytes(prefix: np.ndarray, shared: tuple[tuple[int, tuple[int, ...], float], ...]) -> np.ndarray:

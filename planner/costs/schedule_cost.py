@@ -65,8 +65,11 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
     zb-h1: n = min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)), P the cluster's devices (a microbatch
            is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
     memory = W (2 + k) + F + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
-           (zb-h1: + min(d + 1, ceil(m / r)) g inside the max, g = sigma deferred_bytes of the stage's layers, the
-           gradients a microbatch keeps from its B to its W, 0 on the first stage; d = ceil((P - D) / r))
+           (zb-h1: w becomes (c - 1) g + max(b, g + v), c = min(d + 1, ceil(m / r)), g = sigma deferred_bytes of
+           the stage's layers, the gradients a microbatch keeps from its B to its W, 0 on the first stage;
+           d = ceil((P - D) / r); b what its B holds: at a layer what it holds there with what the layers after
+           it keep, v the largest weight gradient its W makes, `backward_top_terms`; a recomputing stage
+           c g + q sigma saved + w)
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
     the saved activations (gradients between layers, temporaries such as a loss's gradient over a
@@ -265,10 +268,13 @@ def step_terms(inputs: CostInputs, weight_bytes: ArrayOrFloat, tensors: ArrayOrF
 def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt, weight_bytes: ArrayOrFloat,
                  saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat, recompute: ArrayOrBool,
                  workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0, frozen_bytes: ArrayOrFloat = 0.0,
+                 backward_top_bytes: ArrayOrFloat | None = None, weight_top_bytes: ArrayOrFloat = 0.0,
+                 received_bytes: ArrayOrFloat = 0.0,
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
     a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
-    microbatch in flight (the bytes entering the stage when recomputing), rebuilt = what a backward
+    microbatch in flight (its saved activations and `received_bytes`, `received_terms`; the bytes entering the
+    stage when recomputing), rebuilt = what a backward
     holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
     it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
     bytes per parameter byte), memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
@@ -279,20 +285,50 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     every device of the cluster (exact for such plans, an upper bound for plans on fewer), so that a
     stage's memory depends only on the stages after it, as the optimizer builds plans. Under zb-h1 a
     microbatch between its B and its W also keeps `deferred_bytes` (g, the gradients W starts from; 0 for a
-    first stage): right after the B of microbatch k + d, the d + 1 microbatches k .. k + d keep theirs
-    (d = `weight_deferral`), so memory = L + base + max(n held + min(d + 1, ceil(m / r)) g + rebuilt, scratch).
-    `deferred_bytes` is already scaled by sigma."""
+    first stage): right after the B of microbatch k + d, the c = min(d + 1, ceil(m / r)) microbatches k .. k + d
+    keep theirs (d = `weight_deferral`), during it c - 1 of them and the B its own b (`backward_top_bytes`,
+    `backward_top_terms`; None: w + g, the most it can be), and a W its own g and v, the weight gradient it adds
+    into `.grad` (`weight_top_bytes`, not scaled with the batch), so memory = L + base + max(n held + (c - 1) g +
+    max(b, g + v), scratch); a recomputing stage's W reads what its B rebuilt: n held + c g + rebuilt
+    (`activation_top`). `deferred_bytes` and `backward_top_bytes` are already scaled by sigma."""
     total = inputs.cluster.num_devices
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, total)
     base = weight_bytes * (2 + inputs.optimizer_copies) + frozen_bytes
-    held = np.where(recompute, entering_bytes, saved_bytes)
+    held = np.where(recompute, entering_bytes, saved_bytes + received_bytes)
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
     rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
     scratch = inputs.scratch_per_byte * weight_bytes
-    deferred = deferred_count(inputs, replicas, devices_from_here) * deferred_bytes
-    memory = inputs.library_bytes + base + np.maximum(flights * held + deferred + rebuilt, scratch)
+    top = activation_top(deferred_count(inputs, replicas, devices_from_here), deferred_bytes, rebuilt, recompute,
+                         workspace_bytes + deferred_bytes if backward_top_bytes is None else backward_top_bytes,
+                         weight_top_bytes)
+    memory = inputs.library_bytes + base + np.maximum(flights * held + top, scratch)
     return base, held, rebuilt, scratch, memory
+
+
+def activation_top(count: ArrayOrInt, deferred_bytes: ArrayOrFloat, rebuilt: ArrayOrFloat, recompute: ArrayOrBool,
+                   backward_top: ArrayOrFloat, weight_top: ArrayOrFloat = 0.0) -> ArrayOrFloat:
+    """What a stage holds at its peak on top of its in-flight microbatches' activations, bytes, with c = `count`
+    microbatches' kept gradients g at most (zero-bubble schedules; c = 0 elsewhere, where b is the workspace):
+    (c - 1) g + max(b, g + v) where c >= 1 (during a B, c - 1 microbatches wait for their W while the B holds b;
+    during a W, c - 1 wait while it holds its own g and v), b = `backward_top`, v = `weight_top`; a recomputing
+    stage's W reads the activations its B rebuilt: c g + rebuilt. Non-decreasing in c."""
+    waiting = np.maximum(count - 1, 0) * deferred_bytes
+    kept = waiting + np.maximum(backward_top, np.minimum(count, 1) * (deferred_bytes + weight_top))
+    return np.where(recompute, count * deferred_bytes + rebuilt, kept)
+
+
+def received_terms(inputs: CostInputs, starts: ArrayOrInt, entering_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """What a stage keeps per microbatch in flight beyond its layers' saved activations, bytes (scaled): where it
+    receives (start > 0) the received inputs, `entering_bytes` (the runtime keeps them as leaves until the
+    microbatch's backward has their gradients, and runs the stage on clones it may change in place), and
+    sigma `received_saved_bytes[start]`, what its first layer saves of them that an earlier layer's saved bytes
+    count (the clone a block saves of its input, which the block before saved too); 0 on a first stage (its
+    inputs are the batch). Element-wise. (resnet's last stage from layer2.1 under zb-h1: 2 x 0.26 MB per
+    microbatch, 1.3 MB of the 13.2 measured that the saved bytes alone left out.)"""
+    starts = np.asarray(starts)
+    found = np.where(starts > 0, entering_bytes + inputs.scale * inputs.arrays.received_saved_bytes[starts], 0.0)
+    return found if np.ndim(found) else float(found)
 
 
 def deferred_count(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: ArrayOrInt) -> ArrayOrInt:
@@ -326,6 +362,8 @@ class StageCost:
     tied_s: float = 0.0  # the all-reduce of tied weights across stages before the step (`tied_allreduce_s`)
     weight_s: float = 0.0  # zero-bubble schedules: W, the part of t - fwd_s that computes weight gradients
     deferred_bytes: float = 0.0  # zero-bubble schedules: kept per microbatch from its B to its W (`memory_terms`)
+    backward_top_bytes: float = 0.0  # b: held by a backward (a zero-bubble B) beyond activations (`backward_top_terms`)
+    weight_top_bytes: float = 0.0  # v: held by a zero-bubble W beyond the gradients it starts from (the same)
 
 
 def stage_cost(
@@ -358,11 +396,13 @@ def stage_cost(
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     deferred = float(deferred_terms(inputs, start, stop))
+    top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
-        arrays.stage_frozen_bytes(start, stop)))
+        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering)))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
-                     scratch, accumulate, weight_s=weight, deferred_bytes=deferred)
+                     scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
+                     weight_top_bytes=weight_top)
 
 
 def both_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:
@@ -399,6 +439,23 @@ def first_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, value
     unsplit = inputs.scale * arrays.first_stage_unsplit(np.asarray(stops))[int(weight)]
     found = np.where(np.asarray(starts) == 0, unsplit, values)
     return found if np.ndim(found) else float(found)
+
+
+def backward_top_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, workspace: ArrayOrFloat
+                       ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+    """(b, v) of stages [start, stop), bytes: what a backward holds beyond saved activations at its peak, and
+    what a zero-bubble W holds beyond the gradients it starts from. Under a zero-bubble schedule b = sigma
+    `LayerArrays.kept_workspace_bytes` (at a layer what B holds there with what the layers after it keep for
+    W) and v = `LayerArrays.largest_param_in` (not scaled), but on a first stage (its B computes nothing; its W
+    is its whole backward) and under other schedules b = `workspace` (already scaled) and v = 0. Element-wise."""
+    if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return workspace, np.zeros_like(workspace) if np.ndim(workspace) else 0.0
+    arrays = inputs.arrays
+    first = np.atleast_1d(starts) == 0
+    kept = inputs.scale * arrays.kept_workspace_bytes(np.atleast_1d(starts), np.atleast_1d(stops))
+    largest = arrays.largest_param_in(np.atleast_1d(starts), np.atleast_1d(stops))
+    top, weight_top = np.where(first, workspace, kept), np.where(first, 0.0, largest)
+    return (top, weight_top) if np.ndim(starts) else (float(top[0]), float(weight_top[0]))
 
 
 def deferred_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt) -> ArrayOrFloat:

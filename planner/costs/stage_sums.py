@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from planner.costs.layer_arrays import stage_pairs
-from planner.costs.schedule_cost import CostInputs, both_terms, deferred_terms, weight_terms
+from planner.costs.schedule_cost import (
+    CostInputs, backward_top_terms, both_terms, deferred_terms, received_terms, weight_terms,
+)
 
 
 class Pairs:
@@ -25,6 +27,7 @@ class Pairs:
         self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
         self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
         self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
+        self.received = received_terms(inputs, starts, self.entering)  # kept beyond saved activations
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weights = weights
         self.frozen = arrays.pair_frozen_bytes(starts, stops)  # weights that need no gradient, with shared copies
@@ -33,3 +36,5 @@ class Pairs:
         saved = arrays.saved_bytes
         self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
         self.workspace = sigma * arrays.pair_workspace_bytes(self.offsets)
+        # b and v: what a B holds, what a W holds beyond its kept gradients (memory_terms)
+        self.backward_top, self.weight_top = backward_top_terms(inputs, starts, stops, self.workspace)

@@ -171,9 +171,21 @@ class Profile:
     as measured, so noise can put it slightly below 1. None: not measured (older files, PipeDream
     imports).
     `deferred_bytes[i]`: what a zero-bubble schedule keeps for layer i from a microbatch's B to its W
-    beyond the saved activations (the gradients recorded at its boundary nodes), bytes per mini-batch
-    (`planner.profiling.deferred_memory.measure_deferred_bytes`); 0 for the first layer. Empty: not
+    beyond the saved activations (the gradients recorded at its boundary nodes, less the saved tensors of the
+    layer that B frees, at least 0; older files: the gradients alone), bytes per mini-batch
+    (`planner.profiling.deferred_memory.measure_split_memory`); 0 for the first layer. Empty: not
     measured (older files, PipeDream imports).
+    `input_workspace_bytes[i]`: what that split backward's B holds while it runs layer i beyond weights, the batch,
+    saved activations and the gradients the layers after i keep for W (the gradient flowing in, temporaries and
+    the gradients layer i keeps as it goes), bytes per mini-batch
+    (`planner.profiling.deferred_memory.measure_split_memory`); 0 for the first layer. Empty: not measured.
+    `largest_param_bytes[i]`: the largest parameter tensor layer i uses that needs a gradient (a shared one at
+    every layer using it), bytes: the gradient a zero-bubble W makes for it before adding it into `.grad`.
+    Empty: not recorded (older files, PipeDream imports).
+    `received_saved_bytes[i]`: bytes of tensors made before layer i that layer i saves for its backward but an
+    earlier layer's `saved_bytes` counts (a block's input that the block before it saved too), per mini-batch
+    (`planner.profiling.dataflow`): a stage starting at layer i holds them on top of its layers' `saved_bytes`.
+    Empty: not measured (older files, PipeDream imports).
     `size_times`: the layers' times at other batch sizes than `batch_size` (`planner profile --batch-size
     1,2,4,8` measures them; `batch_size` is then the largest, where memory was measured), which the cost
     model interpolates between (`planner.costs.layer_arrays.times_at_batch_size`); empty: measured at
@@ -212,13 +224,16 @@ class Profile:
     frozen_param_bytes: tuple[int, ...] = ()
     split_backward_ratio: float | None = None
     deferred_bytes: tuple[int, ...] = ()
+    input_workspace_bytes: tuple[int, ...] = ()
+    largest_param_bytes: tuple[int, ...] = ()
+    received_saved_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
     library_bytes: int = 0
     batch_coupling: BatchCoupling | None = None
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes",
-                     "deferred_bytes"):
+                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
@@ -330,7 +345,8 @@ class Profile:
         """The file body (without the format header); inverse of `from_dict`. A layer's unmeasured
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
         size's empty `bwd_input_ms`), `library_bytes` 0, an unchecked `batch_coupling` (None), empty
-        `frozen_param_bytes`, `forward_workspace_bytes` and `optimizer_step_per_call_ms` and a shared parameter's
+        `frozen_param_bytes`, `forward_workspace_bytes`, `optimizer_step_per_call_ms`, `input_workspace_bytes`,
+        `largest_param_bytes` and `received_saved_bytes` and a shared parameter's
         `frozen` False are left out, so
         that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
         as when it was made before they were measured."""
@@ -351,7 +367,8 @@ class Profile:
             del body["library_bytes"]
         if body["batch_coupling"] is None:
             del body["batch_coupling"]
-        for name in ("frozen_param_bytes", "forward_workspace_bytes", "optimizer_step_per_call_ms"):
+        for name in ("frozen_param_bytes", "forward_workspace_bytes", "optimizer_step_per_call_ms",
+                     "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes"):
             if not body[name]:
                 del body[name]
         for shared in body["shared_params"]:
@@ -405,6 +422,9 @@ class Profile:
                 split_backward_ratio=None if body.get("split_backward_ratio") is None
                 else float(body["split_backward_ratio"]),
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
+                input_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("input_workspace_bytes", ())),
+                largest_param_bytes=tuple(int(nbytes) for nbytes in body.get("largest_param_bytes", ())),
+                received_saved_bytes=tuple(int(nbytes) for nbytes in body.get("received_saved_bytes", ())),
                 size_times=size_times, library_bytes=int(body.get("library_bytes", 0)),
                 batch_coupling=_batch_coupling_from(body.get("batch_coupling")),
             )

@@ -68,6 +68,7 @@ from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
     accumulate_terms,
+    activation_top,
     allreduce_s,
     allreduce_terms,
     deferred_count,
@@ -132,7 +133,8 @@ class _Evaluator:
         """Memory per device (bytes) of stages `pair` with `downstream` devices after them."""
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
-                            p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair])[4]
+                            p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair],
+                            p.backward_top[pair], p.weight_top[pair], p.received[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -238,7 +240,7 @@ class _Evaluator:
         if inputs.memory_bytes is None:
             return np.zeros(len(pair))
         weights, saved = p.weights[pair], p.saved[pair]
-        per_flight = np.where(recompute, p.entering[pair], saved)
+        per_flight = np.where(recompute, p.entering[pair], saved + p.received[pair])  # held (memory_terms)
         in_backward = np.where(recompute, saved, 0.0) + p.workspace[pair]  # rebuilt (memory_terms)
         base = inputs.library_bytes + weights * (2 + inputs.optimizer_copies) + in_backward
         if inputs.schedule == "pipedream":
@@ -372,9 +374,10 @@ class _StageGrid:
     `live` first drops the candidates that no bound this low and no such memory limit admits, by floors
     that hold in floating point too (rounding is monotone): flush Q = turns(r) busy + all-reduce + step + W
     >= turns(r) min_f(t_f + acc), and pipedream's Q >= t / r, where all-reduce, step and W are >= 0
-    (checked, else no Q floor); memory = base + max(n held + deferred + rebuilt, scratch) >= base +
-    max(held + rebuilt, scratch) with n >= 1 microbatches in flight, where held and deferred are >= 0
-    (checked, else no memory floor). They would fail `_solve_front`'s exact test anyway.
+    (checked, else no Q floor); memory = base + max(n held + top(c), scratch) >= base + max(held + top(c'),
+    scratch) with n >= 1 microbatches in flight and c' the fewest deferred of any placement (`activation_top`,
+    non-decreasing in c), where held and deferred are >= 0 (checked, else no memory floor). They would fail
+    `_solve_front`'s exact test anyway.
     """
 
     def __init__(self, evaluator: _Evaluator, straight: bool, options: tuple[bool, ...]) -> None:
@@ -424,15 +427,19 @@ class _StageGrid:
         replicas, devices = np.broadcast_arrays(self.replicas[None, :], downstream + self.replicas[None, :])
         replicas, devices = replicas[self.valid], devices[self.valid]
         flights = np.max(in_flight(inputs.schedule, inputs.microbatches, replicas, devices, total), initial=1)
-        deferred = np.max(deferred_count(inputs, replicas, devices), initial=0)
+        counts = deferred_count(inputs, replicas, devices)
+        fewest, deferred = (int(np.min(counts)), int(np.max(counts))) if np.size(counts) else (0, 0)
         floors, ceilings = [], []
         for flag in options:
             base, held, rebuilt, scratch, _ = memory_terms(inputs, 1, 1, p.weights, p.saved, p.entering, flag,
-                                                           p.workspace, frozen_bytes=p.frozen)
+                                                           p.workspace, frozen_bytes=p.frozen,
+                                                           received_bytes=p.received)
             bounded = np.all(held >= 0) and np.all(p.deferred >= 0)
             fixed = inputs.library_bytes + base  # (memory_terms)
-            floors.append(fixed + np.maximum(held + rebuilt, scratch) if bounded else np.full(len(held), -np.inf))
-            ceilings.append(fixed + np.maximum(flights * held + deferred * p.deferred + rebuilt, scratch) if bounded
+            least = activation_top(fewest, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)
+            floors.append(fixed + np.maximum(held + least, scratch) if bounded else np.full(len(held), -np.inf))
+            top = activation_top(deferred, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)  # (the most)
+            ceilings.append(fixed + np.maximum(flights * held + top, scratch) if bounded
                             else np.full(len(held), np.inf))
         self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()
 

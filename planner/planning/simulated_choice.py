@@ -79,12 +79,14 @@ from planner.costs.schedule_cost import (
     accumulate_terms,
     allreduce_s,
     allreduce_terms,
+    backward_top_terms,
     both_terms,
     deferred_terms,
     link_terms,
     memory_terms,
     placement_ok,
     plan_fits,
+    received_terms,
     replicas_of,
     step_terms,
     transfer_s,
@@ -279,6 +281,7 @@ class _StageBounds:
         saved = np.zeros(stop) if arrays.saved_bytes is None else sigma * (arrays.saved_bytes[stop] - arrays.saved_bytes[starts])
         workspace = sigma * np.maximum.accumulate(arrays.workspace_bytes[:stop][::-1])[::-1]
         deferred = deferred_terms(inputs, starts, stops)
+        backward_top, weight_top = backward_top_terms(inputs, starts, stops, workspace)
         cut_in = np.where(starts > 0, self.cut[starts - 1], 0.0)
         entering = np.where(starts > 0, cut_in, sigma * inputs.input_bytes)
         comm_in = transfer_s(cut_in, *placement.link_in, starts > 0)
@@ -331,7 +334,8 @@ class _StageBounds:
             ok = child_bound <= limit
             if inputs.memory_bytes is not None:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
-                                      workspace, deferred, frozen)[4]
+                                      workspace, deferred, frozen, backward_top, weight_top,
+                                      received_terms(inputs, starts, entering))[4]
                 ok &= memory <= inputs.memory_bytes
             bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
                 child_bound, child_trip, peak_bwd, ok)

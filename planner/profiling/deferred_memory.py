@@ -1,15 +1,17 @@
-"""What a split backward keeps per layer between B and W: the gradients W starts from (`held_gradients`)."""
+"""What a split backward holds per layer: the gradients it keeps from B to W (`held_gradients`), and what its B
+holds while it runs each layer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from planner.profiling.backward_split import backward_inputs, backward_weights, held_gradients
-from planner.profiling.layer_tracker import LayerTracker
+from planner.profiling.backward_split import PendingWeights, backward_inputs, backward_weights, held_gradients
 from planner.profiling.layers import Layer
-from planner.profiling.timing import StageInput, backward_nodes, sequence_nr
+from planner.profiling.memory import LiveStorageMode, measure_workspace
+from planner.profiling.timing import StageInput
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -19,46 +21,74 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def measure_deferred_bytes(
-    layers: Sequence[Layer], run_step: Callable[[], torch.Tensor], after_step: Callable[[], None],
-    parameters: Iterable[torch.Tensor],
-) -> list[int]:
-    """Per layer, the bytes a zero-bubble schedule keeps for it from a microbatch's B to its W, at the
-    step's batch: the gradients `backward_inputs` records at the layer's boundary nodes (one per weighted
-    op, about the size of that op's output; a loss's gradient over a vocabulary for a language model's
-    head), which a plain backward frees as it goes. The graph's saved tensors are not counted: they are
-    the layer's `saved_bytes`, kept by both.
+@dataclass(frozen=True)
+class SplitMemory:
+    """Per layer, bytes at the step's batch: `deferred_bytes`, what a microbatch holds for the layer from its B to
+    its W beyond what it held before B (`Profile.deferred_bytes`); `input_workspace_bytes`, what B holds while it
+    runs the layer beyond saved activations and what the layers after it keep (`Profile.input_workspace_bytes`)."""
 
-    One step, cut after the first layer as `timing.time_split_backward` cuts it (the first layer's outputs
-    become a stage's received inputs: a first stage runs its whole backward as W and keeps nothing,
-    so layer 0 gets 0); each gradient goes to the layer whose forward made the node it enters
-    (`timing.backward_nodes`; one entering a node no layer made goes to layer 1). `after_step` runs
-    after the step (zeroing the gradients W wrote). A model of one layer, or whose first layer returns
-    nothing that needs a gradient, gives zeros.
+    deferred_bytes: list[int]
+    input_workspace_bytes: list[int]
+
+
+def measure_split_memory(
+    model: torch.nn.Module, layers: Sequence[Layer], present: tuple[torch.Tensor, ...],
+    run_step: Callable[[], torch.Tensor], after_step: Callable[[], None], parameters: Iterable[torch.Tensor],
+) -> SplitMemory:
+    """One step, cut after the first layer as `timing.time_split_backward` cuts it (the first layer's outputs
+    become a stage's received inputs: a first stage runs its whole backward as W and keeps nothing, so layer
+    0 gets 0 of both), its backward run as B (`backward_inputs`) with live tensors tracked per layer
+    (`memory.measure_workspace`, `present` the batch), then W.
+
+    `deferred_bytes[i]`: the gradients `backward_inputs` records at layer i's boundary nodes (one per weighted
+    op, about the size of that op's output; a loss's gradient over a vocabulary for a language model's head),
+    which a plain backward frees as it goes, less the saved tensors layer i saved that B frees (those only
+    the input gradients read: the loss's log-softmax over a vocabulary, 16.8 MB on the gpt example's head,
+    whose kept gradient is 28.6 MB), at least 0. Each gradient goes to the layer whose forward made the node
+    it enters (`timing.backward_nodes`; one entering a node no layer made goes to layer 1).
+
+    `input_workspace_bytes[i]`: the most bytes live beyond saved activations and the received inputs while B
+    runs layer i's nodes, less the gradients the layers after i keep (all still held there): b_i = excess_i -
+    sum_{j > i} kept_j, so that a stage's B at layer i holds b_i plus what the stage's own later layers keep
+    (saved tensors B freed are out of the excess already). b_i holds the gradient flowing in, temporaries, and
+    the gradients layer i keeps as it goes (along a block of convolutions and batch norms, several).
+
+    `after_step` runs after the step (zeroing the gradients W wrote). A model of one layer, or whose first layer
+    returns nothing that needs a gradient, gives zeros.
     """
-    counts = [0] * len(layers)
+    zeros = SplitMemory([0] * len(layers), [0] * len(layers))
     if len(layers) < 2:
-        return counts
+        return zeros
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
-    starts: list[int | None] = [None] * len(layers)
-
-    def enter(index: int, _args: object, _kwargs: object) -> None:
-        starts[index] = sequence_nr()
-
     stage = StageInput(layers[0])
-    tracker = LayerTracker(layers, on_enter=enter)
+    kept: list[PendingWeights] = []
+    layer_of: dict[int, int] = {}
+    freed = [0] * len(layers)  # saved bytes B freed, by the layer that saved them
+
+    def split(box: list[torch.Tensor], layers_of: dict[int, int], mode: LiveStorageMode) -> None:
+        for leaf in stage.leaves:  # a stage holds what it received until its B, as it holds saved activations
+            mode.mark_saved(leaf)
+        if stage.leaves and box[0].requires_grad:
+            layer_of.update(layers_of)
+            before = dict(mode.saved)
+            kept.append(backward_inputs([box.pop()], [None], stage.leaves, parameters)[1])
+            for key, nbytes in before.items():
+                if key not in mode.saved and mode.saved_by.get(key, -1) >= 0:
+                    freed[mode.saved_by[key]] += nbytes
+
     try:
-        loss = run_step()
-        if stage.leaves and loss.requires_grad:
-            layer_of = {id(node): layer for node, layer in backward_nodes(loss, starts)}
-            _, pending = backward_inputs([loss], [None], stage.leaves, parameters)
-            for node, grad in held_gradients(pending):
-                counts[max(layer_of.get(id(node), 1), 1)] += _nbytes(grad)
-            backward_weights(pending)
-            del pending
-        del loss
+        excess, _ = measure_workspace(model, layers, present, run_step, backward=split)
     finally:
         stage.remove()
-        tracker.remove()
+    if not kept:
+        after_step()
+        return zeros
+    gradients = [0] * len(layers)
+    for node, grad in held_gradients(kept[0]):
+        gradients[max(layer_of.get(id(node), 1), 1)] += _nbytes(grad)
+    backward_weights(kept.pop())
     after_step()
-    return counts
+    after = [sum(gradients[layer + 1:]) for layer in range(len(layers))]
+    held = [0] + [max(excess[layer] - after[layer], 0) for layer in range(1, len(layers))]
+    deferred = [0] + [max(gradients[layer] - freed[layer], 0) for layer in range(1, len(layers))]
+    return SplitMemory(deferred, held)

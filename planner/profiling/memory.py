@@ -21,7 +21,7 @@ from planner.profiling.tensors import DeathWatch, tensors_in
 from planner.profiling.timing import backward_nodes, sequence_nr
 
 
-class _LiveStorageMode(TorchDispatchMode):
+class LiveStorageMode(TorchDispatchMode):
     """Sums the bytes of live storages created by operations; remembers the peak."""
 
     @classmethod
@@ -40,6 +40,7 @@ class _LiveStorageMode(TorchDispatchMode):
         self.peak_bytes = start_bytes
         self.start_bytes = start_bytes
         self.saved: dict[int, int] = {}  # storages autograd saved for backward (`mark_saved`), still alive
+        self.saved_by: dict[int, int] = {}  # storage -> the layer `mark_saved` named when it saved it
         self.saved_bytes = 0
         self.excess_peak = 0  # the most of `excess()` since `reset_excess()`
 
@@ -77,12 +78,14 @@ class _LiveStorageMode(TorchDispatchMode):
             self.live_bytes -= entry[0]
             self.saved_bytes -= self.saved.pop(key, 0)
 
-    def mark_saved(self, tensor: torch.Tensor) -> None:
-        """Count `tensor`'s storage as saved activations from now until it is freed (if it is tracked)."""
+    def mark_saved(self, tensor: torch.Tensor, layer: int = -1) -> None:
+        """Count `tensor`'s storage as saved activations from now until it is freed (if it is tracked), saved by
+        `layer` (-1: none)."""
         key = tensor.untyped_storage().data_ptr()
         entry = self.refs.get(key)
         if entry is not None and key not in self.saved:
             self.saved[key] = entry[0]
+            self.saved_by[key] = layer
             self.saved_bytes += entry[0]
 
     def excess(self) -> int:
@@ -163,14 +166,16 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
         torch.cuda.synchronize(device)
         return start, int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
     resident = _resident(model, present)
-    mode = _LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
+    mode = LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
     with mode:
         work()
     return sum(resident.values()), mode.peak_bytes, "live-tensors"
 
 
 def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: tuple[torch.Tensor, ...],
-                      run_step: Callable[[], torch.Tensor]) -> tuple[list[int], list[int]]:
+                      run_step: Callable[[], torch.Tensor],
+                      backward: Callable[[list[torch.Tensor], dict[int, int], LiveStorageMode], None] | None = None,
+                      ) -> tuple[list[int], list[int]]:
     """Per layer, the most bytes live while its backward runs beyond the weights, their gradients,
     the `present` tensors (the batch) and the activations autograd saved and still holds: the
     gradients flowing between layers and each operation's temporaries (a language model's loss
@@ -180,14 +185,19 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
     (forward and loss) and its backward, tracked as on the CPU (live storages per operation) on any
     device; each backward node counts for the layer whose forward created it (`timing.backward_nodes`).
     Gradients that do not exist yet are made (zeros) first and removed after, so that they count as
-    weights'. Returns (backward, forward) bytes per layer.
+    weights'. `backward([loss], layer_of, mode)` runs the backward instead of `loss.backward()` (a split
+    backward's B, `planner.profiling.deferred_memory`), given the loss in a list it may empty (holding it
+    would keep what only the loss's graph needs), the layer of each node by its id, and the tracking mode: its `saved`
+    and `saved_by` tell which saved storages live and the layer that saved each, its `mark_saved(tensor)`
+    counts a tensor as held apart from the work, as saved activations are (a stage's received inputs).
+    Returns (backward, forward) bytes per layer.
     """
     made = [p for p in model.parameters() if p.requires_grad and p.grad is None]
     for parameter in made:
         parameter.grad = torch.zeros_like(parameter)
     try:
         resident = _resident(model, present)
-        mode = _LiveStorageMode(set(resident), sum(resident.values()))
+        mode = LiveStorageMode(set(resident), sum(resident.values()))
         workspace, forward = [0] * len(layers), [0] * len(layers)
         sequence_starts: list[int | None] = [None] * len(layers)
         current = [-1]  # the layer whose backward runs
@@ -204,7 +214,7 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
             mode.reset_excess()
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            mode.mark_saved(tensor)
+            mode.mark_saved(tensor, running[0])
             return tensor.detach()  # (the tensor itself would tie an output saved by its own node into a cycle)
 
         def close() -> None:
@@ -223,11 +233,22 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
             with LayerTracker(layers, on_enter=enter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = run_step()
             forward_ends()
-            for node, layer in backward_nodes(loss, sequence_starts):
-                node.register_prehook(hooks[layer])
-            loss.backward()
+            nodes = backward_nodes(loss, sequence_starts)
+            handles = [node.register_prehook(hooks[layer]) for node, layer in nodes]
+            layer_of = {id(node): layer for node, layer in nodes}
+            del nodes  # (so that what only the loss's graph holds can go as a backward frees it)
+            if backward is None:
+                loss.backward()
+                del loss
+            else:
+                box = [loss]
+                del loss
+                backward(box, layer_of, mode)
+                del box
+            for handle in handles:  # (a graph kept for later, a split backward's W, runs without them)
+                handle.remove()
+            del handles
             close()
-            del loss
     finally:
         for parameter in made:
             parameter.grad = None

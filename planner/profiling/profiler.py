@@ -20,7 +20,7 @@ from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
 from planner.profiling.layers import Layer, find_layers
 from planner.profiling.backward_split import ReentrantCheckpointError
-from planner.profiling.deferred_memory import measure_deferred_bytes
+from planner.profiling.deferred_memory import SplitMemory, measure_split_memory
 from planner.profiling.memory import library_bytes, measure_peak_memory, measure_workspace
 from planner.profiling.model_file import (
     ModelFile,
@@ -292,11 +292,13 @@ def _measure_checked(
             progress=lambda done, total: report("timing the split backward", done, total),
             min_seconds=settings.min_seconds / 4,
         ))
-        deferred = _phase(model_file, "measuring what a split backward keeps", lambda: measure_deferred_bytes(
-            layers, step.loss, step.zero_grad, model.parameters()))
+        split_memory: SplitMemory | None = _phase(model_file, "measuring what a split backward holds",
+                                                  lambda: measure_split_memory(model, layers, (*inputs, step.target),
+                                                                               step.loss, step.zero_grad,
+                                                                               model.parameters()))
     except ReentrantCheckpointError:  # no zero-bubble schedule can train it: their costs stay unmeasured (None)
         step.zero_grad()
-        split_backward_ratio, deferred = None, ()
+        split_backward_ratio, split_memory = None, None
     accumulate_ms = _phase(model_file, "timing gradient accumulation", lambda: time_grad_accumulation(
         model, lambda: step.loss().backward(), clock_for(device), settings.iters))
     step.zero_grad()
@@ -314,7 +316,7 @@ def _measure_checked(
     if start is not None and end is not None:
         own, others = busy_cores_between(start, end)
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
-    param_bytes, param_tensors, frozen, shared = _attribute_params(model, layers, dataflow)
+    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -345,7 +347,10 @@ def _measure_checked(
         optimizer_step_per_tensor_ms=per_tensor_ms, optimizer_step_per_call_ms=per_call_ms,
         param_tensors=tuple(param_tensors), frozen_param_bytes=tuple(frozen) if any(frozen) else (),
         split_backward_ratio=split_backward_ratio,
-        deferred_bytes=tuple(deferred), size_times=size_times, library_bytes=library, batch_coupling=coupling,
+        deferred_bytes=tuple(split_memory.deferred_bytes) if split_memory else (),
+        input_workspace_bytes=tuple(split_memory.input_workspace_bytes) if split_memory else (),
+        largest_param_bytes=tuple(largest), received_saved_bytes=tuple(dataflow.received_saved_bytes),
+        size_times=size_times, library_bytes=library, batch_coupling=coupling,
     )
 
 
@@ -399,9 +404,10 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
 
 def _attribute_params(
     model: nn.Module, layers: list[Layer], dataflow: Dataflow
-) -> tuple[list[int], list[int], list[int], tuple[SharedParam, ...]]:
+) -> tuple[list[int], list[int], list[int], list[int], tuple[SharedParam, ...]]:
     """Parameter bytes, tensors that need a gradient, and bytes that need none, per layer (each parameter at the
-    first layer using it), and the shared ones.
+    first layer using it), the largest parameter each layer uses that needs a gradient (a shared one at every
+    layer using it), and the shared ones.
 
     A parameter the forward never used goes to the layer whose module holds it (or layer 0).
     """
@@ -411,6 +417,7 @@ def _attribute_params(
         names_of.setdefault(id(parameter), []).append(name)
         tensors[id(parameter)] = parameter
     param_bytes, param_tensors, frozen = [0] * len(layers), [0] * len(layers), [0] * len(layers)
+    largest = [0] * len(layers)
     shared: list[SharedParam] = []
     for key, names in names_of.items():
         used_by: set[int] = set()
@@ -423,6 +430,8 @@ def _attribute_params(
         param_bytes[holders[0]] += nbytes
         param_tensors[holders[0]] += int(trains)
         frozen[holders[0]] += 0 if trains else nbytes
+        for holder in holders if trains else ():
+            largest[holder] = max(largest[holder], nbytes)
         if len(names) > 1 or len(holders) > 1:
             shared.append(SharedParam(names=tuple(names), nbytes=nbytes, layers=tuple(holders), frozen=not trains))
-    return param_bytes, param_tensors, frozen, tuple(shared)
+    return param_bytes, param_tensors, frozen, largest, tuple(shared)

@@ -180,14 +180,15 @@ def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluste
 def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | None = None) -> tuple[StageTimes, ...]:
     """Each stage's durations and memory terms under the planner cost model (`schedule_cost`; `memo` as there).
 
-    Zero-bubble schedules: a B holds its workspace and, as it runs, the gradients it keeps for W (at most the
-    stage's deferred bytes: along a chain of convolutions they pile up under the workspace; resnet's last stage
-    measured x1.16 of a prediction without them, x1.08 with). A W holds the rebuilt bytes only where it is the
-    whole backward (a first stage, whose B computes nothing, keeps nothing) or where the stage recomputes (its B
-    rebuilt the activations W reads); elsewhere it starts from the gradients B kept and makes little beyond the
-    weight gradients, which the base bytes count already (the gpt example's last stage, live tensors: W's peak
-    7 MB over what B kept, its first .grad included, against a backward workspace of 34 MB). So the simulated
-    peak is the closed form's (`schedule_cost.memory_terms`) where the schedule reaches its steady state."""
+    Zero-bubble schedules: a B holds b (`schedule_cost.backward_top_terms`: at a layer what B holds there with
+    what the stage's layers after it keep for W; a recomputing stage's B its rebuilt activations and all it
+    keeps). A W holds the rebuilt bytes where it is the whole backward (a first stage, whose B computes nothing,
+    keeps nothing) or where the stage recomputes (its B rebuilt the activations W reads); elsewhere it starts
+    from the gradients B kept and holds v beyond them, the largest weight gradient it makes before adding it into
+    `.grad` (the mlp example's stage from layer 7, live tensors: W's peak 8.4 MB over what B kept, one 2048 x
+    1024 weight). So the simulated peak is the closed form's (`schedule_cost.memory_terms`) where the schedule
+    reaches its steady state.
+    """
     arrays, sigma = inputs.arrays, inputs.scale
     result = []
     for (start, stop, replicas, recompute), cost in zip(stages, stage_costs(inputs, list(stages), memo)):
@@ -195,10 +196,10 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | N
             forward_s=cost.fwd_s, backward_s=cost.compute_s - cost.fwd_s - cost.weight_s, allreduce_s=cost.allreduce_s,
             activation_bytes=0.0 if stop == arrays.num_layers else sigma * arrays.cut_after(stop),
             base_bytes=cost.base_bytes, held_bytes=cost.held_bytes,
-            rebuilt_bytes=cost.rebuilt_bytes + cost.deferred_bytes,  # (0 deferred where the backward is whole)
+            rebuilt_bytes=cost.rebuilt_bytes + cost.deferred_bytes if recompute else cost.backward_top_bytes,
             step_s=cost.step_s, scratch_bytes=cost.scratch_bytes, accumulate_s=cost.accumulate_s,
             tied_s=cost.tied_s, weight_s=cost.weight_s, deferred_bytes=cost.deferred_bytes,
-            weight_rebuilt_bytes=cost.rebuilt_bytes if start == 0 or recompute else 0.0,
+            weight_rebuilt_bytes=cost.rebuilt_bytes if start == 0 or recompute else cost.weight_top_bytes,
         ))
     return tuple(result)
 

@@ -11,7 +11,8 @@ from planner.costs.layer_arrays import LayerArrays
 @st.composite
 def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     """1-5 layers: compute 0-100 ms (forward a share of it), parameters, cuts, saved activations and
-    each backward's workspace, parameter tensors, weight-gradient share and what a split backward keeps from B to W."""
+    each backward's workspace, parameter tensors, weight-gradient share and what a split backward keeps from B to W,
+    holds in its B (or not measured) and makes in its W (a share of the layer's weights)."""
     n = draw(st.integers(1, 5))
     # times from 1 us up (or exactly 0): subnormal floats would make "equal" meaningless; the
     # powers of two add exactly, so different plans tie exactly
@@ -25,6 +26,8 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     workspace = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
     deferred = draw(st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))  # kept from B to W
     tensors = draw(st.lists(st.sampled_from([0, 1, 2, 40]), min_size=n, max_size=n))  # parameter tensors
+    held_in_b = draw(st.none() | st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
+    largest_shares = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
     # the weight-gradient part (W) of each backward, a share of it (zero-bubble schedules)
     weight_shares = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n))
     weight = [(time - fwd) * share for time, fwd, share in zip(compute, forward, weight_shares)]
@@ -49,5 +52,7 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
         weight_s=np.concatenate([[0.0], np.cumsum(weight)]),
         deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]),
         split_backward_ratio=ratio, split_applied=ratio,
+        input_workspace_bytes=None if held_in_b is None else np.array(held_in_b),
+        largest_param_bytes=np.array([nbytes * share for nbytes, share in zip(params, largest_shares)]),
     )
 

@@ -180,33 +180,41 @@ def test_zb_h1_keeps_the_deferred_gradients_of_d_plus_1_microbatches(m: int) -> 
     assert [cost.memory_bytes for cost in whole] == pytest.approx([min(4 - s, m) for s in range(4)], rel=REL)
 
 
-@pytest.mark.parametrize("workspace", [10.0, 1000.0])
-def test_a_zero_bubble_b_holds_its_kept_gradients_and_workspace_and_a_w_holds_a_workspace_only_if_whole(
-        workspace: float) -> None:
-    """Two stages of a layer each under zb-h1, 4 microbatches, 1 byte saved per microbatch, 100 deferred, `workspace`
-    bytes of backward workspace. The last stage runs F0 B0 F1 B1 W0 F2 B2 W1 ...: during B1, microbatch 0 waits for
-    its W (1 + 100) while 1 is in its B (1 + workspace + up to 100 of gradients kept as it goes); after B1 both wait
-    (2 + 200), and W starts from those gradients with no workspace of its own. The first stage's W is its whole
-    backward (its B computes nothing) and keeps the workspace: its two microbatches in flight + workspace. Where
-    the stage recomputes (holding its 0-byte input), W reads what B rebuilt (1 + workspace): 200 + 1 + workspace
-    while W0 runs. The simulated peaks are the closed form's; the memory over time shows W without the workspace."""
-    arrays = dataclasses.replace(layers([1.0, 1.0], fwd=[0.3, 0.3], saved=[1.0, 1.0], workspace=[workspace] * 2),
-                                 deferred_bytes=prefix([100.0, 100.0]))
+@pytest.mark.parametrize("largest, peak", [(20.0, 94.0), (50.0, 114.0)])
+def test_a_zero_bubble_b_holds_what_a_layer_holds_with_what_the_layers_after_it_keep_and_a_w_its_weight_gradient(
+        largest: float, peak: float) -> None:
+    """zb-h1 on 2 devices, 4 microbatches: layer 0 alone (workspace 7), then layers 1 and 2 (1 byte saved each per
+    microbatch, kept for W 10 and 20, B holding 40 and 25 there, largest weights 2 and `largest`). The last stage's
+    B holds b = max(40 + 20, 25) = 60 at its peak (layer 1's while layer 2's kept gradients wait), not 40 + 30
+    (every layer's kept gradients under the largest) nor 40; its W holds its own 30 kept and a weight gradient.
+    It runs F0 B0 F1 B1 W0 ...: during B1 microbatch 0 waits for its W (2 + 30) while 1 is in its B (2 + 60): 94;
+    after B1 both wait (4 + 60); during W0 microbatch 1 waits (2 + 30) while 0 holds 2 + 30 + `largest`: 84, or
+    114 with a 50-byte weight. The first stage's W is its whole backward: its 2 microbatches + 7. Recomputing, the
+    last stage holds its 0-byte input per microbatch, and its W reads what B rebuilt (2 + 40): 2 x 30 + 42. The
+    closed form and the simulator agree. Without B measured, b is the workspace with all the stage keeps: 70."""
+    arrays = dataclasses.replace(layers([1.0] * 3, fwd=[0.3] * 3, saved=[1.0] * 3, workspace=[7.0, 40.0, 25.0]),
+                                 deferred_bytes=prefix([5.0, 10.0, 20.0]),
+                                 input_workspace_bytes=np.array([7.0, 40.0, 25.0]),
+                                 largest_param_bytes=np.array([0.0, 2.0, largest]))
+    assert list(arrays.kept_workspace_bytes(np.array([1, 2]), np.array([3, 3]))) == [60.0, 25.0]
+    bound = dataclasses.replace(arrays, input_workspace_bytes=None)
+    assert list(bound.kept_workspace_bytes(np.array([1, 2]), np.array([3, 3]))) == [40.0 + 30.0, 25.0 + 20.0]
     inputs = CostInputs(arrays, flat(2), "zb-h1", 4, optimizer_copies=0)
-    plan = one_layer_per_stage(2)
-    expected = [2 + workspace, 2 + 200 + workspace]
+    plan = [(0, 1, 1, False), (1, 3, 1, False)]
     timeline = simulate_stages(inputs, plan)
-    assert list(timeline.peak_memory()) == pytest.approx(expected, rel=REL)
-    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx(expected, rel=REL)
+    assert list(timeline.peak_memory()) == pytest.approx([2 + 7, peak], rel=REL)
+    assert [cost.memory_bytes for cost in stage_costs(inputs, plan)] == pytest.approx([2 + 7, peak], rel=REL)
     events = timeline.events
     w0 = events[(events["op"] == WEIGHT) & (events["stage"] == 1) & (events["microbatch"] == 0)].iloc[0]
     memory = timeline.memory()
     last = memory[memory["rank"] == 1]
-    during_w0 = last[last["time_s"] <= w0["start_s"]]["bytes"].iloc[-1]
-    assert during_w0 == pytest.approx(2 + 200, rel=REL)  # both microbatches wait for their W, no workspace on top
-    recomputing = [(0, 1, 1, False), (1, 2, 1, True)]
-    assert list(simulate_stages(inputs, recomputing).peak_memory())[1] == pytest.approx(200 + 1 + workspace, rel=REL)
-    assert stage_costs(inputs, recomputing)[1].memory_bytes == pytest.approx(200 + 1 + workspace, rel=REL)
+    at_w0 = last[last["time_s"] == w0["start_s"]]["bytes"]  # B1 ends, W0 begins
+    assert list(at_w0) == pytest.approx([4 + 60, 4 + 60 + largest], rel=REL)
+    recomputing = [(0, 1, 1, False), (1, 3, 1, True)]
+    assert list(simulate_stages(inputs, recomputing).peak_memory())[1] == pytest.approx(60 + 42, rel=REL)
+    assert stage_costs(inputs, recomputing)[1].memory_bytes == pytest.approx(60 + 42, rel=REL)
+    whole = CostInputs(arrays, flat(2), "1f1b", 4, optimizer_copies=0)  # no split: a layer's workspace alone
+    assert stage_costs(whole, plan)[1].memory_bytes == pytest.approx(2 + 40, rel=REL)
 
 
 @pytest.mark.parametrize("schedule", WHOLE_BACKWARD)
@@ -333,7 +341,8 @@ def test_transfers_are_divided_among_replicas() -> None:
 
 
 def two_stage_memory(schedule: str, recompute: bool = False, scale: float = 1.0) -> list[float]:
-    """Memory per device of [(0,1) x2, (1,2) x3] on 6 devices, m = 8, Adam (k = 2)."""
+    """Memory per device of [(0,1) x2, (1,2) x3] on 6 devices, m = 8, Adam (k = 2). The second stage keeps its
+    received 3e8 per microbatch besides its 7e8 saved (`received_terms`): 1e9 held."""
     arrays = layers([0.1, 0.1], fwd=[0.05, 0.05], params=[1e9, 2e9], cuts=[3e8, 0.0], saved=[5e8, 7e8])
     inputs = CostInputs(arrays, flat(6), schedule, 8, scale=scale, input_bytes=1e8, optimizer_copies=2)
     stages = [(0, 1, 2, recompute), (1, 2, 3, recompute)]
@@ -344,7 +353,7 @@ def test_gpipe_memory_keeps_every_microbatch_of_a_replica() -> None:
     # n = ceil(8 / 2) = 4 and ceil(8 / 3) = 3
     first, second = two_stage_memory("gpipe")
     assert first == pytest.approx(4 * 1e9 + 4 * 5e8, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 3 * 7e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * (7e8 + 3e8), rel=REL)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
@@ -369,7 +378,7 @@ def test_1f1b_memory_is_capped_by_devices_from_here() -> None:
     # n = min(ceil(8 / 2), ceil(5 / 2)) = 3 and min(ceil(8 / 3), ceil(3 / 3)) = 1
     first, second = two_stage_memory("1f1b")
     assert first == pytest.approx(4 * 1e9 + 3 * 5e8, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 1 * 7e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8), rel=REL)
 
 
 def test_1f1b_memory_is_capped_by_microbatches() -> None:
@@ -396,13 +405,33 @@ def test_pipedream_memory_stashes_weight_versions() -> None:
     # n = ceil(5 / 2) = 3 (two stashed versions) and ceil(3 / 3) = 1 (none)
     first, second = two_stage_memory("pipedream")
     assert first == pytest.approx(4 * 1e9 + 3 * 5e8 + 2 * 1e9, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 1 * 7e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8), rel=REL)
 
 
 def test_activations_scale_weights_do_not() -> None:
     first, second = two_stage_memory("gpipe", scale=0.5)
     assert first == pytest.approx(4 * 1e9 + 4 * 2.5e8, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 3 * 3.5e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * (3.5e8 + 1.5e8), rel=REL)
+
+
+def test_a_stage_keeps_its_received_inputs_and_what_its_first_layer_saves_of_them_that_an_earlier_layer_counted(
+        ) -> None:
+    """Three layers, 1f1b on 3 devices, 4 microbatches, no weights: layer 1 saves 7 and its input (4 bytes, cut
+    after layer 0), which layer 0 saved too (received_saved 4: the profile counts it in layer 0's saved bytes);
+    layer 2 saves 2 and its input (3), which layer 1 did not save (so layer 2's 2 + 3 = 5 counts it already). A stage
+    from layer 1 keeps 7 + the received leaf 4 + the clone its layer saves 4 per microbatch in flight (n = 2); a
+    stage of layers 1-2, the last, the same plus layer 2's 5 (n = 1); from layer 2: 5 + 3 (its leaf), n = 1. The
+    first stage holds
+    its saved 6 alone (its inputs are the batch), n = 3."""
+    arrays = dataclasses.replace(layers([0.1] * 3, cuts=[4.0, 3.0, 0.0], saved=[6.0, 7.0, 5.0]),
+                                 received_saved_bytes=np.array([0.0, 4.0, 0.0]))
+    inputs = CostInputs(arrays, flat(3), "1f1b", 4, optimizer_copies=0)
+    three = stage_costs(inputs, one_layer_per_stage(3))
+    assert [cost.memory_bytes for cost in three] == pytest.approx([3 * 6, 2 * (7 + 4 + 4), 1 * (5 + 3)], rel=REL)
+    two = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 + 4 + 4), rel=REL)
+    assert list(simulate_stages(inputs, one_layer_per_stage(3)).peak_memory()) == pytest.approx(
+        [cost.memory_bytes for cost in three], rel=REL)
 
 
 def test_recompute_keeps_stage_inputs_plus_one_rebuilt_microbatch() -> None:

@@ -103,11 +103,26 @@ def test_the_steps_per_call_cost_round_trips_and_is_left_out_where_not_measured(
     assert profile_digest(profile) != profile_digest(_profile())
 
 
+def test_what_a_split_backward_holds_round_trips_and_is_left_out_where_not_measured(tmp_path: Path) -> None:
+    layers = len(_profile().layers)
+    profile = dataclasses.replace(_profile(), input_workspace_bytes=tuple(range(layers)),
+                                  largest_param_bytes=tuple(range(10, 10 + layers)))
+    path = profile.save(tmp_path / "s.json")
+    assert load_profile(path) == profile
+    assert json.loads(path.read_text())["largest_param_bytes"] == list(range(10, 10 + layers))
+    body = _profile().to_dict()
+    assert "input_workspace_bytes" not in body and "largest_param_bytes" not in body  # the digest of before
+    assert profile_digest(profile) != profile_digest(_profile())
+    with pytest.raises(ValueError, match="1 input_workspace_bytes for"):
+        dataclasses.replace(_profile(), input_workspace_bytes=(5,))
+
+
 def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_path: Path) -> None:
     body = dataclasses.asdict(_measured())  # what version 2 wrote before the ratio was measured
     del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
     del body["batch_coupling"], body["frozen_param_bytes"], body["forward_workspace_bytes"]
-    del body["optimizer_step_per_call_ms"]
+    del body["optimizer_step_per_call_ms"], body["input_workspace_bytes"], body["largest_param_bytes"]
+    del body["received_saved_bytes"]
     for shared in body["shared_params"]:
         del shared["frozen"]
     path = tmp_path / "v2.json"

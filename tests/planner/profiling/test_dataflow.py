@@ -83,6 +83,8 @@ def test_saved_bytes_count_activations_not_parameters() -> None:
     assert flow.saved_bytes[0] == 4 * 16 * FLOAT + 4 * 32 * FLOAT
     # layer 1: second saves its input, the relu output already counted; the add saves nothing
     assert flow.saved_bytes[1] == 0
+    # ... which a stage starting at layer 1 holds all the same
+    assert flow.received_saved_bytes == [0, 4 * 32 * FLOAT]
     # the skip x and the hidden activation both cross the only boundary
     assert flow.cut_bytes == [4 * 32 * FLOAT + 4 * 16 * FLOAT, 0]
     assert flow.output_bytes == [4 * 32 * FLOAT, 4 * 16 * FLOAT]

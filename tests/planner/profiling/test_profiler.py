@@ -72,9 +72,17 @@ def test_profile_is_complete(profiles: dict[str, Profile], name: str) -> None:
     assert all(0 < ms < profile.optimizer_step_ms[name] for name, ms in profile.optimizer_step_per_tensor_ms.items())
     assert all(layer.bwd_input_ms is not None and 0 <= layer.bwd_input_ms <= layer.bwd_ms for layer in profile.layers)
     assert profile.split_backward_ratio is not None and profile.split_backward_ratio > 0
-    # a split backward keeps gradients for every weighted layer but the first (a stage's data input)
+    # a split backward keeps gradients for every weighted layer but the first (a stage's data input) and the last
+    # (the loss's saved log-softmax, which B frees, is as large as the gradient its layer keeps)
     assert len(profile.deferred_bytes) == profile.num_layers and profile.deferred_bytes[0] == 0
-    assert all(nbytes > 0 for nbytes, layer in zip(profile.deferred_bytes[1:], profile.layers[1:]) if layer.param_bytes)
+    assert all(nbytes > 0 for nbytes, layer in zip(profile.deferred_bytes[1:-1], profile.layers[1:-1])
+               if layer.param_bytes)
+    assert len(profile.input_workspace_bytes) == profile.num_layers and profile.input_workspace_bytes[0] == 0
+    assert all(nbytes > 0 for nbytes in profile.input_workspace_bytes[1:])  # at least the gradient flowing in
+    # the largest weight a layer uses: one of its own, or a shared one (gpt's tied head holds no bytes of its own)
+    largest = profile.largest_param_bytes
+    assert all(0 < nbytes <= layer.param_bytes for nbytes, layer in zip(largest, profile.layers) if layer.param_bytes)
+    assert all(largest[layer] >= shared.nbytes for shared in profile.shared_params for layer in shared.layers)
     # the peak holds at least the weights, their gradients and the largest saved activation
     assert profile.peak_memory_bytes >= 2 * profile.total_param_bytes + max(l.saved_bytes for l in profile.layers)
     # resnet's batch norms (a stem's, two per block, one per projection skip) normalise with the batch's statistics
