@@ -35,9 +35,22 @@ def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, flo
     per_tensor_ms = profile.optimizer_step_per_tensor_ms.get(optimizer, 0.0) if profile.param_tensors else 0.0
     per_tensor_ms = min(per_tensor_ms, step_ms / max(sum(profile.param_tensors), 1))
     step_ms -= per_tensor_ms * sum(profile.param_tensors)
-    scratch = profile.optimizer_scratch_bytes.get(optimizer, 0)
+    scratch = 0 if scratch_per_largest(profile, optimizer) else profile.optimizer_scratch_bytes.get(optimizer, 0)
     return (step_ms / 1000.0 / total, scratch / total, profile.grad_accumulation_ms / 1000.0 / total,
             per_tensor_ms / 1000.0, per_call_ms / 1000.0)
+
+
+def scratch_per_largest(profile: Profile, optimizer: str) -> float:
+    """The optimizer step's scratch memory per byte of the largest parameter tensor it steps, on a CPU profile
+    that records each layer's largest (`largest_param_bytes`); 0 elsewhere, where `per_weight_byte` prices it per
+    parameter byte. torch steps one tensor at a time on CPU (`_single_tensor_adam`: temporaries the size of the
+    tensor at hand), so the step's scratch is its largest tensor's: the mlp example's Adam step held 2 x its 4.2 MB
+    weight on both stages, 10.5 and 12.6 MB of weights, where a share per byte predicted 3.0 and 3.6 MB. On CUDA
+    it steps a device's tensors together (foreach), and the scratch grows with all their bytes."""
+    largest = max(getattr(profile, "largest_param_bytes", ()) or (0,))
+    if not profile.device.startswith("cpu") or largest <= 0:
+        return 0.0
+    return profile.optimizer_scratch_bytes.get(optimizer, 0) / largest
 
 
 @dataclass(frozen=True)

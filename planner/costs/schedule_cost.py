@@ -135,6 +135,7 @@ class CostInputs:
     step_s_per_call: float = 0.0  # one optimizer step, seconds per call: once per stage that has a tensor to step
     chunks: int = 1  # stages per rank: v under a chunked schedule (`stage_placement`), else 1
     library_bytes: float = 0.0  # L: held by every device beyond tensors, bytes
+    scratch_per_largest: float = 0.0  # the step's scratch per byte of a stage's largest parameter (0: per byte)
 
     @property
     def class_size(self) -> int:
@@ -269,15 +270,15 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
                  saved_bytes: ArrayOrFloat, entering_bytes: ArrayOrFloat, recompute: ArrayOrBool,
                  workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0, frozen_bytes: ArrayOrFloat = 0.0,
                  backward_top_bytes: ArrayOrFloat | None = None, weight_top_bytes: ArrayOrFloat = 0.0,
-                 received_bytes: ArrayOrFloat = 0.0,
+                 received_bytes: ArrayOrFloat = 0.0, largest_bytes: ArrayOrFloat = 0.0,
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
     a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
     microbatch in flight (its saved activations and `received_bytes`, `received_terms`; the bytes entering the
     stage when recomputing), rebuilt = what a backward
     holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
-    it recomputes, scratch = s W while the optimizer steps (s: the profile's scratch
-    bytes per parameter byte), memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
+    it recomputes, scratch = s W + s' X while the optimizer steps (s: the profile's scratch bytes per parameter
+    byte, s' per byte of X, the stage's largest parameter, `largest_bytes`; one of them 0, `per_weight_byte`), memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
     (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
     memory alone: a device holding several stages holds it once); pipedream keeps n weight versions (base - W,
     held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
@@ -298,7 +299,7 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
     rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
-    scratch = inputs.scratch_per_byte * weight_bytes
+    scratch = inputs.scratch_per_byte * weight_bytes + inputs.scratch_per_largest * largest_bytes
     top = activation_top(deferred_count(inputs, replicas, devices_from_here), deferred_bytes, rebuilt, recompute,
                          workspace_bytes + deferred_bytes if backward_top_bytes is None else backward_top_bytes,
                          weight_top_bytes)
@@ -396,10 +397,11 @@ def stage_cost(
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     deferred = float(deferred_terms(inputs, start, stop))
-    top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace))
+    largest = float(arrays.largest_param_in(np.array([start]), np.array([stop]))[0])
+    top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace, largest))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
-        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering)))
+        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)
@@ -441,19 +443,18 @@ def first_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, value
     return found if np.ndim(found) else float(found)
 
 
-def backward_top_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, workspace: ArrayOrFloat
-                       ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+def backward_top_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, workspace: ArrayOrFloat,
+                       largest: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(b, v) of stages [start, stop), bytes: what a backward holds beyond saved activations at its peak, and
     what a zero-bubble W holds beyond the gradients it starts from. Under a zero-bubble schedule b = sigma
     `LayerArrays.kept_workspace_bytes` (at a layer what B holds there with what the layers after it keep for
-    W) and v = `LayerArrays.largest_param_in` (not scaled), but on a first stage (its B computes nothing; its W
+    W) and v = `largest` (`LayerArrays.largest_param_in`, not scaled), but on a first stage (its B computes nothing; its W
     is its whole backward) and under other schedules b = `workspace` (already scaled) and v = 0. Element-wise."""
     if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
         return workspace, np.zeros_like(workspace) if np.ndim(workspace) else 0.0
     arrays = inputs.arrays
     first = np.atleast_1d(starts) == 0
     kept = inputs.scale * arrays.kept_workspace_bytes(np.atleast_1d(starts), np.atleast_1d(stops))
-    largest = arrays.largest_param_in(np.atleast_1d(starts), np.atleast_1d(stops))
     top, weight_top = np.where(first, workspace, kept), np.where(first, 0.0, largest)
     return (top, weight_top) if np.ndim(starts) else (float(top[0]), float(weight_top[0]))
 

@@ -36,5 +36,6 @@ class Pairs:
         saved = arrays.saved_bytes
         self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
         self.workspace = sigma * arrays.pair_workspace_bytes(self.offsets)
+        self.largest = arrays.largest_param_in(starts, stops)  # the largest parameter tensor
         # b and v: what a B holds, what a W holds beyond its kept gradients (memory_terms)
-        self.backward_top, self.weight_top = backward_top_terms(inputs, starts, stops, self.workspace)
+        self.backward_top, self.weight_top = backward_top_terms(inputs, starts, stops, self.workspace, self.largest)

@@ -134,7 +134,7 @@ class _Evaluator:
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
                             p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair],
-                            p.backward_top[pair], p.weight_top[pair], p.received[pair])[4]
+                            p.backward_top[pair], p.weight_top[pair], p.received[pair], p.largest[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -249,8 +249,9 @@ class _Evaluator:
             flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
         flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
         # limit must not be lost to rounding; every candidate is checked exactly afterwards)
-        stepping = base - in_backward + inputs.scratch_per_byte * weights  # the optimizer step's
-        flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)  # peak does not depend on replicas
+        stepping = (base - in_backward + inputs.scratch_per_byte * weights  # the optimizer step's peak does not
+                    + inputs.scratch_per_largest * p.largest[pair])  # depend on replicas
+        flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)
         m = float(inputs.microbatches)
         d = downstream.astype(float)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -433,7 +434,7 @@ class _StageGrid:
         for flag in options:
             base, held, rebuilt, scratch, _ = memory_terms(inputs, 1, 1, p.weights, p.saved, p.entering, flag,
                                                            p.workspace, frozen_bytes=p.frozen,
-                                                           received_bytes=p.received)
+                                                           received_bytes=p.received, largest_bytes=p.largest)
             bounded = np.all(held >= 0) and np.all(p.deferred >= 0)
             fixed = inputs.library_bytes + base  # (memory_terms)
             least = activation_top(fewest, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)

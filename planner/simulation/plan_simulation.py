@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte, scratch_per_largest
 from planner.costs.schedule_cost import CostInputs
 from planner.errors import PlannerError
 from planner.files.plan import Plan
@@ -27,6 +27,7 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
         *per_weight_byte(profile, optimizer or plan.optimizer), chunks=plan.chunks,
         library_bytes=float(profile.library_bytes),
+        scratch_per_largest=scratch_per_largest(profile, optimizer or plan.optimizer),
     )
 
 

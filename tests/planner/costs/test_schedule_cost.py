@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs.layer_arrays import per_weight_byte
+from planner.costs.layer_arrays import per_weight_byte, scratch_per_largest
 from planner.files.cluster import Cluster, make_cluster
 from planner.files.profile import load_profile
 from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, LayerArrays
@@ -659,6 +659,33 @@ def test_the_optimizer_steps_scratch_counts_only_when_it_exceeds_the_activations
     cost = stage_costs(large, [(0, 1, 1, False)])[0]
     assert cost.scratch_bytes == pytest.approx(1.5e9, rel=REL)
     assert cost.memory_bytes == pytest.approx(4e9 + 1.5e9, rel=REL)  # the step's scratch, not 2 microbatches
+
+
+def test_a_step_that_runs_one_tensor_at_a_time_holds_scratch_for_the_largest_tensor() -> None:
+    """A CPU step (one tensor at a time) holds s' x the stage's largest parameter: two stages of 3e9 and 1e9 bytes
+    of weights whose largest tensors are 1e9 and 5e8, s' = 2, hold 2e9 and 1e9 of scratch whatever their totals,
+    above their 1e8 of activations."""
+    arrays = dataclasses.replace(layers([0.1, 0.1], params=[3e9, 1e9], saved=[1e8, 1e8]),
+                                 largest_param_bytes=np.array([1e9, 5e8]))
+    inputs = CostInputs(arrays, flat(2), "gpipe", 1, scratch_per_largest=2.0, optimizer_copies=2,
+                        step_s_per_byte=1e-12)  # (a step that takes time: the simulated timeline holds its scratch)
+    first, second = stage_costs(inputs, one_layer_per_stage(2))
+    assert (first.scratch_bytes, second.scratch_bytes) == pytest.approx((2e9, 1e9), rel=REL)
+    assert (first.memory_bytes, second.memory_bytes) == pytest.approx((4 * 3e9 + 2e9, 4 * 1e9 + 1e9), rel=REL)
+    assert simulate_stages(inputs, one_layer_per_stage(2)).peak_memory().tolist() == pytest.approx(
+        [first.memory_bytes, second.memory_bytes], rel=REL)
+
+
+def test_a_cpu_profile_prices_the_steps_scratch_by_its_largest_tensor_a_gpu_one_by_its_bytes() -> None:
+    """The measured scratch over the whole model (4 units), against its largest tensor (2 units) on CPU: s' = 2 and
+    nothing per byte; on CUDA (foreach steps) or without the largest tensors, per parameter byte as before."""
+    profile = load_profile(REPO / "profiles" / "mlp.json")
+    profile = dataclasses.replace(profile, optimizer_scratch_bytes={"adam": 8e6}, device="cpu",
+                                  largest_param_bytes=tuple([4e6] + [1e6] * (profile.num_layers - 1)))
+    assert scratch_per_largest(profile, "adam") == 2.0 and per_weight_byte(profile, "adam")[1] == 0.0
+    for other in (dataclasses.replace(profile, device="cuda:0"), dataclasses.replace(profile, largest_param_bytes=())):
+        assert scratch_per_largest(other, "adam") == 0.0
+        assert per_weight_byte(other, "adam")[1] == pytest.approx(8e6 / profile.trainable_param_bytes)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -169,6 +169,7 @@ def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
     input_bytes=st.sampled_from([0.0, 1e6, 1e8]), optimizer_copies=st.sampled_from([1, 2]),
     step_s_per_byte=st.sampled_from([0.0, 0.0, 1e-11, 2.5e-10]),  # an optimizer step of 0 to 0.1 s per 4e8 bytes
     scratch_per_byte=st.sampled_from([0.0, 0.0, 1.0, 3.0]),  # the step's scratch memory per weight byte
+    scratch_per_largest=st.sampled_from([0.0, 0.0, 2.0]),  # ... and per byte of the stage's largest weight
     accumulate_s_per_byte=st.sampled_from([0.0, 0.0, 1e-11, 1e-10]),  # gradient accumulation per weight byte
     step_s_per_tensor=st.sampled_from([0.0, 0.0, 1e-5, 0.01]),  # the optimizer step's cost per parameter tensor
     step_s_per_call=st.sampled_from([0.0, 0.0, 4e-4, 0.02]),  # and per call, once per stage with a tensor to step
@@ -177,12 +178,13 @@ def memory_limit(data: st.DataObject, scored: list[Scored]) -> float | None:
 )
 def test_optimum_matches_brute_force(
     arrays: LayerArrays, cluster: Cluster, schedule: str, microbatches: int, scale: float, input_bytes: float,
-    optimizer_copies: int, step_s_per_byte: float, scratch_per_byte: float, accumulate_s_per_byte: float,
-    step_s_per_tensor: float, step_s_per_call: float, library_bytes: float, straight: bool, allow_recompute: bool,
-    data: st.DataObject,
+    optimizer_copies: int, step_s_per_byte: float, scratch_per_byte: float, scratch_per_largest: float,
+    accumulate_s_per_byte: float, step_s_per_tensor: float, step_s_per_call: float, library_bytes: float,
+    straight: bool, allow_recompute: bool, data: st.DataObject,
 ) -> None:
     inputs = CostInputs(arrays, cluster, schedule, microbatches, scale, input_bytes, optimizer_copies,
                         step_s_per_byte=step_s_per_byte, scratch_per_byte=scratch_per_byte,
+                        scratch_per_largest=scratch_per_largest,
                         accumulate_s_per_byte=accumulate_s_per_byte, step_s_per_tensor=step_s_per_tensor,
                         step_s_per_call=step_s_per_call, library_bytes=library_bytes)
     scored = score_plans(inputs, straight, allow_recompute)
