@@ -1,7 +1,8 @@
 """Measured against predicted on the default path a user takes: no hand-set bandwidth, no calibration.
 
     python benchmarks/measured_vs_predicted.py [--steps 12] [--models mlp gpt resnet gpt2]
-                                               [--schedules gpipe 1f1b zb-h1] [--gpus 2] [--keep DIR] [--repeats R]
+                                               [--schedules gpipe 1f1b zb-h1 interleaved-1f1b zbv] [--gpus 2]
+                                               [--keep DIR] [--repeats R]
 
 In a fresh folder, exactly the commands of the README, with their defaults:
 
@@ -53,8 +54,8 @@ from model_files import MODEL_FILES  # (beside this script)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS = ("mlp", "gpt", "resnet", "gpt2")
-SCHEDULES = ("gpipe", "1f1b")  # the default; zb-h1 (one stage per rank, B and W apart) can be asked for too
-ASKABLE = (*SCHEDULES, "zb-h1")
+SCHEDULES = ("gpipe", "1f1b")  # the default; zb-h1 (one stage per rank, B and W apart) can be asked for too, and
+ASKABLE = (*SCHEDULES, "zb-h1", "interleaved-1f1b", "zbv")  # the chunked ones (a row's stages: every chunk)
 MICROBATCHES = 4
 TIMEOUT_S = 600
 
