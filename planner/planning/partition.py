@@ -586,6 +586,10 @@ def _planner_plan(
             notes.append("the profile did not measure what a split backward keeps from B to W (deferred_bytes; made "
                          "before it did, or imported): each layer is assumed to keep its output's size; profile again "
                          "to measure it")
+        elif inputs.arrays.input_workspace_bytes is None:
+            notes.append("the profile did not measure what a split backward's B holds per layer "
+                         "(input_workspace_bytes; made before 2026-11-28): memory counts every kept gradient under the "
+                         "largest workspace, the most it can be; profile again to measure it")
     if size != (profile.batch_size or 1):
         notes.append(batch_scaling_note(profile, size))
     if any(stage.recompute for stage in stages):

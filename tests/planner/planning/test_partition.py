@@ -513,6 +513,19 @@ def test_a_zero_bubble_plan_of_a_profile_without_the_split_backward_says_how_it_
     assert not any("priced as whole" in note for note in measured.notes)
 
 
+def test_a_zero_bubble_plan_says_when_its_profile_did_not_measure_what_b_holds() -> None:
+    """The shipped gpt profile predates the per-layer B measurement: the plan says its memory is the bound;
+    measured (here: each layer's workspace as B's), it says nothing of it."""
+    gpt = load_profile(REPO / "profiles" / "gpt.json")
+    note = "did not measure what a split backward's B holds"
+    plan = partition(gpt, make_cluster(2), schedule="zb-h1", straight=True, microbatches=4)
+    assert any(note in line for line in plan.notes)
+    measured = dataclasses.replace(gpt, input_workspace_bytes=gpt.workspace_bytes)
+    plan = partition(measured, make_cluster(2), schedule="zb-h1", straight=True, microbatches=4)
+    assert not any(note in line for line in plan.notes)
+    assert not any(note in line for line in partition(gpt, make_cluster(2), schedule="1f1b", microbatches=4).notes)
+
+
 def test_progress_is_told_each_step_of_the_search_as_it_starts() -> None:
     """A memory-limited search can take many seconds: `progress` hears each schedule at each microbatch count it
     plans, each final choice and local search, in order, and changes nothing of the plan."""
