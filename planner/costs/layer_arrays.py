@@ -72,14 +72,18 @@ class LayerArrays:
     ASSUMED_WEIGHT_SHARE x backward (None: that for every layer); `weight_measured`: whether every layer's was measured;
     `split_backward_ratio`: a backward run as B then W over one run whole (`Profile.split_backward_ratio`,
     at least 1: below is noise; 1.0 where not measured), which `for_schedule` applies to the zero-bubble
-    schedules' backwards. `deferred_bytes`: what a zero-bubble schedule keeps per microbatch from a B to
-    its W beyond saved activations, a prefix sum (`Profile.deferred_bytes`; where not measured, each layer
-    after the first is assumed to keep its output's size, one recorded gradient; None: all zero);
+    schedules' backwards. `deferred_bytes`: what a microbatch holds from its B to its W beyond its saved
+    activations under a zero-bubble schedule, a prefix sum: per layer the gradients B keeps for W less the saved
+    tensors B frees, at least 0 (`Profile.deferred_bytes`, `freed_by_b_bytes`; where not measured, each layer
+    after the first is assumed to keep its output's size, one recorded gradient; None: all zero); `kept_bytes`:
+    the gradients alone, a prefix sum (what a running B holds for the layers after it; None: `deferred_bytes`);
     `deferred_measured`: whether the profile measured it. `input_workspace_bytes[k]`: what a split backward's B
     holds at layer k beyond saved activations and the gradients the layers after k keep for W (b_k, not a
     prefix sum; the larger of it and the layer's forward workspace, since a forward runs while other
     microbatches wait for their W; None: not measured, see `kept_workspace_bytes`). `largest_param_bytes[k]`:
     the largest parameter that layer k uses and trains, bytes (not a prefix sum; None: all zero).
+    `weight_workspace_bytes[k]`: what a W holds for layer k beyond the gradients it starts from, bytes (the larger
+    of `Profile.weight_workspace_bytes` and `largest_param_bytes`; not a prefix sum; None: `largest_param_bytes`).
     `received_saved_bytes[k]`: what layer k saves of the tensors made before it that an earlier layer's saved bytes
     count (`Profile.received_saved_bytes`; not a prefix sum; None: all zero).
     """
@@ -98,6 +102,8 @@ class LayerArrays:
     split_applied: float = 1.0  # the ratio the backward times carry now (`for_schedule`)
     deferred_bytes: np.ndarray | None = None
     deferred_measured: bool = False
+    kept_bytes: np.ndarray | None = None
+    weight_workspace_bytes: np.ndarray | None = None
     input_workspace_bytes: np.ndarray | None = None
     largest_param_bytes: np.ndarray | None = None
     received_saved_bytes: np.ndarray | None = None
@@ -148,8 +154,13 @@ class LayerArrays:
                             else ASSUMED_WEIGHT_SHARE * layer.bwd_ms) / 1000.0
                            for layer, ms in zip(profile.layers, inputs_ms)])
         deferred_measured = bool(getattr(profile, "deferred_bytes", ()))
-        deferred = (np.array(profile.deferred_bytes, dtype=float) if deferred_measured
-                    else np.array([0.0] + [float(layer.output_bytes) for layer in profile.layers[1:]]))
+        kept = (np.array(profile.deferred_bytes, dtype=float) if deferred_measured
+                else np.array([0.0] + [float(layer.output_bytes) for layer in profile.layers[1:]]))
+        freed = getattr(profile, "freed_by_b_bytes", ())
+        deferred = np.maximum(kept - np.array(freed, dtype=float), 0.0) if freed else kept
+        largest = np.array(profile.largest_param_bytes, dtype=float) if getattr(profile, "largest_param_bytes", ()) \
+            else np.zeros(len(profile.layers))
+        calls = getattr(profile, "weight_workspace_bytes", ())
         return cls(
             compute_s=np.concatenate([[0.0], np.cumsum(compute)]),
             param_bytes=np.concatenate([[0.0], np.cumsum(params)]),
@@ -166,9 +177,9 @@ class LayerArrays:
             weight_s=np.concatenate([[0.0], np.cumsum(weight)]), weight_measured=measured,
             split_backward_ratio=max(1.0, float(getattr(profile, "split_backward_ratio", None) or 1.0)),
             deferred_bytes=np.concatenate([[0.0], np.cumsum(deferred)]), deferred_measured=deferred_measured,
-            input_workspace_bytes=_input_working_bytes(profile),
-            largest_param_bytes=np.array(profile.largest_param_bytes, dtype=float)
-            if getattr(profile, "largest_param_bytes", ()) else None,
+            kept_bytes=np.concatenate([[0.0], np.cumsum(kept)]),
+            input_workspace_bytes=_input_working_bytes(profile), largest_param_bytes=largest,
+            weight_workspace_bytes=np.maximum(largest, np.array(calls, dtype=float)) if calls else largest,
             received_saved_bytes=np.array(profile.received_saved_bytes, dtype=float)
             if getattr(profile, "received_saved_bytes", ()) else None,
         )
@@ -202,8 +213,18 @@ class LayerArrays:
         return self.fwd_s[stops] + backward, self.weight_s[stops] / self.split_applied
 
     def stage_saved_bytes(self, start: int, stop: int) -> float:
-        """Activation bytes a stage [start, stop) keeps per in-flight mini-batch."""
+        """Activation bytes the layers [start, stop) save per mini-batch, each storage counted at its first saver
+        (PipeDream's cost model reads these; what a pipeline stage keeps is `pair_saved_bytes`)."""
         return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])
+
+    def pair_saved_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """Activation bytes stages [start, stop) keep per in-flight mini-batch (element-wise): their layers'
+        `saved_bytes`, and where a stage starts after the first layer what its first layer saves that an earlier
+        layer counted (`received_saved_bytes[start]`: the copy of its input a block saves, which the block before
+        saved too; a pipeline stage holds its own)."""
+        starts, stops = np.asarray(starts), np.asarray(stops)
+        saved = np.zeros(len(starts)) if self.saved_bytes is None else self.saved_bytes[stops] - self.saved_bytes[starts]
+        return saved + np.where(starts > 0, self.received_saved_bytes[starts], 0.0)
 
     def stage_workspace_bytes(self, start: int, stop: int) -> float:
         """The most any layer of a stage [start, stop) holds during its backward beyond saved activations."""
@@ -221,19 +242,24 @@ class LayerArrays:
         """b of stages [start, stop) (element-wise): the most a split backward's B holds beyond saved
         activations, bytes per mini-batch. At layer k, what B holds there (`input_workspace_bytes`, b_k: the
         gradient flowing in, temporaries, and what k keeps for W as it goes) plus what the stage's layers after
-        k keep for W: b = G[stop] + max_k (b_k - G[k + 1]), G = `deferred_bytes` (prefix sums). Where the
-        profile did not measure b_k: the stage's workspace plus all it keeps, w + G[stop] - G[start], the most
-        it can be."""
-        kept = self.deferred_bytes
+        k keep for W: b = G[stop] + max_k (b_k - G[k + 1]), G = `kept_bytes` (prefix sums; B frees no saved
+        tensor while it runs). Where the profile did not measure b_k: the stage's workspace plus all it keeps,
+        w + G[stop] - G[start], the most it can be."""
+        kept = self.deferred_bytes if self.kept_bytes is None else self.kept_bytes
         if self.input_workspace_bytes is None:
             return range_max(self.workspace_bytes, starts, stops) + kept[stops] - kept[starts]
         return kept[stops] + range_max(self.input_workspace_bytes - kept[1:], starts, stops)
 
     def largest_param_in(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """The largest parameter gradient a layer of stages [start, stop) makes (element-wise), bytes, not
-        scaled with the batch (`largest_param_bytes`): what a zero-bubble W holds beyond the gradients it
-        starts from while it adds a weight's gradient into `.grad`."""
+        """The largest parameter tensor a layer of stages [start, stop) trains (element-wise), bytes
+        (`largest_param_bytes`; the optimizer step's scratch on CPU)."""
         return range_max(self.largest_param_bytes, starts, stops)
+
+    def weight_workspace_in(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """v of stages [start, stop) (element-wise): what a zero-bubble W holds beyond the gradients it starts
+        from, bytes, not scaled with the batch (`weight_workspace_bytes`)."""
+        own = self.largest_param_bytes if self.weight_workspace_bytes is None else self.weight_workspace_bytes
+        return range_max(own, starts, stops)
 
     def stage_weight_bytes(self, start: int, stop: int) -> float:
         """Parameter bytes a stage [start, stop) holds: its own, plus a copy of each shared

@@ -57,8 +57,9 @@ Transfers run on their own channel (one per direction), overlapped with compute.
       Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
 Memory per device of a stage with weights W, k optimizer state copies (Adam 2, SGD 1),
-activations a = sigma saved_bytes per microbatch (q = 1: a = sigma bytes entering the stage,
-plus one microbatch's sigma saved_bytes rebuilt during its backward) and n microbatches in
+activations a = sigma saved_bytes per microbatch (a stage after the first: + its received inputs, and what its
+first layer saves of them that an earlier layer counted, `received_terms`; q = 1: a = sigma bytes entering the
+stage, plus one microbatch's sigma saved_bytes rebuilt during its backward) and n microbatches in
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
@@ -70,7 +71,8 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
            d = ceil((P - D) / r); b what its B holds: at a layer what it holds there with what the layers after
            it keep, v the largest weight gradient its W makes, `backward_top_terms`; a recomputing stage
            c g + q sigma saved + w)
-    with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile) and
+    with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile; on CPU s' X
+    instead, X the stage's largest parameter tensor, `CostInputs.scratch_per_largest`) and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
     the saved activations (gradients between layers, temporaries such as a loss's gradient over a
     vocabulary; measured in the profile, 0 in older ones)
@@ -274,11 +276,12 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
     a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
-    microbatch in flight (its saved activations and `received_bytes`, `received_terms`; the bytes entering the
-    stage when recomputing), rebuilt = what a backward
-    holds on top: w (the most any of the stage's layers holds beyond saved activations) plus a when
-    it recomputes, scratch = s W + s' X while the optimizer steps (s: the profile's scratch bytes per parameter
-    byte, s' per byte of X, the stage's largest parameter, `largest_bytes`; one of them 0, `per_weight_byte`), memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
+    microbatch in flight (its saved activations, `LayerArrays.pair_saved_bytes`, and `received_bytes`,
+    `received_terms`; the bytes entering the stage when recomputing), rebuilt = what a backward holds on top:
+    w (the most any of the stage's layers holds beyond saved activations) plus a when it recomputes,
+    scratch = s W + s' X while the optimizer steps (s: the profile's scratch bytes per parameter byte, s' per
+    byte of X, the stage's largest parameter, `largest_bytes`; one of them 0, `per_weight_byte`),
+    memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
     (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
     memory alone: a device holding several stages holds it once); pipedream keeps n weight versions (base - W,
     held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
@@ -319,16 +322,14 @@ def activation_top(count: ArrayOrInt, deferred_bytes: ArrayOrFloat, rebuilt: Arr
     return np.where(recompute, count * deferred_bytes + rebuilt, kept)
 
 
-def received_terms(inputs: CostInputs, starts: ArrayOrInt, entering_bytes: ArrayOrFloat) -> ArrayOrFloat:
-    """What a stage keeps per microbatch in flight beyond its layers' saved activations, bytes (scaled): where it
-    receives (start > 0) the received inputs, `entering_bytes` (the runtime keeps them as leaves until the
-    microbatch's backward has their gradients, and runs the stage on clones it may change in place), and
-    sigma `received_saved_bytes[start]`, what its first layer saves of them that an earlier layer's saved bytes
-    count (the clone a block saves of its input, which the block before saved too); 0 on a first stage (its
-    inputs are the batch). Element-wise. (resnet's last stage from layer2.1 under zb-h1: 2 x 0.26 MB per
-    microbatch, 1.3 MB of the 13.2 measured that the saved bytes alone left out.)"""
-    starts = np.asarray(starts)
-    found = np.where(starts > 0, entering_bytes + inputs.scale * inputs.arrays.received_saved_bytes[starts], 0.0)
+def received_terms(starts: ArrayOrInt, entering_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """What a stage keeps per microbatch in flight beyond its saved activations, bytes (scaled): where it receives
+    (start > 0) the received inputs, `entering_bytes` (the runtime keeps them as leaves until the microbatch's
+    backward has their gradients, and runs the stage on clones it may change in place, which its first layer
+    may save: `LayerArrays.pair_saved_bytes`); 0 on a first stage (its inputs are the batch). Element-wise.
+    (resnet's last stage from layer2.1 under zb-h1: the leaf and the clone, 2 x 0.26 MB per microbatch, 1.3 MB
+    of the 13.2 measured that the layers' saved bytes alone left out.)"""
+    found = np.where(np.asarray(starts) > 0, entering_bytes, 0.0)
     return found if np.ndim(found) else float(found)
 
 
@@ -353,7 +354,7 @@ class StageCost:
     allreduce_s: float
     period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
     bound_s: float  # Q(s): what the plan's max is taken over
-    memory_bytes: float  # L + base_bytes + max(in_flight * held_bytes (+ deferred) + rebuilt_bytes, scratch_bytes)
+    memory_bytes: float  # L + base_bytes + max(in_flight * held_bytes + top, scratch_bytes) (`memory_terms`)
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # held during a backward on top: its workspace (+ activations rebuilt when recomputing)
@@ -393,15 +394,15 @@ def stage_cost(
     accumulate = float(accumulate_terms(inputs, weights))
     period, bound = (float(value) for value in time_terms(inputs.schedule, inputs.microbatches, replicas, compute,
                                                            comm_in, comm_out, allreduce, step, accumulate, weight))
-    saved = sigma * arrays.stage_saved_bytes(start, stop)
+    saved = sigma * float(arrays.pair_saved_bytes(np.array([start]), np.array([stop]))[0])
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     deferred = float(deferred_terms(inputs, start, stop))
     largest = float(arrays.largest_param_in(np.array([start]), np.array([stop]))[0])
-    top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace, largest))
+    top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
-        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest))
+        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(start, entering), largest))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)
@@ -443,18 +444,19 @@ def first_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, value
     return found if np.ndim(found) else float(found)
 
 
-def backward_top_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, workspace: ArrayOrFloat,
-                       largest: ArrayOrFloat) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+def backward_top_terms(inputs: CostInputs, starts: ArrayOrInt, stops: ArrayOrInt, workspace: ArrayOrFloat
+                       ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(b, v) of stages [start, stop), bytes: what a backward holds beyond saved activations at its peak, and
     what a zero-bubble W holds beyond the gradients it starts from. Under a zero-bubble schedule b = sigma
     `LayerArrays.kept_workspace_bytes` (at a layer what B holds there with what the layers after it keep for
-    W) and v = `largest` (`LayerArrays.largest_param_in`, not scaled), but on a first stage (its B computes nothing; its W
+    W) and v = `LayerArrays.weight_workspace_in` (not scaled), but on a first stage (its B computes nothing; its W
     is its whole backward) and under other schedules b = `workspace` (already scaled) and v = 0. Element-wise."""
     if inputs.schedule not in SPLIT_BACKWARD_SCHEDULES:
         return workspace, np.zeros_like(workspace) if np.ndim(workspace) else 0.0
     arrays = inputs.arrays
     first = np.atleast_1d(starts) == 0
     kept = inputs.scale * arrays.kept_workspace_bytes(np.atleast_1d(starts), np.atleast_1d(stops))
+    largest = arrays.weight_workspace_in(np.atleast_1d(starts), np.atleast_1d(stops))
     top, weight_top = np.where(first, workspace, kept), np.where(first, 0.0, largest)
     return (top, weight_top) if np.ndim(starts) else (float(top[0]), float(weight_top[0]))
 

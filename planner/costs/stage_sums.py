@@ -27,15 +27,14 @@ class Pairs:
         self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
         self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
         self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
-        self.received = received_terms(inputs, starts, self.entering)  # kept beyond saved activations
+        self.received = received_terms(starts, self.entering)  # kept beyond saved activations
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weights = weights
         self.frozen = arrays.pair_frozen_bytes(starts, stops)  # weights that need no gradient, with shared copies
         self.replicated = arrays.pair_replicated_bytes(starts, stops)  # what the replicas all-reduce
         self.tensors = arrays.pair_tensor_counts(starts, stops)  # parameter tensors, shared copies included
-        saved = arrays.saved_bytes
-        self.saved = sigma * (np.zeros(len(starts)) if saved is None else saved[stops] - saved[starts])
+        self.saved = sigma * arrays.pair_saved_bytes(starts, stops)
         self.workspace = sigma * arrays.pair_workspace_bytes(self.offsets)
-        self.largest = arrays.largest_param_in(starts, stops)  # the largest parameter tensor
+        self.largest = arrays.largest_param_in(starts, stops)  # the largest parameter tensor (the step's scratch)
         # b and v: what a B holds, what a W holds beyond its kept gradients (memory_terms)
-        self.backward_top, self.weight_top = backward_top_terms(inputs, starts, stops, self.workspace, self.largest)
+        self.backward_top, self.weight_top = backward_top_terms(inputs, starts, stops, self.workspace)

@@ -80,7 +80,7 @@ def profile_digest(profile: Profile) -> str:
     for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms", "workspace_bytes",
                 "optimizer_step_per_tensor_ms", "optimizer_step_per_call_ms", "param_tensors", "split_backward_ratio",
                 "deferred_bytes", "size_times", "library_bytes", "input_workspace_bytes", "largest_param_bytes",
-                "received_saved_bytes"):
+                "received_saved_bytes", "freed_by_b_bytes", "weight_workspace_bytes"):
         if body.get(key):  # (profiles from before they were measured keep their digest)
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))

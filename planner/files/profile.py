@@ -171,14 +171,18 @@ class Profile:
     as measured, so noise can put it slightly below 1. None: not measured (older files, PipeDream
     imports).
     `deferred_bytes[i]`: what a zero-bubble schedule keeps for layer i from a microbatch's B to its W
-    beyond the saved activations (the gradients recorded at its boundary nodes, less the saved tensors of the
-    layer that B frees, at least 0; older files: the gradients alone), bytes per mini-batch
+    beyond the saved activations (the gradients recorded at its boundary nodes), bytes per mini-batch
     (`planner.profiling.deferred_memory.measure_split_memory`); 0 for the first layer. Empty: not
     measured (older files, PipeDream imports).
     `input_workspace_bytes[i]`: what that split backward's B holds while it runs layer i beyond weights, the batch,
     saved activations and the gradients the layers after i keep for W (the gradient flowing in, temporaries and
     the gradients layer i keeps as it goes), bytes per mini-batch
     (`planner.profiling.deferred_memory.measure_split_memory`); 0 for the first layer. Empty: not measured.
+    `freed_by_b_bytes[i]`: the saved tensors of layer i that are gone once B has run (a loss's log-softmax, which
+    only the input gradients read), bytes per mini-batch; a microbatch waiting for its W holds its
+    `deferred_bytes` less these. `weight_workspace_bytes[i]`: the most parameter bytes one of W's calls for
+    layer i holds before adding them into `.grad` (separate query, key and value projections: one call). Both
+    from the same step; empty: not measured.
     `largest_param_bytes[i]`: the largest parameter tensor layer i uses that needs a gradient (a shared one at
     every layer using it), bytes: the gradient a zero-bubble W makes for it before adding it into `.grad`.
     Empty: not recorded (older files, PipeDream imports).
@@ -225,6 +229,8 @@ class Profile:
     split_backward_ratio: float | None = None
     deferred_bytes: tuple[int, ...] = ()
     input_workspace_bytes: tuple[int, ...] = ()
+    freed_by_b_bytes: tuple[int, ...] = ()
+    weight_workspace_bytes: tuple[int, ...] = ()
     largest_param_bytes: tuple[int, ...] = ()
     received_saved_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
@@ -233,7 +239,8 @@ class Profile:
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes",
-                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes"):
+                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes",
+                     "freed_by_b_bytes", "weight_workspace_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")
@@ -346,7 +353,8 @@ class Profile:
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
         size's empty `bwd_input_ms`), `library_bytes` 0, an unchecked `batch_coupling` (None), empty
         `frozen_param_bytes`, `forward_workspace_bytes`, `optimizer_step_per_call_ms`, `input_workspace_bytes`,
-        `largest_param_bytes` and `received_saved_bytes` and a shared parameter's
+        `largest_param_bytes`, `received_saved_bytes`, `freed_by_b_bytes` and `weight_workspace_bytes` and a shared
+        parameter's
         `frozen` False are left out, so
         that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
         as when it was made before they were measured."""
@@ -368,7 +376,8 @@ class Profile:
         if body["batch_coupling"] is None:
             del body["batch_coupling"]
         for name in ("frozen_param_bytes", "forward_workspace_bytes", "optimizer_step_per_call_ms",
-                     "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes"):
+                     "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes", "freed_by_b_bytes",
+                     "weight_workspace_bytes"):
             if not body[name]:
                 del body[name]
         for shared in body["shared_params"]:
@@ -425,6 +434,8 @@ class Profile:
                 input_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("input_workspace_bytes", ())),
                 largest_param_bytes=tuple(int(nbytes) for nbytes in body.get("largest_param_bytes", ())),
                 received_saved_bytes=tuple(int(nbytes) for nbytes in body.get("received_saved_bytes", ())),
+                freed_by_b_bytes=tuple(int(nbytes) for nbytes in body.get("freed_by_b_bytes", ())),
+                weight_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("weight_workspace_bytes", ())),
                 size_times=size_times, library_bytes=int(body.get("library_bytes", 0)),
                 batch_coupling=_batch_coupling_from(body.get("batch_coupling")),
             )

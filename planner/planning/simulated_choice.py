@@ -278,11 +278,11 @@ class _StageBounds:
         frozen = arrays.pair_frozen_bytes(starts, stops)
         replicated = arrays.pair_replicated_bytes(starts, stops)
         tensors = arrays.pair_tensor_counts(starts, stops)
-        saved = np.zeros(stop) if arrays.saved_bytes is None else sigma * (arrays.saved_bytes[stop] - arrays.saved_bytes[starts])
+        saved = sigma * arrays.pair_saved_bytes(starts, stops)
         workspace = sigma * np.maximum.accumulate(arrays.workspace_bytes[:stop][::-1])[::-1]
         deferred = deferred_terms(inputs, starts, stops)
         largest = arrays.largest_param_in(starts, stops)
-        backward_top, weight_top = backward_top_terms(inputs, starts, stops, workspace, largest)
+        backward_top, weight_top = backward_top_terms(inputs, starts, stops, workspace)
         cut_in = np.where(starts > 0, self.cut[starts - 1], 0.0)
         entering = np.where(starts > 0, cut_in, sigma * inputs.input_bytes)
         comm_in = transfer_s(cut_in, *placement.link_in, starts > 0)
@@ -336,7 +336,7 @@ class _StageBounds:
             if inputs.memory_bytes is not None:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
                                       workspace, deferred, frozen, backward_top, weight_top,
-                                      received_terms(inputs, starts, entering), largest)[4]
+                                      received_terms(starts, entering), largest)[4]
                 ok &= memory <= inputs.memory_bytes
             bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
                 child_bound, child_trip, peak_bwd, ok)

@@ -422,6 +422,31 @@ def held_gradients(pending: PendingWeights) -> list[tuple[Node, torch.Tensor]]:
     return found
 
 
+def weight_call_bytes(pending: PendingWeights) -> list[tuple[Node, int]]:
+    """For each of W's batched calls (phase 1), a node it starts from and the bytes of the parameters its captured
+    gradients lead to, each once: what the call holds at once before adding them into `.grad` (a layer's
+    separate query, key and value projections are one call: three weights). What W holds beyond the gradients it
+    starts from (`planner.profiling.deferred_memory`); phase 2 adds one gradient at a time."""
+    found = []
+    for call in pending.weight_calls:
+        if not call.roots:
+            continue
+        seen: set[int] = set()
+        nbytes = 0
+        stack = [edge.node for edge in call.captures if edge.node is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: its parameter
+            if isinstance(variable, torch.Tensor):
+                nbytes += variable.numel() * variable.element_size()
+            stack += [child for child, _ in node.next_functions if child is not None]
+        found.append((call.roots[0].node, nbytes))
+    return found
+
+
 _ACCUMULATING = threading.Lock()  # as AccumulateGrad's own mutex: stages in threads may share a parameter
 
 
@@ -546,6 +571,7 @@ def _run_weights(pending: PendingWeights) -> None:
                 roots[key] = (edge, grad)
         _accumulate(adds, taken)
         del grads, adds
+        found = grad = None  # (kept, the last gradient of this call would live on through the next one's)
     rest = {}
     adds = []
     for key, (edge, grad) in roots.items():

@@ -237,16 +237,18 @@ def measure_workspace(model: torch.nn.Module, layers: Sequence[Layer], present: 
             handles = [node.register_prehook(hooks[layer]) for node, layer in nodes]
             layer_of = {id(node): layer for node, layer in nodes}
             del nodes  # (so that what only the loss's graph holds can go as a backward frees it)
-            if backward is None:
-                loss.backward()
-                del loss
-            else:
-                box = [loss]
-                del loss
-                backward(box, layer_of, mode)
-                del box
-            for handle in handles:  # (a graph kept for later, a split backward's W, runs without them)
-                handle.remove()
+            try:
+                if backward is None:
+                    loss.backward()
+                    del loss
+                else:
+                    box = [loss]
+                    del loss
+                    backward(box, layer_of, mode)
+                    del box
+            finally:
+                for handle in handles:  # (a graph kept for later, a split backward's W, runs without them)
+                    handle.remove()
             del handles
             close()
     finally:

@@ -349,6 +349,8 @@ def _measure_checked(
         split_backward_ratio=split_backward_ratio,
         deferred_bytes=tuple(split_memory.deferred_bytes) if split_memory else (),
         input_workspace_bytes=tuple(split_memory.input_workspace_bytes) if split_memory else (),
+        freed_by_b_bytes=tuple(split_memory.freed_by_b_bytes) if split_memory else (),
+        weight_workspace_bytes=tuple(split_memory.weight_workspace_bytes) if split_memory else (),
         largest_param_bytes=tuple(largest), received_saved_bytes=tuple(dataflow.received_saved_bytes),
         size_times=size_times, library_bytes=library, batch_coupling=coupling,
     )

@@ -24,7 +24,7 @@ Memory per device (bytes): the profile's `library_bytes` (once per device), `bas
 stages, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
 its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds;
-a zero-bubble B its kept gradients too, and a W the rebuilt bytes only where `stage_times` says): the terms of
+a zero-bubble B what it holds with its later layers' kept gradients, a W its weight gradients, `stage_times`): the terms of
 `schedule_cost.StageCost`, so the cost model's memory formula played out over time.
 """
 
@@ -184,10 +184,10 @@ def stage_times(inputs: CostInputs, stages: Sequence[Stage], memo: StageMemo | N
     what the stage's layers after it keep for W; a recomputing stage's B its rebuilt activations and all it
     keeps). A W holds the rebuilt bytes where it is the whole backward (a first stage, whose B computes nothing,
     keeps nothing) or where the stage recomputes (its B rebuilt the activations W reads); elsewhere it starts
-    from the gradients B kept and holds v beyond them, the largest weight gradient it makes before adding it into
-    `.grad` (the mlp example's stage from layer 7, live tensors: W's peak 8.4 MB over what B kept, one 2048 x
-    1024 weight). So the simulated peak is the closed form's (`schedule_cost.memory_terms`) where the schedule
-    reaches its steady state.
+    from the gradients B kept and holds v beyond them, the weight gradients one of its calls makes before adding
+    them into `.grad` (the mlp example's stage from layer 7, live tensors: W's peak 4.2 MB over what B kept, one
+    1024 x 1024 weight). So the simulated peak is the closed form's (`schedule_cost.memory_terms`) where the
+    schedule reaches its steady state.
     """
     arrays, sigma = inputs.arrays, inputs.scale
     result = []

@@ -12,7 +12,8 @@ from planner.costs.layer_arrays import LayerArrays
 def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     """1-5 layers: compute 0-100 ms (forward a share of it), parameters, cuts, saved activations and
     each backward's workspace, parameter tensors, weight-gradient share and what a split backward keeps from B to W,
-    holds in its B (or not measured) and makes in its W (a share of the layer's weights)."""
+    holds in its B (or not measured), frees after B (the gradients B keeps then exceed what waits for W), makes
+    in its W (a share of the layer's weights, or a call of several), and saves of what an earlier layer counted."""
     n = draw(st.integers(1, 5))
     # times from 1 us up (or exactly 0): subnormal floats would make "equal" meaningless; the
     # powers of two add exactly, so different plans tie exactly
@@ -28,6 +29,9 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     tensors = draw(st.lists(st.sampled_from([0, 1, 2, 40]), min_size=n, max_size=n))  # parameter tensors
     held_in_b = draw(st.none() | st.lists(st.sampled_from([0.0, 1e6, 1e8, 4e8]), min_size=n, max_size=n))
     largest_shares = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+    freed = draw(st.lists(st.sampled_from([0.0, 0.0, 1e6, 1e8]), min_size=n, max_size=n))  # B frees, so kept > waits
+    calls = draw(st.none() | st.lists(st.sampled_from([0.0, 1e6, 3e8]), min_size=n, max_size=n))  # one W call's
+    received_saved = draw(st.lists(st.sampled_from([0.0, 0.0, 1e6, 1e8]), min_size=n, max_size=n))
     # the weight-gradient part (W) of each backward, a share of it (zero-bubble schedules)
     weight_shares = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n))
     weight = [(time - fwd) * share for time, fwd, share in zip(compute, forward, weight_shares)]
@@ -54,5 +58,8 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
         split_backward_ratio=ratio, split_applied=ratio,
         input_workspace_bytes=None if held_in_b is None else np.array(held_in_b),
         largest_param_bytes=np.array([nbytes * share for nbytes, share in zip(params, largest_shares)]),
+        kept_bytes=np.concatenate([[0.0], np.cumsum(np.array(deferred) + np.array(freed))]),
+        weight_workspace_bytes=None if calls is None else np.array(calls),
+        received_saved_bytes=np.array(received_saved),
     )
 

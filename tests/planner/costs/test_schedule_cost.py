@@ -414,6 +414,22 @@ def test_activations_scale_weights_do_not() -> None:
     assert second == pytest.approx(4 * 2e9 + 3 * (3.5e8 + 1.5e8), rel=REL)
 
 
+def test_a_running_b_holds_the_later_layers_whole_kept_gradients_and_a_waiting_microbatch_what_b_did_not_free(
+        ) -> None:
+    """zb-h1 on 2 devices, 4 microbatches: the last stage (layers 1-2, 1 byte saved each) keeps 10 and 30 of
+    gradients for W, and B frees 20 of layer 2's saved bytes once it has run (a loss's log-softmax): a microbatch
+    waiting for its W holds 10 + 10 beyond its activations, but a B at layer 1 (holding 40 there) still holds all
+    30 of layer 2's: b = 40 + 30 = 70, not 40 + 10. Peak: 2 x 2 held + 20 waiting + max(70, 20) = 94."""
+    arrays = dataclasses.replace(layers([1.0] * 3, fwd=[0.3] * 3, saved=[1.0] * 3, workspace=[7.0, 40.0, 25.0]),
+                                 deferred_bytes=prefix([5.0, 10.0, 10.0]), kept_bytes=prefix([5.0, 10.0, 30.0]),
+                                 input_workspace_bytes=np.array([7.0, 40.0, 25.0]))
+    assert list(arrays.kept_workspace_bytes(np.array([1]), np.array([3]))) == [70.0]
+    inputs = CostInputs(arrays, flat(2), "zb-h1", 4, optimizer_copies=0)
+    plan = [(0, 1, 1, False), (1, 3, 1, False)]
+    assert stage_costs(inputs, plan)[1].memory_bytes == pytest.approx(4 + 20 + 70, rel=REL)
+    assert list(simulate_stages(inputs, plan).peak_memory())[1] == pytest.approx(4 + 20 + 70, rel=REL)
+
+
 def test_a_stage_keeps_its_received_inputs_and_what_its_first_layer_saves_of_them_that_an_earlier_layer_counted(
         ) -> None:
     """Three layers, 1f1b on 3 devices, 4 microbatches, no weights: layer 1 saves 7 and its input (4 bytes, cut
@@ -432,6 +448,10 @@ def test_a_stage_keeps_its_received_inputs_and_what_its_first_layer_saves_of_the
     assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 + 4 + 4), rel=REL)
     assert list(simulate_stages(inputs, one_layer_per_stage(3)).peak_memory()) == pytest.approx(
         [cost.memory_bytes for cost in three], rel=REL)
+    # recomputing, the stage from layer 1 holds its received 4 per microbatch, and its backward rebuilds what its
+    # layer saves, the clone of its input included: 2 x 4 + 7 + 4
+    recomputing = stage_costs(inputs, [(0, 1, 1, False), (1, 2, 1, True), (2, 3, 1, False)])
+    assert recomputing[1].memory_bytes == pytest.approx(2 * 4 + 7 + 4, rel=REL)
 
 
 def test_recompute_keeps_stage_inputs_plus_one_rebuilt_microbatch() -> None:
