@@ -40,6 +40,14 @@ def per_weight_byte(profile: Profile, optimizer: str) -> tuple[float, float, flo
             per_tensor_ms / 1000.0, per_call_ms / 1000.0)
 
 
+def optimizer_terms(profile: Profile, optimizer: str) -> dict[str, float]:
+    """`CostInputs`' optimizer fields for `profile` and `optimizer`, by name: `per_weight_byte`'s five and
+    `scratch_per_largest`."""
+    names = ("step_s_per_byte", "scratch_per_byte", "accumulate_s_per_byte", "step_s_per_tensor", "step_s_per_call")
+    return {**dict(zip(names, per_weight_byte(profile, optimizer))),
+            "scratch_per_largest": scratch_per_largest(profile, optimizer)}
+
+
 def scratch_per_largest(profile: Profile, optimizer: str) -> float:
     """The optimizer step's scratch memory per byte of the largest parameter tensor it steps, on a CPU profile
     that records each layer's largest (`largest_param_bytes`); 0 elsewhere, where `per_weight_byte` prices it per

@@ -13,7 +13,7 @@ import numpy as np
 from planner.planning.baselines import baseline_plans
 from planner.files.cluster import Cluster, ClusterError
 from planner.costs.layer_arrays import (
-    ASSUMED_WEIGHT_SHARE, OPTIMIZER_STATE_COPIES, LayerArrays, batch_scaling_note, per_weight_byte, scratch_per_largest,
+    ASSUMED_WEIGHT_SHARE, OPTIMIZER_STATE_COPIES, LayerArrays, batch_scaling_note, optimizer_terms,
 )
 from planner.costs.pipedream_cost import (
     pipedream_bottleneck_s, pipedream_stage_memory_bytes, pipedream_time_from_units, pipedream_unit_terms,
@@ -113,8 +113,7 @@ def partition(
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, 1.0, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
-        *per_weight_byte(profile, optimizer), library_bytes=float(profile.library_bytes),
-        scratch_per_largest=scratch_per_largest(profile, optimizer),
+        library_bytes=float(profile.library_bytes), **optimizer_terms(profile, optimizer),
     )
     schedules = AUTO_SCHEDULES if schedule == AUTO else (schedule,)
     unmeasured = schedule == AUTO and profile.split_backward_ratio is None

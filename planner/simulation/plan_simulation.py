@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, per_weight_byte, scratch_per_largest
+from planner.costs.layer_arrays import OPTIMIZER_STATE_COPIES, LayerArrays, optimizer_terms
 from planner.costs.schedule_cost import CostInputs
 from planner.errors import PlannerError
 from planner.files.plan import Plan
@@ -25,9 +25,8 @@ def plan_cost_inputs(profile: Profile, plan: Plan, optimizer: str | None = None)
         LayerArrays.at_batch_size(profile, size).for_schedule(plan.schedule), plan.cluster, plan.schedule,
         plan.microbatches or 1, size / profiled, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer or plan.optimizer], None if memory is None else float(memory),
-        *per_weight_byte(profile, optimizer or plan.optimizer), chunks=plan.chunks,
-        library_bytes=float(profile.library_bytes),
-        scratch_per_largest=scratch_per_largest(profile, optimizer or plan.optimizer),
+        chunks=plan.chunks, library_bytes=float(profile.library_bytes),
+        **optimizer_terms(profile, optimizer or plan.optimizer),
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs.layer_arrays import per_weight_byte, scratch_per_largest
+from planner.costs.layer_arrays import optimizer_terms, per_weight_byte, scratch_per_largest
 from planner.files.cluster import Cluster, make_cluster
 from planner.files.profile import load_profile
 from planner.costs.layer_arrays import ASSUMED_WEIGHT_SHARE, LayerArrays
@@ -706,6 +706,10 @@ def test_a_cpu_profile_prices_the_steps_scratch_by_its_largest_tensor_a_gpu_one_
     for other in (dataclasses.replace(profile, device="cuda:0"), dataclasses.replace(profile, largest_param_bytes=())):
         assert scratch_per_largest(other, "adam") == 0.0
         assert per_weight_byte(other, "adam")[1] == pytest.approx(8e6 / profile.trainable_param_bytes)
+    terms = optimizer_terms(profile, "adam")  # CostInputs' fields by name, as partition and plan_simulation give them
+    inputs = CostInputs(LayerArrays.from_profile(profile), flat(1), "1f1b", 1, **terms)
+    assert (inputs.step_s_per_byte, inputs.scratch_per_byte, inputs.accumulate_s_per_byte, inputs.step_s_per_tensor,
+            inputs.step_s_per_call) == per_weight_byte(profile, "adam") and inputs.scratch_per_largest == 2.0
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
