@@ -105,11 +105,6 @@ def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(leaf)
 
 
-def _fresh(tensor: torch.Tensor) -> torch.Tensor:
-    """A clone the stage may modify in place (autograd refuses in-place changes of leaves requiring grad)."""
-    return tensor.clone()
-
-
 class StageRunner:
     """Forward and backward of one stage on `device`; see the module docstring.
 
@@ -131,6 +126,7 @@ class StageRunner:
         self.micro: dict[Hashable, _Micro] = {}
         self.pending: dict[Hashable, PendingWeights] = {}  # split_backward: W still to run, per microbatch
         self.recomputed_buffers: list[torch.Tensor] | None = None  # split_backward: what B's recomputations move
+        self.changes_inputs: bool | None = None  # whether the module changes its arguments in place (`_call`)
         self.losses: dict[Hashable, float] = {}  # last stage: the scaled loss of each microbatch
         # held around each W: the in-process pipeline's stages sharing a parameter (a tied embedding) in two threads
         self.weight_lock = weight_lock or contextlib.nullcontext()
@@ -164,7 +160,7 @@ class StageRunner:
         if self.stash_weights:
             state.weights = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
                              for name, parameter in self.module.named_parameters()}
-        if self.checkpoint:  # the first stage's inputs are cloned too: the recomputation needs them unchanged
+        if self.checkpoint:  # a first stage's inputs too must come out unchanged: the recomputation reads them
             with torch.no_grad():
                 output, state.rng = self.stream.run(lambda: self._call(state, fresh=True))
         else:
@@ -249,8 +245,22 @@ class StageRunner:
         return [None if not leaf.requires_grad else _or_zeros(by_leaf[id(leaf)], leaf) for leaf in tensors(state.args)]
 
     def _call(self, state: _Micro, fresh: bool) -> Any:
-        """The stage on the microbatch's arguments (on clones of them if `fresh`), on its stashed weights if any."""
-        args = map_tensors(_fresh, state.args) if fresh else state.args
+        """The stage on the microbatch's arguments, on its stashed weights if any. `fresh`: the arguments must
+        come out unchanged (received leaves, or inputs a recomputation reads again), so a stage that changes
+        them in place runs on clones of them. Whether it does is found on the first such call, which runs on
+        clones and compares their version counters before and after; later calls run on the arguments
+        themselves unless it did (no second copy of every received tensor, as torch's pipelining keeps)."""
+        if not fresh or self.changes_inputs is False:
+            return self._apply(state, state.args)
+        clones = map_tensors(torch.Tensor.clone, state.args)
+        versions = [tensor._version for tensor in tensors(clones)]
+        output = self._apply(state, clones)
+        if self.changes_inputs is None:
+            self.changes_inputs = [tensor._version for tensor in tensors(clones)] != versions
+        return output
+
+    def _apply(self, state: _Micro, args: tuple[Any, ...]) -> Any:
+        """The stage's module on `args`, on the microbatch's stashed weights if it has them."""
         if state.weights is None:
             return self.module(*args)
         return torch.func.functional_call(self.module, state.weights, args)

@@ -92,8 +92,8 @@ class LayerArrays:
     the largest parameter that layer k uses and trains, bytes (not a prefix sum; None: all zero).
     `weight_workspace_bytes[k]`: what a W holds for layer k beyond the gradients it starts from, bytes (the larger
     of `Profile.weight_workspace_bytes` and `largest_param_bytes`; not a prefix sum; None: `largest_param_bytes`).
-    `received_saved_bytes[k]`: what layer k saves of the tensors made before it that an earlier layer's saved bytes
-    count (`Profile.received_saved_bytes`; not a prefix sum; None: all zero).
+    `input_saved_bytes[k]`: the part of layer k's saved bytes made before it, its received inputs where a stage
+    starts at k (`Profile.input_saved_bytes`; not a prefix sum; None: all zero).
     """
 
     compute_s: np.ndarray
@@ -114,7 +114,7 @@ class LayerArrays:
     weight_workspace_bytes: np.ndarray | None = None
     input_workspace_bytes: np.ndarray | None = None
     largest_param_bytes: np.ndarray | None = None
-    received_saved_bytes: np.ndarray | None = None
+    input_saved_bytes: np.ndarray | None = None
     frozen_bytes: np.ndarray | None = None
     frozen_shared: tuple[tuple[int, tuple[int, ...], float], ...] = ()
 
@@ -133,8 +133,8 @@ class LayerArrays:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
         if self.largest_param_bytes is None:
             object.__setattr__(self, "largest_param_bytes", np.zeros(len(self.cut_bytes)))
-        if self.received_saved_bytes is None:
-            object.__setattr__(self, "received_saved_bytes", np.zeros(len(self.cut_bytes)))
+        if self.input_saved_bytes is None:
+            object.__setattr__(self, "input_saved_bytes", np.zeros(len(self.cut_bytes)))
         for shared, prefix, what in ((self.shared, self.param_bytes, "param_bytes"),
                                      (self.frozen_shared, self.frozen_bytes, "frozen_bytes")):
             own = _own_bytes(prefix, shared) if shared else None
@@ -188,8 +188,8 @@ class LayerArrays:
             kept_bytes=np.concatenate([[0.0], np.cumsum(kept)]),
             input_workspace_bytes=_input_working_bytes(profile), largest_param_bytes=largest,
             weight_workspace_bytes=np.maximum(largest, np.array(calls, dtype=float)) if calls else largest,
-            received_saved_bytes=np.array(profile.received_saved_bytes, dtype=float)
-            if getattr(profile, "received_saved_bytes", ()) else None,
+            input_saved_bytes=np.array(profile.input_saved_bytes, dtype=float)
+            if getattr(profile, "input_saved_bytes", ()) else None,
         )
 
     @classmethod
@@ -226,13 +226,14 @@ class LayerArrays:
         return 0.0 if self.saved_bytes is None else float(self.saved_bytes[stop] - self.saved_bytes[start])
 
     def pair_saved_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """Activation bytes stages [start, stop) keep per in-flight mini-batch (element-wise): their layers'
-        `saved_bytes`, and where a stage starts after the first layer what its first layer saves that an earlier
-        layer counted (`received_saved_bytes[start]`: the copy of its input a block saves, which the block before
-        saved too; a pipeline stage holds its own)."""
+        """Activation bytes stages [start, stop) keep per in-flight mini-batch beyond their inputs (element-wise):
+        their layers' `saved_bytes` less what the first layer saves of what it receives (`input_saved_bytes[start]`):
+        the runtime runs a stage on the tensors it received, so what that layer saves of them is the received
+        tensors themselves, counted apart (`schedule_cost.received_terms`)."""
         starts, stops = np.asarray(starts), np.asarray(stops)
-        saved = np.zeros(len(starts)) if self.saved_bytes is None else self.saved_bytes[stops] - self.saved_bytes[starts]
-        return saved + np.where(starts > 0, self.received_saved_bytes[starts], 0.0)
+        if self.saved_bytes is None:
+            return np.zeros(len(starts))
+        return self.saved_bytes[stops] - self.saved_bytes[starts] - self.input_saved_bytes[starts]
 
     def stage_workspace_bytes(self, start: int, stop: int) -> float:
         """The most any layer of a stage [start, stop) holds during its backward beyond saved activations."""

@@ -57,9 +57,10 @@ Transfers run on their own channel (one per direction), overlapped with compute.
       Q(s) = max(t + ar + opt, c_in, c_out) / r,    time per microbatch = max_s Q(s)
 
 Memory per device of a stage with weights W, k optimizer state copies (Adam 2, SGD 1),
-activations a = sigma saved_bytes per microbatch (a stage after the first: + its received inputs, and what its
-first layer saves of them that an earlier layer counted, `received_terms`; q = 1: a = sigma bytes entering the
-stage, plus one microbatch's sigma saved_bytes rebuilt during its backward) and n microbatches in
+activations a = sigma saved_bytes per microbatch (the stage's layers' less what its first layer saves of its
+inputs, `LayerArrays.pair_saved_bytes`, plus the inputs it received, or on a first stage what that layer saves of
+the batch, `received_terms`; q = 1: a = sigma bytes entering the stage, plus one microbatch's sigma saved_bytes
+rebuilt during its backward) and n microbatches in
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
@@ -322,14 +323,15 @@ def activation_top(count: ArrayOrInt, deferred_bytes: ArrayOrFloat, rebuilt: Arr
     return np.where(recompute, count * deferred_bytes + rebuilt, kept)
 
 
-def received_terms(starts: ArrayOrInt, entering_bytes: ArrayOrFloat) -> ArrayOrFloat:
-    """What a stage keeps per microbatch in flight beyond its saved activations, bytes (scaled): where it receives
-    (start > 0) the received inputs, `entering_bytes` (the runtime keeps them as leaves until the microbatch's
-    backward has their gradients, and runs the stage on clones it may change in place, which its first layer
-    may save: `LayerArrays.pair_saved_bytes`); 0 on a first stage (its inputs are the batch). Element-wise.
-    (resnet's last stage from layer2.1 under zb-h1: the leaf and the clone, 2 x 0.26 MB per microbatch, 1.3 MB
-    of the 13.2 measured that the layers' saved bytes alone left out.)"""
-    found = np.where(np.asarray(starts) > 0, entering_bytes, 0.0)
+def received_terms(inputs: CostInputs, starts: ArrayOrInt, entering_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """What a stage keeps per microbatch in flight beyond the activations its layers make, bytes (scaled): where it
+    receives (start > 0), the received inputs, `entering_bytes`: the runtime keeps them until the microbatch's
+    backward has their gradients and runs the stage on them, so what its first layer saves of them is these
+    (`LayerArrays.pair_saved_bytes` leaves that out); on a first stage, what its first layer saves of the batch
+    (sigma `input_saved_bytes[0]`). Element-wise. (Until the runtime ran stages on clones of what they received,
+    resnet's last stage from layer2.1 under zb-h1 held both, 2 x 0.26 MB per microbatch.)"""
+    first = inputs.scale * float(inputs.arrays.input_saved_bytes[0])
+    found = np.where(np.asarray(starts) > 0, entering_bytes, first)
     return found if np.ndim(found) else float(found)
 
 
@@ -402,7 +404,7 @@ def stage_cost(
     top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
-        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(start, entering), largest))
+        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)

@@ -27,7 +27,7 @@ class Pairs:
         self.cut_in = np.where(starts > 0, cut[starts - 1], 0.0)
         self.cut_out = np.where(stops < n, cut[stops - 1], 0.0)
         self.entering = np.where(starts > 0, self.cut_in, sigma * inputs.input_bytes)
-        self.received = received_terms(starts, self.entering)  # kept beyond saved activations
+        self.received = received_terms(inputs, starts, self.entering)  # kept beyond saved activations
         weights = arrays.pair_weight_bytes(starts, stops)  # with copies of shared parameters
         self.weights = weights
         self.frozen = arrays.pair_frozen_bytes(starts, stops)  # weights that need no gradient, with shared copies

@@ -73,14 +73,15 @@ class PlanProfileMismatchError(PlannerError):
 def profile_digest(profile: Profile) -> str:
     """SHA-256 of what a plan depends on in a profile, as canonical JSON: model name, batch size,
     input bytes, layers, shared parameters, optimizer step times, workspace, the split backward's cost, deferred
-    bytes and what its B and W hold, received saved bytes, the times at other batch sizes and the device's library
-    bytes (not the date, path or settings, so re-importing or copying the same measurements keeps the digest)."""
+    bytes and what its B and W hold, the saved bytes made before each layer, the times at other batch sizes and
+    the device's library bytes (not the date, path or settings, so re-importing or copying the same measurements
+    keeps the digest)."""
     body = profile.to_dict()
     content = {key: body[key] for key in ("model_name", "batch_size", "input_bytes", "layers", "shared_params")}
     for key in ("optimizer_step_ms", "optimizer_scratch_bytes", "grad_accumulation_ms", "workspace_bytes",
                 "optimizer_step_per_tensor_ms", "optimizer_step_per_call_ms", "param_tensors", "split_backward_ratio",
                 "deferred_bytes", "size_times", "library_bytes", "input_workspace_bytes", "largest_param_bytes",
-                "received_saved_bytes", "freed_by_b_bytes", "weight_workspace_bytes"):
+                "input_saved_bytes", "freed_by_b_bytes", "weight_workspace_bytes"):
         if body.get(key):  # (profiles from before they were measured keep their digest)
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))

@@ -186,10 +186,10 @@ class Profile:
     `largest_param_bytes[i]`: the largest parameter tensor layer i uses that needs a gradient (a shared one at
     every layer using it), bytes: the gradient a zero-bubble W makes for it before adding it into `.grad`.
     Empty: not recorded (older files, PipeDream imports).
-    `received_saved_bytes[i]`: bytes of tensors made before layer i that layer i saves for its backward but an
-    earlier layer's `saved_bytes` counts (a block's input that the block before it saved too), per mini-batch
-    (`planner.profiling.dataflow`): a stage starting at layer i holds them on top of its layers' `saved_bytes`.
-    Empty: not measured (older files, PipeDream imports).
+    `input_saved_bytes[i]`: the part of `saved_bytes[i]` made before layer i (by earlier layers, or the model's
+    inputs), per mini-batch (`planner.profiling.dataflow`): a stage starting at layer i receives those tensors
+    and holds them once, as its inputs. Empty: not measured (older files, PipeDream imports; the model then
+    counts them twice, an upper bound).
     `size_times`: the layers' times at other batch sizes than `batch_size` (`planner profile --batch-size
     1,2,4,8` measures them; `batch_size` is then the largest, where memory was measured), which the cost
     model interpolates between (`planner.costs.layer_arrays.times_at_batch_size`); empty: measured at
@@ -232,14 +232,14 @@ class Profile:
     freed_by_b_bytes: tuple[int, ...] = ()
     weight_workspace_bytes: tuple[int, ...] = ()
     largest_param_bytes: tuple[int, ...] = ()
-    received_saved_bytes: tuple[int, ...] = ()
+    input_saved_bytes: tuple[int, ...] = ()
     size_times: tuple[SizeTimes, ...] = ()
     library_bytes: int = 0
     batch_coupling: BatchCoupling | None = None
 
     def __post_init__(self) -> None:
         for name in ("workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes",
-                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes",
+                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "input_saved_bytes",
                      "freed_by_b_bytes", "weight_workspace_bytes"):
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
@@ -353,7 +353,7 @@ class Profile:
         `bwd_input_ms`, an unmeasured `split_backward_ratio` (None), empty `deferred_bytes` and `size_times` (and a
         size's empty `bwd_input_ms`), `library_bytes` 0, an unchecked `batch_coupling` (None), empty
         `frozen_param_bytes`, `forward_workspace_bytes`, `optimizer_step_per_call_ms`, `input_workspace_bytes`,
-        `largest_param_bytes`, `received_saved_bytes`, `freed_by_b_bytes` and `weight_workspace_bytes` and a shared
+        `largest_param_bytes`, `input_saved_bytes`, `freed_by_b_bytes` and `weight_workspace_bytes` and a shared
         parameter's
         `frozen` False are left out, so
         that a profile without them has the same body, and the same digest (`planner.files.plan.profile_digest`),
@@ -376,7 +376,7 @@ class Profile:
         if body["batch_coupling"] is None:
             del body["batch_coupling"]
         for name in ("frozen_param_bytes", "forward_workspace_bytes", "optimizer_step_per_call_ms",
-                     "input_workspace_bytes", "largest_param_bytes", "received_saved_bytes", "freed_by_b_bytes",
+                     "input_workspace_bytes", "largest_param_bytes", "input_saved_bytes", "freed_by_b_bytes",
                      "weight_workspace_bytes"):
             if not body[name]:
                 del body[name]
@@ -433,7 +433,7 @@ class Profile:
                 deferred_bytes=tuple(int(nbytes) for nbytes in body.get("deferred_bytes", ())),
                 input_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("input_workspace_bytes", ())),
                 largest_param_bytes=tuple(int(nbytes) for nbytes in body.get("largest_param_bytes", ())),
-                received_saved_bytes=tuple(int(nbytes) for nbytes in body.get("received_saved_bytes", ())),
+                input_saved_bytes=tuple(int(nbytes) for nbytes in body.get("input_saved_bytes", ())),
                 freed_by_b_bytes=tuple(int(nbytes) for nbytes in body.get("freed_by_b_bytes", ())),
                 weight_workspace_bytes=tuple(int(nbytes) for nbytes in body.get("weight_workspace_bytes", ())),
                 size_times=size_times, library_bytes=int(body.get("library_bytes", 0)),

@@ -13,8 +13,9 @@ loss runs and is not counted; parameters, buffers and views of them live with th
 are never cut. Calls that only read metadata (size, dtype, ...) consume nothing.
 `saved_bytes[i]` counts, once per storage, the tensors autograd saves for backward while layer
 i runs (`torch.autograd.graph.saved_tensors_hooks`), parameters and buffers excluded.
-`received_saved_bytes[i]` counts the storages layer i saves that an earlier layer's `saved_bytes` counts
-(a block's input, saved by the block before it too): a stage starting at layer i holds them as well.
+`input_saved_bytes[i]` counts the part of `saved_bytes[i]` made before layer i (by an earlier layer, or the
+model's inputs): the storages layer i is the first to save that a stage starting at layer i receives. The
+runtime runs a stage on what it received, so such a stage holds them once, as its inputs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Dataflow:
     cut_bytes: list[int]
     saved_bytes: list[int]
     param_layers: dict[str, list[int]]  # parameter name -> layers that used it, ascending
-    received_saved_bytes: list[int] = field(default_factory=list)
+    input_saved_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def measure_dataflow(
     num_layers = len(layers)
     output_bytes = [0] * num_layers
     saved_bytes = [0] * num_layers
-    received_saved = [0] * num_layers
+    input_saved = [0] * num_layers
     param_names = {id(p): name for name, p in model.named_parameters()}
     # parameters, buffers and tensors the modules hold as plain attributes (a cached rotary table): there before
     # the step, each stage holds its own, so none is produced by a layer
@@ -170,7 +171,6 @@ def measure_dataflow(
     resident = {storage.data_ptr() for t in [*model.parameters(), *model.buffers(), *held]
                 if (storage := storage_of(t)) is not None}
     counted_storages: dict[int, int] = {}  # storage -> the layer whose saved_bytes counts it
-    carried: set[tuple[int, int]] = set()  # (storage, layer) counted in received_saved
 
     def on_exit(index: int, output: Any) -> None:
         output_bytes[index] = sum(tensor_nbytes(t) for t in tensors_in(output))
@@ -185,10 +185,9 @@ def measure_dataflow(
         if storage is not None and key not in resident and key not in counted_storages:
             counted_storages[key] = layer
             saved_bytes[layer] += storage.nbytes()
-        elif storage is not None and key in counted_storages and counted_storages[key] < layer \
-                and (key, layer) not in carried:
-            carried.add((key, layer))
-            received_saved[layer] += storage.nbytes()
+            made = mode.open_storages.get(key)
+            if made is not None and made.tensors[0].producer < layer:
+                input_saved[layer] += storage.nbytes()
         # A detached alias: returning the tensor itself would tie an output saved by its own
         # node into a reference cycle through C++ that keeps the whole graph alive.
         return tensor.detach()
@@ -199,4 +198,4 @@ def measure_dataflow(
         loss = run_step()
     del loss
     param_layers = {name: sorted(used) for name, used in mode.param_layers.items()}
-    return Dataflow(output_bytes, mode.cut_bytes(num_layers), saved_bytes, param_layers, received_saved)
+    return Dataflow(output_bytes, mode.cut_bytes(num_layers), saved_bytes, param_layers, input_saved)

@@ -351,7 +351,7 @@ def _measure_checked(
         input_workspace_bytes=tuple(split_memory.input_workspace_bytes) if split_memory else (),
         freed_by_b_bytes=tuple(split_memory.freed_by_b_bytes) if split_memory else (),
         weight_workspace_bytes=tuple(split_memory.weight_workspace_bytes) if split_memory else (),
-        largest_param_bytes=tuple(largest), received_saved_bytes=tuple(dataflow.received_saved_bytes),
+        largest_param_bytes=tuple(largest), input_saved_bytes=tuple(dataflow.input_saved_bytes),
         size_times=size_times, library_bytes=library, batch_coupling=coupling,
     )
 

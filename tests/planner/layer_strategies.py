@@ -31,7 +31,8 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
     largest_shares = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
     freed = draw(st.lists(st.sampled_from([0.0, 0.0, 1e6, 1e8]), min_size=n, max_size=n))  # B frees, so kept > waits
     calls = draw(st.none() | st.lists(st.sampled_from([0.0, 1e6, 3e8]), min_size=n, max_size=n))  # one W call's
-    received_saved = draw(st.lists(st.sampled_from([0.0, 0.0, 1e6, 1e8]), min_size=n, max_size=n))
+    # the part of a layer's saved bytes made before it (its input, which a stage starting there receives)
+    input_shares = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, 1.0]), min_size=n, max_size=n))
     # the weight-gradient part (W) of each backward, a share of it (zero-bubble schedules)
     weight_shares = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=n, max_size=n))
     weight = [(time - fwd) * share for time, fwd, share in zip(compute, forward, weight_shares)]
@@ -60,6 +61,6 @@ def layer_arrays(draw: st.DrawFn) -> LayerArrays:
         largest_param_bytes=np.array([nbytes * share for nbytes, share in zip(params, largest_shares)]),
         kept_bytes=np.concatenate([[0.0], np.cumsum(np.array(deferred) + np.array(freed))]),
         weight_workspace_bytes=None if calls is None else np.array(calls),
-        received_saved_bytes=np.array(received_saved),
+        input_saved_bytes=np.array([nbytes * share for nbytes, share in zip(saved, input_shares)]),
     )
 

@@ -215,32 +215,74 @@ def test_microbatches_in_flight_accumulate_their_gradients() -> None:
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_middle_stage_may_modify_its_received_input_in_place(checkpoint: bool) -> None:
+    """Every microbatch, not only the first (which finds out that the stage changes its inputs), runs on clones."""
     module, reference = nn.Sequential(Double(), mlp()), nn.Sequential(Double(), mlp())
-    x, grad = batch(), batch(5, 3, seed=2)
-    kept = x.clone()
+    xs, grad = [batch(seed=s) for s in (1, 3, 5)], batch(5, 3, seed=2)
+    kept = [x.clone() for x in xs]
     runner = make_runner(module, checkpoint=checkpoint)
-    runner.receive(0, as_sent((x,)))
-    runner.forward(0)
-    runner.receive_grads(0, [grad])
-    input_grads = runner.backward(0)
-    x_ref = leaf(x)
-    reference(x_ref.clone()).backward(grad)
-    assert torch.equal(x, kept)
-    torch.testing.assert_close(input_grads[0], x_ref.grad)
+    input_grads = []
+    for key, x in enumerate(xs):
+        runner.receive(key, as_sent((x,)))
+        runner.forward(key)
+        runner.receive_grads(key, [grad])
+        input_grads.append(runner.backward(key))
+    assert runner.changes_inputs is True
+    for x, before, found in zip(xs, kept, input_grads):
+        x_ref = leaf(x)
+        reference(x_ref.clone()).backward(grad)
+        assert torch.equal(x, before)
+        torch.testing.assert_close(found[0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_stage_that_leaves_its_inputs_alone_saves_the_received_tensor_itself(checkpoint: bool) -> None:
+    """The first microbatch runs on a clone, which finds that the stage changes nothing in place; the next ones
+    run on the received leaf, so the stage's first Linear saves the leaf's storage and holds no copy of it (with
+    checkpointing the recomputations do, the first microbatch's too: its forward without grad found it out)."""
+    module, reference = mlp(), mlp()
+    xs, grad = [batch(seed=s) for s in (1, 3)], batch(5, 3, seed=2)
+    runner = make_runner(module, checkpoint=checkpoint)
+    saved_pointers: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved_pointers.append(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    input_grads = []
+    for key, x in enumerate(xs):
+        runner.receive(key, as_sent((x,)))
+        received = runner.micro[key].args[0]
+        saved_pointers.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            runner.forward(key)
+            runner.receive_grads(key, [grad])
+            input_grads.append(runner.backward(key))
+        assert (received.untyped_storage().data_ptr() in saved_pointers) == (key > 0 or checkpoint), key
+    assert runner.changes_inputs is False
+    for x, found in zip(xs, input_grads):
+        x_ref = leaf(x)
+        reference(x_ref).backward(grad)
+        torch.testing.assert_close(found[0], x_ref.grad)
     assert_grads_close(grads(reference), grads(module))
 
 
 def test_checkpointed_first_stage_recomputes_on_unchanged_inputs() -> None:
-    """A first stage that changes its input in place still gets plain gradients when recomputed."""
+    """A first stage that changes its input in place still gets plain gradients when recomputed, in every
+    microbatch, and leaves the batch as it was."""
     module, reference = nn.Sequential(Double(), mlp()), nn.Sequential(Double(), mlp())
-    x, grad = batch(), batch(5, 3, seed=2)
+    xs, grad = [batch(seed=s) for s in (1, 3, 5)], batch(5, 3, seed=2)
+    kept = [x.clone() for x in xs]
     runner = make_runner(module, checkpoint=True)
-    sent = runner.forward(0, (x.clone(),))
-    runner.receive_grads(0, [grad])
-    runner.backward(0)
-    expected = reference(x.clone())
-    expected.backward(grad)
-    torch.testing.assert_close(sent[0], expected.detach())
+    for key, x in enumerate(xs):
+        sent = runner.forward(key, (x,))
+        runner.receive_grads(key, [grad])
+        runner.backward(key)
+        expected = reference(x.clone())
+        expected.backward(grad)
+        torch.testing.assert_close(sent[0], expected.detach())
+        assert torch.equal(x, kept[key])
+    assert runner.changes_inputs is True
     assert_grads_close(grads(reference), grads(module))
 
 

@@ -430,29 +430,26 @@ def test_a_running_b_holds_the_later_layers_whole_kept_gradients_and_a_waiting_m
     assert list(simulate_stages(inputs, plan).peak_memory())[1] == pytest.approx(4 + 20 + 70, rel=REL)
 
 
-def test_a_stage_keeps_its_received_inputs_and_what_its_first_layer_saves_of_them_that_an_earlier_layer_counted(
-        ) -> None:
-    """Three layers, 1f1b on 3 devices, 4 microbatches, no weights: layer 1 saves 7 and its input (4 bytes, cut
-    after layer 0), which layer 0 saved too (received_saved 4: the profile counts it in layer 0's saved bytes);
-    layer 2 saves 2 and its input (3), which layer 1 did not save (so layer 2's 2 + 3 = 5 counts it already). A stage
-    from layer 1 keeps 7 + the received leaf 4 + the clone its layer saves 4 per microbatch in flight (n = 2); a
-    stage of layers 1-2, the last, the same plus layer 2's 5 (n = 1); from layer 2: 5 + 3 (its leaf), n = 1. The
-    first stage holds
-    its saved 6 alone (its inputs are the batch), n = 3."""
+def test_a_stage_keeps_its_received_inputs_once_and_what_its_layers_save_beyond_them() -> None:
+    """Three layers, 1f1b on 3 devices, 4 microbatches, no weights. Layer 0 saves 6, 2 of them the batch (input
+    2); layer 1 saves 7, 4 of them its input (cut 4 after layer 0); layer 2 saves 5 of its own, its input (3)
+    being saved by layer 1 already (input_saved [2, 4, 0]). The runtime runs a stage on what it received, so a
+    stage from layer 1 holds 7 - 4 + its received 4 per microbatch in flight (n = 2); from layer 2 5 + 3 (n = 1);
+    layers 1-2, the last stage, 7 + 5 - 4 + 4 (n = 1); the first stage its 6, 2 of them the batch (n = 3).
+    Recomputing, a stage holds what enters it per microbatch in flight and rebuilds what its layers save beyond
+    that: the first 3 x 2 + 4, the second 2 x 4 + 3."""
     arrays = dataclasses.replace(layers([0.1] * 3, cuts=[4.0, 3.0, 0.0], saved=[6.0, 7.0, 5.0]),
-                                 received_saved_bytes=np.array([0.0, 4.0, 0.0]))
-    inputs = CostInputs(arrays, flat(3), "1f1b", 4, optimizer_copies=0)
+                                 input_saved_bytes=np.array([2.0, 4.0, 0.0]))
+    inputs = CostInputs(arrays, flat(3), "1f1b", 4, input_bytes=2.0, optimizer_copies=0)
     three = stage_costs(inputs, one_layer_per_stage(3))
-    assert [cost.memory_bytes for cost in three] == pytest.approx([3 * 6, 2 * (7 + 4 + 4), 1 * (5 + 3)], rel=REL)
+    assert [cost.memory_bytes for cost in three] == pytest.approx([3 * 6, 2 * (7 - 4 + 4), 1 * (5 + 3)], rel=REL)
     two = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
-    assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 + 4 + 4), rel=REL)
+    assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 - 4 + 4), rel=REL)
     assert list(simulate_stages(inputs, one_layer_per_stage(3)).peak_memory()) == pytest.approx(
         [cost.memory_bytes for cost in three], rel=REL)
-    # recomputing, the stage from layer 1 holds its received 4 per microbatch, and its backward rebuilds what its
-    # layer saves, the clone of its input included: 2 x 4 + 7 + 4
-    recomputing = stage_costs(inputs, [(0, 1, 1, False), (1, 2, 1, True), (2, 3, 1, False)])
-    assert recomputing[1].memory_bytes == pytest.approx(2 * 4 + 7 + 4, rel=REL)
-
+    recomputing = [(0, 1, 1, True), (1, 2, 1, True), (2, 3, 1, False)]
+    assert [cost.memory_bytes for cost in stage_costs(inputs, recomputing)][:2] == pytest.approx(
+        [3 * 2 + (6 - 2), 2 * 4 + (7 - 4)], rel=REL)
 
 def test_recompute_keeps_stage_inputs_plus_one_rebuilt_microbatch() -> None:
     # gpipe n = 4, 3; the first stage keeps the model input (1e8), the second its 3e8 cut

@@ -122,7 +122,7 @@ def test_a_version_2_file_without_the_split_backward_ratio_loads_with_none(tmp_p
     del body["split_backward_ratio"], body["deferred_bytes"], body["size_times"], body["library_bytes"]
     del body["batch_coupling"], body["frozen_param_bytes"], body["forward_workspace_bytes"]
     del body["optimizer_step_per_call_ms"], body["input_workspace_bytes"], body["largest_param_bytes"]
-    del body["received_saved_bytes"], body["freed_by_b_bytes"], body["weight_workspace_bytes"]
+    del body["input_saved_bytes"], body["freed_by_b_bytes"], body["weight_workspace_bytes"]
     for shared in body["shared_params"]:
         del shared["frozen"]
     path = tmp_path / "v2.json"

@@ -83,11 +83,26 @@ def test_saved_bytes_count_activations_not_parameters() -> None:
     assert flow.saved_bytes[0] == 4 * 16 * FLOAT + 4 * 32 * FLOAT
     # layer 1: second saves its input, the relu output already counted; the add saves nothing
     assert flow.saved_bytes[1] == 0
-    # ... which a stage starting at layer 1 holds all the same
-    assert flow.received_saved_bytes == [0, 4 * 32 * FLOAT]
+    # the part of them made before the layer: x, the model's input (the relu output is layer 0's own)
+    assert flow.input_saved_bytes == [4 * 16 * FLOAT, 0]
     # the skip x and the hidden activation both cross the only boundary
     assert flow.cut_bytes == [4 * 32 * FLOAT + 4 * 16 * FLOAT, 0]
     assert flow.output_bytes == [4 * 32 * FLOAT, 4 * 16 * FLOAT]
+
+
+def test_the_saved_bytes_made_before_a_layer_are_its_inputs_it_saves_first() -> None:
+    """Two Linears: each saves its input, the first the model's x, the second the first's output h; a stage
+    from either layer receives what it saves. A ReLU after h in the first layer would save h there instead."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    assert flow.saved_bytes == flow.input_saved_bytes == [4 * 16 * FLOAT, 4 * 32 * FLOAT]
+    activated = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 8))
+    layers = find_layers(activated, lambda: activated(x))
+    flow = measure_dataflow(activated, layers, (x,), lambda: activated(x).sum())
+    assert flow.saved_bytes == [4 * 16 * FLOAT + 4 * 32 * FLOAT, 0]
+    assert flow.input_saved_bytes == [4 * 16 * FLOAT, 0]
 
 
 class _Views(nn.Module):
