@@ -188,8 +188,9 @@ class Profile:
     Empty: not recorded (older files, PipeDream imports).
     `input_saved_bytes[i]`: the part of `saved_bytes[i]` made before layer i (by earlier layers, or the model's
     inputs), per mini-batch (`planner.profiling.dataflow`): a stage starting at layer i receives those tensors
-    and holds them once, as its inputs. Empty: not measured (older files, PipeDream imports; the model then
-    counts them twice, an upper bound).
+    and holds them once, as its inputs; 0 where layer i changes such a tensor in place (the stage then runs on
+    clones of them). Empty: not measured (older files, PipeDream imports; the model then counts them twice, an
+    upper bound).
     `size_times`: the layers' times at other batch sizes than `batch_size` (`planner profile --batch-size
     1,2,4,8` measures them; `batch_size` is then the largest, where memory was measured), which the cost
     model interpolates between (`planner.costs.layer_arrays.times_at_batch_size`); empty: measured at

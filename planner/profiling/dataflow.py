@@ -15,7 +15,9 @@ are never cut. Calls that only read metadata (size, dtype, ...) consume nothing.
 i runs (`torch.autograd.graph.saved_tensors_hooks`), parameters and buffers excluded.
 `input_saved_bytes[i]` counts the part of `saved_bytes[i]` made before layer i (by an earlier layer, or the
 model's inputs): the storages layer i is the first to save that a stage starting at layer i receives. The
-runtime runs a stage on what it received, so such a stage holds them once, as its inputs.
+runtime runs a stage on what it received, so such a stage holds them once, as its inputs; 0 where layer i
+changes a tensor made before it in place (its version counter moves), as a ReLU(inplace=True) after a cut
+does: the runtime runs such a stage on clones, which it holds beside what it received.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class _DataflowMode(TorchFunctionMode):
         self.open_storages: dict[int, _StorageLife] = {}  # live storages by data pointer
         self.storages: list[_StorageLife] = []
         self.param_layers: dict[str, set[int]] = {}
+        self.changes_inputs: set[int] = set()  # layers that change a tensor made before them in place
         self.deaths = DeathWatch()
 
     def produce(self, tensor: torch.Tensor, layer: int) -> None:
@@ -115,11 +118,15 @@ class _DataflowMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        layer = self.tracker.current
+        earlier = [(tensor, tensor._version) for tensor in tensors_in((args, kwargs))
+                   if (life := self.tensors.get(id(tensor))) is not None and life.producer < layer]
         result = func(*args, **kwargs)
+        if any(tensor._version != version for tensor, version in earlier):
+            self.changes_inputs.add(layer)
         outputs = tensors_in(result)
         if not outputs and getattr(func, "__name__", "") in _METADATA_CALLS:
             return result
-        layer = self.tracker.current
         for tensor in tensors_in((args, kwargs)):
             key = id(tensor)
             name = self.param_names.get(key)
@@ -198,4 +205,5 @@ def measure_dataflow(
         loss = run_step()
     del loss
     param_layers = {name: sorted(used) for name, used in mode.param_layers.items()}
+    input_saved = [0 if layer in mode.changes_inputs else nbytes for layer, nbytes in enumerate(input_saved)]
     return Dataflow(output_bytes, mode.cut_bytes(num_layers), saved_bytes, param_layers, input_saved)

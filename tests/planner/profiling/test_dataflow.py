@@ -105,6 +105,18 @@ def test_the_saved_bytes_made_before_a_layer_are_its_inputs_it_saves_first() -> 
     assert flow.input_saved_bytes == [4 * 16 * FLOAT, 0]
 
 
+def test_a_layer_that_changes_its_input_in_place_counts_no_input_saved() -> None:
+    """A ReLU(inplace=True) after the cut saves its output, the first Linear's h changed in place: a stage from it
+    runs on a clone of what it received (`runtime.stage_runner`), which it holds besides, so none of h counts as
+    its input; the first layer's x still does."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    assert flow.saved_bytes == [4 * 16 * FLOAT, 4 * 32 * FLOAT, 0]
+    assert flow.input_saved_bytes == [4 * 16 * FLOAT, 0, 0]
+
+
 class _Views(nn.Module):
     """h crosses the boundary twice (itself and a view of it); a mask is expanded from 8 floats."""
 
