@@ -247,16 +247,46 @@ class StageRunner:
     def _call(self, state: _Micro, fresh: bool) -> Any:
         """The stage on the microbatch's arguments, on its stashed weights if any. `fresh`: the arguments must
         come out unchanged (received leaves, or inputs a recomputation reads again), so a stage that changes
-        them in place runs on clones of them. Whether it does is found on the first such call, which runs on
-        clones and compares their version counters before and after; later calls run on the arguments
-        themselves unless it did (no second copy of every received tensor, as torch's pipelining keeps)."""
-        if not fresh or self.changes_inputs is False:
+        them in place runs on clones of them; whether it does is found on the first such call (version
+        counters, `_first_call`), and later calls with grad run on the arguments themselves unless it did: no
+        second copy of every received tensor, as torch's pipelining keeps none. A checkpointed stage's forward
+        without grad always runs on clones (they are not saved, so they cost no memory past the call): a change
+        made there could not be seen by autograd and would feed the recomputation changed inputs. Changes that
+        move no version counter (writes through `.data`) are not seen, as autograd does not see them."""
+        grad = torch.is_grad_enabled()
+        if not fresh or (grad and self.changes_inputs is False):
             return self._apply(state, state.args)
+        if grad and self.changes_inputs is None:
+            return self._first_call(state)
         clones = map_tensors(torch.Tensor.clone, state.args)
         versions = [tensor._version for tensor in tensors(clones)]
         output = self._apply(state, clones)
         if self.changes_inputs is None:
             self.changes_inputs = [tensor._version for tensor in tensors(clones)] != versions
+        return output
+
+    def _first_call(self, state: _Micro) -> Any:
+        """`_call`'s first call with grad on arguments that must come out unchanged: on the arguments themselves,
+        so that the first microbatch holds no more than the later ones. Autograd refuses an in-place change of
+        a received leaf that requires grad before making it: the buffers and the random stream are then put
+        back as they were and the call runs on clones. A change it allows (a received tensor without grad) is
+        seen on the version counters, and later calls run on clones."""
+        args = list(tensors(state.args))
+        versions = [tensor._version for tensor in args]
+        buffers = _snapshot(self.module.buffers())
+        generator = self.stream.generator
+        random = None if generator is None else generator.get_state()
+        try:
+            output = self._apply(state, state.args)
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad" not in str(exc):
+                raise
+            _put_back(buffers)
+            if generator is not None:
+                generator.set_state(random)
+            self.changes_inputs = True
+            return self._call(state, fresh=True)
+        self.changes_inputs = [tensor._version for tensor in args] != versions
         return output
 
     def _apply(self, state: _Micro, args: tuple[Any, ...]) -> Any:

@@ -37,8 +37,9 @@ class Stages(list[nn.Module]):
     `method`: how the model was split: "whole" (one stage), "sequential", "fx" or "export".
 
     A stage may modify its inputs in place (vgg's stages can begin with `ReLU(inplace=True)`):
-    a runtime that turns received tensors into leaves requiring grad must pass them on as
-    `leaf.clone()` (autograd refuses in-place operations on such leaves).
+    a runtime that turns received tensors into leaves requiring grad must run such a stage on
+    clones of them (autograd refuses in-place operations on such leaves; `runtime.stage_runner`
+    finds out which stages do, and runs the others on the leaves themselves).
     """
 
     def __init__(self, modules: Iterable[nn.Module], shared: tuple[SharedParameter, ...],

@@ -15,9 +15,10 @@ are never cut. Calls that only read metadata (size, dtype, ...) consume nothing.
 i runs (`torch.autograd.graph.saved_tensors_hooks`), parameters and buffers excluded.
 `input_saved_bytes[i]` counts the part of `saved_bytes[i]` made before layer i (by an earlier layer, or the
 model's inputs): the storages layer i is the first to save that a stage starting at layer i receives. The
-runtime runs a stage on what it received, so such a stage holds them once, as its inputs; 0 where layer i
-changes a tensor made before it in place (its version counter moves), as a ReLU(inplace=True) after a cut
-does: the runtime runs such a stage on clones, which it holds beside what it received.
+runtime runs a stage on what it received, so such a stage holds them once, as its inputs; 0 where layer i or
+a later one changes in place a tensor made before layer i (its version counter moves, through the tensor or a
+view of it), as a ReLU(inplace=True) after a cut does: the runtime runs such a stage on clones of what it
+received, which it holds beside it (an upper bound where the stage ends before the changing layer).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class _DataflowMode(TorchFunctionMode):
         self.open_storages: dict[int, _StorageLife] = {}  # live storages by data pointer
         self.storages: list[_StorageLife] = []
         self.param_layers: dict[str, set[int]] = {}
-        self.changes_inputs: set[int] = set()  # layers that change a tensor made before them in place
+        self.changed: list[tuple[int, int]] = []  # (made by, changed in place by) of tensors a later layer changed
         self.deaths = DeathWatch()
 
     def produce(self, tensor: torch.Tensor, layer: int) -> None:
@@ -116,14 +117,24 @@ class _DataflowMode(TorchFunctionMode):
 
         self.deaths.watch(tensor, freed)
 
+    def made_before(self, tensor: torch.Tensor, layer: int) -> int | None:
+        """The layer that made `tensor`'s storage (-1: the model's inputs), if before `layer`, else None. A view
+        made in `layer` of a tensor made before it has that tensor's storage, and version counter."""
+        if tensor.is_inference():  # (no version counter to read)
+            return None
+        storage = storage_of(tensor)
+        made = None if storage is None else self.open_storages.get(storage.data_ptr())
+        if made is None or not made.tensors or made.tensors[0].producer >= layer:
+            return None
+        return made.tensors[0].producer
+
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         layer = self.tracker.current
-        earlier = [(tensor, tensor._version) for tensor in tensors_in((args, kwargs))
-                   if (life := self.tensors.get(id(tensor))) is not None and life.producer < layer]
+        earlier = [(made, tensor, tensor._version) for tensor in tensors_in((args, kwargs))
+                   if (made := self.made_before(tensor, layer)) is not None]
         result = func(*args, **kwargs)
-        if any(tensor._version != version for tensor, version in earlier):
-            self.changes_inputs.add(layer)
+        self.changed.extend((made, layer) for made, tensor, version in earlier if tensor._version != version)
         outputs = tensors_in(result)
         if not outputs and getattr(func, "__name__", "") in _METADATA_CALLS:
             return result
@@ -192,8 +203,7 @@ def measure_dataflow(
         if storage is not None and key not in resident and key not in counted_storages:
             counted_storages[key] = layer
             saved_bytes[layer] += storage.nbytes()
-            made = mode.open_storages.get(key)
-            if made is not None and made.tensors[0].producer < layer:
+            if mode.made_before(tensor, layer) is not None:
                 input_saved[layer] += storage.nbytes()
         # A detached alias: returning the tensor itself would tie an output saved by its own
         # node into a reference cycle through C++ that keeps the whole graph alive.
@@ -205,5 +215,7 @@ def measure_dataflow(
         loss = run_step()
     del loss
     param_layers = {name: sorted(used) for name, used in mode.param_layers.items()}
-    input_saved = [0 if layer in mode.changes_inputs else nbytes for layer, nbytes in enumerate(input_saved)]
+    for made, changed in mode.changed:  # a stage from any layer in (made, changed] receives it and clones
+        for layer in range(made + 1, changed + 1):
+            input_saved[layer] = 0
     return Dataflow(output_bytes, mode.cut_bytes(num_layers), saved_bytes, param_layers, input_saved)

@@ -237,9 +237,9 @@ def test_middle_stage_may_modify_its_received_input_in_place(checkpoint: bool) -
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_a_stage_that_leaves_its_inputs_alone_saves_the_received_tensor_itself(checkpoint: bool) -> None:
-    """The first microbatch runs on a clone, which finds that the stage changes nothing in place; the next ones
-    run on the received leaf, so the stage's first Linear saves the leaf's storage and holds no copy of it (with
-    checkpointing the recomputations do, the first microbatch's too: its forward without grad found it out)."""
+    """Every microbatch runs on the received leaf, the first too (its version counter shows that the stage changes
+    nothing in place), so the stage's first Linear saves the leaf's storage and holds no copy of it (with
+    checkpointing, the recomputations do)."""
     module, reference = mlp(), mlp()
     xs, grad = [batch(seed=s) for s in (1, 3)], batch(5, 3, seed=2)
     runner = make_runner(module, checkpoint=checkpoint)
@@ -258,13 +258,50 @@ def test_a_stage_that_leaves_its_inputs_alone_saves_the_received_tensor_itself(c
             runner.forward(key)
             runner.receive_grads(key, [grad])
             input_grads.append(runner.backward(key))
-        assert (received.untyped_storage().data_ptr() in saved_pointers) == (key > 0 or checkpoint), key
+        assert received.untyped_storage().data_ptr() in saved_pointers, key
     assert runner.changes_inputs is False
     for x, found in zip(xs, input_grads):
         x_ref = leaf(x)
         reference(x_ref).backward(grad)
         torch.testing.assert_close(found[0], x_ref.grad)
     assert_grads_close(grads(reference), grads(module))
+
+
+class NormsDropsThenDoubles(nn.Module):
+    """Moves batch norm's statistics and draws a dropout mask, then doubles its input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.drop, self.linear = nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(x + 1))
+        x.mul_(2)
+        return self.linear(h + x)
+
+
+def test_a_first_microbatch_refused_an_in_place_change_runs_again_on_clones_from_the_same_state() -> None:
+    """The first microbatch runs on the received leaf until autograd refuses the in-place change: batch norm's
+    statistics and the random stream are put back, and it runs on clones, giving what a runner that cloned from
+    the start gives (outputs, dropout masks, gradients, statistics), as do the later microbatches."""
+    module, reference = NormsDropsThenDoubles(), NormsDropsThenDoubles()
+    runner, cloning = make_runner(module), make_runner(reference)
+    cloning.changes_inputs = True
+    xs, grad = [batch(seed=s) for s in (1, 3)], batch(5, 3, seed=2)
+    for key, x in enumerate(xs):
+        found = []
+        for each in (runner, cloning):
+            each.receive(key, as_sent((x.clone().requires_grad_(),)))
+            sent = each.forward(key)
+            each.receive_grads(key, [grad])
+            found.append((sent, each.backward(key)))
+        (sent, input_grads), (expected, expected_grads) = found
+        assert torch.equal(sent[0], expected[0]) and torch.equal(input_grads[0], expected_grads[0]), key
+    assert runner.changes_inputs is True
+    assert_grads_close(grads(reference), grads(module))
+    assert torch.equal(module.norm.running_mean, reference.norm.running_mean)
+    assert int(module.norm.num_batches_tracked) == 2
 
 
 def test_checkpointed_first_stage_recomputes_on_unchanged_inputs() -> None:

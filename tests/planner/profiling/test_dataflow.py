@@ -117,6 +117,46 @@ def test_a_layer_that_changes_its_input_in_place_counts_no_input_saved() -> None
     assert flow.input_saved_bytes == [4 * 16 * FLOAT, 0, 0]
 
 
+class _ZeroesAView(nn.Module):
+    """Changes its input in place through a view it makes itself, then squares it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, :2].zero_()
+        return x.pow(2)
+
+
+class _ClampsTheMask(nn.Module):
+    """Uses h and changes the model's second input, a mask made before layer 0, in place."""
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return h.pow(2) * mask.clamp_(min=0)
+
+
+class _MaskedChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), _ClampsTheMask()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)), mask)
+
+
+def test_a_change_through_a_view_or_by_a_later_layer_counts_no_input_saved_where_the_stage_would_clone() -> None:
+    """A view of the input changed in place is the input changed (its version counter is the input's); and a
+    stage from any layer up to the one that changes a tensor made before it receives that tensor, so the runtime
+    clones what it received: layers a, b and c all count no input saved (the mask is the model's input)."""
+    model = nn.Sequential(nn.Linear(16, 32), _ZeroesAView(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    layers = find_layers(model, lambda: model(x))
+    flow = measure_dataflow(model, layers, (x,), lambda: model(x).sum())
+    assert flow.saved_bytes[1] == 4 * 32 * FLOAT and flow.input_saved_bytes == [4 * 16 * FLOAT, 0, 4 * 32 * FLOAT]
+    chain, mask = _MaskedChain(), torch.randn(4, 32)
+    layers = find_layers(chain, lambda: chain(x, mask))
+    flow = measure_dataflow(chain, layers, (x, mask), lambda: chain(x, mask).sum())
+    assert [layer.name for layer in layers] == ["a", "b", "c"] and all(flow.saved_bytes)
+    assert flow.input_saved_bytes == [0, 0, 0]
+
+
 class _Views(nn.Module):
     """h crosses the boundary twice (itself and a view of it); a mask is expanded from 8 floats."""
 
