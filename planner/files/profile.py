@@ -25,6 +25,11 @@ PROFILE_VERSION = 3
 LAYER_COLUMNS = (
     "name", "kind", "fwd_ms", "bwd_ms", "output_bytes", "cut_bytes", "param_bytes", "saved_bytes", "bwd_input_ms",
 )
+# the Profile's fields with one number per layer (or none)
+PER_LAYER_FIELDS = (
+    "workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes", "deferred_bytes",
+    "input_workspace_bytes", "largest_param_bytes", "input_saved_bytes", "freed_by_b_bytes", "weight_workspace_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -239,9 +244,7 @@ class Profile:
     batch_coupling: BatchCoupling | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workspace_bytes", "forward_workspace_bytes", "param_tensors", "frozen_param_bytes",
-                     "deferred_bytes", "input_workspace_bytes", "largest_param_bytes", "input_saved_bytes",
-                     "freed_by_b_bytes", "weight_workspace_bytes"):
+        for name in PER_LAYER_FIELDS:
             values = getattr(self, name)
             if values and len(values) != len(self.layers):
                 raise ValueError(f"{len(values)} {name} for {len(self.layers)} layers (one per layer, or none)")

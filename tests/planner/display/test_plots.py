@@ -31,7 +31,7 @@ from planner.display.plots import (
     plan_figure,
     scaling_figure,
 )
-from planner.files.profile import Profile, load_profile
+from planner.files.profile import PER_LAYER_FIELDS, Profile, load_profile
 from planner.schedules.schedule import BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, WEIGHT, build_schedule
 from planner.files.timeline import StageTimes, Timeline
 from planner.simulation.simulator import simulate_schedule
@@ -171,11 +171,11 @@ def test_many_layers_get_at_most_forty_short_tick_labels(gpt: Profile) -> None:
     template = gpt.layers[3]
     layers = tuple(dataclasses.replace(template, name=f"model.encoder.layers.{i}.attention_block_with_long_name")
                    for i in range(200))
-    big = dataclasses.replace(gpt, layers=layers, workspace_bytes=(gpt.workspace_bytes[3],) * len(layers),
-                              param_tensors=(gpt.param_tensors[3],) * len(layers),
-                              deferred_bytes=(gpt.deferred_bytes[3],) * len(layers) if gpt.deferred_bytes else (),
-                              size_times=(), shared_params=())  # (per-layer fields follow the layers; one batch
-    # size; no tied weights, which the copies of one layer do not hold)
+    per_layer = {name: (getattr(gpt, name)[3],) * len(layers) if getattr(gpt, name) else ()
+                 for name in PER_LAYER_FIELDS}  # (per-layer fields follow the layers, whichever the profile has:
+    # `./dev.sh demo` replaces profiles/gpt.json with this machine's; one batch size; no tied weights, which the
+    # copies of one layer do not hold)
+    big = dataclasses.replace(gpt, layers=layers, **per_layer, size_times=(), shared_params=())
     plan = partition(big, make_cluster(2), schedule="1f1b", microbatches=2)
     _, memory_ax = partition_figure(plan, big).axes
     labels = [label.get_text() for label in memory_ax.get_xticklabels()]
