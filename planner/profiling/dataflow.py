@@ -124,7 +124,7 @@ class _DataflowMode(TorchFunctionMode):
             return None
         storage = storage_of(tensor)
         made = None if storage is None else self.open_storages.get(storage.data_ptr())
-        if made is None or not made.tensors or made.tensors[0].producer >= layer:
+        if made is None or made.tensors[0].producer >= layer:
             return None
         return made.tensors[0].producer
 
