@@ -311,16 +311,20 @@ class Engine:
         self._where = None
         start = time.perf_counter()
         try:
-            self._expect(slots)
             if len(self.step_spans) == self.memory_step:  # also the memory it needs (slower; a warm-up step)
                 found: list[Any] = []
+
+                def measured() -> None:  # (receive buffers count from their allocation, made once expected)
+                    self._expect(slots)
+                    found.append(self._run(chunks, targets, shares, slots))
+
                 self.peak_memory = peak_memory_of(
-                    lambda: found.append(self._run(chunks, targets, shares, slots)),
-                    nn.ModuleList(self.modules.values()),  # every stage of this rank (a tied parameter once)
+                    measured, nn.ModuleList(self.modules.values()),  # every stage of this rank (a tied parameter once)
                     tuple(tensors(self.optimizer.state_dict()["state"]) if self.optimizer is not None else ()),
-                    self.device, count_inputs=True)
+                    self.device, count_inputs=True, other_threads=self._links.watch_allocations)
                 loss = found[0]
             else:
+                self._expect(slots)
                 loss = self._run(chunks, targets, shares, slots)
         except _PeerFailed as failed:
             self.close()  # then acknowledge: the failing rank exits once all have, and torchrun ends the rest, so

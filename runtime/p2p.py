@@ -18,7 +18,10 @@ A send (gloo and NCCL alike) completes only once the receiver has posted the mat
 receiver thread therefore keeps up to `RECEIVES_AHEAD` receives posted (`torch.distributed.irecv`,
 in the channel's order) for the messages whose structure it already knows, so a sender does not
 wait for this thread to be scheduled between two messages: on a busy 2-core machine that wait was
-0.3-12 ms a message against a 0.06 ms link.
+0.3-12 ms a message against a 0.06 ms link. Each posted receive has its buffer allocated, so a rank holds
+up to two messages a channel beyond those that arrived and are not taken yet (the planner counts them:
+`planner.costs.schedule_cost.ahead_terms`, `planner.simulation.simulator.receive_buffers`); a memory
+measurement tracking one thread's operations learns of them from `Links.watch_allocations`.
 
 On a GPU (NCCL) each thread sends or receives on a CUDA stream of its own. NCCL's `wait()` does
 not block the host: it orders the calling thread's current stream after the transfer, and on the
@@ -160,6 +163,9 @@ class Links:
         self.rank, self.groups, self.mailbox, self.device, self.check = rank, groups, mailbox, device, check
         self.error: tuple[str, BaseException, int] | None = None  # the first thread failure: (what, exception, peer)
         self.transfers: deque[tuple[Hashable, float, float]] = deque()  # (tag, start, end) of tagged sends
+        # called by receiver threads with the buffers they allocate for a message, before posting its receives
+        # (`watch_allocations`: a memory measurement whose tracking is thread-local counts them from then on)
+        self._allocated: Callable[[list[torch.Tensor]], None] | None = None
         self._unsent = 0  # values queued by `send` whose sender thread has not finished them
         self._sent = threading.Condition()
         self._outboxes: dict[int, queue.Queue] = {}
@@ -216,6 +222,11 @@ class Links:
                 if self._sent.wait_for(lambda: self._unsent == 0, timeout=POLL_S):
                     return
             check()
+
+    def watch_allocations(self, report: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """Have receiver threads call `report(buffers)` with the tensors they allocate for each message from
+        now on (None: stop); `planner.profiling.memory.peak_memory_of`'s `other_threads`."""
+        self._allocated = report
 
     def expect(self, peer: int, messages: Iterable[Expected]) -> None:
         """Tell the receiver thread of `peer` which messages come next, in order."""
@@ -309,4 +320,7 @@ class Links:
             dist.recv(blob, peer, group=group)
             structure = pickle.loads(blob.cpu().numpy().tobytes())
         value, buffers = materialize(structure, self.device)
+        report = self._allocated
+        if report is not None:
+            report(buffers)
         return job.key, value, structure, [dist.irecv(buffer, peer, group=group) for buffer in buffers]

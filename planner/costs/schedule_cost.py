@@ -66,7 +66,9 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
     gpipe: n = ceil(m / r)     1f1b: n = min(ceil(m / r), ceil(D / r))     pipedream: n = ceil(D / r)
     zb-h1: n = min(ceil(m / r), ceil(D / r) + ceil((P - D) / r)), P the cluster's devices (a microbatch
            is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
-    memory = W (2 + k) + F + max(n a + q sigma saved + w, s W)  (+ (n - 1) W stashed weight versions for pipedream)
+    memory = W (2 + k) + F + max(n a + q sigma saved + w + ahead, s W)  (+ (n - 1) W stashed weight versions for
+           pipedream; ahead: the receive buffers allocated ahead, min(3, ceil(m / r) - n) activations entering
+           and min(2, ceil(m / r) - 1) gradients, `ahead_terms`)
            (zb-h1: w becomes (c - 1) g + max(b, g + v), c = min(d + 1, ceil(m / r)), g = sigma deferred_bytes of
            the stage's layers, the gradients a microbatch keeps from its B to its W, 0 on the first stage;
            d = ceil((P - D) / r); b what its B holds: at a layer what it holds there with what the layers after
@@ -89,6 +91,7 @@ from typing import NamedTuple, Sequence, Union
 import numpy as np
 
 from planner.files.cluster import Cluster
+from planner.files.timeline import RECEIVES_AHEAD
 from planner.costs.layer_arrays import LayerArrays
 from planner.schedules.schedule import (
     SPLIT_BACKWARD_SCHEDULES, ArrayOrInt, in_flight, stage_placement, weight_deferral,
@@ -274,6 +277,7 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
                  workspace_bytes: ArrayOrFloat, deferred_bytes: ArrayOrFloat = 0.0, frozen_bytes: ArrayOrFloat = 0.0,
                  backward_top_bytes: ArrayOrFloat | None = None, weight_top_bytes: ArrayOrFloat = 0.0,
                  received_bytes: ArrayOrFloat = 0.0, largest_bytes: ArrayOrFloat = 0.0,
+                 cut_in_bytes: ArrayOrFloat = 0.0, cut_out_bytes: ArrayOrFloat = 0.0,
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
     a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
@@ -282,8 +286,9 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     w (the most any of the stage's layers holds beyond saved activations) plus a when it recomputes,
     scratch = s W + s' X while the optimizer steps (s: the profile's scratch bytes per parameter byte, s' per
     byte of X, the stage's largest parameter, `largest_bytes`; one of them 0, `per_weight_byte`),
-    memory = L + base + max(n held + rebuilt, scratch) with n = `in_flight`
-    (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
+    memory = L + base + max(n held + rebuilt + ahead, scratch) with n = `in_flight` and ahead the receive
+    buffers allocated ahead (`ahead_terms`, from `cut_in_bytes` and `cut_out_bytes`, scaled, 0 where the stage
+    receives none) (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
     memory alone: a device holding several stages holds it once); pipedream keeps n weight versions (base - W,
     held + W). `saved_bytes`, `entering_bytes` and `workspace_bytes` are already scaled by sigma.
     zb-h1's in-flight count grows with the devices before the stage too: it is counted as if the plan used
@@ -294,7 +299,7 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     keep theirs (d = `weight_deferral`), during it c - 1 of them and the B its own b (`backward_top_bytes`,
     `backward_top_terms`; None: w + g, the most it can be), and a W its own g and v, the weight gradient it adds
     into `.grad` (`weight_top_bytes`, not scaled with the batch), so memory = L + base + max(n held + (c - 1) g +
-    max(b, g + v), scratch); a recomputing stage's W reads what its B rebuilt: n held + c g + rebuilt
+    max(b, g + v) + ahead, scratch); a recomputing stage's W reads what its B rebuilt: n held + c g + rebuilt
     (`activation_top`). `deferred_bytes` and `backward_top_bytes` are already scaled by sigma."""
     total = inputs.cluster.num_devices
     flights = in_flight(inputs.schedule, inputs.microbatches, replicas, devices_from_here, total)
@@ -307,8 +312,29 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     top = activation_top(deferred_count(inputs, replicas, devices_from_here), deferred_bytes, rebuilt, recompute,
                          workspace_bytes + deferred_bytes if backward_top_bytes is None else backward_top_bytes,
                          weight_top_bytes)
-    memory = inputs.library_bytes + base + np.maximum(flights * held + top, scratch)
+    ahead = ahead_terms(inputs, replicas, flights, cut_in_bytes, cut_out_bytes)
+    memory = inputs.library_bytes + base + np.maximum(flights * held + top + ahead, scratch)
     return base, held, rebuilt, scratch, memory
+
+
+def ahead_terms(inputs: CostInputs, replicas: ArrayOrInt, flights: ArrayOrInt, cut_in_bytes: ArrayOrFloat,
+                cut_out_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """Receive buffers a stage holds at its peak beyond its in-flight microbatches, bytes: a receiver thread
+    (`runtime.p2p`) keeps `RECEIVES_AHEAD` = 2 receives posted ahead of the messages that arrived, each into a
+    buffer allocated when it is posted. At a stage's first backward, with n (`flights`) of its M = ceil(m / r)
+    microbatches taken in, it holds a_in = min(3, M - n) activations (the one the stage before sent with its
+    extra forward, and two posted; none under gpipe, which took all M) of `cut_in_bytes` each and
+    a_out = min(2, M - 1) gradients (two posted past the one its backward took) of `cut_out_bytes` each:
+    ahead = a_in c_in + a_out c_out; under zb-h1, whose n counts the microbatches waiting for their W too,
+    a_in = min(2, M - n). Exact for 1f1b and gpipe where the stages take equal times and one device each (the
+    simulator plays the thread: `simulator.receive_buffers`); a stage whose backward outlasts the next stage's
+    holds more gradients, which only the simulation counts (zb-h1's first stage, whose backward is whole while
+    the next stage's B is not, one more on equal stages). Element-wise."""
+    per_replica = -(-inputs.microbatches // replicas)
+    split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES
+    taken_in = np.minimum(RECEIVES_AHEAD + (0 if split else 1), np.maximum(per_replica - flights, 0))
+    taken_out = np.minimum(RECEIVES_AHEAD, np.maximum(per_replica - 1, 0))
+    return taken_in * cut_in_bytes + taken_out * cut_out_bytes
 
 
 def activation_top(count: ArrayOrInt, deferred_bytes: ArrayOrFloat, rebuilt: ArrayOrFloat, recompute: ArrayOrBool,
@@ -356,7 +382,7 @@ class StageCost:
     allreduce_s: float
     period_s: float  # steady-state time per microbatch: max(t, c_in, c_out) / r (flush), Q (pipedream)
     bound_s: float  # Q(s): what the plan's max is taken over
-    memory_bytes: float  # L + base_bytes + max(in_flight * held_bytes + top, scratch_bytes) (`memory_terms`)
+    memory_bytes: float  # L + base_bytes + max(in_flight * held_bytes + top + ahead, scratch_bytes) (`memory_terms`)
     base_bytes: float = 0.0  # weights, gradients, optimizer state (pipedream: less one stashed version)
     held_bytes: float = 0.0  # per microbatch in flight: activations or stage input (+ a weight version)
     rebuilt_bytes: float = 0.0  # held during a backward on top: its workspace (+ activations rebuilt when recomputing)
@@ -398,13 +424,15 @@ def stage_cost(
                                                            comm_in, comm_out, allreduce, step, accumulate, weight))
     saved = sigma * float(arrays.pair_saved_bytes(np.array([start]), np.array([stop]))[0])
     entering = sigma * (inputs.input_bytes if start == 0 else arrays.cut_before(start))
+    cut_in, cut_out = sigma * arrays.cut_before(start), sigma * arrays.cut_after(stop)
     workspace = sigma * arrays.stage_workspace_bytes(start, stop)
     deferred = float(deferred_terms(inputs, start, stop))
     largest = float(arrays.largest_param_in(np.array([start]), np.array([stop]))[0])
     top, weight_top = (float(value) for value in backward_top_terms(inputs, start, stop, workspace))
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
-        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest))
+        arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest,
+        cut_in, cut_out))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)

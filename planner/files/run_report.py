@@ -45,8 +45,8 @@ from rich.table import Table
 from planner.errors import FileFormatError, PlannerError
 from planner.files.fileformat import read_versioned_json
 from planner.files.plan import Plan, StageLayout, layout_fields
-from planner.schedules.schedule import OPS, RECEIVES
-from planner.files.timeline import COLUMNS, StageTimes, Timeline
+from planner.schedules.schedule import BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SENDS
+from planner.files.timeline import BUFFER_COLUMNS, COLUMNS, StageTimes, Timeline, posted_buffers
 from planner.units import format_ms
 
 if TYPE_CHECKING:
@@ -328,7 +328,31 @@ def measured_timeline(report: RunReport, stage_times: Sequence[StageTimes], libr
     if len(stage_times) != len(report.stage_layers):
         raise RunReportError(f"{report.source}: {len(report.stage_layers)} stages, but {len(stage_times)} stage "
                              "times were given; pass the simulation of the plan the run used")
-    return Timeline(report.events.copy(), report.schedule, report.microbatches, 1, tuple(stage_times), library_bytes)
+    import pandas as pd  # (as at the top)
+
+    events = report.events.copy()
+    buffers = pd.DataFrame(_receive_buffers(events, stage_times), columns=list(BUFFER_COLUMNS))
+    return Timeline(events, report.schedule, report.microbatches, 1, tuple(stage_times), library_bytes, buffers)
+
+
+def _receive_buffers(events: pd.DataFrame, stage_times: Sequence[StageTimes]) -> list[tuple]:
+    """The receive buffers of a measured step (`timeline.posted_buffers`): each message another rank sent, in the
+    order its sender thread sent them (one thread per peer), from its arrival (the send's end) to the start of
+    the op that takes it (the receiving stage's forward, or the sending stage's backward before it); the step's
+    messages are expected from its start, 0."""
+    starts = {(row.rank, row.stage, row.microbatch, row.iteration, row.op): row.start_s
+              for row in events[events["op"].isin((FORWARD, BACKWARD))].itertuples(index=False)}
+    sends = events[events["op"].isin(SENDS) & (events["peer"] != events["rank"])].sort_values("start_s", kind="stable")
+    channels: dict[tuple[int, int], list[tuple[int, int, int, float, float, float]]] = {}
+    for row in sends.itertuples(index=False):
+        activation = row.op == SEND_ACTIVATION
+        stage, op = (row.stage + 1, FORWARD) if activation else (row.stage - 1, BACKWARD)
+        taken = starts.get((row.peer, stage, row.microbatch, row.iteration, op))
+        if taken is not None:
+            size = stage_times[row.stage if activation else stage].activation_bytes
+            channels.setdefault((row.rank, row.peer), []).append(
+                (row.peer, stage, row.iteration, row.end_s, taken, size))
+    return [found for channel in channels.values() for found in posted_buffers(channel, {})]
 
 
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:

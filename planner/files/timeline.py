@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -25,6 +25,33 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 COLUMNS = ("rank", "stage", "replica", "microbatch", "iteration", "op", "peer", "start_s", "end_s")
+BUFFER_COLUMNS = ("rank", "stage", "start_s", "end_s", "bytes")  # a received message's buffer before it is taken
+RECEIVES_AHEAD = 2  # `runtime.p2p.RECEIVES_AHEAD`: receives a receiver thread keeps posted per channel
+
+
+def posted_buffers(channel: Sequence[tuple[int, int, int, float, float, float]],
+                   step_starts: dict[tuple[int, int], float], ahead: int = RECEIVES_AHEAD,
+                   ) -> list[tuple[int, int, float, float, float]]:
+    """When the messages of one channel (one sender to one receiver, in the order sent) have buffers on their
+    receiver, as `runtime.p2p.Links` allocates them: rows (rank, stage, start_s, end_s, bytes) (`BUFFER_COLUMNS`)
+    from `channel`'s (rank, stage, iteration, arrival_s, taken_s, bytes), the receiving rank and stage.
+
+    The receiver thread learns of a step's messages when its rank starts the step (`step_starts[(rank, iteration)]`,
+    0 where absent), keeps up to `ahead` receives posted (their structures are known from the first step on) and
+    waits for them in order: a message's buffer is allocated when its receive is posted, at the latest once the
+    message `ahead` before it has arrived, and lives until the op that needs it takes it (`taken_s`)."""
+    found: list[tuple[int, int, float, float, float]] = []
+    iteration: int | None = None
+    t, waiting = 0.0, []  # waiting: the arrivals of the receives posted and not yet waited for, in order
+    for rank, stage, step, arrival_s, taken_s, size in channel:
+        if step != iteration:  # a new step: its messages are expected from its start on
+            iteration = step
+            t = max(t, step_starts.get((rank, step), 0.0))
+        while len(waiting) >= ahead:  # the thread waits for the oldest posted one to arrive
+            t = max(t, waiting.pop(0))
+        found.append((rank, stage, t, max(t, taken_s), size))
+        waiting.append(arrival_s)
+    return found
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,7 @@ class Timeline:
     iterations: int
     stage_times: tuple[StageTimes, ...]
     library_bytes: float = 0.0
+    buffers: pd.DataFrame | None = None  # BUFFER_COLUMNS: receive buffers (`simulator.receive_buffers`); None: none
 
     @property
     def makespan_s(self) -> float:
@@ -103,7 +131,8 @@ class Timeline:
         forward to the end of its backward (zero-bubble schedules: of its W, autograd keeps the graph until
         then, and deferred bytes from the end of its B to the end of its W: the gradients W starts from),
         rebuilt bytes during a backward (zero-bubble schedules: during a B, and the weight-rebuilt bytes during
-        a W), scratch bytes during each optimizer step."""
+        a W), scratch bytes during each optimizer step, and each receive buffer (`buffers`) from its allocation until
+        the op that needs it takes it."""
         import pandas as pd  # (as in `bubble_fraction`)
 
         compute = self.events[self.events["op"].isin((FORWARD, BACKWARD, WEIGHT, STEP))]
@@ -126,6 +155,12 @@ class Timeline:
         ranks = np.concatenate([rank[changed_start], rank[changed_end]])
         times = np.concatenate([start[changed_start], end[changed_end]])
         deltas = np.concatenate([at_start[changed_start], at_end[changed_end]])
+        if self.buffers is not None and len(self.buffers):
+            held = self.buffers[self.buffers["end_s"] > self.buffers["start_s"]]
+            size = held["bytes"].to_numpy(float)
+            ranks = np.concatenate([ranks, held["rank"].to_numpy(), held["rank"].to_numpy()])
+            times = np.concatenate([times, held["start_s"].to_numpy(float), held["end_s"].to_numpy(float)])
+            deltas = np.concatenate([deltas, size, -size])
         frames = []
         for device in np.unique(rank):
             own = np.unique(stage[rank == device])

@@ -65,6 +65,7 @@ from planner.planning.bound_search import MAX_STEPS, PROBES, TIE, Solution, smal
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.files.cluster import Cluster
 from planner.costs.schedule_cost import (
+    RECEIVES_AHEAD,
     CostInputs,
     Stage,
     accumulate_terms,
@@ -134,7 +135,8 @@ class _Evaluator:
         p = self.pairs
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
                             p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair],
-                            p.backward_top[pair], p.weight_top[pair], p.received[pair], p.largest[pair])[4]
+                            p.backward_top[pair], p.weight_top[pair], p.received[pair], p.largest[pair],
+                            p.cut_in[pair], p.cut_out[pair])[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -174,7 +176,14 @@ class _Evaluator:
                             _copies(downstream, 3), bound, group)
         below_ok, need_ok, above_ok = ok[:count], ok[count:2 * count], ok[2 * count:]
         below_ok &= tried[:count] >= 2 * group
-        return np.where(below_ok, tried[:count], np.where(need_ok, need, np.where(above_ok, tried[2 * count:], _NONE)))
+        found = np.where(below_ok, tried[:count], np.where(need_ok, need, np.where(above_ok, tried[2 * count:], _NONE)))
+        # `_memory_replicas` leaves the receive buffers out (`ahead_terms`), so the fewest count that fits may lie
+        # further above its bound: where none of the three works, try every count
+        missed = (found == _NONE) & (need != _NONE) & (inputs.memory_bytes is not None)
+        if np.any(missed):
+            found[missed] = self._fewest_outer_scan(pair[missed], first_end[missed], recompute[missed],
+                                                    downstream[missed], bound)
+        return found
 
     def _fewest_outer_scan(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -440,7 +449,8 @@ class _StageGrid:
             least = activation_top(fewest, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)
             floors.append(fixed + np.maximum(held + least, scratch) if bounded else np.full(len(held), -np.inf))
             top = activation_top(deferred, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)  # (the most)
-            ceilings.append(fixed + np.maximum(flights * held + top, scratch) if bounded
+            ahead = (RECEIVES_AHEAD + 1) * p.cut_in + RECEIVES_AHEAD * p.cut_out  # (the most `ahead_terms` gives)
+            ceilings.append(fixed + np.maximum(flights * held + top + ahead, scratch) if bounded
                             else np.full(len(held), np.inf))
         self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()
 

@@ -336,7 +336,8 @@ class _StageBounds:
             if inputs.memory_bytes is not None:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
                                       workspace, deferred, frozen, backward_top, weight_top,
-                                      received_terms(inputs, starts, entering), largest)[4]
+                                      received_terms(inputs, starts, entering), largest, cut_in,
+                                      np.where(stop < arrays.num_layers, self.cut[stop - 1], 0.0))[4]
                 ok &= memory <= inputs.memory_bytes
             bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
                 child_bound, child_trip, peak_bwd, ok)

@@ -6,10 +6,14 @@
   the last tensor viewing it is freed. The peak of that sum, plus the parameters, buffers, inputs
   and gradients present at the start, is reported (method "live-tensors"). It excludes allocator
   caching and fragmentation, so it is the memory a step needs, not what the process's RSS shows.
+  Such a mode sees only the operations of the thread that entered it: tensors another thread allocates
+  (a receiver thread's buffers, `runtime.p2p.Links.watch_allocations`) count from when that thread reports them
+  (`LiveStorageMode.watch_allocated`), or with `count_inputs` from their first use here.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,7 +26,8 @@ from planner.profiling.timing import backward_nodes, sequence_nr
 
 
 class LiveStorageMode(TorchDispatchMode):
-    """Sums the bytes of live storages created by operations; remembers the peak."""
+    """Sums the bytes of live storages created by operations; remembers the peak. Its counts may also change from
+    other threads (`watch_allocated`, and a tensor freed last by another thread), under a lock."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -43,6 +48,7 @@ class LiveStorageMode(TorchDispatchMode):
         self.saved_by: dict[int, int] = {}  # storage -> the layer `mark_saved` named when it saved it
         self.saved_bytes = 0
         self.excess_peak = 0  # the most of `excess()` since `reset_excess()`
+        self._lock = threading.RLock()
 
     def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.count_inputs:  # e.g. tensors another thread received: they count from their first use
@@ -54,39 +60,48 @@ class LiveStorageMode(TorchDispatchMode):
             self._track(tensor)
         return result
 
+    def watch_allocated(self, allocated: list[torch.Tensor]) -> None:
+        """Count tensors another thread allocated (e.g. buffers a receiver thread posts receives into) from now
+        until they are freed; thread-safe."""
+        for tensor in allocated:
+            self._track(tensor)
+
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key == 0 or key in self.resident:
             return
-        entry = self.refs.get(key)
-        if entry is None:
-            entry = self.refs[key] = [storage.nbytes(), 0]
-            self.live_bytes += entry[0]
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            self.excess_peak = max(self.excess_peak, self.excess())
-        entry[1] += 1
-        self.deaths.watch(tensor, lambda: self._release(key))
+        with self._lock:
+            entry = self.refs.get(key)
+            if entry is None:
+                entry = self.refs[key] = [storage.nbytes(), 0]
+                self.live_bytes += entry[0]
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                self.excess_peak = max(self.excess_peak, self.excess())
+            entry[1] += 1
+            self.deaths.watch(tensor, lambda: self._release(key))
 
     def _release(self, key: int) -> None:
-        entry = self.refs.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.refs[key]
-            self.live_bytes -= entry[0]
-            self.saved_bytes -= self.saved.pop(key, 0)
+        with self._lock:
+            entry = self.refs.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.refs[key]
+                self.live_bytes -= entry[0]
+                self.saved_bytes -= self.saved.pop(key, 0)
 
     def mark_saved(self, tensor: torch.Tensor, layer: int = -1) -> None:
         """Count `tensor`'s storage as saved activations from now until it is freed (if it is tracked), saved by
         `layer` (-1: none)."""
         key = tensor.untyped_storage().data_ptr()
-        entry = self.refs.get(key)
-        if entry is not None and key not in self.saved:
-            self.saved[key] = entry[0]
-            self.saved_by[key] = layer
-            self.saved_bytes += entry[0]
+        with self._lock:
+            entry = self.refs.get(key)
+            if entry is not None and key not in self.saved:
+                self.saved[key] = entry[0]
+                self.saved_by[key] = layer
+                self.saved_bytes += entry[0]
 
     def excess(self) -> int:
         """Bytes live beyond the starting ones and the saved activations."""
@@ -125,13 +140,19 @@ def measure_peak_memory(
     return peak_memory_of(step, model, inputs, device)
 
 
+Watcher = Callable[[Callable[[list[torch.Tensor]], None] | None], None]
+
+
 def peak_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
-                   device: torch.device, count_inputs: bool = False) -> tuple[int, str]:
+                   device: torch.device, count_inputs: bool = False,
+                   other_threads: Watcher | None = None) -> tuple[int, str]:
     """Peak bytes while `work()` runs in this thread, and the method (module docstring): on CUDA
     the allocator's peak; on CPU the live storages its operations create (with `count_inputs`, also
     those first seen as an operation's input, e.g. received from another thread) on top of the
-    model's parameters, buffers and gradients and the `present` tensors."""
-    _, peak, method = _memory_during(work, model, present, device, count_inputs)
+    model's parameters, buffers and gradients and the `present` tensors. `other_threads(report)`, where
+    given, is called with a function other threads call with the tensors they allocate while `work()`
+    runs (counted from then on; on CPU), and with None once it has returned."""
+    _, peak, method = _memory_during(work, model, present, device, count_inputs, other_threads)
     return peak, method
 
 
@@ -151,12 +172,12 @@ def extra_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tu
                     device: torch.device) -> int:
     """The most bytes `work()` holds beyond what existed when it started (`peak_memory_of`'s peak
     less its starting level): e.g. an optimizer step's scratch tensors."""
-    start, peak, _ = _memory_during(work, model, present, device, False)
+    start, peak, _ = _memory_during(work, model, present, device, False, None)
     return max(peak - start, 0)
 
 
 def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
-                   device: torch.device, count_inputs: bool) -> tuple[int, int, str]:
+                   device: torch.device, count_inputs: bool, other_threads: Watcher | None) -> tuple[int, int, str]:
     """(bytes at the start, peak bytes, method) of `work()`, as `peak_memory_of` measures them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -167,8 +188,14 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
         return start, int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
     resident = _resident(model, present)
     mode = LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
-    with mode:
-        work()
+    if other_threads is not None:
+        other_threads(mode.watch_allocated)
+    try:
+        with mode:
+            work()
+    finally:
+        if other_threads is not None:
+            other_threads(None)
     return sum(resident.values()), mode.peak_bytes, "live-tensors"
 
 

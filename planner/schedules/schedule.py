@@ -447,18 +447,21 @@ def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     """Per peer, the receive actions of `rank` from that peer in the order the peer sends them (sends to
     itself left out): the order one first-in, first-out channel per pair of ranks delivers, which can
     differ from the order `rank`'s program consumes them (zbv's two legs cross between neighbours)."""
-    own = next(program for program in schedule.programs if program.rank == rank)
-    wanted = {(a.op, a.iteration, a.stage, a.microbatch, a.peer): a for a in own.actions if a.op in RECEIVES}
-    order: dict[int, list[Action]] = {}
+    return receive_orders(schedule).get(rank, {})
+
+
+def receive_orders(schedule: Schedule) -> dict[int, dict[int, list[Action]]]:
+    """`receive_order` of every rank that receives from another: rank -> peer -> its receive actions."""
+    wanted = {(program.rank, a.op, a.iteration, a.stage, a.microbatch, a.peer): a
+              for program in schedule.programs for a in program.actions if a.op in RECEIVES}
+    order: dict[int, dict[int, list[Action]]] = {}
     for program in schedule.programs:
-        if program.rank == rank:
-            continue
         for action in program.actions:
-            if action.op in SENDS and action.peer == rank:
+            if action.op in SENDS and action.peer != program.rank:
                 op, stage = ((RECV_ACTIVATION, action.stage + 1) if action.op == SEND_ACTIVATION
                              else (RECV_GRADIENT, action.stage - 1))
-                order.setdefault(program.rank, []).append(
-                    wanted[(op, action.iteration, stage, action.microbatch, program.rank)])
+                order.setdefault(action.peer, {}).setdefault(program.rank, []).append(
+                    wanted[(action.peer, op, action.iteration, stage, action.microbatch, program.rank)])
     return order
 
 

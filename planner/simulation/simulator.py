@@ -25,7 +25,8 @@ stages, plus `held_bytes` per microbatch from the start of its
 forward to the end of its backward (zero-bubble schedules: its W; and `deferred_bytes` from the end of
 its B to the end of its W), plus `rebuilt_bytes` during a backward (its workspace, and what a recomputing one rebuilds;
 a zero-bubble B what it holds with its later layers' kept gradients, a W its weight gradients, `stage_times`): the terms of
-`schedule_cost.StageCost`, so the cost model's memory formula played out over time.
+`schedule_cost.StageCost`, so the cost model's memory formula played out over time; and each message from another
+rank from when the receiver thread allocates its buffer until the op that needs it starts (`receive_buffers`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import pandas as pd
 
 from planner.files.cluster import Cluster
 from planner.errors import PlannerError
-from planner.files.timeline import COLUMNS, StageTimes, Timeline
+from planner.files.timeline import BUFFER_COLUMNS, COLUMNS, StageTimes, Timeline, posted_buffers
 from planner.schedules.schedule import (
     ALLREDUCE,
     BACKWARD,
@@ -55,6 +56,7 @@ from planner.schedules.schedule import (
     Schedule,
     build_schedule,
     pipedream_microbatches,
+    receive_orders,
 )
 from planner.costs.schedule_cost import (
     CostInputs, Stage, StageMemo, first_ranks, link_terms, replicas_of, stage_costs,
@@ -64,14 +66,41 @@ from planner.costs.schedule_cost import transfer_s as message_s
 def simulate_schedule(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None = None,
                       library_bytes: float = 0.0) -> Timeline:
     """Play `schedule` with these durations (module docstring); links from `cluster` (None: instant)."""
-    events = pd.DataFrame(_play(schedule, stage_times, cluster), columns=list(COLUMNS))
+    receipts: list[tuple] = []
+    rows = _play(schedule, stage_times, cluster, receipts)
+    events = pd.DataFrame(rows, columns=list(COLUMNS))
     events = events.sort_values(["start_s", "rank"], kind="stable")
+    buffers = pd.DataFrame(receive_buffers(schedule, rows, receipts), columns=list(BUFFER_COLUMNS))
     return Timeline(events.reset_index(drop=True), schedule.name, schedule.microbatches, schedule.iterations,
-                    tuple(stage_times), library_bytes)
+                    tuple(stage_times), library_bytes, buffers)
 
 
-def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None) -> list[tuple]:
-    """The rows (`timeline.COLUMNS`) of every op `schedule` runs with these durations, in the order played."""
+def receive_buffers(schedule: Schedule, rows: Sequence[tuple], receipts: Sequence[tuple]) -> list[tuple]:
+    """When each message from another rank has a buffer on its receiver (`timeline.posted_buffers`, with
+    `timeline.RECEIVES_AHEAD` receives posted): rows (rank, stage, start_s, end_s, bytes) (`timeline.BUFFER_COLUMNS`),
+    from `_play`'s `rows` and `receipts` (rank, peer, op, stage, microbatch, iteration, arrival_s, taken_s, bytes).
+    A channel delivers the messages in the order the peer sends them (`schedule.receive_orders`); a rank starts
+    a step at the end of its last op of the step before. So a stage holds up to two messages a channel beyond
+    those that arrived and are not taken yet: a last stage under 1f1b, at its first backward, the next
+    microbatch's activation and two more."""
+    starts: dict[tuple[int, int], float] = {}  # (rank, iteration) -> when the rank starts it
+    for row in rows:
+        key = (row[0], row[4] + 1)
+        starts[key] = max(starts.get(key, 0.0), row[-1])
+    by_key = {receipt[:6]: receipt for receipt in receipts}
+    found: list[tuple] = []
+    for rank, peers in receive_orders(schedule).items():
+        for peer, actions in peers.items():
+            keys = ((rank, peer, a.op, a.stage, a.microbatch, a.iteration) for a in actions)
+            channel = [(r[0], r[3], r[5], r[6], r[7], r[8]) for r in map(by_key.get, keys) if r is not None]
+            found.extend(posted_buffers(channel, starts))  # (none: the schedule deadlocked)
+    return found
+
+
+def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluster | None,
+          receipts: list[tuple] | None = None) -> list[tuple]:
+    """The rows (`timeline.COLUMNS`) of every op `schedule` runs with these durations, in the order played;
+    with `receipts`, appends there each message received from another rank (`receive_buffers`)."""
     if len(stage_times) != schedule.num_stages:
         raise ValueError(f"{len(stage_times)} stage times for a schedule of {schedule.num_stages} stages")
     programs = {program.rank: program for program in schedule.programs}
@@ -141,6 +170,10 @@ def _play(schedule: Schedule, stage_times: Sequence[StageTimes], cluster: Cluste
                     if ready is None:
                         break
                     free_at[rank] = max(free_at[rank], ready)
+                    if receipts is not None and action.peer != rank:
+                        size = stage_times[source if kind == SEND_ACTIVATION else action.stage].activation_bytes
+                        receipts.append((rank, action.peer, action.op, action.stage, action.microbatch,
+                                         action.iteration, ready, free_at[rank], size))
                 elif action.op == ALLREDUCE:
                     arrived = waiting.setdefault((action.stage, reductions[rank]), {})
                     arrived[rank] = free_at[rank]

@@ -219,12 +219,17 @@ def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
             result["sent"] = [first, second, third, *more]
             result["gradient"] = box.take("gradient", check)
         else:
+            reported: list[list[torch.Tensor]] = []  # the buffers the receiver thread allocated, per message
+            links.watch_allocations(reported.append)
             links.expect(0, [Expected("first", None), Expected("second", Later("second structure"))])
             first, structure = box.take("first", check)
             box.put("second structure", structure)  # as the engine does once it knows the structure
             links.expect(0, [Expected("third", structure)] + [Expected(("more", i), structure) for i in range(4)])
             result["received"] = [(first, structure), box.take("second", check), box.take("third", check)]
             result["received"] += [box.take(("more", i), check) for i in range(4)]
+            links.watch_allocations(None)
+            result["reported"] = [len(found) == len(tensors(value)) and all(a is b for a, b in zip(found, tensors(value)))
+                                  for found, (value, _) in zip(reported, result["received"])] + [len(reported)]
             links.send(0, [first["x"] * -1], with_structure=False)
         links.close()
         result["error"] = None if links.error is None else repr(links.error)
@@ -251,6 +256,8 @@ def test_links_deliver_nested_values_with_and_without_their_structure(tmp_path: 
     assert sender["error"] is None and receiver["error"] is None
     sent = sender["sent"]
     assert len(sent) == len(receiver["received"]) == 7
+    # `watch_allocations` was told, per message, of exactly the tensors it was received into (`reported`, in order)
+    assert receiver["reported"] == [True] * 7 + [7]
     for original, (value, structure) in zip(sent, receiver["received"]):
         assert structure == describe(original)
         assert value["meta"] == ("tag", 4) and value["ids"][1] is None and isinstance(value["ids"], list)

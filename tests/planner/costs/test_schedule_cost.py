@@ -342,7 +342,9 @@ def test_transfers_are_divided_among_replicas() -> None:
 
 def two_stage_memory(schedule: str, recompute: bool = False, scale: float = 1.0) -> list[float]:
     """Memory per device of [(0,1) x2, (1,2) x3] on 6 devices, m = 8, Adam (k = 2). The second stage keeps its
-    received 3e8 per microbatch besides its 7e8 saved (`received_terms`): 1e9 held."""
+    received 3e8 per microbatch besides its 7e8 saved (`received_terms`): 1e9 held. Receive buffers
+    (`ahead_terms`, M = ceil(8 / r) microbatches a replica): the first stage's replicas (M = 4) hold
+    min(2, M - 1) = 2 gradients of 3e8 posted ahead; the second's (M = 3) min(3, M - n) activations."""
     arrays = layers([0.1, 0.1], fwd=[0.05, 0.05], params=[1e9, 2e9], cuts=[3e8, 0.0], saved=[5e8, 7e8])
     inputs = CostInputs(arrays, flat(6), schedule, 8, scale=scale, input_bytes=1e8, optimizer_copies=2)
     stages = [(0, 1, 2, recompute), (1, 2, 3, recompute)]
@@ -352,8 +354,8 @@ def two_stage_memory(schedule: str, recompute: bool = False, scale: float = 1.0)
 def test_gpipe_memory_keeps_every_microbatch_of_a_replica() -> None:
     # n = ceil(8 / 2) = 4 and ceil(8 / 3) = 3
     first, second = two_stage_memory("gpipe")
-    assert first == pytest.approx(4 * 1e9 + 4 * 5e8, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 3 * (7e8 + 3e8), rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 4 * 5e8 + 2 * 3e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 3 * (7e8 + 3e8), rel=REL)  # all 3 taken in: none ahead
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
@@ -375,10 +377,11 @@ def test_a_devices_library_bytes_are_held_once_per_device_on_top_of_its_stages(s
 
 
 def test_1f1b_memory_is_capped_by_devices_from_here() -> None:
-    # n = min(ceil(8 / 2), ceil(5 / 2)) = 3 and min(ceil(8 / 3), ceil(3 / 3)) = 1
+    # n = min(ceil(8 / 2), ceil(5 / 2)) = 3 and min(ceil(8 / 3), ceil(3 / 3)) = 1; ahead 2 gradients, and
+    # min(3, 3 - 1) = 2 activations
     first, second = two_stage_memory("1f1b")
-    assert first == pytest.approx(4 * 1e9 + 3 * 5e8, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8), rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 3 * 5e8 + 2 * 3e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8) + 2 * 3e8, rel=REL)
 
 
 def test_1f1b_memory_is_capped_by_microbatches() -> None:
@@ -402,15 +405,15 @@ def test_a_backwards_workspace_adds_once_on_top_of_the_microbatches_in_flight() 
 
 
 def test_pipedream_memory_stashes_weight_versions() -> None:
-    # n = ceil(5 / 2) = 3 (two stashed versions) and ceil(3 / 3) = 1 (none)
+    # n = ceil(5 / 2) = 3 (two stashed versions) and ceil(3 / 3) = 1 (none); ahead as under 1f1b
     first, second = two_stage_memory("pipedream")
-    assert first == pytest.approx(4 * 1e9 + 3 * 5e8 + 2 * 1e9, rel=REL)
-    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8), rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 3 * 5e8 + 2 * 1e9 + 2 * 3e8, rel=REL)
+    assert second == pytest.approx(4 * 2e9 + 1 * (7e8 + 3e8) + 2 * 3e8, rel=REL)
 
 
 def test_activations_scale_weights_do_not() -> None:
     first, second = two_stage_memory("gpipe", scale=0.5)
-    assert first == pytest.approx(4 * 1e9 + 4 * 2.5e8, rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 4 * 2.5e8 + 2 * 1.5e8, rel=REL)
     assert second == pytest.approx(4 * 2e9 + 3 * (3.5e8 + 1.5e8), rel=REL)
 
 
@@ -437,27 +440,56 @@ def test_a_stage_keeps_its_received_inputs_once_and_what_its_layers_save_beyond_
     stage from layer 1 holds 7 - 4 + its received 4 per microbatch in flight (n = 2); from layer 2 5 + 3 (n = 1);
     layers 1-2, the last stage, 7 + 5 - 4 + 4 (n = 1); the first stage its 6, 2 of them the batch (n = 3).
     Recomputing, a stage holds what enters it per microbatch in flight and rebuilds what its layers save beyond
-    that: the first 3 x 2 + 4, the second 2 x 4 + 3."""
+    that: the first 3 x 2 + 4, the second 2 x 4 + 3. Each also holds receive buffers posted ahead (`ahead_terms`):
+    2 gradients of its cut out, and min(3, 4 - n) activations of its cut in: stage 0 2 x 4, stage 1 2 x 4 + 2 x 3,
+    stage 2 3 x 3, and layers 1-2 3 x 4."""
     arrays = dataclasses.replace(layers([0.1] * 3, cuts=[4.0, 3.0, 0.0], saved=[6.0, 7.0, 5.0]),
                                  input_saved_bytes=np.array([2.0, 4.0, 0.0]))
     inputs = CostInputs(arrays, flat(3), "1f1b", 4, input_bytes=2.0, optimizer_copies=0)
     three = stage_costs(inputs, one_layer_per_stage(3))
-    assert [cost.memory_bytes for cost in three] == pytest.approx([3 * 6, 2 * (7 - 4 + 4), 1 * (5 + 3)], rel=REL)
+    assert [cost.memory_bytes for cost in three] == pytest.approx(
+        [3 * 6 + 2 * 4, 2 * (7 - 4 + 4) + 2 * 4 + 2 * 3, 1 * (5 + 3) + 3 * 3], rel=REL)
     two = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
-    assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 - 4 + 4), rel=REL)
+    assert two[1].memory_bytes == pytest.approx(1 * (7 + 5 - 4 + 4) + 3 * 4, rel=REL)
     assert list(simulate_stages(inputs, one_layer_per_stage(3)).peak_memory()) == pytest.approx(
         [cost.memory_bytes for cost in three], rel=REL)
     recomputing = [(0, 1, 1, True), (1, 2, 1, True), (2, 3, 1, False)]
     assert [cost.memory_bytes for cost in stage_costs(inputs, recomputing)][:2] == pytest.approx(
-        [3 * 2 + (6 - 2), 2 * 4 + (7 - 4)], rel=REL)
+        [3 * 2 + (6 - 2) + 2 * 4, 2 * 4 + (7 - 4) + 2 * 4 + 2 * 3], rel=REL)
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_the_receive_buffers_the_closed_form_counts_are_the_simulated_ones_on_equal_stages(
+        schedule: str, stages: int, m: int) -> None:
+    """Equal stages (F 0.25 s, B 0.5 s, 1 MiB messages taking 0.25 s: every time a multiple of a quarter, so a
+    gradient arriving as a backward ends does so exactly, and the simulator frees before it allocates), a
+    backward's workspace 2 MiB: the closed form's receive buffers (`ahead_terms`) give the simulated peak of every
+    stage under gpipe and 1f1b; under zb-h1 it is within one message of it on every stage (from 4 microbatches the
+    first stage's whole backward outlasts the next stage's B, and one more gradient arrives meanwhile)."""
+    cut = float(2**20)
+    arrays = layers([0.75] * stages, fwd=[0.25] * stages, saved=[1.0] * stages, cuts=[cut] * stages,
+                    workspace=[2 * cut] * stages)
+    inputs = CostInputs(arrays, flat(stages, "4MiB/s"), schedule, m, optimizer_copies=0)
+    plan = one_layer_per_stage(stages)
+    closed = [cost.memory_bytes for cost in stage_costs(inputs, plan)]
+    simulated = list(simulate_stages(inputs, plan).peak_memory())
+    if schedule == "zb-h1":
+        assert all(abs(c - s) <= cut * (1 + 1e-6) for c, s in zip(closed, simulated))
+    else:
+        assert closed == pytest.approx(simulated, rel=REL)
+    if m >= 4 and schedule == "1f1b":  # the last stage holds its microbatch's input, the next one and two posted
+        base = dataclasses.replace(inputs, arrays=dataclasses.replace(arrays, cut_bytes=np.zeros(stages)))
+        assert closed[-1] - stage_costs(base, plan)[-1].memory_bytes == pytest.approx((1 + 3) * cut, rel=REL)
+
 
 def test_recompute_keeps_stage_inputs_plus_one_rebuilt_microbatch() -> None:
     # gpipe n = 4, 3; the first stage keeps the model input (1e8), the second its 3e8 cut
     first, second = two_stage_memory("gpipe", recompute=True)
-    assert first == pytest.approx(4 * 1e9 + 4 * 1e8 + 5e8, rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 4 * 1e8 + 5e8 + 2 * 3e8, rel=REL)  # (2 gradients ahead)
     assert second == pytest.approx(4 * 2e9 + 3 * 3e8 + 7e8, rel=REL)
     first, second = two_stage_memory("gpipe", recompute=True, scale=0.5)
-    assert first == pytest.approx(4 * 1e9 + 4 * 0.5e8 + 2.5e8, rel=REL)
+    assert first == pytest.approx(4 * 1e9 + 4 * 0.5e8 + 2.5e8 + 2 * 1.5e8, rel=REL)
     assert second == pytest.approx(4 * 2e9 + 3 * 1.5e8 + 3.5e8, rel=REL)
 
 

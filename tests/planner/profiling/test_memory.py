@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 
 from planner.profiling.layers import find_layers
-from planner.profiling.memory import measure_peak_memory, measure_workspace
+from planner.profiling.memory import measure_peak_memory, measure_workspace, peak_memory_of
 
 FLOAT = 4
 
@@ -37,6 +38,33 @@ def test_cpu_peak_sees_a_large_temporary() -> None:
 
     peak, _ = measure_peak_memory(model, (x,), step, torch.device("cpu"))
     assert peak >= 1_000_000 * FLOAT
+
+
+def test_cpu_peak_counts_what_another_thread_reports_allocating_while_the_step_runs() -> None:
+    """The tracking is thread-local: a 4 MB buffer another thread allocates (as a receiver thread does) counts only
+    where that thread reports it (`other_threads`), from then until it is freed, and the report is withdrawn after."""
+    model = nn.Linear(10, 10)
+    x = torch.randn(4, 10)
+    watcher: list[Any] = [None]
+
+    def step() -> None:
+        made: list[torch.Tensor] = []
+
+        def allocate() -> None:
+            made.append(torch.empty(1_000_000))
+            if watcher[0] is not None:
+                watcher[0](made)
+
+        thread = threading.Thread(target=allocate)
+        thread.start()
+        thread.join()
+        made.clear()  # freed here, on this thread
+
+    cpu = torch.device("cpu")
+    alone, _ = peak_memory_of(step, model, (x,), cpu)
+    reported, _ = peak_memory_of(step, model, (x,), cpu, other_threads=lambda report: watcher.__setitem__(0, report))
+    assert reported - alone == 1_000_000 * FLOAT
+    assert watcher[0] is None
 
 
 # --- each layer's backward workspace -------------------------------------------------------------

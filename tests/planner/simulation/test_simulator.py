@@ -38,6 +38,25 @@ def test_flush_with_equal_stages_takes_m_plus_p_minus_1_times_f_plus_b(name: str
     assert timeline.iteration_s() == pytest.approx((microbatches + stages - 1) * (F + B))
 
 
+def test_a_receiver_thread_posts_two_receives_ahead_of_the_messages_that_arrived() -> None:
+    """1f1b on 2 equal stages (F = 1, B = 2, instant links), 4 microbatches of 10-byte messages, 100 bytes held per
+    microbatch. Rank 0 runs F0 [0, 1] F1 [1, 2] B0 [4, 6] F2 [6, 7] B1 [7, 9] F3 [9, 10] B2 [10, 12] B3 [13, 15],
+    rank 1 F0 [1, 2] B0 [2, 4] F1 [4, 5] B1 [5, 7] F2 [7, 8] B2 [8, 10] F3 [10, 11] B3 [11, 13]. Rank 1's receiver
+    thread posts A0 and A1 at the start, A2 when A0 arrives (1) and A3 when A1 does (2), each taken when its forward
+    starts (1, 4, 7, 10); rank 0's posts G0 and G1 at the start, G2 when G0 arrives (4) and G3 when G1 does (7),
+    taken by B0-B3 (4, 7, 10, 13). So rank 1 holds A1, A2 and A3 during its first backward: 100 + 3 x 10; rank 0
+    holds two gradients from the start: 2 x 100 + 2 x 10 from F1 on."""
+    times = [StageTimes(F, B, 0.0, 10.0, held_bytes=100.0), StageTimes(F, B, 0.0, 0.0, held_bytes=100.0)]
+    timeline = simulate_schedule(build_schedule("1f1b", [1, 1], 4), times)
+    rows = sorted(map(tuple, timeline.buffers.itertuples(index=False)))
+    assert rows == [(0, 0, 0.0, 4.0, 10.0), (0, 0, 0.0, 7.0, 10.0), (0, 0, 4.0, 10.0, 10.0), (0, 0, 7.0, 13.0, 10.0),
+                    (1, 1, 0.0, 1.0, 10.0), (1, 1, 0.0, 4.0, 10.0), (1, 1, 1.0, 7.0, 10.0), (1, 1, 2.0, 10.0, 10.0)]
+    assert list(timeline.peak_memory()) == [pytest.approx(220.0), pytest.approx(130.0)]
+    memory = timeline.memory()
+    last = memory[memory["rank"] == 1]
+    assert last[last["time_s"] == 2.0]["bytes"].iloc[-1] == pytest.approx(130.0)  # A3 posted during F0's end
+
+
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 7)])
 def test_zb_h1_with_equal_f_b_w_has_a_third_of_1f1bs_bubble(stages: int, microbatches: int) -> None:
     """With F = B = W (m >= p), zb-h1 takes m (F + B + W) + (p - 1)(F + B - W) (Qi et al.): bubble (p - 1) F,
