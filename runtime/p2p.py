@@ -245,23 +245,28 @@ class Links:
     def _send_loop(self, peer: int, jobs: queue.Queue) -> None:
         group = self.groups[(self.rank, peer)]
         while (job := jobs.get()) is not _STOP:
-            value, with_structure, tag, ready = job
-            if ready is not None:
-                ready.synchronize()
-            start = time.perf_counter()
-            if with_structure:
-                blob = torch.frombuffer(bytearray(pickle.dumps(describe(value))), dtype=torch.uint8)
-                dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=self.device), peer, group=group)
-                dist.send(blob.to(self.device), peer, group=group)
-            for tensor in tensors(value):
-                dist.send(tensor.detach().contiguous(), peer, group=group)
-            if ready is not None:  # NCCL's send returns once queued on this thread's stream
-                torch.cuda.current_stream(self.device).synchronize()
-            if tag is not None:
-                self.transfers.append((tag, start, time.perf_counter()))
+            self._send(peer, group, *job)
+            job = None  # (as in `_deliver`: a step's last value sent would stay alive until the next one's first)
             with self._sent:
                 self._unsent -= 1
                 self._sent.notify_all()
+
+    def _send(self, peer: int, group: Any, value: Any, with_structure: bool, tag: Hashable | None,
+              ready: Any) -> None:
+        """Send one queued value (its structure first if `with_structure`) and record its transfer if tagged."""
+        if ready is not None:
+            ready.synchronize()
+        start = time.perf_counter()
+        if with_structure:
+            blob = torch.frombuffer(bytearray(pickle.dumps(describe(value))), dtype=torch.uint8)
+            dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=self.device), peer, group=group)
+            dist.send(blob.to(self.device), peer, group=group)
+        for tensor in tensors(value):
+            dist.send(tensor.detach().contiguous(), peer, group=group)
+        if ready is not None:  # NCCL's send returns once queued on this thread's stream
+            torch.cuda.current_stream(self.device).synchronize()
+        if tag is not None:
+            self.transfers.append((tag, start, time.perf_counter()))
 
     def _receive_loop(self, peer: int, jobs: queue.Queue) -> None:
         """Post the expected messages' receives in order, up to RECEIVES_AHEAD at once, and deliver
@@ -290,16 +295,22 @@ class Links:
                 posted.append(self._post(held, peer, group))
                 held = None
                 continue
-            key, value, structure, works = posted.popleft()
-            for work in works:
-                work.wait()
-            _flag_requires_grad(value, structure)
-            if self.device.type == "cuda":  # NCCL's wait orders this thread's stream only
-                torch.cuda.current_stream(self.device).synchronize()
-                compute = torch.cuda.default_stream(self.device)
-                for tensor in tensors(value):
-                    tensor.record_stream(compute)
-            self.mailbox.put(key, (value, structure))
+            self._deliver(*posted.popleft())
+
+    def _deliver(self, key: Hashable, value: Any, structure: Any, works: list[Any]) -> None:
+        """Wait for a posted message's receives and put it in the mailbox. (A function of its own, so that nothing
+        of the message stays referenced here once it is delivered: the receive loop's locals, or a receive's work
+        object, which holds its tensor, kept a step's last message alive through the optimizer step while the
+        thread waited for the next step's messages.)"""
+        for work in works:
+            work.wait()
+        _flag_requires_grad(value, structure)
+        if self.device.type == "cuda":  # NCCL's wait orders this thread's stream only
+            torch.cuda.current_stream(self.device).synchronize()
+            compute = torch.cuda.default_stream(self.device)
+            for tensor in tensors(value):
+                tensor.record_stream(compute)
+        self.mailbox.put(key, (value, structure))
 
     def _known_now(self, job: Expected) -> bool:
         """Whether `job`'s structure can be had without waiting."""

@@ -68,7 +68,7 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
            is held until its W; the W's of later stages trail further, `schedule.weight_deferral`)
     memory = W (2 + k) + F + max(n a + q sigma saved + w + ahead, s W)  (+ (n - 1) W stashed weight versions for
            pipedream; ahead: the receive buffers allocated ahead, min(3, ceil(m / r) - n) activations entering
-           and min(2, ceil(m / r) - 1) gradients, `ahead_terms`)
+           (zb-h1: min(2, ...)) and min(2, ceil(m / r) - 1) gradients, `ahead_terms`)
            (zb-h1: w becomes (c - 1) g + max(b, g + v), c = min(d + 1, ceil(m / r)), g = sigma deferred_bytes of
            the stage's layers, the gradients a microbatch keeps from its B to its W, 0 on the first stage;
            d = ceil((P - D) / r); b what its B holds: at a layer what it holds there with what the layers after
@@ -327,9 +327,14 @@ def ahead_terms(inputs: CostInputs, replicas: ArrayOrInt, flights: ArrayOrInt, c
     a_out = min(2, M - 1) gradients (two posted past the one its backward took) of `cut_out_bytes` each:
     ahead = a_in c_in + a_out c_out; under zb-h1, whose n counts the microbatches waiting for their W too,
     a_in = min(2, M - n). Exact for 1f1b and gpipe where the stages take equal times and one device each (the
-    simulator plays the thread: `simulator.receive_buffers`); a stage whose backward outlasts the next stage's
-    holds more gradients, which only the simulation counts (zb-h1's first stage, whose backward is whole while
-    the next stage's B is not, one more on equal stages). Element-wise."""
+    simulator plays the thread: `simulator.receive_buffers`). It counts one sending rank each way and each
+    message taken as it arrives: a replica fed by several replicas (a receiver thread each, two posted each)
+    or slower than its neighbour (the thread posts again once the oldest arrives, taken or not) holds more, which
+    only the simulation counts (zb-h1's first stage, whose backward is whole while the next stage's B is not:
+    one more on equal stages); a plan states the simulated peak where it is the larger
+    (`partition._simulated_peaks`). Both count the third activation for the whole first backward, which
+    arrives during it; where that backward's own peak comes first, the run holds one fewer (resnet's and a
+    GPT-2's last stages under 1f1b measured two, not three). Element-wise."""
     per_replica = -(-inputs.microbatches // replicas)
     split = inputs.schedule in SPLIT_BACKWARD_SCHEDULES
     taken_in = np.minimum(RECEIVES_AHEAD + (0 if split else 1), np.maximum(per_replica - flights, 0))

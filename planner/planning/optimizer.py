@@ -278,9 +278,11 @@ class _Evaluator:
     def _fewest_fitting(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """The fewest replicas r = k M, k >= 2 (k = 1 on a cluster of one group), whose memory (`memory`,
         deferred gradients included) fits the limit; inf where none up to the cluster's devices does. Exact
-        by bisection on k: with downstream <= P and no negative byte count, every term of the memory is a
-        non-increasing function of r (ceil(m / r); zb-h1's ceil(D / r) + ceil((P - D) / r) with
-        D = r + downstream; min(ceil((P - D) / r) + 1, ceil(m / r)) deferred), so the fitting r form a ray.
+        by bisection on k: with downstream <= P and no negative byte count, the memory is a non-increasing
+        function of r (ceil(m / r); zb-h1's ceil(D / r) + ceil((P - D) / r) with D = r + downstream;
+        min(ceil((P - D) / r) + 1, ceil(m / r)) deferred; the receive buffers, `ahead_terms`, alone can grow
+        with r, by one activation entering per microbatch fewer in flight, which held at least that much), so
+        the fitting r form a ray.
         (`fewest_outer` checks its answer exactly, as for the other schedules' closed forms.)"""
         group, limit = self.inputs.class_size, self.inputs.memory_bytes
         assert limit is not None

@@ -29,7 +29,7 @@ from planner.profiling.conditions import cores
 from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StagePlan, profile_digest
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
-from planner.simulation.simulator import SimulationTooLongError, simulated_iteration_s
+from planner.simulation.simulator import SimulationTooLongError, simulate_stages, simulated_iteration_s
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
@@ -505,17 +505,17 @@ def _planner_plan(
     stages_list = list(solution.stages)
     costs = stage_costs(inputs, stages_list)
     ranks = first_ranks(inputs, stages_list)
+    peaks = chosen.peak_bytes or _simulated_peaks(inputs, stages_list, [cost.memory_bytes for cost in costs])
     stages = tuple(
         StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
             replicas=replicas, ranks=tuple(range(rank, rank + replicas)), recompute=flag,
             compute_ms=cost.compute_s * 1000.0, comm_ms=max(cost.comm_in_s, cost.comm_out_s) * 1000.0,
             allreduce_ms=cost.allreduce_s * 1000.0, period_ms=cost.period_s * 1000.0,
-            memory_bytes=int(peak if chosen.peak_bytes else cost.memory_bytes), step_ms=cost.step_s * 1000.0,
+            memory_bytes=int(peak), step_ms=cost.step_s * 1000.0,
             accumulate_ms=cost.accumulate_s * 1000.0, tied_allreduce_ms=cost.tied_s * 1000.0,
         )
-        for (start, stop, replicas, flag), cost, rank, peak in zip(stages_list, costs, ranks,
-                                                                    chosen.peak_bytes or [0.0] * len(costs))
+        for (start, stop, replicas, flag), cost, rank, peak in zip(stages_list, costs, ranks, peaks)
     )
     used = len(stages_list) // inputs.chunks if inputs.chunks > 1 else solution.devices  # chunks share devices
     objective, closed_form = chosen.iteration_s, solution.objective_s
@@ -537,6 +537,18 @@ def _planner_plan(
         objective_ms=closed_form * 1000.0,
     )
     notes = _common_notes(profile, inputs.cluster, used, optimizer)
+    above = [index for index, (peak, cost) in enumerate(zip(peaks, costs))
+             if not chosen.peak_bytes and peak > cost.memory_bytes * (1 + 1e-9)]
+    if above:
+        worst = max(above, key=lambda index: peaks[index] - costs[index].memory_bytes)
+        limit = inputs.cluster.memory_bytes
+        notes.append(
+            f"memory/GPU of stage{'s' if len(above) > 1 else ''} {', '.join(map(str, above))} is the simulated peak, "
+            f"above the closed form the search fits to the limit (stage {worst}: {peaks[worst] / 1e6:.4g} MB against "
+            f"{costs[worst].memory_bytes / 1e6:.4g}): received messages wait there, each receiver thread posting two "
+            "receives ahead, from replicas or a faster neighbour"
+            + (f"; it exceeds --memory {limit / 1e9:.4g} GB: partition with {(limit - (max(peaks) - limit)) / 1e9:.4g} GB "
+               "to leave that headroom" if limit is not None and max(peaks) > limit else ""))
     if not chosen.data_parallel_fits:
         notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
                      "with a plan you could not run")
@@ -604,6 +616,17 @@ def _planner_plan(
         microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
         stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer, chunks=inputs.chunks,
     )
+
+
+def _simulated_peaks(inputs: CostInputs, stages: list[Stage], closed_form: list[float]) -> list[float]:
+    """Per stage, the larger of its closed-form memory and its simulated peak (`Timeline.peak_memory`): the
+    simulation plays each receiver thread, where messages from several replicas or from a faster neighbour
+    wait in buffers the closed form (`schedule_cost.ahead_terms`) does not count. Flush schedules only (pipedream's
+    simulation runs many microbatches and may refuse: its closed form stands)."""
+    if inputs.schedule not in FLUSH_SCHEDULES:
+        return closed_form
+    peaks = simulate_stages(inputs, stages).peak_memory()
+    return [max(bound, float(peaks[index])) for index, bound in enumerate(closed_form)]
 
 
 def _common_notes(profile: Profile, cluster: Cluster, used: int, optimizer: str) -> list[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +194,15 @@ def activation(seed: int) -> dict[str, Any]:
     }
 
 
+def _freed(ref: weakref.ref) -> bool:
+    """Whether the tensor `ref` points to is freed within a second (the caller has dropped it)."""
+    deadline = time.monotonic() + 1.0
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return ref() is None
+
+
 def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
     """Rank 0 sends seven activations to rank 1 (the first with its structure); rank 1 sends a gradient back."""
     torch.set_num_threads(1)
@@ -218,6 +229,12 @@ def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
             links.expect(1, [Expected("gradient", [TensorSpec((3, 2), torch.float32), None])])
             result["sent"] = [first, second, third, *more]
             result["gradient"] = box.take("gradient", check)
+            last = torch.randn(1000)  # once sent and dropped here, nothing of the sender thread's keeps it
+            links.send(1, [last], with_structure=False)
+            links.wait_sent(check)
+            sent_ref = weakref.ref(last)
+            del last
+            result["sender_freed"] = _freed(sent_ref)
         else:
             reported: list[list[torch.Tensor]] = []  # the buffers the receiver thread allocated, per message
             links.watch_allocations(reported.append)
@@ -231,6 +248,11 @@ def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
             result["reported"] = [len(found) == len(tensors(value)) and all(a is b for a, b in zip(found, tensors(value)))
                                   for found, (value, _) in zip(reported, result["received"])] + [len(reported)]
             links.send(0, [first["x"] * -1], with_structure=False)
+            links.expect(0, [Expected("last", [TensorSpec((1000,), torch.float32)])])
+            last, _ = box.take("last", check)  # once taken and dropped here, nothing of the receiver thread's keeps it
+            taken_ref = weakref.ref(last[0])
+            del last
+            result["receiver_freed"] = _freed(taken_ref)
         links.close()
         result["error"] = None if links.error is None else repr(links.error)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -258,6 +280,8 @@ def test_links_deliver_nested_values_with_and_without_their_structure(tmp_path: 
     assert len(sent) == len(receiver["received"]) == 7
     # `watch_allocations` was told, per message, of exactly the tensors it was received into (`reported`, in order)
     assert receiver["reported"] == [True] * 7 + [7]
+    # a step's last message is not kept alive by the threads once sent and once taken (they wait for the next)
+    assert sender["sender_freed"] and receiver["receiver_freed"]
     for original, (value, structure) in zip(sent, receiver["received"]):
         assert structure == describe(original)
         assert value["meta"] == ("tag", 4) and value["ids"][1] is None and isinstance(value["ids"], list)

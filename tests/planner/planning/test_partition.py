@@ -584,3 +584,31 @@ def test_a_zero_bubble_plan_states_the_memory_it_was_fitted_to_and_the_simulator
     tight = partition(gpt, make_cluster(2, None, ["10GB/s"], memory=limit), schedule="zb-h1", straight=True,
                       microbatches=4)
     assert plan_stages(tight) == plan_stages(free)
+
+
+def test_a_stage_before_a_faster_one_states_the_gradients_that_wait_for_it() -> None:
+    """gpipe on 2 stages, 8 microbatches, 1 MiB cut between them, the second stage's backward twice as fast: its
+    gradients arrive faster than the first stage's backwards take them, and the receiver thread posts the next two
+    receives as each arrives: the first stage peaks at its third backward, 6 microbatches of 1 byte held, its 2 MiB
+    workspace and 5 gradient buffers, above the closed form's 8 + 2 MiB + 2 buffers (`schedule_cost.ahead_terms`).
+    The plan states the simulated peak, the larger; on equal stages the closed form, which is then exact."""
+    import numpy as np
+
+    from planner.costs.layer_arrays import LayerArrays
+    from planner.costs.schedule_cost import stage_costs
+
+    cut = float(2**20)
+
+    def inputs(second_s: float) -> CostInputs:
+        prefix = lambda values: np.concatenate([[0.0], np.cumsum(values)])  # noqa: E731
+        arrays = LayerArrays(compute_s=prefix([0.75, second_s]), param_bytes=np.zeros(3), cut_bytes=np.array([cut, 0.0]),
+                             saved_bytes=prefix([1.0, 1.0]), fwd_s=prefix([0.25, second_s / 3]),
+                             workspace_bytes=np.array([2 * cut, 2 * cut]))
+        return CostInputs(arrays, make_cluster(2, None, ["4MiB/s"]), "gpipe", 8, optimizer_copies=0)
+
+    plan: list[Stage] = [(0, 1, 1, False), (1, 2, 1, False)]
+    for second_s, first_peak in ((0.75, 8 + 2 * cut + 2 * cut), (0.375, 6 + 2 * cut + 5 * cut)):
+        closed = [cost.memory_bytes for cost in stage_costs(inputs(second_s), plan)]
+        assert closed[0] == 8 + 2 * cut + 2 * cut
+        stated = partition_module._simulated_peaks(inputs(second_s), plan, closed)
+        assert stated == [first_peak, closed[1]]
