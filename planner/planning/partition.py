@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -537,18 +537,9 @@ def _planner_plan(
         objective_ms=closed_form * 1000.0,
     )
     notes = _common_notes(profile, inputs.cluster, used, optimizer)
-    above = [index for index, (peak, cost) in enumerate(zip(peaks, costs))
-             if not chosen.peak_bytes and peak > cost.memory_bytes * (1 + 1e-9)]
-    if above:
-        worst = max(above, key=lambda index: peaks[index] - costs[index].memory_bytes)
-        limit = inputs.cluster.memory_bytes
-        notes.append(
-            f"memory/GPU of stage{'s' if len(above) > 1 else ''} {', '.join(map(str, above))} is the simulated peak, "
-            f"above the closed form the search fits to the limit (stage {worst}: {peaks[worst] / 1e6:.4g} MB against "
-            f"{costs[worst].memory_bytes / 1e6:.4g}): received messages wait there, each receiver thread posting two "
-            "receives ahead, from replicas or a faster neighbour"
-            + (f"; it exceeds --memory {limit / 1e9:.4g} GB: partition with {(limit - (max(peaks) - limit)) / 1e9:.4g} GB "
-               "to leave that headroom" if limit is not None and max(peaks) > limit else ""))
+    if not chosen.peak_bytes:
+        above = _memory_note(peaks, [cost.memory_bytes for cost in costs], inputs.cluster.memory_bytes)
+        notes += [above] if above else []
     if not chosen.data_parallel_fits:
         notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
                      "with a plan you could not run")
@@ -627,6 +618,24 @@ def _simulated_peaks(inputs: CostInputs, stages: list[Stage], closed_form: list[
         return closed_form
     peaks = simulate_stages(inputs, stages).peak_memory()
     return [max(bound, float(peaks[index])) for index, bound in enumerate(closed_form)]
+
+
+def _memory_note(peaks: Sequence[float], closed_form: Sequence[float], limit: float | None) -> str | None:
+    """The note of a plan whose stated memory (`_simulated_peaks`) is above the closed form on some stage, bytes;
+    where it exceeds `limit` too, the limit that would leave that headroom (the limit less the excess). None:
+    every stage states its closed form."""
+    above = [index for index, (peak, bound) in enumerate(zip(peaks, closed_form)) if peak > bound * (1 + 1e-9)]
+    if not above:
+        return None
+    worst = max(above, key=lambda index: peaks[index] - closed_form[index])
+    note = (f"memory/GPU of stage{'s' if len(above) > 1 else ''} {', '.join(map(str, above))} is the simulated peak, "
+            f"above the closed form the search fits to the limit (stage {worst}: {peaks[worst] / 1e6:.4g} MB against "
+            f"{closed_form[worst] / 1e6:.4g}): received messages wait there, each receiver thread posting two "
+            "receives ahead, from replicas or a faster neighbour")
+    if limit is not None and max(peaks) > limit:
+        note += (f"; it exceeds the memory limit, {limit / 1e9:.4g} GB: partition with --memory "
+                 f"{(2 * limit - max(peaks)) / 1e9:.4g}GB to leave that headroom")
+    return note
 
 
 def _common_notes(profile: Profile, cluster: Cluster, used: int, optimizer: str) -> list[str]:

@@ -612,3 +612,15 @@ def test_a_stage_before_a_faster_one_states_the_gradients_that_wait_for_it() -> 
         assert closed[0] == 8 + 2 * cut + 2 * cut
         stated = partition_module._simulated_peaks(inputs(second_s), plan, closed)
         assert stated == [first_peak, closed[1]]
+
+
+def test_the_memory_note_names_the_stages_above_their_closed_form_and_the_limit_that_leaves_headroom() -> None:
+    """Stage 1 states 1.2 GB against its closed form's 1.0: named, with its figures; past a 1.1 GB limit the note
+    gives 2 x 1.1 - 1.2 = 1.0 GB to partition with; no stage above its closed form, no note."""
+    note = partition_module._memory_note([5e8, 1.2e9], [5e8, 1e9], None)
+    assert note is not None and note.startswith("memory/GPU of stage 1 is the simulated peak")
+    assert "(stage 1: 1200 MB against 1000)" in note and "exceeds" not in note
+    limited = partition_module._memory_note([5e8, 1.2e9], [5e8, 1e9], 1.1e9)
+    assert limited is not None and limited.endswith("it exceeds the memory limit, 1.1 GB: partition with --memory "
+                                                    "1GB to leave that headroom")
+    assert partition_module._memory_note([5e8, 1e9], [5e8, 1e9], 1.1e9) is None
