@@ -49,22 +49,28 @@ class InfeasiblePlanError(PlannerError):
 
     `smallest_memory_bytes` may be given as a function, called when the value (or the message) is first
     read: finding it takes a search of its own (1.5 s for inception_v3 on 4 GPUs), which a caller that
-    tries other settings after this failure (`--microbatches auto`) need not pay."""
+    tries other settings after this failure (`--microbatches auto`) need not pay. With `detail` (why no plan
+    fits, beyond the search's own limit) it is a memory at which some plan found fits, not proven the least."""
 
-    def __init__(self, memory_bytes: float, smallest_memory_bytes: float | Callable[[], float]) -> None:
+    def __init__(self, memory_bytes: float, smallest_memory_bytes: float | Callable[[], float],
+                 detail: str = "") -> None:
         self.memory_bytes = memory_bytes
         self._smallest: float | Callable[[], float] = smallest_memory_bytes
+        self.detail = detail
         super().__init__(f"no plan fits in {memory_bytes / 1e9:.4g} GB per device")
 
     @property
     def smallest_memory_bytes(self) -> float:
-        """The least memory per device at which some plan fits, bytes."""
+        """The least memory per device at which some plan fits, bytes (with `detail`: one at which a plan found fits)."""
         if callable(self._smallest):
             self._smallest = float(self._smallest())
         return self._smallest
 
     def __str__(self) -> str:
         enough_gb = math.ceil(self.smallest_memory_bytes / 1e6) / 1e3  # in GB, rounded up to the MB: it does fit
+        if self.detail:
+            return (f"no plan fits in {self.memory_bytes / 1e9:.4g} GB per device {self.detail}; pass a larger "
+                    f"--memory (that plan fits in {enough_gb:g} GB), use more GPUs, or an optimizer with less state")
         return (f"no plan fits in {self.memory_bytes / 1e9:.4g} GB per device; the smallest memory that admits a "
                 f"plan is {enough_gb:g} GB (pass --memory {enough_gb:g}GB or more, use more GPUs, or an optimizer "
                 f"with less state)")

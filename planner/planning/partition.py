@@ -56,6 +56,10 @@ AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of 
 # starting them costs about half a second each. (At 1 s, once the recompute search took one pass, densenet121 at 8
 # GB on 2 cores planned in 0.94x the time of one process; nasnetalarge, 3.6-6.6 s a solve, in 1.2x less.)
 SOLVE_AHEAD_AFTER_S = 3.0
+# a plan whose simulated peak exceeds the memory limit is searched again within a lower limit at most this many times
+# (`_within_limit`), and a peak within this relative share of the limit fits it (float sums in another order)
+MEMORY_REFITS = 3
+MEMORY_TOLERANCE = 1e-9
 # on equal throughput: least memory first
 SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "gpipe", "interleaved-1f1b", "pipedream")
 # never pipedream (stale weights change what training computes); the chunked ones (their cut a heuristic) at the
@@ -74,8 +78,8 @@ def partition(
     """The best plan for `profile` on `cluster` under `cost_model` (see `schedule_cost`, `pipedream_optimizer`).
 
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
-    With `cluster.memory_bytes`, every device's memory must fit (`optimizer` says how many optimizer
-    state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
+    With `cluster.memory_bytes`, every device's memory must fit, its simulated peak included (`_within_limit`;
+    `optimizer` says how many optimizer state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
     (`AUTO_SCHEDULES`; the zero-bubble ones only if the profile measured its split backward's cost; pipedream
     only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within
     5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's.
@@ -119,11 +123,17 @@ def partition(
     unmeasured = schedule == AUTO and profile.split_backward_ratio is None
     if unmeasured:  # a zero-bubble plan's gain could be all the split's unknown cost: not chosen blind
         schedules = tuple(name for name in schedules if name not in SPLIT_BACKWARD_SCHEDULES)
-    chosen = _choose(base, schedules, counts, straight, recompute, size_of, profiled,
-                     microbatches == AUTO and global_batch_size is None,
-                     (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
-                     progress or (lambda what: None), cores() if workers is None else workers)
-    plan = _planner_plan(profile, chosen, straight, recompute, optimizer, profile_path)
+
+    def choose(limit: float | None) -> _Candidate:
+        return _choose(replace(base, memory_bytes=limit), schedules, counts, straight, recompute, size_of, profiled,
+                       microbatches == AUTO and global_batch_size is None,
+                       (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
+                       progress or (lambda what: None), cores() if workers is None else workers)
+
+    chosen, peaks, refit = _within_limit(choose, base.memory_bytes)
+    plan = _planner_plan(profile, chosen, peaks, straight, recompute, optimizer, profile_path)
+    if refit is not None:
+        plan = plan.with_notes(refit)
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
         plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the nearest the best plan "
@@ -496,16 +506,62 @@ def throughput_ceiling(inputs: CostInputs, microbatch_size: int) -> float:
     return samples_per_s(inputs, lowest, microbatch_size)
 
 
+def _within_limit(
+    choose: Callable[[float | None], _Candidate], limit: float | None,
+) -> tuple[_Candidate, list[float], str | None]:
+    """`choose(limit)`'s plan, its stated memory per stage (`_stated_peaks`, bytes) and a note, every stage within
+    `limit` (bytes; None: no limit, no note).
+
+    The search fits each stage's closed form to the limit; a stage's simulated peak can be higher (messages
+    waiting in receive buffers: `_simulated_peaks`). Then the search runs again within the limit less the
+    excess E = peak - limit, and again less each new plan's excess, at most MEMORY_REFITS times; the note says
+    so. InfeasiblePlanError where none of those searches finds a plan within `limit`."""
+    chosen = choose(limit)
+    peaks = _stated_peaks(chosen)
+    if limit is None:
+        return chosen, peaks, None
+    first_peak, search_limit = max(peaks), limit
+    for _ in range(MEMORY_REFITS):
+        if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
+            break
+        search_limit -= max(peaks) - limit
+        try:
+            chosen = choose(search_limit)
+        except InfeasiblePlanError:
+            break
+        peaks = _stated_peaks(chosen)
+    if max(peaks) > limit * (1 + MEMORY_TOLERANCE):
+        raise InfeasiblePlanError(limit, first_peak, detail=(
+            f"once the messages waiting in receive buffers are counted: the fastest plan whose stages fit it in the "
+            f"closed form peaks at {first_peak / 1e9:.4g} GB in simulation, and searching again within "
+            f"{search_limit / 1e9:.4g} GB found no plan that stays within {limit / 1e9:.4g} GB"))
+    if search_limit == limit:
+        return chosen, peaks, None
+    return chosen, peaks, (
+        f"memory: the fastest plan whose stages fit {limit / 1e9:.4g} GB in the closed form peaked at "
+        f"{first_peak / 1e9:.4g} GB in simulation (received messages waiting in buffers), so this plan was searched "
+        f"within {search_limit / 1e9:.4g} GB; it peaks at {max(peaks) / 1e9:.4g} GB")
+
+
+def _stated_peaks(chosen: _Candidate) -> list[float]:
+    """The memory a plan states per stage, bytes: a chunked plan's simulated peaks per device, otherwise
+    `_simulated_peaks`."""
+    if chosen.peak_bytes:
+        return list(chosen.peak_bytes)
+    stages = list(chosen.solution.stages)
+    return _simulated_peaks(chosen.inputs, stages, [cost.memory_bytes for cost in stage_costs(chosen.inputs, stages)])
+
+
 def _planner_plan(
-    profile: Profile, chosen: _Candidate, straight: bool, recompute: bool, optimizer: str,
+    profile: Profile, chosen: _Candidate, peaks: Sequence[float], straight: bool, recompute: bool, optimizer: str,
     profile_path: str,
 ) -> Plan:
-    """A Plan with the planner cost model's per-stage terms and predictions."""
+    """A Plan with the planner cost model's per-stage terms and predictions; `peaks`: its stated memory per stage,
+    bytes (`_stated_peaks`)."""
     inputs, solution, size = chosen.inputs, chosen.solution, chosen.microbatch_size
     stages_list = list(solution.stages)
     costs = stage_costs(inputs, stages_list)
     ranks = first_ranks(inputs, stages_list)
-    peaks = chosen.peak_bytes or _simulated_peaks(inputs, stages_list, [cost.memory_bytes for cost in costs])
     stages = tuple(
         StagePlan(
             start=start, stop=stop, first_layer=profile.layers[start].name, last_layer=profile.layers[stop - 1].name,
@@ -538,7 +594,7 @@ def _planner_plan(
     )
     notes = _common_notes(profile, inputs.cluster, used, optimizer)
     if not chosen.peak_bytes:
-        above = _memory_note(peaks, [cost.memory_bytes for cost in costs], inputs.cluster.memory_bytes)
+        above = _memory_note(peaks, [cost.memory_bytes for cost in costs])
         notes += [above] if above else []
     if not chosen.data_parallel_fits:
         notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
@@ -620,10 +676,9 @@ def _simulated_peaks(inputs: CostInputs, stages: list[Stage], closed_form: list[
     return [max(bound, float(peaks[index])) for index, bound in enumerate(closed_form)]
 
 
-def _memory_note(peaks: Sequence[float], closed_form: Sequence[float], limit: float | None) -> str | None:
-    """The note of a plan whose stated memory (`_simulated_peaks`) is above the closed form on some stage, bytes;
-    where it exceeds `limit` too, the limit that would leave that headroom (the limit less the excess). None:
-    every stage states its closed form."""
+def _memory_note(peaks: Sequence[float], closed_form: Sequence[float]) -> str | None:
+    """The note of a plan whose stated memory (`_simulated_peaks`) is above the closed form on some stage, bytes.
+    None: every stage states its closed form."""
     above = [index for index, (peak, bound) in enumerate(zip(peaks, closed_form)) if peak > bound * (1 + 1e-9)]
     if not above:
         return None
@@ -632,9 +687,6 @@ def _memory_note(peaks: Sequence[float], closed_form: Sequence[float], limit: fl
             f"above the closed form the search fits to the limit (stage {worst}: {peaks[worst] / 1e6:.4g} MB against "
             f"{closed_form[worst] / 1e6:.4g}): received messages wait there, each receiver thread posting two "
             "receives ahead, from replicas or a faster neighbour")
-    if limit is not None and max(peaks) > limit:
-        note += (f"; it exceeds the memory limit, {limit / 1e9:.4g} GB: partition with --memory "
-                 f"{(2 * limit - max(peaks)) / 1e9:.4g}GB to leave that headroom")
     return note
 
 

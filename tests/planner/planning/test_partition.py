@@ -27,7 +27,7 @@ from planner.planning.partition import (
 )
 from planner.files.pipedream import import_pipedream
 from planner.files.plan import PlanProfileMismatchError, load_plan
-from planner.files.profile import BatchCoupling, Profile, SizeTimes, load_profile
+from planner.files.profile import BatchCoupling, LayerProfile, Profile, SizeTimes, load_profile
 from tests.planner.layer_strategies import layer_arrays
 from tests.conftest import PROFILES_V1
 
@@ -614,13 +614,69 @@ def test_a_stage_before_a_faster_one_states_the_gradients_that_wait_for_it() -> 
         assert stated == [first_peak, closed[1]]
 
 
-def test_the_memory_note_names_the_stages_above_their_closed_form_and_the_limit_that_leaves_headroom() -> None:
-    """Stage 1 states 1.2 GB against its closed form's 1.0: named, with its figures; past a 1.1 GB limit the note
-    gives 2 x 1.1 - 1.2 = 1.0 GB to partition with; no stage above its closed form, no note."""
-    note = partition_module._memory_note([5e8, 1.2e9], [5e8, 1e9], None)
+def test_the_memory_note_names_the_stages_above_their_closed_form() -> None:
+    """Stage 1 states 1.2 GB against its closed form's 1.0: named, with its figures; no stage above its closed
+    form, no note."""
+    note = partition_module._memory_note([5e8, 1.2e9], [5e8, 1e9])
     assert note is not None and note.startswith("memory/GPU of stage 1 is the simulated peak")
-    assert "(stage 1: 1200 MB against 1000)" in note and "exceeds" not in note
-    limited = partition_module._memory_note([5e8, 1.2e9], [5e8, 1e9], 1.1e9)
-    assert limited is not None and limited.endswith("it exceeds the memory limit, 1.1 GB: partition with --memory "
-                                                    "1GB to leave that headroom")
-    assert partition_module._memory_note([5e8, 1e9], [5e8, 1e9], 1.1e9) is None
+    assert "(stage 1: 1200 MB against 1000)" in note
+    assert partition_module._memory_note([5e8, 1e9], [5e8, 1e9]) is None
+
+
+def waiting_gradients_profile(first_saved_bytes: int, last_workspace_bytes: int) -> Profile:
+    """Two layers, the second twice as fast: under gpipe on 2 GPUs with 8 microbatches (4 MiB/s links) the first
+    stage's gradients wait in receive buffers (test_a_stage_before_a_faster_one_states_the_gradients_that_wait_for_it):
+    its simulated peak is 1 MiB above its closed form. Layer a sends 1 MiB, saves `first_saved_bytes` a
+    microbatch and holds a 2 MiB workspace; layer b saves 1 KiB and holds `last_workspace_bytes`."""
+    mib = 2**20
+    layers = (LayerProfile("a", "Linear", 250.0, 500.0, mib, mib, 0, first_saved_bytes),
+              LayerProfile("b", "Linear", 125.0, 250.0, 8, 0, 0, 1024))
+    return Profile("waiting", "waiting.py", "cpu", "cpu", "2.13.0", "float32", 8, 1, "2026-11-28", layers, 1125.0, 0,
+                   "live-tensors", 1000, workspace_bytes=(2 * mib, last_workspace_bytes))
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_plan_whose_simulated_peak_exceeds_the_limit_is_searched_again_within_less(recompute: bool) -> None:
+    """At a limit equal to the 2-stage plan's closed form, that plan peaks 1 MiB above it in simulation: partition
+    searches again within the limit less that, and its plan (the first stage recomputing, or with recompute off
+    the whole model on one GPU) states and simulates a peak within the limit; a note says what happened."""
+    from planner.costs.schedule_cost import stage_costs
+    from planner.simulation.plan_simulation import plan_cost_inputs, plan_stages, simulate
+
+    profile = waiting_gradients_profile(2**20, 64 * 1024)
+    cluster = lambda memory: make_cluster(2, None, ["4MiB/s"], memory=memory)  # noqa: E731
+    free = partition(profile, cluster(None), schedule="gpipe", straight=True, microbatches=8, optimizer="sgd")
+    closed = [cost.memory_bytes for cost in stage_costs(plan_cost_inputs(profile, free), plan_stages(free))]
+    limit = int(closed[0])
+    assert [stage.memory_bytes for stage in free.stages][0] == limit + 2**20 and closed[1] < limit
+    tight = partition(profile, cluster(limit), schedule="gpipe", straight=True, microbatches=8, optimizer="sgd",
+                      recompute=recompute)
+    expected = [(0, 1, True), (1, 2, False)] if recompute else [(0, 2, False)]
+    assert [(stage.start, stage.stop, stage.recompute) for stage in tight.stages] == expected
+    simulated = simulate(tight, profile).peak_memory().tolist()
+    assert max(simulated) <= limit and [stage.memory_bytes for stage in tight.stages] == [int(v) for v in simulated]
+    notes = [note for note in tight.notes if note.startswith("memory: the fastest plan")]
+    assert len(notes) == 1 and f"peaked at {(limit + 2**20) / 1e9:.4g} GB in simulation" in notes[0]
+    assert f"searched within {(limit - 2**20) / 1e9:.4g} GB" in notes[0]
+
+
+def test_no_plan_within_the_limit_once_waiting_messages_count_is_one_line_naming_them() -> None:
+    """As above without recompute, but layer a saves 1.25 MiB a microbatch and layer b holds a 4.5 MiB workspace, so
+    that the whole model on one GPU (14.5 MiB) does not fit the 2-stage plan's closed form (14 MiB) either: no plan
+    is left within the limit less the excess, and the error says why and at what memory the plan found fits."""
+    from planner.costs.schedule_cost import stage_costs
+    from planner.simulation.plan_simulation import plan_cost_inputs, plan_stages
+
+    profile = waiting_gradients_profile(5 * 2**18, 9 * 2**19)
+    free = partition(profile, make_cluster(2, None, ["4MiB/s"]), schedule="gpipe", straight=True, microbatches=8,
+                     optimizer="sgd")
+    limit = int(stage_costs(plan_cost_inputs(profile, free), plan_stages(free))[0].memory_bytes)
+    assert limit == 14 * 2**20
+    with pytest.raises(InfeasiblePlanError) as raised:
+        partition(profile, make_cluster(2, None, ["4MiB/s"], memory=limit), schedule="gpipe", straight=True,
+                  microbatches=8, optimizer="sgd", recompute=False)
+    message = str(raised.value)
+    assert message.startswith(f"no plan fits in {limit / 1e9:.4g} GB per device once the messages waiting in "
+                              "receive buffers are counted"), message
+    assert f"peaks at {(limit + 2**20) / 1e9:.4g} GB in simulation" in message
+    assert raised.value.smallest_memory_bytes == limit + 2**20 and "\n" not in message
