@@ -213,6 +213,63 @@ def test_microbatches_in_flight_accumulate_their_gradients() -> None:
     assert sorted(runner.losses) == [0, 1, 2]
 
 
+class Reused(nn.Module):
+    """A stage returning y = linear(x), a view-free alias of it (`contiguous` returns y itself), and tanh(y): tanh
+    saves y, so a stage that shrank y's values after the forward would give tanh a wrong backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.linear(x)
+        return y, y.contiguous(), torch.tanh(y)
+
+
+def test_a_stage_keeps_stand_ins_of_its_outputs_and_their_values_live_only_as_long_as_their_messages() -> None:
+    """Until its backward a microbatch keeps a one-element stand-in per output its graph made (the outputs' values
+    belong to the messages sent), and storages only a message held are freed with it: after 3 forwards of a linear
+    stage whose sent outputs are dropped, the live storages beyond the inputs and the weights are the stand-ins'."""
+    from planner.profiling.memory import peak_memory_of
+
+    module = nn.Sequential(nn.Linear(4, 64))
+    runner = make_runner(module)
+    inputs = [batch(seed=s) for s in (1, 2, 3)]
+    live: list[int] = []
+
+    def forwards() -> None:
+        for key, x in enumerate(inputs):
+            runner.forward(key, (x,))  # the message is dropped at once, as once sent
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        live.append(mode.live_bytes - mode.start_bytes)
+
+    peak_memory_of(forwards, module, tuple(inputs), CPU)
+    kept = [runner.micro[key].output[0] for key in range(3)]
+    assert all(tuple(tensor.shape) == (5, 64) and tensor.untyped_storage().nbytes() == 4 for tensor in kept)
+    assert live == [3 * 4]  # three stand-ins of 4 bytes; the 3 x 5 x 64 x 4 bytes of outputs are gone
+
+
+def test_outputs_a_layer_also_saved_or_returned_twice_keep_their_values_for_it() -> None:
+    """The Reused stage, 2 microbatches in flight with received inputs and gradients for all three outputs: the input
+    and weight gradients of plain autograd."""
+    module, reference = Reused(), Reused()
+    runner = make_runner(module)
+    xs = [batch(seed=s) for s in (1, 2)]
+    grads_back = [[batch(5, 4, seed=10 * s + k) for k in range(3)] for s in (1, 2)]
+    for key, x in enumerate(xs):
+        runner.receive(key, as_sent((x,)))
+        runner.forward(key)
+    for key in (1, 0):
+        runner.receive_grads(key, grads_back[key])
+    returned = {key: runner.backward(key) for key in (1, 0)}
+    for key, x in enumerate(xs):
+        x_ref = leaf(x)
+        torch.autograd.backward(list(reference(x_ref)), grads_back[key])
+        torch.testing.assert_close(returned[key][0], x_ref.grad)
+    assert_grads_close(grads(reference), grads(module))
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_middle_stage_may_modify_its_received_input_in_place(checkpoint: bool) -> None:
     """Every microbatch, not only the first (which finds out that the stage changes its inputs), runs on clones."""
