@@ -20,6 +20,10 @@ ratios measured in the same run. The paired columns take torch's step over ours 
 ran seconds apart, so a slow spell of the machine moves both) and give the median and the quartiles of those
 ratios: where the quartiles straddle 1.0, the run cannot tell the two runtimes apart. The second paired column
 does the same for each schedule's step over 1f1b's in our engine (issue 17's zb-h1 target: at most 0.95).
+
+Then the peak memory of a step per rank, MB (CPU: the live tensors of `planner.profiling.memory`, receive
+buffers included): ours as the engine measured its memory step (`Engine.peak_memory`), torch's over one more
+step after the rounds, measured the same way (`peak_memory_of` with `count_inputs`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def worker(spec_path: str) -> None:
     """One rank: build every runner, run the rounds, rank 0 writes the medians."""
     from planner.files.plan import load_plan
     from planner.profiling.model_file import load_model_file
+    from planner.profiling.memory import peak_memory_of
     from runtime.engine import Engine, init_distributed
     from runtime.pippy import build
 
@@ -80,16 +85,18 @@ def worker(spec_path: str) -> None:
         return source.build_model().train()
 
     runners: dict[str, Callable[[Any, Any], None]] = {}
-    engines = []
+    engines: dict[str, Engine] = {}
+    torch_modules: dict[str, torch.nn.Module] = {}  # per schedule, this rank's stages under torch's runtime
     for schedule, path in spec["plans"].items():
         plan = load_plan(path)
         engine = Engine.from_plan(fresh(), plan, optimizer=lambda params: torch.optim.SGD(params, lr=LR),
                                   loss_fn=source.loss_fn)
-        engines.append(engine)
+        engines[schedule] = engine
         runners[f"ours {schedule}"] = lambda inputs, target, engine=engine: engine.train_step(inputs, target)
         torch.manual_seed(1)
         example = source.example_batch(spec["microbatch_size"])[0]
         built = build(fresh(), plan, example, loss_fn=source.loss_fn)
+        torch_modules[schedule] = torch.nn.ModuleList([stage.submod for stage in built.stages])
         parameters = {id(p): p for stage in built.stages for p in stage.submod.parameters()}
         optimizer = torch.optim.SGD(list(parameters.values()), lr=LR)
 
@@ -112,11 +119,21 @@ def worker(spec_path: str) -> None:
             dist.barrier(group=timing)
             if round_index >= WARMUP_ROUNDS:
                 times[name].append(time.perf_counter() - started)
-    for engine in engines:
+    memory: dict[str, float] = {}
+    for schedule, engine in engines.items():
+        memory[f"ours {schedule}"] = float(engine.peak_memory[0]) if engine.peak_memory else 0.0
+        dist.barrier(group=timing)
+        memory[f"torch {schedule}"] = float(peak_memory_of(
+            lambda: runners[f"torch {schedule}"](inputs, target), torch_modules[schedule], (), torch.device("cpu"),
+            count_inputs=True)[0])
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, memory, group=timing)
+    for engine in engines.values():
         engine.close()
     if rank == 0:
-        Path(spec["out"]).write_text(json.dumps({name: [1000.0 * value for value in values]
-                                                 for name, values in times.items()}))
+        Path(spec["out"]).write_text(json.dumps({
+            "steps_ms": {name: [1000.0 * value for value in values] for name, values in times.items()},
+            "peak_bytes": {name: [found[name] for found in per_rank] for name in memory}}))
     dist.destroy_process_group()
 
 
@@ -149,7 +166,8 @@ def main() -> None:
                                   capture_output=True)
         if finished.returncode != 0:
             raise SystemExit(finished.stdout[-3000:] + finished.stderr[-5000:])
-        steps_ms = json.loads((folder / "steps.json").read_text())
+        found = json.loads((folder / "steps.json").read_text())
+        steps_ms, peak_bytes = found["steps_ms"], found["peak_bytes"]
     medians = {name: statistics.median(values) for name, values in steps_ms.items()}
     print(f"# {time.strftime('%Y-%m-%d')}: gpt example, 2 CPU processes, {args.microbatches} microbatches of "
           f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms; "
@@ -162,6 +180,12 @@ def main() -> None:
               f"{paired(steps_ms[f'torch {schedule}'], steps_ms[f'ours {schedule}']):>22s} "
               f"{ours / medians['ours 1f1b']:12.3f} {paired(steps_ms[f'ours {schedule}'], steps_ms['ours 1f1b']):>22s} "
               f"{theirs / medians['torch 1f1b']:13.3f}")
+    print("\npeak memory of a step per rank, MB (torch / ours above 1: ours holds less)")
+    for schedule in schedules:
+        ours, theirs = peak_bytes[f"ours {schedule}"], peak_bytes[f"torch {schedule}"]
+        print(f"{schedule:18s} ours {', '.join(f'{value / 1e6:.2f}' for value in ours):>16s}   torch "
+              f"{', '.join(f'{value / 1e6:.2f}' for value in theirs):>16s}   torch / ours "
+              f"{', '.join(f'{b / a:.3f}' if a else '-' for a, b in zip(ours, theirs))}")
 
 
 def paired(numerators: list[float], denominators: list[float]) -> str:
