@@ -119,7 +119,9 @@ class PippyPipeline:
         first, last = any(stage.is_first for stage in self.stages), any(stage.is_last for stage in self.stages)
         args = (tuple(share) if isinstance(share, (tuple, list)) else (share,)) if first else ()
         kwargs = {"target": self.shard(target), "losses": losses} if last else {}
-        self.schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage would otherwise keep every microbatch's output (gpt's logits, 16.8 MB a
+        # microbatch) to hand back merged, which this method does not return
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         self.finish_gradients()
         if not last:
             return None
