@@ -5,7 +5,8 @@ builds the seeded model in eval mode (seed 0) and its batch (seed 1), runs one m
 `runtime.engine.Engine.from_plan` (no optimizer: gradients stay in .grad) and through
 `runtime.pippy.build(...).forward_backward` on a second copy of the model, and writes
 OUT_DIR/NAME.rank{R}.pt: {"engine": {...}, "pippy": {...}}, each {"loss": float or None,
-"grads": {model parameter name: gradient}} for the parameters of this rank's stage. Last, every
+"grads": {model parameter name: gradient}} for the parameters of this rank's stage, and for pippy
+"outputs_kept": the microbatch outputs torch's stages keep for `step` to return (`output_chunks`). Last, every
 rank builds the first case's model with a one-rank plan and writes PippyError's message to
 OUT_DIR/mismatch.rank{R}.txt.
 """
@@ -61,8 +62,10 @@ def run_case(case: dict[str, Any], rank: int, out: Path) -> None:
     assert stage is built.stage and schedule is built.schedule
     pippy_loss = built.forward_backward(inputs, target)
 
+    kept = sum(len(s.output_chunks) for s in built.stages)  # outputs torch keeps to return merged: none asked
     torch.save({"engine": {"loss": engine_loss, "grads": stage_grads(engine_model, list(engine.modules.values()))},
-                "pippy": {"loss": pippy_loss, "grads": stage_grads(pippy_model, [s.submod for s in built.stages])}},
+                "pippy": {"loss": pippy_loss, "grads": stage_grads(pippy_model, [s.submod for s in built.stages]),
+                          "outputs_kept": kept}},
                out / f"{case['name']}.rank{rank}.pt")
 
 
