@@ -4,7 +4,7 @@ A `StageRunner` is what a pipeline worker (`runtime.pipeline`) or an engine rank
 (`runtime.engine`) calls for the compute actions of its schedule program; it does no
 communication. Microbatches are named by any hashable key. Per key it keeps what the backward
 needs, between `forward(key)` and `backward(key)`:
-- default: the stage's outputs with their autograd graph;
+- default: a stand-in of each of the stage's outputs (`_stand_in`: its autograd graph, not its values);
 - `checkpoint`: only the stage's inputs and the random stream state the forward started from;
   the forward runs under `torch.no_grad()` and the backward runs it again with grad (same
   dropout masks), then puts batch-norm buffers back as the first forward left them;

@@ -130,7 +130,8 @@ def partition(
                        (lambda size: LayerArrays.at_batch_size(profile, size)) if profile.size_times else None,
                        progress or (lambda what: None), cores() if workers is None else workers)
 
-    chosen, peaks, refit = _within_limit(choose, base.memory_bytes)
+    chosen, peaks, refit = _within_limit(choose, base.memory_bytes,
+                                         lambda found: _one_stage_plans(found, straight, recompute))
     plan = _planner_plan(profile, chosen, peaks, straight, recompute, optimizer, profile_path)
     if refit is not None:
         plan = plan.with_notes(refit)
@@ -508,39 +509,71 @@ def throughput_ceiling(inputs: CostInputs, microbatch_size: int) -> float:
 
 def _within_limit(
     choose: Callable[[float | None], _Candidate], limit: float | None,
+    one_stage: Callable[[_Candidate], list[_Candidate]],
 ) -> tuple[_Candidate, list[float], str | None]:
     """`choose(limit)`'s plan, its stated memory per stage (`_stated_peaks`, bytes) and a note, every stage within
     `limit` (bytes; None: no limit, no note).
 
     The search fits each stage's closed form to the limit; a stage's simulated peak can be higher (messages
     waiting in receive buffers: `_simulated_peaks`). Then the search runs again within the limit less the
-    excess E = peak - limit, and again less each new plan's excess, at most MEMORY_REFITS times; the note says
-    so. InfeasiblePlanError where none of those searches finds a plan within `limit`."""
+    excess E = peak - limit, and again less each new plan's excess, at most MEMORY_REFITS times. A lower limit
+    leaves out plans that fit the real one, so the plans of one stage (`one_stage(found)`: on one device, or
+    on all; no message waits on them) that fit it in simulation are candidates too: the fastest of those and the
+    last search's plan, if it fits, is the answer, and the note says so. InfeasiblePlanError where none fits."""
     chosen = choose(limit)
     peaks = _stated_peaks(chosen)
-    if limit is None:
+    if limit is None or max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
         return chosen, peaks, None
     first_peak, search_limit = max(peaks), limit
     for _ in range(MEMORY_REFITS):
-        if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
-            break
         search_limit -= max(peaks) - limit
         try:
             chosen = choose(search_limit)
         except InfeasiblePlanError:
             break
         peaks = _stated_peaks(chosen)
-    if max(peaks) > limit * (1 + MEMORY_TOLERANCE):
+        if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
+            break
+    fitting = [candidate for candidate in [chosen] + one_stage(chosen)
+               if max(_stated_peaks(candidate)) <= limit * (1 + MEMORY_TOLERANCE)]
+    if not fitting:
         raise InfeasiblePlanError(limit, first_peak, detail=(
             f"once the messages waiting in receive buffers are counted: the fastest plan whose stages fit it in the "
             f"closed form peaks at {first_peak / 1e9:.4g} GB in simulation, and searching again within "
-            f"{search_limit / 1e9:.4g} GB found no plan that stays within {limit / 1e9:.4g} GB"))
-    if search_limit == limit:
-        return chosen, peaks, None
+            f"{search_limit / 1e9:.4g} GB found no plan that stays within {limit / 1e9:.4g} GB, nor does any plan "
+            "of one stage"))
+    best = max(fitting, key=lambda candidate: candidate.samples_per_s)  # (on a tie, the search's)
+    inputs = replace(best.inputs, memory_bytes=limit)  # judged at the real limit from here on
+    everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
+    how = ("the search's plan there" if best is chosen else
+           "a plan of one stage, simulated alone (the notes on the search concern that plan, not the search's)")
+    chosen = replace(best, inputs=inputs, data_parallel_fits=plan_fits(_one_stage_inputs(inputs), everywhere))
+    peaks = _stated_peaks(chosen)
     return chosen, peaks, (
         f"memory: the fastest plan whose stages fit {limit / 1e9:.4g} GB in the closed form peaked at "
-        f"{first_peak / 1e9:.4g} GB in simulation (received messages waiting in buffers), so this plan was searched "
-        f"within {search_limit / 1e9:.4g} GB; it peaks at {max(peaks) / 1e9:.4g} GB")
+        f"{first_peak / 1e9:.4g} GB in simulation (received messages waiting in buffers); the search ran again within "
+        f"{search_limit / 1e9:.4g} GB, and this plan, the fastest found that stays within {limit / 1e9:.4g} GB (not "
+        f"proven the fastest that does), is {how}: it peaks at {max(peaks) / 1e9:.4g} GB")
+
+
+def _one_stage_plans(found: _Candidate, straight: bool, recompute: bool) -> list[_Candidate]:
+    """The plans of one stage for `found`'s schedule and microbatches at its cluster's memory limit that fit it in
+    the closed form: on one device, and unless `straight` on every device (data parallelism), recomputing too where
+    `recompute` allows (no message waits on one stage, so its closed form is its simulated peak; `_within_limit`
+    checks); each judged as `_simulated_candidate` judges data parallelism."""
+    inputs = replace(found.inputs, memory_bytes=found.inputs.cluster.memory_bytes)
+    layers, devices = inputs.arrays.num_layers, inputs.cluster.num_devices
+    found_plans = []
+    for replicas in sorted({1} if straight else {1, devices}):
+        for flag in (False, True) if recompute else (False,):
+            stages = [Stage(0, layers, replicas, flag)]
+            if plan_fits(inputs, stages):
+                iteration = predicted_iteration_s(_one_stage_inputs(inputs), stages)
+                found_plans.append(replace(
+                    found, inputs=inputs, solution=Solution(tuple(stages), objective_s(inputs, stages)),
+                    iteration_s=iteration, samples_per_s=samples_per_s(inputs, iteration, found.microbatch_size),
+                    exhaustive=False, simulated=1, lower_bound_s=0.0, refined=None, refine_simulated=0))
+    return found_plans
 
 
 def _stated_peaks(chosen: _Candidate) -> list[float]:

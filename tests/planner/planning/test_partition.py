@@ -657,7 +657,24 @@ def test_a_plan_whose_simulated_peak_exceeds_the_limit_is_searched_again_within_
     assert max(simulated) <= limit and [stage.memory_bytes for stage in tight.stages] == [int(v) for v in simulated]
     notes = [note for note in tight.notes if note.startswith("memory: the fastest plan")]
     assert len(notes) == 1 and f"peaked at {(limit + 2**20) / 1e9:.4g} GB in simulation" in notes[0]
-    assert f"searched within {(limit - 2**20) / 1e9:.4g} GB" in notes[0]
+    assert f"the search ran again within {(limit - 2**20) / 1e9:.4g} GB" in notes[0]
+
+
+def test_a_plan_of_one_stage_within_the_limit_is_found_where_the_lowered_limit_leaves_it_out() -> None:
+    """(A review's case.) The profile of the next test, at a limit of the whole model's peak on one GPU (14.51 MiB):
+    the 2-stage plan fits it in the closed form (14 MiB) and peaks at 15 MiB in simulation, so the search runs again
+    within 13.51 MiB, where no plan fits; the one-GPU plan, left out by the lowered limit, fits the real one and is
+    the plan, with a note saying how it was found."""
+    profile = waiting_gradients_profile(5 * 2**18, 9 * 2**19)
+    options = dict(schedule="gpipe", straight=True, microbatches=8, optimizer="sgd", recompute=False)
+    alone = partition(profile, make_cluster(1, None, ["4MiB/s"]), **options)
+    limit = alone.stages[0].memory_bytes
+    assert limit == 14 * 2**20 + 2**19 + 8 * 1024
+    plan = partition(profile, make_cluster(2, None, ["4MiB/s"], memory=limit), **options)
+    assert [(stage.start, stage.stop, stage.replicas) for stage in plan.stages] == [(0, 2, 1)]
+    assert plan.stages[0].memory_bytes == limit and plan.predicted.devices_used == 1
+    notes = [note for note in plan.notes if note.startswith("memory: the fastest plan")]
+    assert len(notes) == 1 and "is a plan of one stage, simulated alone" in notes[0]
 
 
 def test_no_plan_within_the_limit_once_waiting_messages_count_is_one_line_naming_them() -> None:
@@ -678,5 +695,6 @@ def test_no_plan_within_the_limit_once_waiting_messages_count_is_one_line_naming
     message = str(raised.value)
     assert message.startswith(f"no plan fits in {limit / 1e9:.4g} GB per device once the messages waiting in "
                               "receive buffers are counted"), message
+    assert message.endswith("or an optimizer with less state") and "nor does any plan of one stage" in message
     assert f"peaks at {(limit + 2**20) / 1e9:.4g} GB in simulation" in message
     assert raised.value.smallest_memory_bytes == limit + 2**20 and "\n" not in message
