@@ -61,7 +61,7 @@ class InfeasiblePlanError(PlannerError):
 
     @property
     def smallest_memory_bytes(self) -> float:
-        """The least memory per device at which some plan fits, bytes (with `detail`: one at which a plan found fits)."""
+        """The least memory per device at which some plan fits, bytes (with `detail`: one where a plan found fits)."""
         if callable(self._smallest):
             self._smallest = float(self._smallest())
         return self._smallest

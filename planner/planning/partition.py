@@ -79,10 +79,10 @@ def partition(
 
     `straight` forbids replication; `recompute` lets the optimizer recompute activations per stage.
     With `cluster.memory_bytes`, every device's memory must fit, its simulated peak included (`_within_limit`;
-    `optimizer` says how many optimizer state copies weights have). `schedule` and `microbatches` may be "auto": the synchronous schedule
-    (`AUTO_SCHEDULES`; the zero-bubble ones only if the profile measured its split backward's cost; pipedream
-    only when named) with the highest throughput, and the fewest microbatches (a power of two up to 128) within
-    5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's.
+    `optimizer` says how many optimizer state copies weights have). `schedule` and `microbatches` may be "auto":
+    the synchronous schedule (`AUTO_SCHEDULES`; the zero-bubble ones only if the profile measured its split
+    backward's cost; pipedream only when named) with the highest throughput, and the fewest microbatches (a power
+    of two up to 128) within 5% of the best throughput; the chunked schedules at the count nearest the best one-stage-per-GPU plan's.
     The plan may use fewer devices than the cluster has; its notes then say so.
 
     `global_batch_size` B fixes the samples per optimizer step of a synchronous schedule: every plan
@@ -534,21 +534,20 @@ def _within_limit(
         peaks = _stated_peaks(chosen)
         if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
             break
-    fitting = [candidate for candidate in [chosen] + one_stage(chosen)
-               if max(_stated_peaks(candidate)) <= limit * (1 + MEMORY_TOLERANCE)]
+    stated = [(candidate, _stated_peaks(candidate)) for candidate in [chosen] + one_stage(chosen)]
+    fitting = [(candidate, found) for candidate, found in stated if max(found) <= limit * (1 + MEMORY_TOLERANCE)]
     if not fitting:
         raise InfeasiblePlanError(limit, first_peak, detail=(
             f"once the messages waiting in receive buffers are counted: the fastest plan whose stages fit it in the "
             f"closed form peaks at {first_peak / 1e9:.4g} GB in simulation, and searching again within "
             f"{search_limit / 1e9:.4g} GB found no plan that stays within {limit / 1e9:.4g} GB, nor does any plan "
             "of one stage"))
-    best = max(fitting, key=lambda candidate: candidate.samples_per_s)  # (on a tie, the search's)
-    inputs = replace(best.inputs, memory_bytes=limit)  # judged at the real limit from here on
+    best, peaks = max(fitting, key=lambda pair: pair[0].samples_per_s)  # (on a tie, the search's)
+    inputs = replace(best.inputs, memory_bytes=limit)  # judged at the real limit from here on (the peaks are not)
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
     how = ("the search's plan there" if best is chosen else
            "a plan of one stage, simulated alone (the notes on the search concern that plan, not the search's)")
     chosen = replace(best, inputs=inputs, data_parallel_fits=plan_fits(_one_stage_inputs(inputs), everywhere))
-    peaks = _stated_peaks(chosen)
     return chosen, peaks, (
         f"memory: the fastest plan whose stages fit {limit / 1e9:.4g} GB in the closed form peaked at "
         f"{first_peak / 1e9:.4g} GB in simulation (received messages waiting in buffers); the search ran again within "
@@ -712,15 +711,15 @@ def _simulated_peaks(inputs: CostInputs, stages: list[Stage], closed_form: list[
 def _memory_note(peaks: Sequence[float], closed_form: Sequence[float]) -> str | None:
     """The note of a plan whose stated memory (`_simulated_peaks`) is above the closed form on some stage, bytes.
     None: every stage states its closed form."""
-    above = [index for index, (peak, bound) in enumerate(zip(peaks, closed_form)) if peak > bound * (1 + 1e-9)]
+    above = [index for index, (peak, bound) in enumerate(zip(peaks, closed_form))
+             if peak > bound * (1 + MEMORY_TOLERANCE)]
     if not above:
         return None
     worst = max(above, key=lambda index: peaks[index] - closed_form[index])
-    note = (f"memory/GPU of stage{'s' if len(above) > 1 else ''} {', '.join(map(str, above))} is the simulated peak, "
+    return (f"memory/GPU of stage{'s' if len(above) > 1 else ''} {', '.join(map(str, above))} is the simulated peak, "
             f"above the closed form the search fits to the limit (stage {worst}: {peaks[worst] / 1e6:.4g} MB against "
             f"{closed_form[worst] / 1e6:.4g}): received messages wait there, each receiver thread posting two "
             "receives ahead, from replicas or a faster neighbour")
-    return note
 
 
 def _common_notes(profile: Profile, cluster: Cluster, used: int, optimizer: str) -> list[str]:

@@ -214,40 +214,44 @@ def test_microbatches_in_flight_accumulate_their_gradients() -> None:
 
 
 class Reused(nn.Module):
-    """A stage returning y = linear(x), a view-free alias of it (`contiguous` returns y itself), and tanh(y): tanh
-    saves y, so a stage that shrank y's values after the forward would give tanh a wrong backward."""
+    """A stage returning y = first(x), a view-free alias of it (`contiguous` returns y itself), and second(y): the
+    second linear map saves y for its weight's gradient, so a stage that shrank y's values after the forward (as
+    Megatron-LM's `deallocate_output_tensor` does) would give that gradient from the wrong values."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.linear = nn.Linear(4, 4)
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y = self.linear(x)
-        return y, y.contiguous(), torch.tanh(y)
+        y = self.first(x)
+        return y, y.contiguous(), self.second(y)
 
 
 def test_a_stage_keeps_stand_ins_of_its_outputs_and_their_values_live_only_as_long_as_their_messages() -> None:
     """Until its backward a microbatch keeps a one-element stand-in per output its graph made (the outputs' values
-    belong to the messages sent), and storages only a message held are freed with it: after 3 forwards of a linear
-    stage whose sent outputs are dropped, the live storages beyond the inputs and the weights are the stand-ins'."""
-    from planner.profiling.memory import peak_memory_of
+    belong to the messages sent): once the message of a linear stage's output is dropped, its storage is freed
+    (Linear saves its input, not its output), and the backward still gives plain autograd's gradients."""
+    from torch.multiprocessing.reductions import StorageWeakRef
 
-    module = nn.Sequential(nn.Linear(4, 64))
+    module, reference = nn.Sequential(nn.Linear(4, 64)), nn.Sequential(nn.Linear(4, 64))
+    reference.load_state_dict(module.state_dict())
     runner = make_runner(module)
     inputs = [batch(seed=s) for s in (1, 2, 3)]
-    live: list[int] = []
-
-    def forwards() -> None:
-        for key, x in enumerate(inputs):
-            runner.forward(key, (x,))  # the message is dropped at once, as once sent
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        live.append(mode.live_bytes - mode.start_bytes)
-
-    peak_memory_of(forwards, module, tuple(inputs), CPU)
+    freed = []
+    for key, x in enumerate(inputs):
+        (sent,) = runner.forward(key, (x,))
+        values = StorageWeakRef(sent.untyped_storage())
+        del sent  # as once sent
+        freed.append(values.expired())
+    assert freed == [True, True, True]
     kept = [runner.micro[key].output[0] for key in range(3)]
     assert all(tuple(tensor.shape) == (5, 64) and tensor.untyped_storage().nbytes() == 4 for tensor in kept)
-    assert live == [3 * 4]  # three stand-ins of 4 bytes; the 3 x 5 x 64 x 4 bytes of outputs are gone
+    for key, x in enumerate(inputs):
+        runner.receive_grads(key, [batch(5, 64, seed=20 + key)])
+        runner.backward(key)
+        reference(x).backward(batch(5, 64, seed=20 + key))
+    assert_grads_close(grads(reference), grads(module))
 
 
 def test_outputs_a_layer_also_saved_or_returned_twice_keep_their_values_for_it() -> None:
