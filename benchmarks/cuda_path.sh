@@ -21,7 +21,7 @@ timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cu
     tests/runtime/test_train.py tests/runtime/test_trace.py tests/runtime/test_pipeline.py tests/planner/profiling/test_backward_split.py \
     tests/planner/profiling/test_profiler.py tests/planner/profiling/test_batch_coupling.py \
     tests/runtime/test_custom_functions.py tests/runtime/test_kept_modules.py tests/runtime/test_checkpointed.py \
-    2>&1 | tail -25
+    tests/runtime/test_stage_runner.py 2>&1 | tail -25
 fi
 if [ "${PATH_S:-230}" != 0 ]; then
 echo "== measured vs predicted on one GPU"
