@@ -108,17 +108,20 @@ def worker(spec_path: str) -> None:
         runners[f"torch {schedule}"] = torch_step
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # this rank's CPU seconds, every thread
     for round_index in range(spec["rounds"] + WARMUP_ROUNDS):
         torch.manual_seed(1000 + round_index)
         inputs, target = source.example_batch(batch)
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier(group=timing)
-            started = time.perf_counter()
+            started, used = time.perf_counter(), time.process_time()
             runners[name](inputs, target)
+            used = time.process_time() - used
             dist.barrier(group=timing)
             if round_index >= WARMUP_ROUNDS:
                 times[name].append(time.perf_counter() - started)
+                cpu[name].append(used)
     memory: dict[str, float] = {}
     for schedule, engine in engines.items():
         memory[f"ours {schedule}"] = float(engine.peak_memory[0]) if engine.peak_memory else 0.0
@@ -127,13 +130,15 @@ def worker(spec_path: str) -> None:
             lambda: runners[f"torch {schedule}"](inputs, target), torch_modules[schedule], (), torch.device("cpu"),
             count_inputs=True)[0])
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, memory, group=timing)
+    dist.all_gather_object(per_rank, (memory, {name: statistics.median(values) for name, values in cpu.items()}),
+                           group=timing)
     for engine in engines.values():
         engine.close()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({
             "steps_ms": {name: [1000.0 * value for value in values] for name, values in times.items()},
-            "peak_bytes": {name: [found[name] for found in per_rank] for name in memory}}))
+            "peak_bytes": {name: [found[name] for found, _ in per_rank] for name in memory},
+            "cpu_s": {name: [used[name] for _, used in per_rank] for name in names}}))
     dist.destroy_process_group()
 
 
@@ -167,7 +172,7 @@ def main() -> None:
         if finished.returncode != 0:
             raise SystemExit(finished.stdout[-3000:] + finished.stderr[-5000:])
         found = json.loads((folder / "steps.json").read_text())
-        steps_ms, peak_bytes = found["steps_ms"], found["peak_bytes"]
+        steps_ms, peak_bytes, cpu_s = found["steps_ms"], found["peak_bytes"], found["cpu_s"]
     medians = {name: statistics.median(values) for name, values in steps_ms.items()}
     print(f"# {time.strftime('%Y-%m-%d')}: gpt example, 2 CPU processes, {args.microbatches} microbatches of "
           f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms; "
@@ -180,6 +185,12 @@ def main() -> None:
               f"{paired(steps_ms[f'torch {schedule}'], steps_ms[f'ours {schedule}']):>22s} "
               f"{ours / medians['ours 1f1b']:12.3f} {paired(steps_ms[f'ours {schedule}'], steps_ms['ours 1f1b']):>22s} "
               f"{theirs / medians['torch 1f1b']:13.3f}")
+    print("\nCPU seconds a step per rank, every thread of the process, median (torch / ours above 1: ours uses less)")
+    for schedule in schedules:
+        ours, theirs = cpu_s[f"ours {schedule}"], cpu_s[f"torch {schedule}"]
+        print(f"{schedule:18s} ours {', '.join(f'{value:.3f}' for value in ours):>16s}   torch "
+              f"{', '.join(f'{value:.3f}' for value in theirs):>16s}   torch / ours "
+              f"{', '.join(f'{b / a:.3f}' for a, b in zip(ours, theirs))}")
     print("\npeak memory of a step per rank, MB (torch / ours above 1: ours holds less)")
     for schedule in schedules:
         ours, theirs = peak_bytes[f"ours {schedule}"], peak_bytes[f"torch {schedule}"]
