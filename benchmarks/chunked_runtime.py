@@ -1,10 +1,11 @@
 """The schedules of issue 17 trained side by side: our engine against torch.distributed.pipelining, per schedule.
 
     python benchmarks/chunked_runtime.py [--rounds 8] [--microbatch-size 8] [--microbatches 4] [--schedules 1f1b ...]
+                                         [--model gpt]
 
-examples/gpt.py (train mode), two CPU processes under torchrun (gloo), one torch thread each, SGD.
-For each of 1f1b, zb-h1, interleaved-1f1b and zbv the planner makes its straight plan of the shipped
-profile (profiles/gpt.json) on 2 GPUs with `--microbatches` microbatches (`partition(..., schedule=)`),
+examples/gpt.py (train mode; `--model` another example), two CPU processes under torchrun (gloo), one torch
+thread each, SGD. For each of 1f1b, zb-h1, interleaved-1f1b and zbv the planner makes its straight plan of the
+shipped profile (profiles/gpt.json) on 2 GPUs with `--microbatches` microbatches (`partition(..., schedule=)`),
 and both runtimes train that same plan, the same split and the same batches:
 
 - ours: `runtime.engine.Engine.from_plan` (the schedule as data, B and W apart where it splits);
@@ -50,13 +51,14 @@ LR = 1e-3
 WARMUP_ROUNDS = 2
 
 
-def make_plans(folder: Path, microbatches: int, microbatch_size: int, schedules: tuple[str, ...]) -> dict[str, str]:
-    """The planner's straight 2-GPU plan of the shipped gpt profile per schedule, saved; name -> path."""
+def make_plans(folder: Path, model: str, microbatches: int, microbatch_size: int,
+               schedules: tuple[str, ...]) -> dict[str, str]:
+    """The planner's straight 2-GPU plan of the example's shipped profile per schedule, saved; name -> path."""
     from planner.files.cluster import make_cluster
     from planner.files.profile import load_profile
     from planner.planning.partition import partition
 
-    profile = load_profile(REPO / "profiles" / "gpt.json")
+    profile = load_profile(REPO / "profiles" / f"{model}.json")
     paths = {}
     for schedule in schedules:
         plan = partition(profile, make_cluster(2), straight=True, schedule=schedule, microbatches=microbatches,
@@ -77,7 +79,7 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     rank, _, _ = init_distributed()
     timing = dist.new_group(backend="gloo")  # barriers apart from the runtimes' traffic
-    source = load_model_file(REPO / "examples" / "gpt.py")
+    source = load_model_file(REPO / "examples" / f"{spec['model']}.py")
     batch = spec["microbatch_size"] * spec["microbatches"]
 
     def fresh() -> torch.nn.Module:
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
                         help="which to run (1f1b always runs: the others are given over it)")
+    parser.add_argument("--model", default="gpt", choices=("gpt", "mlp", "resnet", "vgg"), help="the example")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -159,7 +162,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         schedules = tuple(schedule for schedule in SCHEDULES if schedule == "1f1b" or schedule in args.schedules)
-        spec = {"plans": make_plans(folder, args.microbatches, args.microbatch_size, schedules), "rounds": args.rounds,
+        spec = {"plans": make_plans(folder, args.model, args.microbatches, args.microbatch_size, schedules),
+                "model": args.model, "rounds": args.rounds,
                 "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
                 "out": str(folder / "steps.json")}
         (folder / "spec.json").write_text(json.dumps(spec))
@@ -174,7 +178,7 @@ def main() -> None:
         found = json.loads((folder / "steps.json").read_text())
         steps_ms, peak_bytes, cpu_s = found["steps_ms"], found["peak_bytes"], found["cpu_s"]
     medians = {name: statistics.median(values) for name, values in steps_ms.items()}
-    print(f"# {time.strftime('%Y-%m-%d')}: gpt example, 2 CPU processes, {args.microbatches} microbatches of "
+    print(f"# {time.strftime('%Y-%m-%d')}: {args.model} example, 2 CPU processes, {args.microbatches} microbatches of "
           f"{args.microbatch_size}, {args.rounds} rounds ({time.perf_counter() - started:.0f} s); median step ms; "
           f"paired: the ratio within each round (torch / ours; ours / ours' 1f1b), median [quartiles]")
     print(f"{'schedule':18s} {'ours':>8s} {'torch':>8s} {'torch/ours':>11s} {'paired':>22s} {'ours / 1f1b':>12s} "
