@@ -75,11 +75,29 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+# what a user who passed one kind of file where another was expected runs first: (found, expected) -> hint, whose
+# {path} is the file passed
+_NEXT_STEP = {
+    ("model file", "pipeline-planner/profile"): "profile it first (`planner profile {path}`) and pass the profile "
+                                                 "it writes",
+    ("model file", "pipeline-planner/plan"): "profile it and partition the profile first (`planner profile {path}`, "
+                                              "then `planner partition PROFILE --gpus N`)",
+    ("pipeline-planner/profile", "pipeline-planner/plan"): "this is a profile: make a plan of it first (`planner "
+                                                            "partition {path} --gpus N`) and pass the plan",
+    ("pipeline-planner/plan", "pipeline-planner/profile"): "this is a plan: pass the profile it was made from (the "
+                                                            "plan names it under profile.path)",
+}
+
+
 def read_versioned_json(path: str | Path, file_format: str, max_version: int) -> dict[str, Any]:
     """Read a file written by `write_versioned_json`, refusing other formats and newer versions."""
     path = Path(path)
     if not path.is_file():
         raise FileFormatError(str(path), "no such file", "check the path")
+    if path.suffix == ".py":
+        raise FileFormatError(str(path), f"a Python file, not a {file_format} file",
+                              _NEXT_STEP.get(("model file", file_format), f"expected a {file_format} file").format(
+                                  path=path))
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -93,9 +111,8 @@ def read_versioned_json(path: str | Path, file_format: str, max_version: int) ->
         raise FileFormatError(str(path), "JSON without a 'format' field", f"expected a {file_format} file")
     found = document.get("format")
     if found != file_format:
-        raise FileFormatError(
-            str(path), f"format is {found!r}, expected {file_format!r}", "pass a file of the expected kind"
-        )
+        raise FileFormatError(str(path), f"format is {found!r}, expected {file_format!r}",
+                              _NEXT_STEP.get((found, file_format), "pass a file of the expected kind").format(path=path))
     version = document.get("version")
     if not isinstance(version, int) or version < 1:
         raise FileFormatError(str(path), f"invalid version {version!r}", f"supported: 1..{max_version}")

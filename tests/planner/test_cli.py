@@ -641,3 +641,10 @@ def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path
     levels, notes = planned(REPO / "tests" / "data" / "profiles-h200" / "gpt2-medium.json", "--gpus", "2")
     assert levels == [{"name": "node", "size": 2, "bandwidth_Bps": 300e9, "latency_s": 0.0}]
     assert "bandwidth 300 GB/s and latency 0 us per level (defaults for GPUs" in notes
+
+
+def test_partition_of_a_model_file_says_to_profile_it_first(tmp_path: Path) -> None:
+    model = tmp_path / "model.py"
+    model.write_text("def build_model(): ...\n")
+    assert_one_line_error(invoke("partition", model, "--gpus", "2"), str(model), "a Python file",
+                          f"`planner profile {model}`")
