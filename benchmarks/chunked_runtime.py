@@ -5,7 +5,7 @@
 
 examples/gpt.py (train mode; `--model` another example), two CPU processes under torchrun (gloo), one torch
 thread each, SGD. For each of 1f1b, zb-h1, interleaved-1f1b and zbv the planner makes its straight plan of the
-shipped profile (profiles/gpt.json) on 2 GPUs with `--microbatches` microbatches (`partition(..., schedule=)`),
+example's shipped profile (profiles/gpt.json) on 2 GPUs with `--microbatches` microbatches (`partition(..., schedule=)`),
 and both runtimes train that same plan, the same split and the same batches:
 
 - ours: `runtime.engine.Engine.from_plan` (the schedule as data, B and W apart where it splits);
@@ -21,6 +21,10 @@ ratios measured in the same run. The paired columns take torch's step over ours 
 ran seconds apart, so a slow spell of the machine moves both) and give the median and the quartiles of those
 ratios: where the quartiles straddle 1.0, the run cannot tell the two runtimes apart. The second paired column
 does the same for each schedule's step over 1f1b's in our engine (issue 17's zb-h1 target: at most 0.95).
+
+Then each rank's CPU seconds a step (`time.process_time`, every thread of the process: the compute, the runtime's
+own threads, gloo's), the median over the rounds: where the two runtimes take the same wall time, this tells whether
+one does more work in it.
 
 Then the peak memory of a step per rank, MB (CPU: the live tensors of `planner.profiling.memory`, receive
 buffers included): ours as the engine measured its memory step (`Engine.peak_memory`), torch's over one more
