@@ -515,44 +515,68 @@ def _within_limit(
     `limit` (bytes; None: no limit, no note).
 
     The search fits each stage's closed form to the limit; a stage's simulated peak can be higher (messages
-    waiting in receive buffers: `_simulated_peaks`). Then the search runs again within the limit less the
-    excess E = peak - limit, and again less each new plan's excess, at most MEMORY_REFITS times. A lower limit
-    leaves out plans that fit the real one, so the plans of one stage (`one_stage(found)`: on one device, or
-    on all; no message waits on them) that fit it in simulation are candidates too: the fastest of those and the
-    last search's plan, if it fits, is the answer, and the note says so. InfeasiblePlanError where none fits."""
+    waiting in receive buffers: `_simulated_peaks`). Then the search runs again within a lower limit, at most
+    MEMORY_REFITS times, keeping the plans that fit the real one. A search limit L gives one of three answers: a
+    plan over the limit (L too high), a plan within it, or none at all (L too low). The first L is the limit less
+    the excess E = peak - limit; while every answer was over, the next is the last L less the last plan's excess;
+    once some L was too low or gave a plan within the limit, the next L halves the gap between the highest such L
+    and the least L found too high (a higher L admits faster plans). So a first L too low no longer ends the
+    search: PipeDream's vgg16 on 4 GPUs under gpipe at 8.448 GB peaked 0.72 GB over, nothing fitted within
+    7.724 GB, and partition refused it, while a plan peaking at 8.119 GB fitted (it came within 8.786 GB).
+    A lower limit leaves out plans that fit the real one, so the plans of one stage (`one_stage(found)`: on one
+    device, or on all; no message waits on them) that fit it in simulation are candidates too: the fastest of
+    those and the searches' plans that fit is the answer, and the note says so. InfeasiblePlanError where none
+    fits."""
     chosen = choose(limit)
     peaks = _stated_peaks(chosen)
     if limit is None or max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
         return chosen, peaks, None
-    first_peak, search_limit = max(peaks), limit
+    first_peak = max(peaks)
+    too_high, too_low_or_fits = limit, None  # the least search limit whose plan is over; the highest not
+    search_limit, tried = limit - (first_peak - limit), []
+    found: list[tuple[_Candidate, list[float], float]] = []  # (plan, its stated peaks, the search limit it came from)
     for _ in range(MEMORY_REFITS):
-        search_limit -= max(peaks) - limit
+        tried.append(search_limit)
         try:
             chosen = choose(search_limit)
         except InfeasiblePlanError:
-            break
-        peaks = _stated_peaks(chosen)
-        if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
-            break
-    stated = [(candidate, _stated_peaks(candidate)) for candidate in [chosen] + one_stage(chosen)]
-    fitting = [(candidate, found) for candidate, found in stated if max(found) <= limit * (1 + MEMORY_TOLERANCE)]
+            too_low_or_fits = search_limit
+        else:
+            peaks = _stated_peaks(chosen)
+            if max(peaks) <= limit * (1 + MEMORY_TOLERANCE):
+                found.append((chosen, peaks, search_limit))
+                too_low_or_fits = search_limit
+            else:
+                too_high = search_limit
+        if too_low_or_fits is None:
+            search_limit -= max(peaks) - limit
+        else:
+            search_limit = (too_low_or_fits + too_high) / 2
+    found += [(candidate, _stated_peaks(candidate), limit) for candidate in one_stage(chosen)]
+    fitting = [entry for entry in found if max(entry[1]) <= limit * (1 + MEMORY_TOLERANCE)]
     if not fitting:
         raise InfeasiblePlanError(limit, first_peak, detail=(
             f"once the messages waiting in receive buffers are counted: the fastest plan whose stages fit it in the "
             f"closed form peaks at {first_peak / 1e9:.4g} GB in simulation, and searching again within "
-            f"{search_limit / 1e9:.4g} GB found no plan that stays within {limit / 1e9:.4g} GB, nor does any plan "
+            f"{_limits_text(tried)} found no plan that stays within {limit / 1e9:.4g} GB, nor does any plan "
             "of one stage"))
-    best, peaks = max(fitting, key=lambda pair: pair[0].samples_per_s)  # (on a tie, the search's)
+    best, peaks, within = max(fitting, key=lambda entry: entry[0].samples_per_s)  # (on a tie, the first found)
     inputs = replace(best.inputs, memory_bytes=limit)  # judged at the real limit from here on (the peaks are not)
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]
-    how = ("the search's plan there" if best is chosen else
+    how = (f"the search's plan within {within / 1e9:.4g} GB" if within < limit else
            "a plan of one stage, simulated alone (the notes on the search concern that plan, not the search's)")
     chosen = replace(best, inputs=inputs, data_parallel_fits=plan_fits(_one_stage_inputs(inputs), everywhere))
     return chosen, peaks, (
         f"memory: the fastest plan whose stages fit {limit / 1e9:.4g} GB in the closed form peaked at "
         f"{first_peak / 1e9:.4g} GB in simulation (received messages waiting in buffers); the search ran again within "
-        f"{search_limit / 1e9:.4g} GB, and this plan, the fastest found that stays within {limit / 1e9:.4g} GB (not "
+        f"{_limits_text(tried)}, and this plan, the fastest found that stays within {limit / 1e9:.4g} GB (not "
         f"proven the fastest that does), is {how}: it peaks at {max(peaks) / 1e9:.4g} GB")
+
+
+def _limits_text(limits: Sequence[float]) -> str:
+    """'7.724 GB' or '7.724, 8.086 and 8.267 GB': the search limits a refit tried, in order."""
+    shown = [f"{value / 1e9:.4g}" for value in limits]
+    return (shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}") + " GB"
 
 
 def _one_stage_plans(found: _Candidate, straight: bool, recompute: bool) -> list[_Candidate]:
