@@ -95,9 +95,8 @@ def read_versioned_json(path: str | Path, file_format: str, max_version: int) ->
     if not path.is_file():
         raise FileFormatError(str(path), "no such file", "check the path")
     if path.suffix == ".py":
-        raise FileFormatError(str(path), f"a Python file, not a {file_format} file",
-                              _NEXT_STEP.get(("model file", file_format), f"expected a {file_format} file").format(
-                                  path=path))
+        hint = _NEXT_STEP.get(("model file", file_format), f"expected a {file_format} file")
+        raise FileFormatError(str(path), f"a Python file, not a {file_format} file", hint.format(path=path))
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -111,8 +110,8 @@ def read_versioned_json(path: str | Path, file_format: str, max_version: int) ->
         raise FileFormatError(str(path), "JSON without a 'format' field", f"expected a {file_format} file")
     found = document.get("format")
     if found != file_format:
-        raise FileFormatError(str(path), f"format is {found!r}, expected {file_format!r}",
-                              _NEXT_STEP.get((found, file_format), "pass a file of the expected kind").format(path=path))
+        hint = _NEXT_STEP.get((str(found), file_format), "pass a file of the expected kind")  # (found: any JSON)
+        raise FileFormatError(str(path), f"format is {found!r}, expected {file_format!r}", hint.format(path=path))
     version = document.get("version")
     if not isinstance(version, int) or version < 1:
         raise FileFormatError(str(path), f"invalid version {version!r}", f"supported: 1..{max_version}")

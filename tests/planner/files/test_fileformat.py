@@ -32,8 +32,9 @@ def test_a_model_file_where_a_profile_or_plan_is_expected_says_to_profile_it(tmp
     (PROFILE_FORMAT, PLAN_FORMAT, "this is a profile: make a plan of it first (`planner partition {path} --gpus N`)"),
     (PLAN_FORMAT, PROFILE_FORMAT, "this is a plan: pass the profile it was made from"),
     ("pipeline-planner/run-report", PLAN_FORMAT, "pass a file of the expected kind"),
+    (["a", "list"], PLAN_FORMAT, "pass a file of the expected kind"),  # any JSON value, named as it is
 ])
-def test_a_file_of_another_kind_names_both_kinds_and_the_next_step(tmp_path: Path, found_format: str, expected: str,
+def test_a_file_of_another_kind_names_both_kinds_and_the_next_step(tmp_path: Path, found_format: object, expected: str,
                                                                    hint: str) -> None:
     path = tmp_path / "file.json"
     path.write_text(json.dumps({"format": found_format, "version": 1}))

@@ -306,7 +306,8 @@ def test_the_api_keeps_freed_memory_as_the_commands_do() -> None:
     output = subprocess.run([sys.executable, "-c", _REFILL], env={**env, "PYTHONPATH": str(REPO)}, text=True,
                             capture_output=True, check=True).stdout
     lines = output.splitlines()
-    found, plain, kept, where, detail = lines[0].split(), literal_eval(lines[1]), literal_eval(lines[2]), literal_eval(lines[3]), lines[4]
+    found, detail = lines[0].split(), lines[4]  # (the last line: for a failure)
+    plain, kept, where = (literal_eval(line) for line in lines[1:4])
     assert min(plain) > 10_000, detail  # 64 MiB is 16,384 pages of 4 KiB, faulted in on every refill
     where_kept = where[len(plain):]
     assert all(place.startswith("heap") for place in where_kept), detail
