@@ -194,17 +194,18 @@ def main() -> None:
               f"{ours / medians['ours 1f1b']:12.3f} {paired(steps_ms[f'ours {schedule}'], steps_ms['ours 1f1b']):>22s} "
               f"{theirs / medians['torch 1f1b']:13.3f}")
     print("\nCPU seconds a step per rank, every thread of the process, median (torch / ours above 1: ours uses less)")
-    for schedule in schedules:
-        ours, theirs = cpu_s[f"ours {schedule}"], cpu_s[f"torch {schedule}"]
-        print(f"{schedule:18s} ours {', '.join(f'{value:.3f}' for value in ours):>16s}   torch "
-              f"{', '.join(f'{value:.3f}' for value in theirs):>16s}   torch / ours "
-              f"{', '.join(f'{b / a:.3f}' for a, b in zip(ours, theirs))}")
+    print_per_rank(schedules, cpu_s, lambda value: f"{value:.3f}")
     print("\npeak memory of a step per rank, MB (torch / ours above 1: ours holds less)")
+    print_per_rank(schedules, peak_bytes, lambda value: f"{value / 1e6:.2f}")
+
+
+def print_per_rank(schedules: tuple[str, ...], found: dict[str, list[float]], shown: Callable[[float], str]) -> None:
+    """A line per schedule: ours and torch's value on each rank (`found["ours 1f1b"]` etc., each `shown`) and
+    torch / ours per rank ('-' where ours is 0)."""
     for schedule in schedules:
-        ours, theirs = peak_bytes[f"ours {schedule}"], peak_bytes[f"torch {schedule}"]
-        print(f"{schedule:18s} ours {', '.join(f'{value / 1e6:.2f}' for value in ours):>16s}   torch "
-              f"{', '.join(f'{value / 1e6:.2f}' for value in theirs):>16s}   torch / ours "
-              f"{', '.join(f'{b / a:.3f}' if a else '-' for a, b in zip(ours, theirs))}")
+        ours, theirs = found[f"ours {schedule}"], found[f"torch {schedule}"]
+        print(f"{schedule:18s} ours {', '.join(map(shown, ours)):>16s}   torch {', '.join(map(shown, theirs)):>16s}   "
+              f"torch / ours {', '.join(f'{b / a:.3f}' if a else '-' for a, b in zip(ours, theirs))}")
 
 
 def paired(numerators: list[float], denominators: list[float]) -> str:

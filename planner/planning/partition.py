@@ -574,8 +574,11 @@ def _within_limit(
 
 
 def _limits_text(limits: Sequence[float]) -> str:
-    """'7.724 GB' or '7.724, 8.086 and 8.267 GB': the search limits a refit tried, in order."""
-    shown = [f"{value / 1e9:.4g}" for value in limits]
+    """'7.724 GB' or '7.724, 8.086 and 8.267 GB': the search limits a refit tried, in order, with as many digits
+    (4 to 9) as tell them apart (GPT-2 within 137.7 MB tried 0.13756, 0.13763 and 0.13766 GB)."""
+    digits = next((count for count in range(4, 10) if len({f"{value / 1e9:.{count}g}" for value in limits}) ==
+                   len(set(limits))), 9)
+    shown = [f"{value / 1e9:.{digits}g}" for value in limits]
     return (shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}") + " GB"
 
 

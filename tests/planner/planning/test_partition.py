@@ -722,3 +722,11 @@ def test_a_first_search_limit_within_which_nothing_fits_does_not_end_the_refit()
     notes = [note for note in plan.notes if note.startswith("memory: the fastest plan")]
     assert len(notes) == 1 and "peaked at 9.172 GB in simulation" in notes[0], plan.notes
     assert "the search ran again within 7.724, 8.086 and " in notes[0], notes[0]
+
+
+def test_the_limits_a_refit_tried_are_named_with_the_digits_that_tell_them_apart() -> None:
+    """(GPT-2 within 137.7 MB: at 4 digits the three limits all read 0.1376 or 0.1377 GB.)"""
+    assert partition_module._limits_text([7.724e9]) == "7.724 GB"
+    assert partition_module._limits_text([7.724e9, 8.086e9, 8.267e9]) == "7.724, 8.086 and 8.267 GB"
+    assert partition_module._limits_text([137.5564e6, 137.6282e6, 137.6641e6]) == "0.13756, 0.13763 and 0.13766 GB"
+    assert partition_module._limits_text([1e9, 1e9]) == "1 and 1 GB"  # equal limits stay at 4 digits
