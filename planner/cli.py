@@ -72,6 +72,19 @@ def _stderr_progress(*columns: Any) -> Any:
     return Progress(*columns, TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
 
+def _save_keeping_previous(result: Plan | Profile, path: Path, kind: str) -> Path:
+    """`result.save(path)`, the file it replaces moved aside first (`keep_previous`: plans made from a profile, or
+    reports of a plan's runs, still find theirs), with a note on stderr saying where."""
+    from planner.files.fileformat import keep_previous
+    from planner.files.plan import keep_previous_profile
+
+    kept = keep_previous_profile(path) if kind == "profile" else keep_previous(path)
+    saved = result.save(path)
+    if kept is not None:
+        typer.echo(f"note: {path} held a {kind} already; it is kept as {kept}", err=True)
+    return saved
+
+
 def _print_profile(profile: Profile, path: Path | None) -> None:
     from planner.display.tables import profile_table
 
@@ -135,7 +148,7 @@ def profile(
                 progress.update(task, description=f"profiling {model_file_.name}: {phase}", completed=done, total=total)
 
             result = profile_model(model_file_, settings, report)
-        path = result.save(out or Path("profiles") / f"{result.model_name}.json")
+        path = _save_keeping_previous(result, out or Path("profiles") / f"{result.model_name}.json", "profile")
         _print_profile(result, path)
 
     _run(debug, action)
@@ -160,7 +173,7 @@ def import_pipedream_command(
         if batch_size is None:
             typer.echo("warning: no --batch-size given: planned throughput will count mini-batches, not samples",
                        err=True)
-        path = result.save(out or Path("profiles") / f"{result.model_name}.json")
+        path = _save_keeping_previous(result, out or Path("profiles") / f"{result.model_name}.json", "profile")
         _print_profile(result, path)
 
     _run(debug, action)
@@ -197,7 +210,8 @@ def partition_command(
         None, help="Latency per message within a node[,between nodes], e.g. 20us,200us (default: "
                    f"{','.join(GPU_LINKS.latencies)} for a GPU profile, {','.join(CPU_LINKS.latencies)} for a CPU one)."
     ),
-    memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained)."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Memory per GPU, e.g. 80GB (default: unconstrained; "
+                                          "with --cluster, instead of the file's)."),
     optimizer: str = typer.Option("adam", "--optimizer", help="adam (2 state copies) or sgd (momentum, 1)."),
     cluster_file: Optional[str] = typer.Option(None, "--cluster", help="Cluster file (JSON or YAML) instead of the flags."),
     cost_model: str = typer.Option("planner", help=f"Objective: {', '.join(COST_MODELS)}."),
@@ -232,13 +246,12 @@ def partition_command(
         from planner.files.profile import load_profile
         from planner.planning.partition import compare_baselines, compare_schedules, partition
 
-        flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--latency": latency,
-                 "--memory": memory}
+        flags = {"--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth, "--latency": latency}
         given = [flag for flag, value in flags.items() if value is not None]
         if cluster_file is not None and given:
             raise PlannerError(f"--cluster {cluster_file} describes the whole cluster, so {', '.join(given)} would be "
                                "ignored: give either the cluster file or the flags (--gpus, --gpus-per-node, "
-                               "--bandwidth, --latency, --memory)")
+                               "--bandwidth, --latency; --memory goes with either)")
         if cluster_file is None and gpus is None:
             raise PlannerError("give --gpus N (or --cluster FILE)")
         count = microbatches.strip()
@@ -248,7 +261,7 @@ def partition_command(
         links = default_links(profile.device)
         rates, delays = _listed(bandwidth), _listed(latency)  # None where not given (or given empty)
         if cluster_file is not None:
-            cluster = load_cluster(cluster_file)
+            cluster = load_cluster(cluster_file).with_memory(memory)  # --memory replaces the file's memory_bytes
         else:
             cluster = make_cluster(gpus, gpus_per_node, rates or links.bandwidths, memory, delays or links.latencies,
                                    links.allreduce if rates is None and delays is None else None)
@@ -267,7 +280,7 @@ def partition_command(
             assumed = assumed_links(cluster, rates is not None, delays is not None, links.kind)
             plan = plan.with_notes(assumed) if assumed else plan
         default_name = f"{profile.model_name}-{cluster.num_devices}gpu{'-straight' if straight else ''}.json"
-        path = plan.save(out or Path("plans") / default_name)
+        path = _save_keeping_previous(plan, out or Path("plans") / default_name, "plan")
         console = _console()
         console.print(plan_table(plan, console.width))
         if compare:
@@ -403,7 +416,8 @@ def calibrate(
         plan, report, profile = load_plan(plan_file), load_run_report(report_file), load_profile(profile_file)
         calibrated = calibrate_profile(profile, plan, report, plan_file, profile_file)
         source = Path(profile_file)
-        path = calibrated.save(out or source.with_name(f"{source.stem}-calibrated{source.suffix or '.json'}"))
+        path = _save_keeping_previous(calibrated, out or source.with_name(f"{source.stem}-calibrated{source.suffix or '.json'}"),
+                                      "profile")
         console = _console()
         console.print(calibration_table(plan, report, calibrated.settings["calibrations"][-1]["ratios"]))
         console.print(f"wrote {path}; plan with it: planner partition {path}")

@@ -211,10 +211,11 @@ def measure(sizes: Sequence[int], trials: int, device: torch.device) -> dict[str
 
 def summary(body: dict[str, Any]) -> str:
     """A few lines for the terminal: each level's fit, and all-reduce measured against the ring formula."""
-    lines = [f"{level['name']}: {level['size']} x, {level['bandwidth_Bps'] / 1e9:.3g} GB/s + "
+    members = ["ranks"] + [f"{level['name']}s" for level in body["levels"][:-1]]  # what each level groups
+    lines = [f"{level['name']}: {level['size']} {member}, {level['bandwidth_Bps'] / 1e9:.3g} GB/s + "
              f"{level['latency_s'] * 1e6:.3g} us per message through the runtime (the link alone: "
              f"{alone['bandwidth_Bps'] / 1e9:.3g} GB/s + {alone['latency_s'] * 1e6:.3g} us)"
-             for level, alone in zip(body["levels"], body["measured"]["link_only"]["levels"])]
+             for level, member, alone in zip(body["levels"], members, body["measured"]["link_only"]["levels"])]
     lines.append("all-reduce over every rank (measured / ring formula from the links): " + ", ".join(
         f"{size / 1e6:.3g} MB {found * 1e3:.3g} ms (x{found / guess:.2f})"
         for size, found, guess in body["measured"]["allreduce_s"]))

@@ -48,8 +48,10 @@ from torch import nn
 
 from planner.errors import PlannerError
 from planner.profiling.model_file import ModelFile, build_checked_model, load_model_file
+from planner.files.fileformat import keep_previous
 from planner.files.plan import Plan, load_plan, plan_digest
 from planner.files.profile import load_profile
+from planner.profiling.tensors import tensor_nbytes
 from planner.schedules.schedule import pipedream_microbatches
 from runtime.checkpoint import (
     Checkpoint, CheckpointError, check_writable, latest_complete, load_stages, merged_model_state,
@@ -330,6 +332,15 @@ def _check_layer_names(model: nn.Module, plan: Plan, options: TrainOptions) -> N
         raise TrainingError(f"{options.model_file} does not match {source}: its layers {shown} are not modules "
                             f"of the model; profile this model (`planner profile {options.model_file}`) and "
                             "partition again")
+    if profile_path is not None and profile_path.is_file():
+        # the profile counts every parameter once (`Profile.total_param_bytes`): a model built wider or deeper
+        # than the one profiled has the same layer names but not the same bytes, and its plan's memory is wrong
+        found = sum(tensor_nbytes(parameter) for parameter in model.parameters())
+        if found != profile.total_param_bytes:
+            raise TrainingError(f"{options.model_file} does not match the profile {profile_path}: the model has "
+                                f"{found:,} bytes of parameters, the profile {profile.total_param_bytes:,} (was the "
+                                f"model's configuration changed since?); profile this model (`planner profile "
+                                f"{options.model_file}`) and partition again")
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -569,6 +580,9 @@ def _finish(options: TrainOptions, setup: Setup, engine: Engine, losses: list[tu
     path = Path(options.report or Path("runs") / f"{Path(options.plan).stem}.report.json")
     meta = {"model_file": options.model_file, "optimizer": setup.optimizer, "first_step": start_step + 1}
     with _collective(engine, "gathering the run report"):
+        kept = keep_previous(path) if setup.rank == 0 else None  # (rank 0 writes the report)
+        if kept is not None:
+            print(f"note: {path} held a report already; it is kept as {kept}", flush=True)
         written = save_run_report(engine, setup.plan, path, batch_size=setup.batch_size, losses=losses,
                                   warmup_steps=warmup_steps(len(engine.step_spans), engine.memory_step),
                                   plan_path=options.plan,

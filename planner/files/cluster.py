@@ -8,6 +8,7 @@ both: a message of b bytes takes latency_s + b / bandwidth_Bps. A set of ranks s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ class Cluster:
             raise ClusterError(
                 f"device memory of {self.memory_bytes!r} bytes is not plausible; give units, e.g. 80GB"
             )
+
+    def with_memory(self, memory: str | int | None) -> "Cluster":
+        """This cluster with `memory` per device ("80GB", bytes; None: as it is), e.g. a measured cluster file
+        (whose CPU processes have no device memory to measure) under a limit given on the command line."""
+        return self if memory is None else dataclasses.replace(self, memory_bytes=_memory(memory))
 
     @property
     def num_devices(self) -> int:

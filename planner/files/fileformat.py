@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import tempfile
@@ -24,6 +25,34 @@ def versioned_json_text(file_format: str, version: int, body: dict[str, Any]) ->
     ValueError if `body` is not JSON-serializable (NaN and infinities included)."""
     document = {"format": file_format, "version": version, "planner_version": __version__, **body}
     return json.dumps(document, indent=1, allow_nan=False) + "\n"
+
+
+def kept_path(path: str | Path, digest: str) -> Path:
+    """Where `keep_previous` moves a file of this content: `<stem>.<first 12 hex digits of digest><suffix>` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{digest[:12]}{path.suffix}")
+
+
+def keep_previous(path: str | Path, digest: Callable[[Path], str] | None = None) -> Path | None:
+    """Move the file at `path`, if there is one, aside to `kept_path(path, digest(path))` before it is written
+    again, so that writing an output never loses what a user had (a profile that plans were made from, a run's
+    report); returns where it is now, None where there was no file. `digest` defaults to the SHA-256 of the file's
+    bytes; one already kept there (the same content) stays and this file is dropped. FileFormatError naming
+    `path` where it cannot be moved."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        found = digest(path) if digest is not None else hashlib.sha256(path.read_bytes()).hexdigest()
+        kept = kept_path(path, found)
+        if kept.exists():
+            path.unlink()
+        else:
+            os.replace(path, kept)
+    except OSError as exc:
+        raise FileFormatError(str(path), f"cannot be moved aside before it is written again: {exc.strerror or exc}",
+                              "choose another output file") from None
+    return kept
 
 
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], Any], example: str = "") -> Path:

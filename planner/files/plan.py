@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from planner.files.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
-from planner.files.fileformat import read_versioned_json, write_versioned_json
-from planner.files.profile import Profile
+from planner.files.fileformat import kept_path, keep_previous, read_versioned_json, write_versioned_json
+from planner.files.profile import Profile, load_profile
 from planner.schedules.schedule import CHUNKED_SCHEDULES, FLUSH_SCHEDULES, SCHEDULES
 
 COST_MODELS = ("planner", "pipedream")  # `costs.schedule_cost`, `costs.pipedream_cost`
@@ -64,10 +64,13 @@ class PlanProfileMismatchError(PlannerError):
     def __init__(self, plan_path: str, profile_path: str, expected: str, found: str) -> None:
         self.expected = expected
         self.found = found
-        super().__init__(
-            f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
-            f"{found[:12]}; re-run `planner partition {profile_path}` to plan for this profile"
-        )
+        kept = kept_path(profile_path, expected)
+        old = (f"; the profile it was made from was kept as {kept} when {profile_path} was written again: "
+               f"give that profile instead (e.g. `--profile {kept}`), or re-run `planner partition {profile_path}` to "
+               "plan for the new one" if kept.is_file() else
+               f"; re-run `planner partition {profile_path}` to plan for this profile")
+        super().__init__(f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
+                         f"{found[:12]}{old}")
 
 
 def profile_digest(profile: Profile) -> str:
@@ -86,6 +89,17 @@ def profile_digest(profile: Profile) -> str:
             content[key] = body[key]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def keep_previous_profile(path: str | Path) -> Path | None:
+    """`keep_previous` for a profile file: kept under its `profile_digest` (the digest plans made from it record, so
+    `PlanProfileMismatchError` can name it), or its bytes' SHA-256 where it does not load as a profile."""
+    def digest(found: Path) -> str:
+        try:
+            return profile_digest(load_profile(found))
+        except PlannerError:
+            return hashlib.sha256(found.read_bytes()).hexdigest()
+    return keep_previous(path, digest)
 
 
 def plan_digest(plan: "Plan") -> str:

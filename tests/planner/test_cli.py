@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,9 +15,11 @@ import torch
 from typer.testing import CliRunner, Result
 
 from planner import load_profile
+from planner import cli
 from planner.cli import app
 from planner.errors import ModelFileError
 from planner.profiling.conditions import default_cpu_processes
+from planner.files.plan import load_plan, profile_digest
 from planner.files.profile import PROFILE_FORMAT, PROFILE_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -600,13 +603,57 @@ def test_partition_unknown_schedule(tmp_path: Path) -> None:
 def test_partition_refuses_flags_a_cluster_file_would_override(tmp_path: Path, flags: list[str]) -> None:
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("levels:\n  - {name: node, size: 2, bandwidth: 300GB/s}\n")
-    named = [flag for flag in flags if flag.startswith("--")]
+    named = [flag for flag in flags if flag.startswith("--") and flag != "--memory"]  # --memory goes with a file
     assert_one_line_error(invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster, *flags,
                                  "--out", tmp_path / "p.json"), str(cluster), ", ".join(named), "would be ignored")
     assert not (tmp_path / "p.json").exists()
     assert invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster,
                   "--out", tmp_path / "p.json").exit_code == 0
 
+
+
+def test_memory_limits_a_cluster_file_without_device_memory(tmp_path: Path) -> None:
+    """A measured CPU cluster has no device memory (`planner cluster` writes memory_bytes: null); --memory
+    gives it one, and replaces the file's where it has one."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"levels": [{"name": "node", "size": 2, "bandwidth": "2.5GB/s"}],
+                                   "memory_bytes": None}))
+    unlimited = invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster, "--out", tmp_path / "u.json")
+    assert unlimited.exit_code == 0, unlimited.output
+    assert load_plan(tmp_path / "u.json").cluster.memory_bytes is None
+    limited = invoke("partition", REPO / "profiles" / "mlp.json", "--cluster", cluster, "--memory", "120MB",
+                     "--out", tmp_path / "m.json")
+    assert limited.exit_code == 0, limited.output
+    plan = load_plan(tmp_path / "m.json")
+    assert plan.cluster.memory_bytes == 120_000_000 and plan.cluster.num_devices == 2
+    assert plan.predicted.peak_memory_bytes <= 120_000_000 and all(stage.memory_bytes <= 120_000_000
+                                                                   for stage in plan.stages)
+
+
+def test_outputs_written_again_keep_what_they_replace(tmp_path: Path) -> None:
+    """A profile, plan or calibrated profile written over another is moved aside first (nothing a user had is
+    lost): under its digest, which a plan of the old profile names when it no longer matches."""
+    profile = tmp_path / "mlp.json"
+    shutil.copy(REPO / "profiles" / "mlp.json", profile)
+    plan = make_plan(tmp_path, profile, "--schedule", "1f1b")
+    first = plan.read_text()
+    again = invoke("partition", profile, "--gpus", "2", "--schedule", "gpipe", "--out", plan)
+    assert again.exit_code == 0, again.output
+    kept = list(tmp_path.glob(f"{plan.stem}.*.json"))
+    assert len(kept) == 1 and kept[0].read_text() == first, kept
+    assert f"{plan} held a plan already; it is kept as {kept[0]}" in again.stderr
+    # the profile measured again (here: its batch size edited), then the first plan shown with the new profile
+    old_profile = profile.read_text()
+    body = json.loads(old_profile)
+    body["batch_size"] += 1
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(body))
+    cli._save_keeping_previous(load_profile(edited), profile, "profile")  # as `planner profile --out` saves
+    digest = profile_digest(load_profile(REPO / "profiles" / "mlp.json"))
+    kept_profile = tmp_path / f"mlp.{digest[:12]}.json"
+    assert kept_profile.read_text() == old_profile
+    assert_one_line_error(invoke("show", kept[0], "--profile", profile, "--out", tmp_path / "plan.png"),
+                          str(kept_profile), "give that profile instead")
 
 
 def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ def test_planner_cluster_measures_two_processes_and_partition_reads_the_file(tmp
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}" in done.stdout and "per message" in done.stdout
+    assert "node: 2 ranks, " in done.stdout, done.stdout  # what the level groups, named
     cluster = load_cluster(out)
     assert cluster.num_devices == 2 and len(cluster.levels) == 1
     link = cluster.levels[0]

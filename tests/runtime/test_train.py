@@ -441,6 +441,23 @@ def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path], monkeypatch
     assert "not started by torchrun" in err and "planner train" in err
 
 
+def test_a_model_built_wider_than_its_profile_is_refused(tmp_path: Path) -> None:
+    """The same layer names but another configuration (here: the mlp at HIDDEN 1032, not 1024): the plan's memory
+    would be wrong, so training refuses it, naming both parameter totals."""
+    source = (REPO / "examples" / "mlp.py").read_text()
+    assert "HIDDEN = 1024\n" in source
+    wider = tmp_path / "mlp.py"
+    wider.write_text(source.replace("HIDDEN = 1024\n", "HIDDEN = 1032\n"))
+    profile = REPO / "profiles" / "mlp.json"
+    plan = partition(load_profile(profile), make_cluster(2), straight=True, schedule="1f1b", microbatches=4,
+                     profile_path=str(profile)).save(tmp_path / "plan.json")
+    profiled = load_profile(profile).total_param_bytes
+    with pytest.raises(TrainingError, match=rf"{wider} does not match the profile .*profiles/mlp.json: the model has "
+                                            rf"[0-9,]+ bytes of parameters, the profile {profiled:,} .*planner profile"):
+        check_setup(parse_args([str(wider), "--plan", str(plan)]), 0, 2, 0)
+    check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 2, 0)  # the profiled model passes
+
+
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
     plan = plans["mlp-interleaved"]
     assert rank_count(load_plan(plan)) == 2
