@@ -255,7 +255,7 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     model_file = load_model_file(options.model_file)
     torch.manual_seed(options.seed)
     model = build_checked_model(model_file)
-    _check_layer_names(model, plan, options)
+    _check_model_matches(model, plan, options)
     if options.checkpoint_dir is not None:
         check_writable(options.checkpoint_dir)
         found = latest_complete(options.checkpoint_dir)
@@ -314,13 +314,15 @@ def _device_and_backend(options: TrainOptions, local_rank: int) -> tuple[torch.d
     return torch.device("cpu"), backend
 
 
-def _check_layer_names(model: nn.Module, plan: Plan, options: TrainOptions) -> None:
+def _check_model_matches(model: nn.Module, plan: Plan, options: TrainOptions) -> None:
     """The model must have a module for each layer of the plan's profile (or, without the profile file,
-    for each stage's first and last layer); TrainingError naming the first missing ones."""
+    for each stage's first and last layer), and as many parameter bytes as that profile counted
+    (`Profile.total_param_bytes`: every parameter once, so a model built wider or deeper from the same file has the
+    same layer names but not the same bytes, and its plan's memory is wrong); TrainingError naming what differs."""
     modules = {name for name, _ in model.named_modules() if name}
     profile_path = Path(plan.profile.path) if plan.profile.path else None
-    if profile_path is not None and profile_path.is_file():
-        profile = load_profile(profile_path)
+    profile = load_profile(profile_path) if profile_path is not None and profile_path.is_file() else None
+    if profile is not None:
         plan.check_profile(profile, options.plan, str(profile_path))
         names, source = [layer.name for layer in profile.layers], f"the profile {profile_path}"
     else:
@@ -332,15 +334,12 @@ def _check_layer_names(model: nn.Module, plan: Plan, options: TrainOptions) -> N
         raise TrainingError(f"{options.model_file} does not match {source}: its layers {shown} are not modules "
                             f"of the model; profile this model (`planner profile {options.model_file}`) and "
                             "partition again")
-    if profile_path is not None and profile_path.is_file():
-        # the profile counts every parameter once (`Profile.total_param_bytes`): a model built wider or deeper
-        # than the one profiled has the same layer names but not the same bytes, and its plan's memory is wrong
-        found = sum(tensor_nbytes(parameter) for parameter in model.parameters())
-        if found != profile.total_param_bytes:
-            raise TrainingError(f"{options.model_file} does not match the profile {profile_path}: the model has "
-                                f"{found:,} bytes of parameters, the profile {profile.total_param_bytes:,} (was the "
-                                f"model's configuration changed since?); profile this model (`planner profile "
-                                f"{options.model_file}`) and partition again")
+    found = sum(tensor_nbytes(parameter) for parameter in model.parameters())
+    if profile is not None and found != profile.total_param_bytes:
+        raise TrainingError(f"{options.model_file} does not match {source}: the model has {found:,} bytes of "
+                            f"parameters, the profile {profile.total_param_bytes:,} (was the model's configuration "
+                            f"changed since?); profile this model (`planner profile {options.model_file}`) and "
+                            "partition again")
 
 
 # --- training ------------------------------------------------------------------------------------

@@ -65,12 +65,11 @@ class PlanProfileMismatchError(PlannerError):
         self.expected = expected
         self.found = found
         kept = kept_path(profile_path, expected)
-        old = (f"; the profile it was made from was kept as {kept} when {profile_path} was written again: "
-               f"give that profile instead (e.g. `--profile {kept}`), or re-run `planner partition {profile_path}` to "
-               "plan for the new one" if kept.is_file() else
-               f"; re-run `planner partition {profile_path}` to plan for this profile")
+        fix = (f"the profile it was made from was kept as {kept} when {profile_path} was written again: give that "
+               f"one (`--profile {kept}`, or move it back), or re-run `planner partition {profile_path}` to plan for "
+               "the new one" if kept.is_file() else f"re-run `planner partition {profile_path}` to plan for this profile")
         super().__init__(f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
-                         f"{found[:12]}{old}")
+                         f"{found[:12]}; {fix}")
 
 
 def profile_digest(profile: Profile) -> str:

@@ -653,7 +653,7 @@ def test_outputs_written_again_keep_what_they_replace(tmp_path: Path) -> None:
     kept_profile = tmp_path / f"mlp.{digest[:12]}.json"
     assert kept_profile.read_text() == old_profile
     assert_one_line_error(invoke("show", kept[0], "--profile", profile, "--out", tmp_path / "plan.png"),
-                          str(kept_profile), "give that profile instead")
+                          str(kept_profile), "give that one")
 
 
 def test_partition_assumes_the_links_of_the_profiles_device_and_says_so(tmp_path: Path) -> None:
