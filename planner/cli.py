@@ -6,6 +6,7 @@ heavy imports stay inside the commands so that `planner --help` starts at once.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
@@ -276,6 +277,15 @@ def partition_command(
                              microbatches="auto" if count == "auto" else int(count),
                              microbatch_size=microbatch_size, recompute=not no_recompute,
                              global_batch_size=global_batch_size, progress=report)
+        words = {"--cluster": cluster_file, "--gpus": gpus, "--gpus-per-node": gpus_per_node, "--bandwidth": bandwidth,
+                 "--latency": latency, "--memory": memory, "--optimizer": optimizer if optimizer != "adam" else None,
+                 "--cost-model": cost_model if cost_model != "planner" else None, "--schedule": schedule,
+                 "--microbatches": count if count != "auto" else None, "--microbatch-size": microbatch_size,
+                 "--global-batch-size": global_batch_size}
+        plan = dataclasses.replace(plan, command=(
+            "planner", "partition", profile_file, *(word for flag, value in words.items() if value is not None
+                                                    for word in (flag, str(value))),
+            *(["--no-recompute"] if no_recompute else []), *(["--straight"] if straight else [])))
         if cluster_file is None:
             assumed = assumed_links(cluster, rates is not None, delays is not None, links.kind)
             plan = plan.with_notes(assumed) if assumed else plan

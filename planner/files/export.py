@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from planner.errors import FileProblemError, PlannerError
 from planner.files.fileformat import write_atomically, write_versioned_json
-from planner.files.plan import Plan
+from planner.files.plan import Plan, replan_command
 from planner.files.profile import Profile
 from planner.schedules.schedule import CHUNKED_SCHEDULES
 
@@ -128,6 +128,8 @@ Every rank builds the whole model (same seed) and reads the same mini-batch; pip
 the k-th of {self.replicas} equal slices of it (dim 0), and splits that into microbatches.
 Route A, `traced_route`: torch.distributed.pipelining.pipeline() traces the model with torch.export
   and splits it at SPLIT_SPEC; you then all-reduce tied weights' and replicas' gradients yourself.
+  torch.export does not trace every model (data-dependent control flow; a user's transformers Qwen2 model
+  file failed inside it); where pipeline() raises, use Route B, which trained that model.
 Route B, `planner_route`: runtime.pippy.build() splits with this project's runtime.stages
   (torch.fx: also models torch.export cannot trace) and its finish_gradients() sums tied
   weights' gradients over their stages and averages the pipelines' gradients.
@@ -369,25 +371,23 @@ def data_parallel_degree(plan: Plan, target: str, source: str = "<plan>") -> int
     counts, and for microbatches that do not split evenly over the R pipelines.
     """
     what = _TARGET_NAMES[target]
-    profile_arg = plan.profile.path or "PROFILE"
-    replan = f"planner partition {profile_arg} --gpus {plan.cluster.num_devices}"
     if plan.schedule in CHUNKED_SCHEDULES and target != "pippy":
         raise ExportError(
             source, f"the plan runs {plan.chunks} chunks per GPU ({plan.schedule}), which {what} has no schedule for",
-            f"re-plan with one stage per GPU: `{replan} --schedule 1f1b`, or export it to pippy")
+            f"re-plan with one stage per GPU: `{replan_command(plan, '1f1b')}`, or export it to pippy")
     if plan.schedule not in PIPPY_SCHEDULE_CLASSES:
         raise ExportError(
             source, f"the plan's schedule {plan.schedule!r} (asynchronous, with weight stashing) has no "
                     f"equivalent in {what}, which runs synchronous schedules (GPipe, 1F1B)",
-            f"re-plan with a synchronous schedule: `{replan} --schedule 1f1b`")
+            f"re-plan with a synchronous schedule: `{replan_command(plan, '1f1b')}`")
     replicas = [stage.replicas for stage in plan.stages]
     if len(set(replicas)) != 1:
         layout = ("a pipeline x data-parallel mesh: every stage on the same number of ranks" if target == "pippy"
                   else "a data-parallel degree of world size / stages for every stage")
         raise ExportError(
             source, f"its stages have {replicas} replicas, but {what} needs {layout}",
-            f"re-plan with `{replan} --straight` (or use replicas that are all equal), or run this plan "
-            "with this project's runtime (runtime.engine.Engine.from_plan)")
+            f"re-plan with `{replan_command(plan, add=['--straight'])}` (or use replicas that are all equal), or run "
+            "this plan with this project's runtime (runtime.engine.Engine.from_plan)")
     count = replicas[0]
     microbatches = plan.microbatches or 1
     if microbatches % count:

@@ -29,6 +29,9 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
   every other schedule; absent in older files: 1).
 - `notes`: sentences for the reader (e.g. that fewer devices than given were used and why).
 - `optimizer`: adam or sgd, whose state the memory figures count (absent in older files: adam).
+- `command`: the `planner partition` options that made the plan, as words (`--out` and `--compare` left
+  out), so that a message asking for another plan can repeat them (`replan_command`); [] for a plan made
+  through the Python API (absent in older files: []).
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from planner.files.cluster import Cluster, cluster_from_dict
 from planner.errors import FileFormatError, PlannerError
@@ -193,6 +197,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     optimizer: str = "adam"
     chunks: int = 1  # stages per rank: v under interleaved-1f1b (stage s on rank s mod p), else 1
+    command: tuple[str, ...] = ()  # the `planner partition` words that made it (`replan_command`)
 
     @property
     def global_batch_size(self) -> int | None:
@@ -269,6 +274,39 @@ class Plan:
             raise PlanProfileMismatchError(plan_path, profile_path, self.profile.digest, found)
 
 
+def replan_command(plan: Plan, schedule: str | None = None, add: Sequence[str] = ()) -> str:
+    """The shell line of the `planner partition` command that made `plan` (`Plan.command`) with `--schedule
+    schedule` (None: as it was) and the flags `add` it lacks; for a plan of the Python API, the command its
+    own fields give (profile, GPUs, memory, straight, optimizer, microbatch size and count, schedule)."""
+    words = list(plan.command) or _command_of(plan)
+    if schedule is not None:
+        at = next((i for i, word in enumerate(words) if word == "--schedule"), None)
+        if at is None or at + 1 >= len(words):
+            words += ["--schedule", schedule]
+        else:
+            words[at + 1] = schedule
+    words += [flag for flag in add if flag not in words]
+    return shlex.join(words)
+
+
+def _command_of(plan: Plan) -> list[str]:
+    """`planner partition` words that make a plan like `plan`, from what it records."""
+    words = ["planner", "partition", plan.profile.path or "PROFILE", "--gpus", str(plan.cluster.num_devices)]
+    if len(plan.cluster.levels) > 1:
+        words += ["--gpus-per-node", str(plan.cluster.levels[0].size)]
+    if plan.cluster.memory_bytes is not None:
+        words += ["--memory", f"{plan.cluster.memory_bytes}B"]
+    if plan.optimizer != "adam":
+        words += ["--optimizer", plan.optimizer]
+    if plan.straight:
+        words.append("--straight")
+    if plan.microbatch_size is not None:
+        words += ["--microbatch-size", str(plan.microbatch_size)]
+    if plan.microbatches is not None:
+        words += ["--microbatches", str(plan.microbatches)]
+    return words + ["--schedule", plan.schedule]
+
+
 def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
     """A Plan from `Plan.to_dict()` output; FileFormatError naming `source` if a field is bad."""
     try:
@@ -296,6 +334,7 @@ def plan_from_dict(body: dict[str, Any], source: str = "<dict>") -> Plan:
                                  objective_ms=float(predicted.get("objective_ms", predicted["iteration_ms"]))),
             notes=tuple(str(n) for n in _strict_list(body.get("notes", []), "notes")),
             optimizer=str(body.get("optimizer", "adam")), chunks=int(body.get("chunks", 1)),
+            command=tuple(str(word) for word in _strict_list(body.get("command", []), "command")),
         )
         _check_stages(plan.stages, source)
         if plan.schedule not in SCHEDULES:

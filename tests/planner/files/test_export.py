@@ -109,7 +109,7 @@ def test_unequal_replication_is_refused_with_the_counts_and_the_fix() -> None:
 def test_pipedream_is_refused_with_a_synchronous_replan() -> None:
     plan = dataclasses.replace(straight_plan("mlp", 2), schedule="pipedream", microbatches=None)
     for export in (lambda: pippy_export(plan, "p.json"), lambda: deepspeed_export(plan, profile_of("mlp"), "p.json")):
-        with pytest.raises(ExportError, match="'pipedream'.*--gpus 2 --schedule 1f1b"):
+        with pytest.raises(ExportError, match="'pipedream'.*--gpus 2 --straight .*--schedule 1f1b`"):
             export()
 
 
@@ -224,3 +224,18 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert_one_line_error(invoke("export", plan_path, "--to", "deepspeed"), "mixed.json", "[2, 1] replicas")
     assert_one_line_error(invoke("export", plan_path, "--to", "megatron"), "--to must be one of pippy, deepspeed")
     assert not list(tmp_path.glob("mixed.*.json"))  # nothing written for a refused plan
+
+
+def test_cli_refusal_repeats_the_partition_command_with_a_schedule_deepspeed_runs(tmp_path: Path) -> None:
+    """An interleaved plan made with --straight, --cluster and --memory: the deepspeed refusal's re-plan keeps them
+    (without them the 1f1b plan it suggested was a different one, e.g. data-parallel)."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("levels:\n  - {name: node, size: 2, bandwidth: 10GB/s, latency: 50us}\n")
+    plan_path = tmp_path / "gpt.json"
+    profile = str(REPO / "profiles" / "gpt.json")
+    made = invoke("partition", profile, "--cluster", cluster, "--memory", "8GB", "--straight",
+                  "--schedule", "interleaved-1f1b", "--microbatches", "8", "-o", plan_path)
+    assert made.exit_code == 0, made.output
+    result = invoke("export", plan_path, "--to", "deepspeed")
+    assert_one_line_error(result, "has no schedule for", f"`planner partition {profile} --cluster {cluster} "
+                          "--memory 8GB --schedule 1f1b --microbatches 8 --straight`")
