@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from typing import Any, Callable, Sequence
 
 import torch
@@ -82,7 +83,9 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
     set) and `planner.profiling.conditions.STEADY_MALLOC` glibc settings (as `planner profile`
     has, on CPU and GPU alike: they matter to host-side steps only). `before` sees the workers'
     conditions (`conditions.current_conditions`; processes: `count` on a CPU, None where each has a GPU, as a
-    profile records them) first. ChildFailedError when a worker fails."""
+    profile records them) first. ChildFailedError when a worker fails. torchrun's own files (each rank's error
+    file) go to a folder that is removed afterwards: given none, torchrun leaves a /tmp/torchelastic_* folder behind
+    on every run."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
     for name, value in STEADY_MALLOC.items():
         os.environ.setdefault(name, value)
@@ -90,7 +93,9 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
         before(current_conditions(int(os.environ["OMP_NUM_THREADS"]), count if cpu else None))
     from torch.distributed.run import get_args_parser, run
 
-    run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", "--module", module, *argv]))
+    with tempfile.TemporaryDirectory(prefix="planner-torchrun-") as logs:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", f"--log-dir={logs}",
+                                          "--module", module, *argv]))
 
 
 def _plan_profile(plan: Plan) -> Profile | None:

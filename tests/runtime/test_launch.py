@@ -165,3 +165,27 @@ def test_planner_train_says_what_the_plans_microbatches_change(tmp_path: Path, m
     assert notes_of(whole) == []  # the batch is not cut
     path.unlink()
     assert notes_of(plan) == []  # no profile to ask
+
+
+@pytest.mark.parametrize("module, fails", [("platform", False), ("no_such_module_here", True)])
+def test_a_job_leaves_nothing_in_the_temporary_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str,
+                                                      fails: bool) -> None:
+    """torchrun given no log folder makes /tmp/torchelastic_* on every run and never removes it (400 of them piled up
+    on the test machine in a day); run_module gives it one that goes when the job ends, failed or not, and a failed
+    rank's exit code still reaches the error."""
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from runtime.launch import run_module
+
+    for name, value in {"OMP_NUM_THREADS": "1", **STEADY_MALLOC}.items():
+        monkeypatch.setenv(name, value)  # what run_module sets where unset, undone after the test
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if fails:
+        with pytest.raises(ChildFailedError) as failed:
+            run_module(module, [], 1)
+        assert [failure.exitcode for failure in failed.value.failures.values()] == [1]
+    else:
+        run_module(module, [], 1)  # `python -m platform` prints a line and exits 0
+    assert list(tmp_path.iterdir()) == []

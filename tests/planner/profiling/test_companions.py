@@ -87,14 +87,14 @@ def test_a_companion_that_does_not_start_in_time_is_stopped(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_companions_end_when_their_profiler_is_killed() -> None:
+def test_companions_end_when_their_profiler_is_killed(tmp_path: Path) -> None:
     """A profiler killed outright (SIGKILL: no finally runs) leaves no companion training on: they exit when
-    their standard input closes."""
+    their standard input closes. (Its scratch folder stays, in the test's own temporary folder.)"""
     script = ("import sys, time\nfrom planner.profiling.companions import companions\n"
               f"with companions({MLP!r}, 1, 2, 1, 'float32') as ready:\n"
               "    ready(); print('up', flush=True); time.sleep(120)\n")
     profiler = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
     try:
         assert profiler.stdout is not None and profiler.stdout.readline().strip() == "up"
         pids = companion_pids(profiler.pid)
