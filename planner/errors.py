@@ -44,6 +44,10 @@ class DeviceError(PlannerError):
         super().__init__(f"device {device!r}: {problem}")
 
 
+# what else lowers every stage's memory: fewer samples per microbatch, or (under gpipe) fewer in flight
+SMALLER_BATCH = "a smaller --microbatch-size or --global-batch-size"
+
+
 class InfeasiblePlanError(PlannerError):
     """No plan fits the device memory; names the smallest memory per device that would work.
 
@@ -70,7 +74,8 @@ class InfeasiblePlanError(PlannerError):
         enough_gb = math.ceil(self.smallest_memory_bytes / 1e6) / 1e3  # in GB, rounded up to the MB: it does fit
         if self.detail:
             return (f"no plan fits in {self.memory_bytes / 1e9:.4g} GB per device {self.detail}; pass a larger "
-                    f"--memory (that plan fits in {enough_gb:g} GB), use more GPUs, or an optimizer with less state")
+                    f"--memory (that plan fits in {enough_gb:g} GB), use more GPUs, {SMALLER_BATCH}, or an optimizer "
+                    "with less state")
         return (f"no plan fits in {self.memory_bytes / 1e9:.4g} GB per device; the smallest memory that admits a "
-                f"plan is {enough_gb:g} GB (pass --memory {enough_gb:g}GB or more, use more GPUs, or an optimizer "
-                f"with less state)")
+                f"plan is {enough_gb:g} GB (pass --memory {enough_gb:g}GB or more, use more GPUs, {SMALLER_BATCH}, "
+                "or an optimizer with less state)")

@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import math
+
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def format_bytes(nbytes: float) -> str:
-    """Bytes in binary units with 3 significant digits: 1536 -> '1.50 KiB'."""
+    """Bytes in binary units with 3 significant digits, never in exponent notation: 1536 -> '1.5 KiB',
+    1023.9 KiB -> '1 MiB' (what rounds to 1024 of a unit is the next unit), 1000.2 KiB -> '1000 KiB'."""
     value = float(nbytes)
     for unit in _BYTE_UNITS:
-        if abs(value) < 1024 or unit == _BYTE_UNITS[-1]:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        last = unit == _BYTE_UNITS[-1]
+        if unit == "B" and abs(value) < 1024:
+            return f"{int(value)} B"
+        if unit != "B" and (round(abs(value)) < 1024 or last):
+            return f"{significant(value)} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """`digits` significant digits without exponent notation: at 3, 0.123, 12.3, 999, and whole numbers from
+    999.5 on (1000, 1023, 52000); at 4, 12345.6 -> '12346'; below 1e-4, positional ('0.0000123')."""
+    if round(abs(value)) >= 10**digits:
+        return f"{value:.0f}"
+    if value and abs(value) < 1e-4:
+        return _positional(value, digits)
+    return f"{value:.{digits}g}"
+
+
+def _positional(value: float, digits: int) -> str:
+    """`value` (below 1e-4) with `digits` significant digits in positional notation, trailing zeros dropped."""
+    decimals = digits - 1 - math.floor(math.log10(abs(value)))
+    return f"{value:.{decimals}f}".rstrip("0").rstrip(".")
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """'1 GPU', '2 GPUs': `count` and its noun; `nouns` where the plural is not noun + 's' ('processes')."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
 
 
 def format_ms(milliseconds: float) -> str:
@@ -20,7 +47,7 @@ def format_ms(milliseconds: float) -> str:
     if milliseconds == 0:
         return "0"
     if milliseconds < 0.1:
-        return f"{milliseconds:.3g}"
+        return significant(milliseconds)
     return f"{milliseconds:.2f}" if milliseconds < 10 else f"{milliseconds:.1f}"
 
 
@@ -105,3 +132,8 @@ def parse_seconds(text: str) -> float:
     if not number >= 0 or number == float("inf"):
         raise ValueError(f"duration {text!r} must be 0 or more")
     return number * factor
+
+
+def name_range(first: str, last: str) -> str:
+    """A range of layers by name: 'h.0 .. h.7', or just 'h.0' for a range of one."""
+    return first if first == last else f"{first} .. {last}"

@@ -39,6 +39,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.files.export import ExportError, data_parallel_degree
 from planner.files.plan import Plan
+from planner.units import plural
 from runtime.stages import Stages, build_stages
 
 __all__ = ["DeepSpeedPlanError", "PlannedPipelineModule", "deepspeed_config", "pipeline_module"]
@@ -124,8 +125,9 @@ def pipeline_module(model: nn.Module, plan: Plan, *, loss_fn: LossFn, example_in
                                  "a process started by torchrun or the deepspeed launcher")
     needed = replicas * len(plan.stages)
     if dist.get_world_size() != needed:
-        raise DeepSpeedPlanError(f"the plan has {needed} ranks ({len(plan.stages)} stages x {replicas} replicas) but "
-                                 f"the job has {dist.get_world_size()} processes: launch {needed}")
+        raise DeepSpeedPlanError(f"the plan has {plural(needed, 'rank')} ({plural(len(plan.stages), 'stage')} x "
+                                 f"{plural(replicas, 'replica')}) but the job has "
+                                 f"{plural(dist.get_world_size(), 'process', 'processes')}: launch {needed}")
     return PlannedPipelineModule(build_stages(model, plan, example_inputs), loss_fn=loss_fn, **pipeline_module_kwargs)
 
 

@@ -70,6 +70,7 @@ from planner.errors import PlannerError
 from planner.profiling.conditions import keep_freed_memory
 from planner.profiling.memory import peak_memory_of
 from planner.profiling.model_file import default_loss
+from planner.units import plural
 from planner.schedules.schedule import (
     ALLREDUCE, CHUNKED_SCHEDULES, RECV_ACTIVATION, SEND_ACTIVATION, SENDS,
     SPLIT_BACKWARD_SCHEDULES, Action, Schedule, build_schedule, receive_order, stage_placement,
@@ -126,7 +127,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
             local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
             if local_rank >= count:  # NCCL takes one GPU per rank (it refuses two ranks on one device)
                 raise EngineError(f"local rank {local_rank} needs GPU {local_rank} under NCCL, but this machine has "
-                                  f"{count}: start at most {count} processes per machine")
+                                  f"{count}: start at most {plural(count, 'process', 'processes')} per machine")
             torch.cuda.set_device(local_rank)
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
     if device is None:
@@ -238,8 +239,9 @@ class Engine:
         needed = sum(stage.replicas for stage in plan.stages) // chunks
         world = dist.get_world_size() if dist.is_initialized() else None
         if world is not None and world != needed:
-            raise EngineError(f"the plan has {needed} ranks but the job has {world} processes: "
-                              f"launch with torchrun --nproc-per-node {needed} (or make a plan for {world} GPUs)")
+            raise EngineError(f"the plan has {plural(needed, 'rank')} but the job has "
+                              f"{plural(world, 'process', 'processes')}: launch with torchrun --nproc-per-node "
+                              f"{needed} (or make a plan for {plural(world, 'GPU')})")
         return cls(build_stages(model, plan, example_inputs), plan.schedule, [stage.ranks for stage in plan.stages],
                    microbatches or plan.microbatches or 1, chunks=chunks,
                    checkpoint=[stage.recompute for stage in plan.stages],

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from planner.files.export import PIPPY_MULTI_STAGE_CLASSES, ExportError, pippy_export
 from planner.profiling.model_file import LossFn, default_loss
 from planner.files.plan import Plan
+from planner.units import plural
 from runtime.engine import init_distributed
 from runtime.gradients import GradientGroups, all_reduce_gradients, comm_device, make_rank_gradient_groups
 from runtime.nested import map_tensors, split_batch
@@ -164,9 +165,10 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != settings.world_size:
         chunks = f", {settings.chunks} per rank," if settings.chunks > 1 else ""
-        raise PippyError(f"the plan has {settings.world_size} ranks ({settings.num_stages} stages{chunks} x "
-                         f"{settings.replicas} replicas) but the job has {world} processes: launch with "
-                         f"torchrun --nproc-per-node {settings.world_size} (or make a plan for {world} GPUs)")
+        raise PippyError(f"the plan has {plural(settings.world_size, 'rank')} ({plural(settings.num_stages, 'stage')}"
+                         f"{chunks} x {plural(settings.replicas, 'replica')}) but the job has "
+                         f"{plural(world, 'process', 'processes')}: launch with torchrun --nproc-per-node "
+                         f"{settings.world_size} (or make a plan for {plural(world, 'GPU')})")
     stages = build_stages(model, plan, example_microbatch)
     examples = None
     if example_microbatch is not None:

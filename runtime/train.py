@@ -32,6 +32,7 @@ before any collective, the training loop with its checkpoints and log, and the r
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 from contextlib import contextmanager
 import os
@@ -40,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ from planner.files.fileformat import keep_previous
 from planner.files.plan import Plan, load_plan, plan_digest
 from planner.files.profile import load_profile
 from planner.profiling.tensors import tensor_nbytes
+from planner.units import plural
 from planner.schedules.schedule import pipedream_microbatches
 from runtime.checkpoint import (
     Checkpoint, CheckpointError, check_writable, latest_complete, load_stages, merged_model_state,
@@ -64,14 +66,42 @@ from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_
 from runtime.report import save_run_report
 from runtime.worker_exit import exit_worker
 
-__all__ = ["TrainOptions", "TrainingError", "parse_args", "main", "check_setup", "example_microbatch", "rank_count"]
+__all__ = ["TrainOptionError", "TrainOptions", "TrainingError", "UnknownTrainOptionError", "parse_args", "main",
+           "check_setup", "example_microbatch", "rank_count"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
+LAUNCHER_OPTIONS = ("--nproc", "--debug")  # `planner train`'s own options, beside what it passes to `parse_args`
 
 
 class TrainingError(PlannerError):
     """The training job cannot start or go on; the message is the one line every rank prints."""
+
+
+class TrainOptionError(TrainingError):
+    """A command line of `planner train` (`prog`) that cannot be read: argparse's `problem`, in one line."""
+
+    def __init__(self, prog: str, problem: str) -> None:
+        self.prog, self.problem = prog, problem
+        super().__init__(f"{prog}: {problem}")
+
+
+class UnknownTrainOptionError(TrainOptionError):
+    """An option `planner train` does not take: names it, and the closest it takes (`closest`, "" for none) or them
+    all (`options`)."""
+
+    def __init__(self, prog: str, option: str, closest: str, options: Sequence[str]) -> None:
+        self.option, self.closest, self.options = option, closest, tuple(options)
+        fix = f"did you mean {closest}?" if closest else f"the options are {', '.join(options)}"
+        super().__init__(prog, f"unknown option {option}; {fix}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are TrainOptionError (one line) instead of its usage on stderr and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise the problem argparse found as a TrainOptionError naming the command."""
+        raise TrainOptionError(self.prog, message)
 
 
 class Stopped(Exception):
@@ -106,10 +136,12 @@ class TrainOptions:
     log_every: int = 10
 
 
-def parse_args(argv: Sequence[str]) -> TrainOptions:
-    """TrainOptions from a command line (argparse exits with its usage message on a bad one)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m runtime.train", description="Train MODEL_FILE with PLAN; launch one process per rank "
+def parse_args(argv: Sequence[str], prog: str = "planner train",
+               launcher_options: Sequence[str] = LAUNCHER_OPTIONS) -> TrainOptions:
+    """TrainOptions from a command line of `prog` (whose own options, beside these, are `launcher_options`);
+    TrainOptionError (one line) on a bad one, UnknownTrainOptionError naming the closest option for a mistyped one."""
+    parser = _OneLineParser(
+        prog=prog, description="Train MODEL_FILE with PLAN; launch one process per rank "
         "of the plan with torchrun (or `planner train`).")
     parser.add_argument("model_file", help="Python file with build_model() and example_batch(batch_size)")
     parser.add_argument("--plan", required=True, help="plan file written by `planner partition`")
@@ -137,7 +169,23 @@ def parse_args(argv: Sequence[str]) -> TrainOptions:
     parser.add_argument("--report", default=None,
                         help="run report written by rank 0 (default runs/<plan name>.report.json)")
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs every N steps (default 10)")
-    return TrainOptions(**vars(parser.parse_args(list(argv))))
+    options, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise _unknown_option(parser, unknown, launcher_options)
+    return TrainOptions(**vars(options))
+
+
+def _unknown_option(parser: argparse.ArgumentParser, unknown: Sequence[str],
+                    launcher_options: Sequence[str]) -> TrainOptionError:
+    """The error for the words `parser` did not take: the first option among them with the closest known one (or all
+    of them), else the first stray word."""
+    options = [option for option in (*launcher_options, *parser._option_string_actions) if option.startswith("--")
+               and option != "--help"]
+    option = next((word.split("=", 1)[0] for word in unknown if word.startswith("-")), None)
+    if option is None:
+        return TrainOptionError(parser.prog, f"unexpected argument {unknown[0]!r} (MODEL_FILE is given once, first)")
+    closest = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
+    return UnknownTrainOptionError(parser.prog, option, closest[0] if closest else "", options)
 
 
 @dataclass(frozen=True)
@@ -159,7 +207,11 @@ class Setup:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m runtime.train`; returns the exit code (0, or 1 after the one-line error)."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    options = parse_args(arguments)
+    try:
+        options = parse_args(arguments, "python -m runtime.train", ())
+    except TrainOptionError as exc:
+        _say_error(os.environ.get("RANK", "?"), str(exc))
+        return 1
     if options.device != "cuda" and not torch.cuda.is_available() and argv is None:
         steady_malloc(["-m", "runtime.train", *arguments])
     rank = os.environ.get("RANK", "?")
@@ -248,9 +300,10 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     plan = load_plan(options.plan)
     needed = rank_count(plan)
     if world != needed:
-        raise TrainingError(f"{options.plan} has {needed} ranks ({len(plan.stages)} stages) but the job has {world} "
-                            f"processes: launch with --nproc-per-node {needed} (or make a plan for {world} GPUs "
-                            f"with `planner partition PROFILE --gpus {world}`)")
+        raise TrainingError(f"{options.plan} has {plural(needed, 'rank')} ({plural(len(plan.stages), 'stage')}) but "
+                            f"the job has {plural(world, 'process', 'processes')}: launch with --nproc-per-node "
+                            f"{needed} (or make a plan for {plural(world, 'GPU')} with `planner partition PROFILE "
+                            f"--gpus {world}`)")
     device, backend = _device_and_backend(options, local_rank)
     model_file = load_model_file(options.model_file)
     torch.manual_seed(options.seed)
@@ -309,7 +362,7 @@ def _device_and_backend(options: TrainOptions, local_rank: int) -> tuple[torch.d
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise TrainingError(f"local rank {local_rank} needs GPU {local_rank}, but this machine has {count}: "
-                                f"start at most {count} processes per machine (--nproc-per-node)")
+                                f"start at most {plural(count, 'process', 'processes')} per machine (--nproc-per-node)")
         return torch.device("cuda", local_rank), backend
     return torch.device("cpu"), backend
 
@@ -323,7 +376,7 @@ def _check_model_matches(model: nn.Module, plan: Plan, options: TrainOptions) ->
     profile_path = Path(plan.profile.path) if plan.profile.path else None
     profile = load_profile(profile_path) if profile_path is not None and profile_path.is_file() else None
     if profile is not None:
-        plan.check_profile(profile, options.plan, str(profile_path))
+        plan.check_profile(profile, options.plan, str(profile_path), profile_option=False)  # train takes none
         names, source = [layer.name for layer in profile.layers], f"the profile {profile_path}"
     else:
         names = [name for stage in plan.stages for name in (stage.first_layer, stage.last_layer)]

@@ -8,8 +8,10 @@ import pandas as pd
 
 from planner.files.plan import Plan
 from planner.files.profile import Profile
-from planner.display.tables import memory_cell, plan_summary, profile_summary, rank_range
-from planner.units import format_bytes
+from planner.display.tables import (
+    allreduce_cell, memory_cell, plan_summary, profile_summary, rank_range, tied_footnote,
+)
+from planner.units import format_bytes, name_range, plural
 
 MAX_PROFILE_ROWS = 60  # longer profiles show their first and last rows
 
@@ -18,16 +20,19 @@ def plan_html(plan: Plan) -> str:
     """The plan's stage table (times in ms per microbatch, memory per device) under its summary and notes."""
     rows = [
         {
-            "stage": index, "layers": f"{stage.first_layer} .. {stage.last_layer}", "#": stage.stop - stage.start,
+            "stage": index, "layers": name_range(stage.first_layer, stage.last_layer), "#": stage.stop - stage.start,
             "replicas": stage.replicas, "ranks": rank_range(stage.ranks), "compute ms": round(stage.compute_ms, 4),
-            "comm ms": round(stage.comm_ms, 4), "all-reduce ms": round(stage.allreduce_ms, 4),
+            "comm ms": round(stage.comm_ms, 4), "all-reduce ms": allreduce_cell(stage),
             "period ms": round(stage.period_ms, 4), "memory/GPU": memory_cell(stage.memory_bytes, plan.cluster.memory_bytes),
             "recompute": "yes" if stage.recompute else "no",
         }
         for index, stage in enumerate(plan.stages)
     ]
-    title = f"{plan.profile.name}: {len(plan.stages)} stage(s) on {plan.cluster.describe()} ({plan.cost_model} cost model)"
-    return _titled(title, pd.DataFrame(rows).to_html(index=False), plan_summary(plan))
+    title = (f"{plan.profile.name}: {plural(len(plan.stages), 'stage')} on {plan.cluster.describe()} "
+             f"({plan.cost_model} cost model)")
+    tied = tied_footnote(plan)
+    summary = plan_summary(plan) + (f"\n{tied}" if tied else "")
+    return _titled(title, pd.DataFrame(rows).to_html(index=False), summary)
 
 
 def profile_html(profile: Profile) -> str:

@@ -29,7 +29,7 @@ from planner.files.plan import Plan
 from planner.files.profile import Profile
 from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP, WEIGHT
 from planner.files.timeline import Timeline
-from planner.units import format_bytes
+from planner.units import format_bytes, plural, significant
 
 WIDTH_IN = 12.0  # every figure of a plan or timeline is this wide, so they stack into `plan_figure`
 PARTITION_HEIGHT_IN = 7.5
@@ -217,7 +217,7 @@ def _draw_partition(fig: FigureBase, plan: Plan, profile: Profile) -> None:
     _layer_ticks(memory_ax, [layer.name for layer in profile.layers])
     memory_ax.set_xlim(-0.6, profile.num_layers - 0.4)
     memory_ax.set_xlabel("layer (execution order)")
-    fig.suptitle(_plan_title(plan))
+    fig.suptitle(_plan_title(plan, profile))
 
 
 def _draw_layer_times(ax: Axes, plan: Plan, profile: Profile, colors: Sequence[str]) -> None:
@@ -233,7 +233,7 @@ def _draw_layer_times(ax: Axes, plan: Plan, profile: Profile, colors: Sequence[s
                     xycoords=("data", "axes fraction"), xytext=(0, -4), textcoords="offset points",
                     rotation=90, ha="center", va="top", fontsize=8,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="0.6", alpha=0.9))
-    batch = f"mini-batch of {profile.batch_size}" if profile.batch_size else "profiled mini-batch"
+    batch = f"profiled batch of {profile.batch_size} samples" if profile.batch_size else "profiled mini-batch"
     ax.set_ylabel(f"forward + backward\n(ms per {batch})")
     ax.set_title(f"compute per layer; labels on stage boundaries: activation bytes crossing them per {batch}",
                  fontsize=10)
@@ -475,34 +475,31 @@ def _label_width_pt(chars: int) -> float:
     return 0.6 * LABEL_FONT_PT * chars + 3.0
 
 
-def _count(number: int, noun: str, plural: str) -> str:
-    """'1 replica', '4 replicas'."""
-    return f"{number} {noun if number == 1 else plural}"
-
-
 def _stage_label(index: int, replicas: int, recompute: bool) -> str:
-    return f"stage {index} ({_count(replicas, 'replica', 'replicas')})" + (", recompute" if recompute else "")
+    return f"stage {index} ({plural(replicas, 'replica')})" + (", recompute" if recompute else "")
 
 
-def _plan_title(plan: Plan) -> str:
+def _plan_title(plan: Plan, profile: Profile) -> str:
+    """The schedule, what one optimizer step trains (global batch = microbatches x samples each), GPUs, throughput."""
     schedule = plan.schedule
-    if plan.microbatches is not None:
-        schedule += f", {_count(plan.microbatches, 'microbatch', 'microbatches')}"
-    return (f"{plan.profile.name}: {schedule}; {plan.predicted.devices_used} of {plan.cluster.num_devices} GPUs; "
+    unit = "samples" if profile.batch_size else "profiled mini-batches"
+    if plan.global_batch_size is not None:
+        schedule += (f", global batch {plan.global_batch_size} = "
+                     f"{plural(plan.microbatches or 1, 'microbatch', 'microbatches')} x {plan.microbatch_size} {unit}")
+    elif plan.microbatch_size is not None:  # pipedream: the weights update after every microbatch
+        schedule += f", microbatches of {plan.microbatch_size} {unit}"
+    return (f"{plan.profile.name}: {schedule}; {plan.predicted.devices_used} of "
+            f"{plural(plan.cluster.num_devices, 'GPU')}; "
             f"{_format_rate(plan.predicted.samples_per_s)} samples/s predicted")
 
 
 def _timeline_title(timeline: Timeline) -> str:
     iteration_ms = timeline.iteration_s() * 1000.0
-    microbatches = _count(timeline.microbatches, "microbatch", "microbatches")
+    microbatches = plural(timeline.microbatches, "microbatch", "microbatches")
     if timeline.schedule == "pipedream":
-        timing = f"{iteration_ms:.4g} ms per microbatch (steady state), {microbatches} shown"
+        timing = f"{significant(iteration_ms, 4)} ms per microbatch (steady state), {microbatches} shown"
     else:
         count = "" if timeline.iterations == 1 else f" x {timeline.iterations} iterations"
-        timing = f"{iteration_ms:.4g} ms per iteration ({microbatches}{count})"
-    return f"{timeline.schedule} schedule: {timing}; mean bubble {_mean_bubble(timeline):.1%}"
-
-
-def _mean_bubble(timeline: Timeline) -> float:
-    """The ranks' mean idle share, clamped at 0 (rounding can make a busy rank's share -1e-16)."""
-    return max(float(timeline.bubble_fraction().mean()), 0.0) if len(timeline.events) else 0.0
+        timing = f"{significant(iteration_ms, 4)} ms per iteration ({microbatches}{count})"
+    over = " over the run, fill and drain included" if timeline.schedule == "pipedream" else ""
+    return f"{timeline.schedule} schedule: {timing}; idle {timeline.idle_fraction():.1%} of device time{over}"

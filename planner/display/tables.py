@@ -9,11 +9,11 @@ from rich.table import Table
 
 from planner.planning.partition import BaselineResult
 from planner.profiling.conditions import oversubscribed, profile_load_warning
-from planner.files.plan import Plan
+from planner.files.plan import Plan, StagePlan
 from planner.files.profile import LayerProfile, Profile
 from planner.schedules.schedule import BACKWARD, FORWARD, WEIGHT
 from planner.files.timeline import Timeline
-from planner.units import format_bytes, format_ms
+from planner.units import format_bytes, format_ms, name_range, plural, significant
 
 _COMPACT = {"box": box.SIMPLE_HEAD, "pad_edge": False}  # no vertical rules: fits 80 columns
 
@@ -107,6 +107,9 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
         f"({plan.cost_model} cost model)",
         caption=plan_summary(plan), caption_justify="left", **_COMPACT,
     )
+    tied = tied_footnote(plan)
+    if wide and tied:
+        table.caption = f"{table.caption}\n{tied}"
     table.add_column("stage", justify="right", no_wrap=True)
     table.add_column("layers", overflow="fold", min_width=10)
     headers = ("#", "replicas", "ranks", "compute ms", "comm ms", "all-reduce ms", "period ms", "memory/GPU",
@@ -117,26 +120,50 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
         ranks = rank_range(stage.ranks)
         count = [str(stage.stop - stage.start)] if wide else []
         table.add_row(
-            str(index), f"{stage.first_layer} .. {stage.last_layer}", *count, str(stage.replicas),
+            str(index), name_range(stage.first_layer, stage.last_layer), *count, str(stage.replicas),
             *([ranks] if wide else []), format_ms(stage.compute_ms), format_ms(stage.comm_ms),
-            *([format_ms(stage.allreduce_ms)] if wide else []), format_ms(stage.period_ms),
+            *([allreduce_cell(stage)] if wide else []), format_ms(stage.period_ms),
             memory_cell(stage.memory_bytes, plan.cluster.memory_bytes), "yes" if stage.recompute else "no",
         )
     return table
 
 
+def allreduce_cell(stage: StagePlan) -> str:
+    """A stage's all-reduce ms per step: its replicas' plus its tied weights' (marked '*', `tied_footnote`)."""
+    total = format_ms(stage.allreduce_ms + stage.tied_allreduce_ms)
+    return f"{total}*" if stage.tied_allreduce_ms > 0 else total
+
+
+def tied_footnote(plan: Plan) -> str | None:
+    """The line under a plan table whose all-reduce column holds tied weights' all-reduces; None: no stage has any."""
+    tied = [f"stage {index}: {format_ms(stage.tied_allreduce_ms)} ms" for index, stage in enumerate(plan.stages)
+            if stage.tied_allreduce_ms > 0]
+    if not tied:
+        return None
+    return (f"* all-reduce ms includes summing tied weights' gradients with the other stages that hold them, once per "
+            f"step ({', '.join(tied)})")
+
+
+def idle_text(plan: Plan) -> str:
+    """The plan's idle share of device time as every command states it (`Prediction.bubble_fraction`), and over
+    what: the simulated iteration, or pipedream's steady state."""
+    over = "in steady state" if plan.microbatches is None else "over the simulated iteration"
+    return f"idle {plan.predicted.bubble_fraction:.1%} of device time {over}"
+
+
 def plan_summary(plan: Plan) -> str:
-    """Predicted bottleneck, throughput and speedups, then the plan's notes."""
+    """Predicted bottleneck, throughput, idle share and speedups, then the plan's notes."""
     p = plan.predicted
     if plan.microbatches is None:
-        timing = f"{p.iteration_ms:.4g} ms per microbatch (steady state, {plan.schedule} schedule)"
+        timing = f"{significant(p.iteration_ms, 4)} ms per microbatch (steady state, {plan.schedule} schedule)"
     else:
-        timing = (f"iteration {p.iteration_ms:.4g} ms ({plan.schedule}, {plan.microbatches} microbatches of "
-                  f"{plan.microbatch_size}: global batch {plan.global_batch_size})")
+        count = plural(plan.microbatches, "microbatch", "microbatches")
+        timing = (f"iteration {significant(p.iteration_ms, 4)} ms ({plan.schedule}, {count} of {plan.microbatch_size}: "
+                  f"global batch {plan.global_batch_size})")
     lines = [
-        f"{timing}; {p.samples_per_s:.4g} samples/s; GPUs idle {p.bubble_fraction:.1%} of the time",
+        f"{timing}; {significant(p.samples_per_s, 4)} samples/s; {idle_text(plan)}",
         f"speedup {p.speedup_vs_single_device:.3g}x over one GPU, {p.speedup_vs_data_parallel:.3g}x over "
-        f"data parallelism on {plan.cluster.num_devices} GPUs; {p.devices_used} GPUs used",
+        f"data parallelism on {plural(plan.cluster.num_devices, 'GPU')}; {plural(p.devices_used, 'GPU')} used",
     ]
     return "\n".join(lines + [f"note: {note}" for note in plan.notes])
 
@@ -153,14 +180,14 @@ def comparison_table(plan: Plan, baselines: Sequence[BaselineResult]) -> Table:
     optimized_ms = plan.predicted.iteration_ms
     limit = plan.cluster.memory_bytes
     table.add_row("optimized", _replica_shape([s.replicas for s in plan.stages]), str(plan.predicted.devices_used),
-                  f"{optimized_ms:.4g}", memory_cell(plan.predicted.peak_memory_bytes, limit), "")
+                  f"{significant(optimized_ms, 4)}", memory_cell(plan.predicted.peak_memory_bytes, limit), "")
     for baseline in baselines:
         bottleneck_ms = baseline.iteration_s * 1000.0
         fits = limit is None or baseline.peak_memory_bytes <= limit
         memory = memory_cell(baseline.peak_memory_bytes, limit) + ("" if fits else " does not fit")
         speedup = f"{bottleneck_ms / optimized_ms:.2f}x" if optimized_ms > 0 else ""
         table.add_row(baseline.name, _replica_shape([r for _, _, r in baseline.stages]), str(baseline.devices),
-                      f"{bottleneck_ms:.4g}", memory, speedup)
+                      f"{significant(bottleneck_ms, 4)}", memory, speedup)
     return table
 
 
@@ -181,15 +208,26 @@ def timeline_table(plan: Plan, timeline: Timeline) -> Table:
                       format_ms(busy_ms.get(rank, 0.0)), f"{bubbles[rank]:.1%}",
                       memory_cell(int(memory.get(rank, 0)), plan.cluster.memory_bytes))
     simulated_ms = timeline.iteration_s() * 1000.0
+    count = plural(timeline.microbatches, "microbatch", "microbatches")
     if timeline.schedule == "pipedream":
-        what = f"{simulated_ms:.4g} ms per microbatch in steady state ({timeline.microbatches} microbatches simulated)"
+        what = f"{significant(simulated_ms, 4)} ms per microbatch in steady state ({count} simulated)"
     else:
-        what = (f"{simulated_ms:.4g} ms per iteration of {timeline.microbatches} microbatches "
-                f"({timeline.iterations} simulated)")
-    table.caption = (f"{what}; the plan states {plan.predicted.iteration_ms:.4g} ms; "
-                     f"idle: mean {bubbles.mean():.1%}, worst {bubbles.max():.1%}")
+        what = f"{significant(simulated_ms, 4)} ms per iteration of {count} ({timeline.iterations} simulated)"
+    table.caption = (f"{what}; the plan states {significant(plan.predicted.iteration_ms, 4)} ms; "
+                     f"{timeline_idle_text(plan, timeline)}")
     table.caption_justify = "left"
     return table
+
+
+def timeline_idle_text(plan: Plan, timeline: Timeline) -> str:
+    """The simulated idle share of device time (`Timeline.idle_fraction`: for a flush schedule the plan's figure)
+    and the worst rank's; for pipedream, over the whole run with its fill and drain, beside the plan's steady state."""
+    bubbles = timeline.bubble_fraction()
+    worst = f"worst rank {bubbles.max():.1%}" if len(bubbles) else "no ranks"
+    if timeline.schedule != "pipedream":
+        return f"idle {timeline.idle_fraction():.1%} of device time (mean of the ranks; {worst})"
+    return (f"idle {timeline.idle_fraction():.1%} of device time over the simulated run, fill and drain included "
+            f"(mean of the ranks; {worst}; the plan states {plan.predicted.bubble_fraction:.1%} in steady state)")
 
 
 def rank_range(ranks: Sequence[int]) -> str:
@@ -205,5 +243,5 @@ def _replica_shape(replicas: list[int]) -> str:
 
 def memory_cell(memory_bytes: int, limit_bytes: int | None) -> str:
     """'12.3 GB' or, with a limit, '12.3 GB (15%)' of the limit (decimal GB, as --memory takes)."""
-    text = f"{memory_bytes / 1e9:.3g} GB"
+    text = f"{significant(memory_bytes / 1e9)} GB"
     return text if limit_bytes is None else f"{text} ({memory_bytes / limit_bytes:.0%})"

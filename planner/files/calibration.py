@@ -12,7 +12,7 @@ from rich.table import Table
 from planner.files.plan import Plan
 from planner.files.profile import Profile
 from planner.files.run_report import RunReport, RunReportError, check_report_plan
-from planner.units import format_ms
+from planner.units import format_ms, name_range
 
 __all__ = ["calibrate_profile", "calibration_ratios", "calibration_table"]
 
@@ -78,7 +78,7 @@ def calibration_table(plan: Plan, report: RunReport, ratios: Sequence[float]) ->
                             ("measured ms", "right"), ("factor", "right")):
         table.add_column(header, justify=justify, no_wrap=header != "layers", overflow="fold")
     for index, (stage, found, ratio) in enumerate(zip(plan.stages, report.measured, ratios)):
-        table.add_row(str(index), f"{stage.first_layer} .. {stage.last_layer}", format_ms(stage.compute_ms),
+        table.add_row(str(index), name_range(stage.first_layer, stage.last_layer), format_ms(stage.compute_ms),
                       format_ms(found.compute_ms), f"x{ratio:.3g}")
     return table
 

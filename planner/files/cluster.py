@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from planner.errors import FileFormatError, PlannerError
-from planner.units import parse_bandwidth, parse_bytes, parse_seconds
+from planner.units import parse_bandwidth, parse_bytes, parse_seconds, plural
 
 MIN_BANDWIDTH_BPS = 1e6  # 1 MB/s: anything slower is a number given without units
 MAX_LATENCY_S = 1.0  # a second per message: anything longer is a number given in other units
@@ -135,7 +135,7 @@ class Cluster:
                     if lv.allreduce_bandwidth_Bps is not None or lv.allreduce_latency_s is not None else "")
                  for lv in self.levels]
         memory = "" if self.memory_bytes is None else f", {self.memory_bytes / 1e9:.3g} GB each"
-        return f"{self.num_devices} GPUs: " + ", ".join(parts) + memory
+        return f"{plural(self.num_devices, 'GPU')}: " + ", ".join(parts) + memory
 
 
 def _check_reduce_terms(level: Level) -> None:

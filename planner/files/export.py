@@ -34,6 +34,7 @@ from planner.files.fileformat import write_atomically, write_versioned_json
 from planner.files.plan import Plan, replan_command
 from planner.files.profile import Profile
 from planner.schedules.schedule import CHUNKED_SCHEDULES
+from planner.units import name_range, plural
 
 __all__ = [
     "TARGETS", "PIPPY_SCHEDULE_CLASSES", "ExportError", "PippyExport", "DeepSpeedExport", "Export",
@@ -120,7 +121,7 @@ class PippyExport:
         stages_arg = "stages" if self.schedule_class in PIPPY_MULTI_STAGE_CLASSES else "stages[0]"
         return f'''"""torch.distributed.pipelining set-up for plan {self.plan_path} (model {self.model_name}).
 
-{self.num_stages} stages ({self.chunks} per rank) x {self.replicas} pipeline(s) = {self.world_size} processes; {self.schedule_class} with
+{plural(self.num_stages, "stage")} ({self.chunks} per rank) x {plural(self.replicas, "pipeline")} = {plural(self.world_size, "process", "processes")}; {self.schedule_class} with
 {self.n_microbatches} microbatches per pipeline and step (the plan's {self.microbatches_per_step} over {self.replicas}).
 Launch: torchrun --nproc-per-node {self.world_size} train.py
 
@@ -274,13 +275,14 @@ class DeepSpeedExport:
         parts = list(self.parts)
         lines = [
             (f"DeepSpeed pipeline partition for plan {self.plan_path} (model {self.model_name}): {self.num_stages} "
-             f"stages x {self.data_parallel} data-parallel replica(s) = {self.world_size} processes."),
+             f"stages x {plural(self.data_parallel, 'data-parallel replica')} = "
+             f"{plural(self.world_size, 'process', 'processes')}."),
             "",
             f"parts = {parts}   # stage s runs layers[parts[s]:parts[s + 1]]",
         ]
         for stage, names in enumerate(self.stage_layers):
             lines.append(f"  stage {stage}: layers {parts[stage]}..{parts[stage + 1] - 1} "
-                         f"({names[0]} .. {names[-1]}, {len(names)} layers)")
+                         f"({name_range(names[0], names[-1])}, {plural(len(names), 'layer')})")
         lines += [
             "",
             "1. The module. runtime.deepspeed.pipeline_module builds DeepSpeed's PipelineModule on these",
@@ -321,7 +323,7 @@ class DeepSpeedExport:
         ]
         if self.train_micro_batch_size_per_gpu is None:
             lines.append("   The plan does not know its microbatch size: set train_micro_batch_size_per_gpu yourself.")
-        lines.append(f"   Launch {self.world_size} processes (deepspeed --num_gpus {self.world_size} train.py, "
+        lines.append(f"   Launch {plural(self.world_size, 'process', 'processes')} (deepspeed --num_gpus {self.world_size} train.py, "
                      "or torchrun).")
         if self.stage_ranks != self.deepspeed_stage_ranks():
             placed = [list(group) for group in self.deepspeed_stage_ranks()]
@@ -447,7 +449,7 @@ def deepspeed_export(plan: Plan, profile: Profile, source: str = "<plan>") -> De
     for index, stage in enumerate(plan.stages):
         inside = stage.stop <= len(names)
         if not inside or names[stage.start] != stage.first_layer or names[stage.stop - 1] != stage.last_layer:
-            raise ExportError(source, f"stage {index} ({stage.first_layer} .. {stage.last_layer}, layers "
+            raise ExportError(source, f"stage {index} ({name_range(stage.first_layer, stage.last_layer)}, layers "
                                       f"[{stage.start}, {stage.stop})) is not in the profile of {profile.model_name}",
                               "give the profile the plan was made from (--profile)")
     if plan.stages[-1].stop != len(names):

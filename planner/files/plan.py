@@ -22,7 +22,9 @@ Schema (format "pipeline-planner/plan", version 3, `PLAN_VERSION`):
   `iteration_ms` (flush schedules: one iteration of `microbatches`; pipedream: time per
   microbatch; under the planner cost model simulated by `simulator`, which plays the schedule op
   by op), `objective_ms` (the closed form the optimizer minimised, same unit; in version 2 files
-  equal to `iteration_ms`), `samples_per_s`, `bubble_fraction` (share of device time not computing),
+  equal to `iteration_ms`), `samples_per_s`, `bubble_fraction` (share of device time idle: not computing,
+  all-reducing or stepping the optimizer, over the simulated iteration, `Timeline.idle_fraction`; pipedream: in
+  steady state),
   `speedup_vs_single_device`, `speedup_vs_data_parallel` (one stage on every GPU, same
   schedule), `devices_used`, `peak_memory_bytes`.
 - `chunks`: stages per rank (interleaved-1f1b: v, its stages round-robin, stage s on rank s mod p; 1 for
@@ -65,13 +67,16 @@ PLAN_VERSION = 3  # 2: planner cost model, allreduce_ms, period_ms; 3: simulated
 class PlanProfileMismatchError(PlannerError):
     """A plan given with a profile it was not made from."""
 
-    def __init__(self, plan_path: str, profile_path: str, expected: str, found: str) -> None:
+    def __init__(self, plan_path: str, profile_path: str, expected: str, found: str,
+                 profile_option: bool = True) -> None:
         self.expected = expected
         self.found = found
         kept = kept_path(profile_path, expected)
-        fix = (f"the profile it was made from was kept as {kept} when {profile_path} was written again: give that "
-               f"one (`--profile {kept}`, or move it back), or re-run `planner partition {profile_path}` to plan for "
-               "the new one" if kept.is_file() else f"re-run `planner partition {profile_path}` to plan for this profile")
+        give = (f"give that one (`--profile {kept}`, or move it back)" if profile_option else
+                f"move it back (`mv {kept} {profile_path}`)")
+        fix = (f"the profile it was made from was kept as {kept} when {profile_path} was written again: {give}, or "
+               f"re-run `planner partition {profile_path}` to plan for the new one" if kept.is_file() else
+               f"re-run `planner partition {profile_path}` to plan for this profile")
         super().__init__(f"{plan_path}: made from a profile with digest {expected[:12]}, but {profile_path} has "
                          f"{found[:12]}; {fix}")
 
@@ -267,11 +272,13 @@ class Plan:
         """This plan with `notes` added after its own."""
         return dataclasses.replace(self, notes=self.notes + tuple(notes))
 
-    def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>") -> None:
-        """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from."""
+    def check_profile(self, profile: Profile, plan_path: str = "<plan>", profile_path: str = "<profile>",
+                      profile_option: bool = True) -> None:
+        """Raise PlanProfileMismatchError unless `profile` is the one this plan was made from (`profile_option`:
+        whether the command takes --profile, which the error then offers)."""
         found = profile_digest(profile)
         if found != self.profile.digest:
-            raise PlanProfileMismatchError(plan_path, profile_path, self.profile.digest, found)
+            raise PlanProfileMismatchError(plan_path, profile_path, self.profile.digest, found, profile_option)
 
 
 def replan_command(plan: Plan, schedule: str | None = None, add: Sequence[str] = ()) -> str:

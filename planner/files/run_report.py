@@ -47,19 +47,20 @@ from planner.files.fileformat import read_versioned_json
 from planner.files.plan import Plan, StageLayout, layout_fields
 from planner.schedules.schedule import BACKWARD, FORWARD, OPS, RECEIVES, SEND_ACTIVATION, SENDS
 from planner.files.timeline import BUFFER_COLUMNS, COLUMNS, StageTimes, Timeline, posted_buffers
-from planner.units import format_ms
+from planner.units import format_ms, significant
 
 if TYPE_CHECKING:
     import pandas as pd  # imported where used: training ranks load this module to write a report's parts
 
 __all__ = [
-    "EVENT_OPS", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "RankPlacement", "ReportPlanMismatchError",
+    "EVENT_OPS", "IDLE_ROW", "RUN_REPORT_FORMAT", "RUN_REPORT_VERSION", "RankPlacement", "ReportPlanMismatchError",
     "RunReport", "RunReportError", "StageMeasurement", "StagePrediction", "check_report_plan", "comparison_table",
     "load_run_report", "measured_timeline", "ratio", "run_report_from_dict", "run_report_table",
 ]
 
 RUN_REPORT_FORMAT = "pipeline-planner/run-report"
 RUN_REPORT_VERSION = 1
+IDLE_ROW = "idle, mean of the devices (share)"  # `comparison_table`'s row of the plan's idle share
 EVENT_OPS = tuple(op for op in OPS if op not in RECEIVES)  # a report's events leave out the waits to receive
 
 
@@ -357,13 +358,15 @@ def _receive_buffers(events: pd.DataFrame, stage_times: Sequence[StageTimes]) ->
 
 def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd.DataFrame:
     """Predicted against measured: rows `iteration (ms)` (pipedream: `time per microbatch (ms)`),
-    `samples/s`, then per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
+    `samples/s`, `idle, mean of the devices (share)` (the idle share of device time that `planner partition`,
+    `show` and `simulate` state: `Timeline.idle_fraction`; measured, the stages' shares weighted by their ranks), then
+    per stage `stage i compute (ms/microbatch)`, `stage i comm (ms/microbatch)`,
     `stage i all-reduce (ms/step)` (the replicas' and the tied weights' all-reduces of a step, waits
     included), `stage i step (ms)` (the optimizer step), `stage i peak memory (MB)` (the plan's memory per device against
     the most a replica needed in the step it was measured; NaN when not measured) and `stage i idle (share)`;
     columns `predicted`,
     `measured`, `ratio` (measured / predicted; NaN where the prediction is 0 or missing). The
-    predicted idle share is the simulated ranks' mean (`Timeline.bubble_fraction`) when
+    predicted idle shares are the simulated ranks' (`Timeline.bubble_fraction`) when
     `simulated` is given, else NaN."""
     import pandas as pd
 
@@ -371,6 +374,7 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
     rows: list[tuple[str, float, float]] = [
         (timing, report.predicted_iteration_ms, report.iteration_ms),
         ("samples/s", report.predicted_samples_per_s, _nan(report.samples_per_s)),
+        (IDLE_ROW, math.nan if simulated is None else simulated.idle_fraction(), _measured_idle(report)),
     ]
     idle = _simulated_idle(simulated)
     for index, (found, expected) in enumerate(zip(report.measured, report.predicted)):
@@ -392,6 +396,15 @@ def comparison_table(report: RunReport, simulated: Timeline | None = None) -> pd
 
 def _nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
+
+
+def _measured_idle(report: RunReport) -> float:
+    """The measured idle share of device time: the stages' shares weighted by their ranks (a rank of several
+    stages, whose share is the rank's, counts once for each, as every rank does)."""
+    weights = [len(stage.ranks) for stage in report.plan_stages]
+    if not sum(weights):
+        return math.nan
+    return sum(weight * found.idle_fraction for weight, found in zip(weights, report.measured)) / sum(weights)
 
 
 def _simulated_idle(simulated: Timeline | None) -> dict[int, float]:
@@ -429,7 +442,7 @@ def _ms(value: float) -> str:
 
 
 def _rate(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.4g}"
+    return "-" if math.isnan(value) else significant(value, 4)
 
 
 def _share(value: float) -> str:

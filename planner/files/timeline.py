@@ -124,6 +124,11 @@ class Timeline:
             return pd.Series(0.0, index=ranks, name="bubble_fraction")
         return (1.0 - per_rank.reindex(ranks, fill_value=0.0) / span).clip(lower=0.0).rename("bubble_fraction")
 
+    def idle_fraction(self) -> float:
+        """The share of device time idle over the run, what every command calls "idle": the ranks' mean
+        `bubble_fraction` (each rank one device), 0 for no ops."""
+        return max(float(self.bubble_fraction().mean()), 0.0) if len(self.events) else 0.0
+
     def memory(self) -> pd.DataFrame:
         """Memory per device over time: columns rank, stage (the device's first stage), time_s, bytes (a
         step function: the value holds from time_s until the rank's next row): the device's library bytes

@@ -14,6 +14,7 @@ from planner.errors import InfeasiblePlanError
 from planner.planning.partition import compare_baselines, partition
 from planner.files.plan import Plan
 from planner.files.profile import Profile
+from planner.units import plural
 
 COLUMNS = ("gpus", "pipeline_samples_per_s", "data_parallel_samples_per_s", "ideal_samples_per_s",
            "devices_used", "stages")
@@ -74,7 +75,7 @@ def subcluster(cluster: Cluster, gpus: int) -> Cluster:
     bandwidth). ClusterError unless 1 <= gpus <= cluster.num_devices.
     """
     if not 1 <= gpus <= cluster.num_devices:
-        raise ClusterError(f"cannot take {gpus} GPUs from a cluster of {cluster.num_devices}")
+        raise ClusterError(f"cannot take {plural(gpus, 'GPU')} from a cluster of {cluster.num_devices}")
     if gpus == cluster.num_devices:
         return cluster
     innermost = cluster.levels[0]

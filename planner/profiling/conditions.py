@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from planner.units import plural
+
 __all__ = ["DEFAULT_RANKS", "STEADY_MALLOC", "CpuReading", "busy_cores", "busy_cores_between", "busy_share",
            "busy_warning", "cgroup_cpu_quota", "cores", "cpu_reading", "current_conditions", "default_cpu_processes", "default_cpu_threads",
            "differences", "keep_freed_memory", "oversubscribed", "profile_load_warning", "steady_malloc",
@@ -243,8 +245,8 @@ def oversubscribed(conditions: Mapping[str, Any]) -> str | None:
     processes, threads, machine = conditions.get("processes"), conditions.get("threads"), conditions.get("cores")
     if not (processes and threads and machine and processes * threads > machine):
         return None
-    return (f"{processes} processes x {threads} thread{'s' if threads != 1 else ''} share {machine} "
-            f"core{'s' if machine != 1 else ''} (each thread gets {machine / (processes * threads):.2g} of a core)")
+    return (f"{plural(processes, 'process', 'processes')} x {plural(threads, 'thread')} share "
+            f"{plural(machine, 'core')} (each thread gets {machine / (processes * threads):.2g} of a core)")
 
 
 def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> list[str]:

@@ -695,3 +695,43 @@ def test_partition_of_a_model_file_says_to_profile_it_first(tmp_path: Path) -> N
     model.write_text("def build_model(): ...\n")
     assert_one_line_error(invoke("partition", model, "--gpus", "2"), str(model), "a Python file",
                           f"`planner profile {model}`")
+
+
+def test_partition_and_simulate_print_one_idle_figure_and_every_all_reduce(tmp_path: Path) -> None:
+    """(The user's path printed 22.1% idle from partition and 20.1% from simulate; the all-reduce column read 0 for
+    GPT-2's tied embedding.) The two commands print the same idle share for one plan, and partition's table counts the
+    tied weights' all-reduce with a footnote."""
+    out = tmp_path / "plan.json"
+    made = invoke("partition", REPO / "profiles" / "gpt.json", "--gpus", "2", "--straight", "--schedule", "1f1b",
+                  "--microbatches", "4", "-o", out)
+    assert made.exit_code == 0, made.output
+    simulated = invoke("simulate", out)
+    assert simulated.exit_code == 0, simulated.output
+    figures = [re.findall(r"idle (\d+\.\d%) of device time", " ".join(result.stdout.split()))
+               for result in (made, simulated)]
+    assert len(figures[0]) == len(figures[1]) == 1 and figures[0] == figures[1], (made.stdout, simulated.stdout)
+    assert figures[0][0] == f"{load_plan(out).predicted.bubble_fraction:.1%}"
+    assert "GPUs idle" not in made.stdout and "mean bubble" not in simulated.stdout
+    assert "* all-reduce ms includes summing tied weights' gradients" in made.stdout
+    assert re.search(r"\s\d+\.\d+\*\s", made.stdout), made.stdout
+
+
+def test_partition_says_which_option_fixes_a_global_batch_it_chose(tmp_path: Path) -> None:
+    """Without --global-batch-size (and --microbatches) the global batch is the search's; the output says so."""
+    chosen = invoke("partition", REPO / "profiles" / "gpt.json", "--gpus", "2", "-o", tmp_path / "a.json")
+    assert chosen.exit_code == 0, chosen.output
+    plan = load_plan(tmp_path / "a.json")
+    text = " ".join(chosen.stdout.split())
+    assert f"global batch {plan.global_batch_size}" in text and "--global-batch-size fixes it" in text
+    fixed = invoke("partition", REPO / "profiles" / "gpt.json", "--gpus", "2", "--global-batch-size", "32",
+                   "-o", tmp_path / "b.json")
+    assert fixed.exit_code == 0, fixed.output
+    assert "global batch 32" in fixed.stdout and "--global-batch-size fixes it" not in " ".join(fixed.stdout.split())
+
+
+def test_a_mistyped_train_option_is_one_line_naming_the_closest(tmp_path: Path) -> None:
+    """(`planner train gpt2.py --plan plan.json --stepz 3` printed argparse's usage as `python -m runtime.train`.)
+    The options are read before the plan or the model file."""
+    line = assert_one_line_error(invoke("train", MLP, "--plan", tmp_path / "plan.json", "--stepz", "3"),
+                                 "planner train: unknown option --stepz; did you mean --steps?")
+    assert "runtime.train" not in line and "usage" not in line

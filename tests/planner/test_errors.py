@@ -17,6 +17,16 @@ def test_infeasible_plan_error_finds_the_smallest_memory_only_when_read() -> Non
     error = InfeasiblePlanError(8e9, search)
     assert calls == []
     assert str(error) == ("no plan fits in 8 GB per device; the smallest memory that admits a plan is 12.346 GB "
-                          "(pass --memory 12.346GB or more, use more GPUs, or an optimizer with less state)")
+                          "(pass --memory 12.346GB or more, use more GPUs, a smaller --microbatch-size or "
+                          "--global-batch-size, or an optimizer with less state)")
     assert error.smallest_memory_bytes == 12_345_678_901.0 and calls == [1]
     assert str(InfeasiblePlanError(8e9, 12_345_678_901.0)) == str(error) and calls == [1]
+
+
+def test_infeasible_plan_error_suggests_smaller_microbatches_either_way() -> None:
+    """What would fix it names a smaller --microbatch-size or --global-batch-size beside more memory or GPUs, with or
+    without a detail, in one line."""
+    for error in (InfeasiblePlanError(1e6, 1.09e8), InfeasiblePlanError(1e6, 1.09e8, detail="once buffers count")):
+        message = str(error)
+        assert "a smaller --microbatch-size or --global-batch-size" in message and "\n" not in message
+        assert "0.109" in message and message.endswith(("or an optimizer with less state", "with less state)"))

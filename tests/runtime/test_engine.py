@@ -393,7 +393,7 @@ def test_a_one_rank_engine_trains_like_one_device_and_checks_its_arguments(one_p
     assert engine.closed
     for name, parameter in reference.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[name], parameter, rtol=1e-5, atol=1e-6)
-    with pytest.raises(EngineError, match="the plan has 3 ranks but the job has 1 processes: launch with torchrun "
+    with pytest.raises(EngineError, match="the plan has 3 ranks but the job has 1 process: launch with torchrun "
                                           "--nproc-per-node 3"):
         Engine.from_plan(model, replicated_mlp_plan())
     with pytest.raises(EngineError, match=r"stage ranks \[\[0\], \[1\]\] must cover ranks 0..0"):

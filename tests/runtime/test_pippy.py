@@ -150,5 +150,5 @@ def test_build_needs_an_initialized_process_group() -> None:
 def test_a_plan_for_another_world_size_is_refused_with_the_launch_command(results: Path) -> None:
     for rank in range(2):
         message = (results / f"mismatch.rank{rank}.txt").read_text()
-        assert message == ("the plan has 1 ranks (1 stages x 1 replicas) but the job has 2 processes: launch with "
+        assert message == ("the plan has 1 rank (1 stage x 1 replica) but the job has 2 processes: launch with "
                            "torchrun --nproc-per-node 1 (or make a plan for 2 GPUs)")

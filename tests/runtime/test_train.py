@@ -25,7 +25,9 @@ from planner.files.plan import Plan, load_plan
 from planner.files.profile import load_profile
 from planner.files.run_report import load_run_report
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
-from runtime.train import TrainingError, check_setup, parse_args, rank_count, warmup_steps
+from runtime.train import (
+    TrainingError, TrainOptionError, UnknownTrainOptionError, check_setup, parse_args, rank_count, warmup_steps,
+)
 from runtime.train import main as train_main  # (its checks, in this process)
 from runtime_examples import model_file
 from tests.conftest import gpu_only
@@ -464,6 +466,52 @@ def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[
     with pytest.raises(TrainingError, match=r"has 2 ranks \(6 stages\) but the job has 6 processes: launch with "
                                             r"--nproc-per-node 2 .*--gpus 6`"):
         check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 6, 0)
+
+
+def test_one_process_for_a_plan_of_more_reads_in_the_singular(plans: dict[str, Path]) -> None:
+    with pytest.raises(TrainingError) as raised:
+        check_setup(parse_args(["examples/mlp.py", "--plan", str(plans["mlp-2-1"])]), 0, 1, 0)
+    message = str(raised.value)
+    assert "has 3 ranks (2 stages) but the job has 1 process: launch with --nproc-per-node 3" in message
+    assert "(or make a plan for 1 GPU with `planner partition PROFILE --gpus 1`)" in message
+    assert "1 processes" not in message and "1 GPUs" not in message
+
+
+def test_a_mistyped_option_is_one_line_naming_the_closest() -> None:
+    """(`planner train m.py --plan p.json --stepz 3` printed argparse's usage as `python -m runtime.train`.)"""
+    with pytest.raises(UnknownTrainOptionError) as raised:
+        parse_args(["m.py", "--plan", "p.json", "--stepz", "3"])
+    assert str(raised.value) == "planner train: unknown option --stepz; did you mean --steps?"
+    assert (raised.value.option, raised.value.closest) == ("--stepz", "--steps")
+    with pytest.raises(UnknownTrainOptionError, match=r"unknown option --nprocs; did you mean --nproc\?"):
+        parse_args(["m.py", "--plan", "p.json", "--nprocs=2"])  # `planner train`'s own option is known too
+
+
+def test_an_unknown_option_with_no_near_one_lists_the_options() -> None:
+    with pytest.raises(UnknownTrainOptionError) as raised:
+        parse_args(["m.py", "--plan", "p.json", "--zzz"])
+    message = str(raised.value)
+    assert message.startswith("planner train: unknown option --zzz; the options are --nproc, --debug, --plan, ")
+    assert "--steps" in message and "--log-every" in message and "--help" not in message and "\n" not in message
+    assert raised.value.options == tuple(option.strip() for option in message.split("the options are ")[1].split(","))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--steps", "many"], "planner train: argument --steps: invalid int value: 'many'"),
+    (["--optimizer", "adamw"], "planner train: argument --optimizer: invalid choice: 'adamw'"),
+    (["extra"], "planner train: unexpected argument 'extra'"),
+])
+def test_other_bad_command_lines_are_one_line(args: list[str], expected: str) -> None:
+    with pytest.raises(TrainOptionError) as raised:
+        parse_args(["m.py", "--plan", "p.json", *args])
+    assert str(raised.value).startswith(expected) and "\n" not in str(raised.value)
+
+
+def test_a_bad_option_under_torchrun_is_one_line_naming_the_module(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_in_this_process(["m.py", "--plan", "p.json", "--stepz", "3"], monkeypatch, {"RANK": "1"}) == 1
+    err = capsys.readouterr().err
+    assert err == "error: rank 1: python -m runtime.train: unknown option --stepz; did you mean --steps?\n"
 
 
 def test_options() -> None:

@@ -166,6 +166,38 @@ def test_partition_title_names_model_schedule_gpus_and_throughput(gpt: Profile, 
     assert f"{_format_rate(replicated.predicted.samples_per_s)} samples/s" in title
 
 
+def test_partition_title_says_what_one_step_trains_and_the_bars_the_profiled_batch(gpt: Profile,
+                                                                                    replicated: Plan) -> None:
+    """(A user read "mini-batch of 8" as the plan's batch.) The title states the global batch as microbatches x
+    samples; the layer times are labelled as the profiled batch's."""
+    figure = partition_figure(replicated, gpt)
+    title = figure._suptitle.get_text()
+    assert replicated.global_batch_size == replicated.microbatches * replicated.microbatch_size
+    assert (f"1f1b, global batch {replicated.global_batch_size} = {replicated.microbatches} microbatches x "
+            f"{replicated.microbatch_size} samples;") in title
+    assert "mini-batch of" not in title
+    time_ax = figure.axes[0]
+    assert f"ms per profiled batch of {gpt.batch_size} samples" in time_ax.get_ylabel()
+    assert f"per profiled batch of {gpt.batch_size} samples" in time_ax.get_title()
+
+
+def test_plan_figure_states_the_idle_share_the_plan_states(gpt: Profile) -> None:
+    """`planner show`'s figure and `planner partition`'s table give one idle figure for one plan."""
+    from planner.display.tables import plan_table
+
+    plan = partition(gpt, make_cluster(2, bandwidths=("2GB/s",)), straight=True, schedule="1f1b", microbatches=4)
+    fig = plan_figure(plan, gpt, simulate(plan, gpt))
+    shown = f"idle {plan.predicted.bubble_fraction:.1%} of device time"
+    assert shown in fig.subfigs[1]._suptitle.get_text()
+    assert shown in str(plan_table(plan).caption)
+
+
+def test_a_one_gpu_plan_is_titled_in_the_singular(gpt: Profile) -> None:
+    plan = partition(gpt, make_cluster(1), schedule="1f1b", microbatches=1)
+    title = partition_figure(plan, gpt)._suptitle.get_text()
+    assert "1 of 1 GPU;" in title and "= 1 microbatch x" in title and "GPUs" not in title
+
+
 def test_many_layers_get_at_most_forty_short_tick_labels(gpt: Profile) -> None:
     """200 layers with long names: at most MAX_TICK_LABELS labels, none longer than MAX_NAME_CHARS."""
     template = gpt.layers[3]
@@ -253,7 +285,7 @@ def test_gantt_title_and_microbatch_labels(timeline: Timeline) -> None:
     title = fig._suptitle.get_text()
     assert "1f1b" in title
     assert f"{timeline.iteration_s() * 1000:.4g} ms" in title
-    assert f"mean bubble {max(timeline.bubble_fraction().mean(), 0.0):.1%}" in title
+    assert f"idle {max(timeline.bubble_fraction().mean(), 0.0):.1%} of device time" in title
     ax = fig.axes[0]
     numbers = {int(text.get_text()) for text in ax.texts}
     assert numbers and numbers <= set(range(timeline.microbatches))

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from planner.costs.schedule_cost import stage_costs
-from planner.files.calibration import calibrate_profile
+from planner.files.calibration import calibrate_profile, calibration_table
 from planner.files.plan import Plan, PlanProfileMismatchError
 from planner.files.profile import Profile
 from planner.files.run_report import ReportPlanMismatchError, RunReport, RunReportError
@@ -59,3 +59,12 @@ def test_calibration_refuses_a_report_of_another_plan(profile: Profile, plan: Pl
 def test_calibration_refuses_a_run_of_another_microbatch_size(profile: Profile, plan: Plan, report: RunReport) -> None:
     with pytest.raises(RunReportError, match="2 samples"):
         calibrate_profile(profile, plan, dataclasses.replace(report, microbatch_size=2.0))
+
+
+def test_the_calibration_table_names_a_stage_of_one_layer_by_its_name(plan: Plan, report: RunReport) -> None:
+    first = plan.stages[0]
+    one = dataclasses.replace(plan, stages=(dataclasses.replace(first, last_layer=first.first_layer),
+                                            *plan.stages[1:]))
+    layers = [str(cell) for cell in calibration_table(one, report, [1.0] * len(plan.stages)).columns[1]._cells]
+    assert layers[0] == first.first_layer
+    assert layers[1:] == [f"{stage.first_layer} .. {stage.last_layer}" for stage in plan.stages[1:]]

@@ -162,3 +162,8 @@ def test_make_cluster_gives_the_node_level_the_all_reduce_terms_asked_for() -> N
     assert (node.reduce_bandwidth_Bps, node.reduce_latency_s) == (1.4e9, pytest.approx(180e-6))
     assert (outer.reduce_bandwidth_Bps, outer.reduce_latency_s) == (1e9, pytest.approx(200e-6))  # the link's own
     assert make_cluster(2).levels[0].allreduce_bandwidth_Bps is None
+
+
+def test_a_cluster_of_one_gpu_is_described_in_the_singular() -> None:
+    assert make_cluster(1).describe().startswith("1 GPU: ")
+    assert make_cluster(2).describe().startswith("2 GPUs: ")

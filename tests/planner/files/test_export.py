@@ -239,3 +239,10 @@ def test_cli_refusal_repeats_the_partition_command_with_a_schedule_deepspeed_run
     result = invoke("export", plan_path, "--to", "deepspeed")
     assert_one_line_error(result, "has no schedule for", f"`planner partition {profile} --cluster {cluster} "
                           "--memory 8GB --schedule 1f1b --microbatches 8 --straight`")
+
+
+def test_counts_read_in_the_singular_where_there_is_one() -> None:
+    plan = straight_plan("mlp", 2)
+    assert "2 stages (1 per rank) x 1 pipeline = 2 processes;" in pippy_export(plan).snippet()
+    text = deepspeed_export(plan, profile_of("mlp"), "p.json").instructions()
+    assert "2 stages x 1 data-parallel replica = 2 processes." in text and "replica(s)" not in text

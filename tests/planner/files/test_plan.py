@@ -49,3 +49,18 @@ def test_the_command_round_trips_through_the_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     plan.save(path)
     assert load_plan(path).command == plan.command
+
+
+def test_a_mismatch_offers_the_kept_profile_as_the_command_can_take_it(tmp_path: Path) -> None:
+    """`planner train` has no --profile: its error says to move the kept profile back instead."""
+    from planner.files.fileformat import kept_path
+    from planner.files.plan import PlanProfileMismatchError
+
+    profile = tmp_path / "mlp.json"
+    expected = "ab" * 32
+    kept_path(str(profile), expected).write_text("{}")
+    offered = str(PlanProfileMismatchError("p.json", str(profile), expected, "cd" * 32))
+    assert f"give that one (`--profile {tmp_path / ('mlp.' + 'ab' * 6 + '.json')}`, or move it back)" in offered
+    moved = str(PlanProfileMismatchError("p.json", str(profile), expected, "cd" * 32, profile_option=False))
+    assert "--profile" not in moved
+    assert f"move it back (`mv {tmp_path / ('mlp.' + 'ab' * 6 + '.json')} {profile}`)" in moved

@@ -27,7 +27,7 @@ from planner.simulation.plan_simulation import plan_stages, simulate
 from planner.display.plots import comparison_figure
 from planner.files.profile import Profile, load_profile
 from planner.files.run_report import (
-    RunReport, RunReportError, comparison_table, load_run_report,
+    IDLE_ROW, RunReport, RunReportError, comparison_table, load_run_report,
     measured_timeline, run_report_from_dict,
 )
 from planner.costs.schedule_cost import stage_costs
@@ -157,7 +157,18 @@ def test_comparison_table_finds_the_true_factors(report: RunReport, plan: Plan, 
         measured_idle = table.loc[f"stage {index} idle (share)", "measured"]
         assert measured_idle == pytest.approx(float(truth.bubble_fraction()[index]))
         assert 0 <= table.loc[f"stage {index} idle (share)", "predicted"] < 1
-    assert len(table) == 2 + 6 * len(plan.stages)
+    assert len(table) == 3 + 6 * len(plan.stages)  # iteration, samples/s, idle of all devices; 6 rows per stage
+
+
+def test_comparison_table_states_the_plans_idle_share_against_the_runs(report: RunReport, plan: Plan,
+                                                                     truth: Timeline) -> None:
+    """(compare showed only per-stage idle shares, none the figure partition states.) Its idle row predicts the
+    plan's idle share of device time and measures the stages' shares weighted by their ranks."""
+    table = comparison_table(report, simulate(plan, load_profile(plan.profile.path)))
+    assert table.loc[IDLE_ROW, "predicted"] == pytest.approx(plan.predicted.bubble_fraction, abs=1e-9)
+    assert table.loc[IDLE_ROW, "measured"] == pytest.approx(truth.idle_fraction())
+    stages = [table.loc[f"stage {index} idle (share)", "predicted"] for index in range(len(plan.stages))]
+    assert sum(stages) / len(stages) == pytest.approx(plan.predicted.bubble_fraction, abs=1e-9)
 
 
 def test_comparison_table_without_a_simulation_has_no_predicted_idle(report: RunReport) -> None:
@@ -229,6 +240,7 @@ def test_compare_prints_the_table_and_draws_the_figure(files: Files, tmp_path: P
         ratio = table.loc[f"stage {index} compute (ms/microbatch)", "ratio"]
         assert f"stage {index} compute (ms/microbatch)" in result.stdout and f"x{ratio:.3g}" in result.stdout
     assert "stage 3 idle (share)" in result.stdout
+    assert IDLE_ROW in result.stdout and f"{load_plan(files.plan).predicted.bubble_fraction:.1%}" in result.stdout
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {tmp_path / 'cmp.png'}" in result.stdout
 

@@ -243,6 +243,8 @@ def test_more_processes_x_threads_than_cores_are_oversubscribed() -> None:
         "4 processes x 2 threads share 2 cores (each thread gets 0.25 of a core)")
     assert oversubscribed({"processes": 3, "threads": 1, "cores": 1}) == (
         "3 processes x 1 thread share 1 core (each thread gets 0.33 of a core)")
+    assert oversubscribed({"processes": 1, "threads": 4, "cores": 2}) == (
+        "1 process x 4 threads share 2 cores (each thread gets 0.5 of a core)")
     assert oversubscribed({"processes": 2, "threads": 1, "cores": 2}) is None  # a core each
     assert oversubscribed({"processes": None, "threads": 8, "cores": 2}) is None  # a GPU profile
     assert oversubscribed({}) is None
