@@ -30,9 +30,11 @@ from planner.files.plan import COST_MODELS, Plan, Prediction, ProfileRef, StageP
 from planner.files.profile import Profile
 from planner.simulation.plan_simulation import plan_cost_inputs
 from planner.simulation.simulator import SimulationTooLongError, simulate_stages, simulated_iteration_s
+from planner.units import plural, significant
 from planner.costs.schedule_cost import (
     CostInputs,
     Stage,
+    StageCost,
     first_ranks,
     objective_s,
     plan_fits,
@@ -51,6 +53,7 @@ MAX_AUTO_MICROBATCHES = MICROBATCH_CHOICES[-1]  # with --global-batch-size: its 
 # a review's sweep (vgg16, zbv on 2 GPUs, 2 microbatches): observed, not proven. A chunked plan further than this
 # behind the fastest candidate is not refined (up to a second each): a heuristic that may miss a plan.
 REFINE_GAIN_CAP = 1.25
+CHUNKED_MARGIN = 1.10  # a chunked plan auto chose by less than this over one of one stage per GPU: `_auto_note` warns
 AUTO_MICROBATCH_SHARE = 0.95  # auto takes the fewest microbatches within 5% of the best throughput
 # a memory-limited solve that took this long hands the search's other solves to worker processes (`solve_ahead`):
 # starting them costs about half a second each. (At 1 s, once the recompute search took one pass, densenet121 at 8
@@ -135,6 +138,10 @@ def partition(
     plan = _planner_plan(profile, chosen, peaks, straight, recompute, optimizer, profile_path)
     if refit is not None:
         plan = plan.with_notes(refit)
+    if microbatches == AUTO and global_batch_size is None and plan.global_batch_size is not None:
+        plan = plan.with_notes(_global_batch_note(plan))
+    if schedule == AUTO and chosen.others:
+        plan = plan.with_notes(_auto_note(chosen))
     if schedule == AUTO and chosen.inputs.chunks > 1 and len(counts) > 1:
         tried = ", ".join(name for name in schedules if name in CHUNKED_SCHEDULES)
         plan = plan.with_notes(f"--schedule auto tried {tried} at one microbatch count, the nearest the best plan "
@@ -149,6 +156,32 @@ def partition(
                                 "imported, or a model that checkpoints layers with use_reentrant=True, which they "
                                 "cannot train); profile again, or name the schedule")
     return plan
+
+
+def _auto_note(chosen: _Candidate) -> str:
+    """What `--schedule auto` weighed: each other schedule's best plan, in simulated samples/s against the chosen
+    one's; where a chunked plan won by less than CHUNKED_MARGIN over the best of one stage per GPU, that its v times
+    the ops per microbatch carry fixed costs the simulation leaves out."""
+    others = sorted(chosen.others, key=lambda other: -other[1])
+    compared = ", ".join(f"{name} {1 - rate / chosen.samples_per_s:.1%} slower" for name, rate in others)
+    note = (f"--schedule auto chose {chosen.inputs.schedule} ({significant(chosen.samples_per_s, 4)} samples/s simulated); "
+            f"the best plan of each other schedule: {compared}")
+    single = [(name, rate) for name, rate in others if name not in CHUNKED_SCHEDULES]
+    if chosen.inputs.chunks > 1 and single and single[0][1] * CHUNKED_MARGIN > chosen.samples_per_s:
+        note += (f". {chosen.inputs.schedule} runs {chosen.inputs.chunks} times the forwards and backwards of "
+                 f"{single[0][0]} per microbatch, each smaller; what an op costs beyond its layers' profiled time (a "
+                 "rank's wake-up, its caches refilled after a wait) is not simulated, and on small models it can "
+                 "outweigh a gain this small (benchmarks/models/vit.py, 4 layers of width 128, on 2 CPU processes: "
+                 "interleaved-1f1b simulated 2.6% faster than 1f1b and trained at 0.66-0.85x its samples/s): train "
+                 "both, or name the schedule")
+    return note
+
+
+def _global_batch_note(plan: Plan) -> str:
+    """The note of a plan whose microbatch count the search chose: its global batch may change with the cluster."""
+    count = plural(plan.microbatches or 1, "microbatch", "microbatches")
+    return (f"global batch {plan.global_batch_size} = {count} (chosen for this cluster) x {plan.microbatch_size} "
+            "samples: it may change with --gpus or --memory; --global-batch-size fixes it")
 
 
 def _batch_shapes(
@@ -198,6 +231,7 @@ class _Candidate:
     lower_bound_s: float = 0.0  # no plan simulates faster (`SimulatedChoice.lower_bound_s`; 0: nothing proven)
     refined: bool | None = None  # whether the local search (`_refined`) found a faster plan; None: not run
     refine_simulated: int = 0  # plans the local search simulated
+    others: tuple[tuple[str, float], ...] = ()  # of several schedules tried: each other one's best, (name, samples/s)
 
 
 def _choose(
@@ -330,7 +364,9 @@ def _choose(
             results[index] = _refined(results[index], straight, recompute)
     best = max(result.samples_per_s for result in results)
     fastest = [result for result in results if result.samples_per_s >= best * (1.0 - 1e-9)]
-    return min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
+    winner = min(fastest, key=lambda result: SCHEDULE_PREFERENCE.index(result.inputs.schedule))
+    return replace(winner, others=tuple((result.inputs.schedule, result.samples_per_s) for result in results
+                                        if result is not winner))
 
 
 def _microbatches_text(count: int) -> str:
@@ -430,7 +466,7 @@ def _no_chunked_plan(schedule: str, counts: tuple[int, ...], ranks: int, base: C
                 f"multiple of the {ranks} ranks; give --microbatches a multiple of {ranks}")
     if base.arrays.num_layers < 2 * ranks:
         return (f"{schedule} needs at least 2 chunks per rank: {base.arrays.num_layers} layers cannot make "
-                f"{2 * ranks} chunks on {ranks} GPUs; use --schedule 1f1b, or fewer GPUs")
+                f"{2 * ranks} chunks on {plural(ranks, 'GPU')}; use --schedule 1f1b, or fewer GPUs")
     return (f"no {schedule} plan with {', '.join(map(str, chunk_choices(schedule)))} chunks per rank fits in "
             f"{base.memory_bytes / 1e9:.4g} GB per GPU; use --schedule 1f1b (it may recompute), or more memory")
 
@@ -636,7 +672,6 @@ def _planner_plan(
     objective, closed_form = chosen.iteration_s, solution.objective_s
     flush = inputs.schedule in FLUSH_SCHEDULES
     per_iteration = inputs.microbatches if flush else 1
-    busy_s = per_iteration * sum(cost.compute_s for cost in costs)
     single_s = per_iteration * inputs.scale * float(inputs.arrays.for_schedule("1f1b").compute_s[-1])  # whole backwards
     devices = inputs.cluster.num_devices
     data_parallel = chosen.data_parallel_s
@@ -644,7 +679,7 @@ def _planner_plan(
         bottleneck_s=max(cost.bound_s for cost in costs),
         iteration_ms=objective * 1000.0,
         samples_per_s=samples_per_s(inputs, objective, size),
-        bubble_fraction=max(0.0, 1.0 - busy_s / (used * objective)) if objective > 0 else 0.0,
+        bubble_fraction=_idle_fraction(inputs, stages_list, costs, used, objective),
         speedup_vs_single_device=single_s / objective if objective > 0 else 1.0,
         speedup_vs_data_parallel=data_parallel / objective if objective > 0 else 1.0,
         devices_used=used,
@@ -656,12 +691,13 @@ def _planner_plan(
         above = _memory_note(peaks, [cost.memory_bytes for cost in costs])
         notes += [above] if above else []
     if not chosen.data_parallel_fits:
-        notes.append(f"data parallelism on {devices} GPUs does not fit in memory: the speedup over it compares "
-                     "with a plan you could not run")
+        notes.append(f"data parallelism on {plural(devices, 'GPU')} does not fit in memory: the speedup over it "
+                     "compares with a plan you could not run")
     unit = "samples" if profile.batch_size else "profiled mini-batches"
     if flush:
-        notes.append(f"{inputs.schedule}: {inputs.microbatches} microbatches of {size} {unit} per iteration (a global "
-                     f"batch of {inputs.microbatches * size} per optimizer step); iteration_ms is one flushed iteration")
+        count = plural(inputs.microbatches, "microbatch", "microbatches")
+        notes.append(f"{inputs.schedule}: {count} of {size} {unit} per iteration (a global batch of "
+                     f"{inputs.microbatches * size} per optimizer step); iteration_ms is one flushed iteration")
     if inputs.chunks > 1:
         where = (f"stage s on rank s mod {used}" if inputs.schedule == "interleaved-1f1b"
                  else f"in a V: rank r holds stages r and {2 * used - 1} - r")
@@ -671,14 +707,14 @@ def _planner_plan(
                      "cut to balance forward + backward time, then cuts moved one layer at a time while the "
                      "simulated iteration shortens within memory; "
                      f"iteration_ms is simulated, {tried} "
-                     f"(the closed form says {closed_form * 1000:.4g} ms); a heuristic: no bound proves another cut "
+                     f"(the closed form says {significant(closed_form * 1000, 4)} ms); a heuristic: no bound proves another cut "
                      "slower. memory/GPU is each device's simulated peak, all its chunks together")
     else:
         proof = ("no other plan simulates faster" if chosen.exhaustive else
                  "for pipedream the search is a heuristic (its bounds hold for the steady state, which the simulated "
                  "run may not reach)" if not flush else
                  "the search stopped at its cap before proving that no other plan simulates faster"
-                 + (f" (none simulates faster than {chosen.lower_bound_s * 1000:.4g} ms)" if chosen.lower_bound_s > 0
+                 + (f" (none simulates faster than {significant(chosen.lower_bound_s * 1000, 4)} ms)" if chosen.lower_bound_s > 0
                     else ""))
         moves = "cuts moved and stages split and merged" + ("" if straight else ", replicas moved")
         if chosen.refined is not None:
@@ -687,7 +723,7 @@ def _planner_plan(
         if not chosen.exhaustive and chosen.lower_bound_s > 0:
             proof += f": this plan is at most x{chosen.iteration_s / chosen.lower_bound_s:.3f} from the fastest"
         notes.append(f"iteration_ms is simulated ({inputs.schedule} schedule, op times from the cost model); the "
-                     f"closed form says {closed_form * 1000:.4g} ms. The plan is the fastest of {chosen.simulated} "
+                     f"closed form says {significant(closed_form * 1000, 4)} ms. The plan is the fastest of {chosen.simulated} "
                      f"simulated, searched in order of a lower bound on their time: {proof}")
     if not flush:
         notes.append(f"pipedream: asynchronous 1F1B with weight stashing, microbatches of {size} {unit}; "
@@ -722,6 +758,18 @@ def _planner_plan(
         microbatches=inputs.microbatches if flush else None, microbatch_size=size, straight=straight,
         stages=stages, predicted=predicted, notes=tuple(notes), optimizer=optimizer, chunks=inputs.chunks,
     )
+
+
+def _idle_fraction(inputs: CostInputs, stages: list[Stage], costs: Sequence[StageCost], used: int,
+                   iteration_s: float) -> float:
+    """The plan's idle share of device time (`Prediction.bubble_fraction`): under a flush schedule the simulated
+    iteration's (`Timeline.idle_fraction`, the figure `simulate`, `show` and `compare` state for the plan); under
+    pipedream the steady state's, 1 - the stages' compute and optimizer step per microbatch / (`used` devices x
+    `iteration_s`), as the simulation counts busy time (its all-reduces overlap compute)."""
+    if inputs.schedule in FLUSH_SCHEDULES:
+        return simulate_stages(inputs, stages).idle_fraction()
+    busy_s = sum(cost.compute_s + cost.step_s for cost in costs)
+    return max(0.0, 1.0 - busy_s / (used * iteration_s)) if iteration_s > 0 else 0.0
 
 
 def _simulated_peaks(inputs: CostInputs, stages: list[Stage], closed_form: list[float]) -> list[float]:
