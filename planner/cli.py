@@ -105,7 +105,8 @@ def profile(
     device: str = typer.Option(
         "auto", help="auto (what `planner train` uses: the GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.",
     ),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, float16 or float64 (planner train casts the "
+                              "model the same way)."),
     warmup: int = typer.Option(3, help="Steps run before measuring."),
     iters: int = typer.Option(10, help="Measured steps; times are medians over them."),
     min_seconds: float = typer.Option(

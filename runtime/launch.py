@@ -44,6 +44,11 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     setup = check_setup(options, 0, count, 0)
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
     on_cpu = setup.device.type == "cpu"
+    if setup.cast_from is not None and setup.dtype is not None:
+        own, profiled = str(setup.cast_from).removeprefix("torch."), str(setup.dtype).removeprefix("torch.")
+        print(f"note: {options.model_file} builds {own} parameters; training casts them and its floating-point "
+              f"inputs to {profiled}, as the profile measured (profile with --dtype {own} to train in {own})",
+              file=sys.stderr)
     del setup  # the workers build their own models
     profile = _plan_profile(plan)
     profiled = profile.settings.get("conditions") if profile is not None else None

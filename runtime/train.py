@@ -48,10 +48,11 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import PlannerError
-from planner.profiling.model_file import ModelFile, build_checked_model, load_model_file
+from planner.profiling.model_file import ModelFile, build_checked_model, checked_example_batch, load_model_file
 from planner.files.fileformat import keep_previous
 from planner.files.plan import Plan, load_plan, plan_digest
-from planner.files.profile import load_profile
+from planner.files.profile import Profile, load_profile
+from planner.profiling.devices import resolve_dtype
 from planner.profiling.tensors import tensor_nbytes
 from planner.units import plural
 from planner.schedules.schedule import pipedream_microbatches
@@ -60,6 +61,7 @@ from runtime.checkpoint import (
     merged_optimizer_state, prune, save_stage, write_manifest,
 )
 from runtime.engine import Engine, EngineError, init_distributed
+from runtime.nested import batch_size, map_tensors, tensors
 from planner.profiling.conditions import steady_malloc
 from planner.profiling.optimizer_step import make_optimizer
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
@@ -202,6 +204,8 @@ class Setup:
     microbatches: int
     batch_size: int
     optimizer: str
+    dtype: torch.dtype | None = None  # the profile's: floating-point parameters, inputs and targets are cast to it
+    cast_from: torch.dtype | None = None  # the model's own floating-point dtype where it was another
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -301,14 +305,21 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     needed = rank_count(plan)
     if world != needed:
         raise TrainingError(f"{options.plan} has {plural(needed, 'rank')} ({plural(len(plan.stages), 'stage')}) but "
-                            f"the job has {plural(world, 'process', 'processes')}: launch with --nproc-per-node "
-                            f"{needed} (or make a plan for {plural(world, 'GPU')} with `planner partition PROFILE "
-                            f"--gpus {world}`)")
+                            f"the job has {plural(world, 'process', 'processes')}: start {needed} (`planner train` "
+                            f"does by default, or --nproc {needed}; torchrun --nproc-per-node {needed}), or make a plan "
+                            f"for {plural(world, 'GPU')} with `planner partition PROFILE --gpus {world}`")
     device, backend = _device_and_backend(options, local_rank)
     model_file = load_model_file(options.model_file)
     torch.manual_seed(options.seed)
     model = build_checked_model(model_file)
-    _check_model_matches(model, plan, options)
+    profile = _plan_profile(plan, options)
+    dtype = resolve_dtype(profile.dtype) if profile is not None else None
+    cast_from = _floating_dtype(model) if dtype is not None else None
+    if cast_from is not None and cast_from != dtype:
+        model = model.to(dtype=dtype)  # as the profile measured it (`planner profile --dtype`)
+    else:
+        cast_from = None
+    _check_model_matches(model, plan, options, profile)
     if options.checkpoint_dir is not None:
         check_writable(options.checkpoint_dir)
         found = latest_complete(options.checkpoint_dir)
@@ -324,8 +335,49 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     if microbatch_size is None:
         raise TrainingError(f"{options.plan} does not know its microbatch size (its profile has no batch size): "
                             "give --microbatch-size")
-    return Setup(plan, model_file, model, rank, world, device, backend, microbatches, microbatch_size * microbatches,
-                 options.optimizer or plan.optimizer)
+    setup = Setup(plan, model_file, model, rank, world, device, backend, microbatches, microbatch_size * microbatches,
+                  options.optimizer or plan.optimizer, dtype, cast_from)
+    if profile is not None:
+        _check_inputs_match(setup, profile, options)
+    return setup
+
+
+def _plan_profile(plan: Plan, options: TrainOptions) -> Profile | None:
+    """The plan's profile where its file is there (checked to be the one the plan was made from), else None."""
+    path = Path(plan.profile.path) if plan.profile.path else None
+    if path is None or not path.is_file():
+        return None
+    profile = load_profile(path)
+    plan.check_profile(profile, options.plan, str(path), profile_option=False)  # train takes no --profile
+    return profile
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (or buffer), None if it has none."""
+    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
+
+
+def _check_inputs_match(setup: Setup, profile: Profile, options: TrainOptions) -> None:
+    """The model file's example inputs at the profile's batch size must have the bytes the profile measured
+    (`Profile.input_bytes`): another sequence length or image size moves every activation, and the plan's memory
+    with it; TrainingError naming both."""
+    if not profile.batch_size or not profile.input_bytes:
+        return
+    with torch.random.fork_rng(devices=[]):
+        inputs, _ = checked_example_batch(setup.model_file, profile.batch_size)
+    found = sum(tensor_nbytes(t) for t in tensors(_cast(inputs, setup.dtype)))
+    if found != profile.input_bytes:
+        raise TrainingError(f"{options.model_file} does not match the profile {setup.plan.profile.path}: "
+                            f"example_batch({profile.batch_size})'s inputs have {found:,} bytes, the profile's "
+                            f"{profile.input_bytes:,} (were their shapes changed since?); profile this model "
+                            f"(`planner profile {options.model_file}`) and partition again")
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    """`value` with its floating-point tensors cast to `dtype` (None: as they are)."""
+    if dtype is None:
+        return value
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def rank_count(plan: Plan) -> int:
@@ -367,17 +419,14 @@ def _device_and_backend(options: TrainOptions, local_rank: int) -> tuple[torch.d
     return torch.device("cpu"), backend
 
 
-def _check_model_matches(model: nn.Module, plan: Plan, options: TrainOptions) -> None:
+def _check_model_matches(model: nn.Module, plan: Plan, options: TrainOptions, profile: Profile | None) -> None:
     """The model must have a module for each layer of the plan's profile (or, without the profile file,
     for each stage's first and last layer), and as many parameter bytes as that profile counted
     (`Profile.total_param_bytes`: every parameter once, so a model built wider or deeper from the same file has the
     same layer names but not the same bytes, and its plan's memory is wrong); TrainingError naming what differs."""
     modules = {name for name, _ in model.named_modules() if name}
-    profile_path = Path(plan.profile.path) if plan.profile.path else None
-    profile = load_profile(profile_path) if profile_path is not None and profile_path.is_file() else None
     if profile is not None:
-        plan.check_profile(profile, options.plan, str(profile_path), profile_option=False)  # train takes none
-        names, source = [layer.name for layer in profile.layers], f"the profile {profile_path}"
+        names, source = [layer.name for layer in profile.layers], f"the profile {plan.profile.path}"
     else:
         names = [name for stage in plan.stages for name in (stage.first_layer, stage.last_layer)]
         source = f"the plan {options.plan}"
@@ -401,7 +450,7 @@ def _check_model_matches(model: nn.Module, plan: Plan, options: TrainOptions) ->
 def example_microbatch(setup: Setup) -> Any:
     """One microbatch of the model file's example inputs (for torch.export), leaving the random state as it was."""
     with torch.random.fork_rng(devices=[]):
-        return setup.model_file.example_batch(setup.batch_size // setup.microbatches)[0]
+        return _cast(setup.model_file.example_batch(setup.batch_size // setup.microbatches)[0], setup.dtype)
 
 
 def train(options: TrainOptions, setup: Setup) -> None:
@@ -484,20 +533,28 @@ def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[A
     if loader is None or options.data == "example":
         with torch.random.fork_rng(devices=[]):  # the training's random stream stays as it was
             torch.manual_seed(options.seed + 1)
-            batch = setup.model_file.example_batch(setup.batch_size)
+            batch = _cast(setup.model_file.example_batch(setup.batch_size), setup.dtype)
         while True:
             yield batch
-    batches, seen = loader(setup.batch_size), 0
+    batches, seen, noted = loader(setup.batch_size), 0, False
     while True:
         empty = True
         for batch in batches:
+            size = batch_size(batch)
+            if size is not None and size != setup.batch_size:  # a loader's last, short batch: the plan's size only
+                if not noted and setup.rank == 0:
+                    print(f"note: data_loader({setup.batch_size}) yielded a batch of {size} samples; such batches "
+                          "are skipped, as every step trains the plan's global batch (give the loader "
+                          "drop_last=True to drop them yourself)", flush=True)
+                noted = True
+                continue
             empty = False
             seen += 1
             if seen > skip:
-                yield batch
+                yield _cast(batch, setup.dtype)
         if empty:
-            raise TrainingError(f"{options.model_file}: data_loader({setup.batch_size}) yielded no batches; "
-                                "is the dataset smaller than one mini-batch (with drop_last)?")
+            raise TrainingError(f"{options.model_file}: data_loader({setup.batch_size}) yielded no batch of "
+                                f"{setup.batch_size} samples; is the dataset smaller than one mini-batch?")
 
 
 class _Progress:

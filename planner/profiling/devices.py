@@ -9,7 +9,7 @@ import torch
 
 from planner.errors import DeviceError, ProfileError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,7 +36,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """A dtype from its name (float32, bfloat16, float16), else ProfileError."""
+    """A dtype from its name (float32, bfloat16, float16, float64), else ProfileError."""
     try:
         return DTYPES[name]
     except KeyError:

@@ -22,11 +22,12 @@ from planner.files.cluster import make_cluster
 from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
 from planner.files.plan import Plan, load_plan
-from planner.files.profile import load_profile
+from planner.files.profile import Profile, load_profile
 from planner.files.run_report import load_run_report
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import (
-    TrainingError, TrainOptionError, UnknownTrainOptionError, check_setup, parse_args, rank_count, warmup_steps,
+    TrainingError, TrainOptionError, UnknownTrainOptionError, _batches, check_setup, example_microbatch, parse_args,
+    rank_count, warmup_steps,
 )
 from runtime.train import main as train_main  # (its checks, in this process)
 from runtime_examples import model_file
@@ -387,8 +388,9 @@ BAD_SETUPS = [
     (["examples/mlp.py", "--resume"], "--resume needs --checkpoint-dir DIR"),
     (["examples/gpt.py", "--data", "loader", "--plan", "{gpt}"], "has no data_loader(batch_size)"),
     (["examples/mlp.py", "--checkpoint-dir", "{plan}/sub"], "cannot be written"),
-    (["examples/mlp.py", "--plan", "{two_one}"], "has 3 ranks (2 stages) but the job has 2 processes: launch with "
-                                                 "--nproc-per-node 3"),
+    (["examples/mlp.py", "--plan", "{two_one}"], "has 3 ranks (2 stages) but the job has 2 processes: start 3 "
+                                                 "(`planner train` does by default, or --nproc 3; torchrun "
+                                                 "--nproc-per-node 3)"),
 ]
 
 
@@ -460,11 +462,83 @@ def test_a_model_built_wider_than_its_profile_is_refused(tmp_path: Path) -> None
     check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 2, 0)  # the profiled model passes
 
 
+def profiled_plan(tmp_path: Path, profile: Profile) -> Path:
+    """A straight 2-stage 1f1b plan of `profile`, saved with it in tmp_path."""
+    path = profile.save(tmp_path / "profile.json")
+    return partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=4,
+                     profile_path=str(path)).save(tmp_path / "plan.json")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_model_trains_in_the_profiles_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A model built in float64 and profiled at the default float32 was refused for its parameter bytes, and a
+    bfloat16 profile could never train: the model, its example inputs and its batches take the profile's dtype."""
+    source = (REPO / "examples" / "mlp.py").read_text()
+    doubled = tmp_path / "mlp64.py"
+    doubled.write_text(source.replace("    return nn.Sequential(*layers)\n", "    return nn.Sequential(*layers).double()\n"))
+    assert doubled.read_text() != source
+    profile = load_profile(REPO / "profiles" / "mlp.json")
+    if dtype != torch.float32:  # as `planner profile --dtype` records it: half or twice the bytes
+        factor = torch.empty(0, dtype=dtype).element_size() / 4
+        profile = dataclasses.replace(profile, dtype=str(dtype).removeprefix("torch."), input_bytes=int(
+            profile.input_bytes * factor), layers=tuple(dataclasses.replace(layer, param_bytes=int(
+                layer.param_bytes * factor)) for layer in profile.layers))
+    plan = profiled_plan(tmp_path, profile)
+    setup = check_setup(parse_args([str(doubled), "--plan", str(plan)]), 0, 2, 0)
+    assert setup.dtype == dtype and {p.dtype for p in setup.model.parameters()} == {dtype}
+    assert setup.cast_from == (None if dtype == torch.float64 else torch.float64)
+    assert example_microbatch(setup).dtype == dtype
+    inputs, target = next(_batches(parse_args([str(doubled), "--plan", str(plan)]), setup, 0))
+    assert inputs.dtype == dtype and target.dtype == torch.int64  # class labels stay integers
+
+
+def test_example_inputs_changed_since_the_profile_are_refused(tmp_path: Path) -> None:
+    """A sequence length changed after profiling kept the parameters and moved every activation (peak memory
+    1.23-1.28x the plan): the profile's input bytes are checked too."""
+    profile = load_profile(REPO / "profiles" / "mlp.json")
+    plan = profiled_plan(tmp_path, dataclasses.replace(profile, input_bytes=profile.input_bytes * 2))
+    with pytest.raises(TrainingError, match=rf"example_batch\({profile.batch_size}\)'s inputs have "
+                                            rf"{profile.input_bytes:,} bytes, the profile's {2 * profile.input_bytes:,}"):
+        check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 2, 0)
+
+
+SHORT_LAST_BATCH = """
+
+def data_loader(batch_size):
+    \"\"\"Two full batches, then the short one a loader without drop_last gives.\"\"\"
+    torch.manual_seed(5)
+    return [example_batch(batch_size), example_batch(batch_size), example_batch(batch_size - 3)]
+"""
+
+
+def test_a_loaders_short_batches_are_skipped_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loader's last, short batch was trained as uneven microbatches (5 samples as 2, 1, 1, 1), or stopped the
+    job (3 samples into 4 microbatches): every step trains the plan's batch, and the note says what was skipped."""
+    source = (REPO / "examples" / "mlp.py").read_text()
+    loader = tmp_path / "mlp.py"
+    loader.write_text(source.split("\ndef data_loader")[0] + SHORT_LAST_BATCH)
+    plan = REPO / "profiles" / "mlp.json"
+    plan = partition(load_profile(plan), make_cluster(2), straight=True, schedule="1f1b", microbatches=4,
+                     profile_path=str(plan)).save(tmp_path / "plan.json")
+    options = parse_args([str(loader), "--plan", str(plan)])
+    setup = check_setup(options, 0, 2, 0)
+    batches = _batches(options, setup, 0)
+    sizes = [next(batches)[0].shape[0] for _ in range(5)]
+    assert sizes == [setup.batch_size] * 5  # two epochs and more: only full batches
+    out = capsys.readouterr().out
+    assert out.count("note:") == 1 and f"yielded a batch of {setup.batch_size - 3} samples" in out
+    loader.write_text(source.split("\ndef data_loader")[0] + SHORT_LAST_BATCH.replace(
+        "[example_batch(batch_size), example_batch(batch_size), ", "["))
+    with pytest.raises(TrainingError, match=rf"yielded no batch of {setup.batch_size} samples"):
+        next(_batches(options, check_setup(options, 0, 2, 0), 0))
+
+
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
     plan = plans["mlp-interleaved"]
     assert rank_count(load_plan(plan)) == 2
-    with pytest.raises(TrainingError, match=r"has 2 ranks \(6 stages\) but the job has 6 processes: launch with "
-                                            r"--nproc-per-node 2 .*--gpus 6`"):
+    with pytest.raises(TrainingError, match=r"has 2 ranks \(6 stages\) but the job has 6 processes: start 2 "
+                                            r"\(`planner train` does by default, or --nproc 2; torchrun "
+                                            r"--nproc-per-node 2\), .*--gpus 6`"):
         check_setup(parse_args(["examples/mlp.py", "--plan", str(plan)]), 0, 6, 0)
 
 
@@ -472,8 +546,8 @@ def test_one_process_for_a_plan_of_more_reads_in_the_singular(plans: dict[str, P
     with pytest.raises(TrainingError) as raised:
         check_setup(parse_args(["examples/mlp.py", "--plan", str(plans["mlp-2-1"])]), 0, 1, 0)
     message = str(raised.value)
-    assert "has 3 ranks (2 stages) but the job has 1 process: launch with --nproc-per-node 3" in message
-    assert "(or make a plan for 1 GPU with `planner partition PROFILE --gpus 1`)" in message
+    assert "has 3 ranks (2 stages) but the job has 1 process: start 3 (" in message and "--nproc 3;" in message
+    assert "or make a plan for 1 GPU with `planner partition PROFILE --gpus 1`" in message
     assert "1 processes" not in message and "1 GPUs" not in message
 
 
