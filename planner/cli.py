@@ -38,7 +38,8 @@ DEBUG_OPTION = typer.Option(False, "--debug", help="Show the full traceback of e
 
 
 def _run(debug: bool, action: Callable[[], T]) -> T:
-    """Run `action`; a PlannerError becomes `error: ...` on stderr and exit code 1 (unless --debug)."""
+    """Run `action`; a PlannerError becomes `error: ...` on stderr and exit code 1 (unless --debug), Ctrl-C
+    (KeyboardInterrupt) its message (`planner train` says where it stopped) or `interrupted`, and exit code 130."""
     try:
         return action()
     except PlannerError as exc:
@@ -46,8 +47,8 @@ def _run(debug: bool, action: Callable[[], T]) -> T:
             raise
         typer.echo(f"error: {one_line(str(exc))}", err=True)
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+    except KeyboardInterrupt as exc:
+        typer.echo(one_line(str(exc)) or "interrupted", err=True)
         raise typer.Exit(130) from None
 
 
@@ -381,7 +382,7 @@ def compare(
     def action() -> None:
         from planner.display.plots import comparison_figure, save_figure
         from planner.files.plan import load_plan
-        from planner.files.run_report import check_report_plan, load_run_report, measured_timeline, run_report_table
+        from planner.files.run_report import check_report_plan, load_run_report, run_report_table
         from planner.profiling.conditions import differences
         from planner.simulation.plan_simulation import simulate
 
@@ -399,8 +400,7 @@ def compare(
         if simulated is None:
             console.print("predicted idle shares need the plan's profile: give --profile PATH")
         if out is not None and simulated is not None:
-            measured = measured_timeline(report, simulated.stage_times, simulated.library_bytes)
-            figure = comparison_figure(simulated, measured)
+            figure = comparison_figure(simulated, report)
             console.print(f"wrote {save_figure(figure, out)} (simulated and measured schedules)")
 
     _run(debug, action)
@@ -462,7 +462,7 @@ def export_command(
             plan, profile = load_plan(plan_file), None
         exported = export_plan(plan, to, profile, plan_file)
         written = write_export(exported, json_path, text_path)
-        typer.echo(exported.text())
+        typer.echo(exported.text().rstrip("\n"))  # (the file's own last newline would print as an empty line)
         typer.echo(f"wrote {written[0]} and {written[1]}")
 
     _run(debug, action)

@@ -41,7 +41,8 @@ data the simulator and the plots use.
   ranks to see it and close (so that each can still report it before torchrun ends them); every
   rank waiting for a message or an all-reduce checks the store every `p2p.POLL_S` seconds, so
   every rank raises `EngineError` with that message instead of hanging.
-  A failed engine is closed;
+  A failed engine is closed; so is one interrupted (KeyboardInterrupt: Ctrl-C, which reaches every rank), which
+  publishes nothing and raises the KeyboardInterrupt;
 - ranks that stop answering: every rank runs a `runtime.liveness.Heartbeat`; a rank whose
   heartbeat stops for `timeout_s` seconds (killed, frozen, cut off), a lost connection to a
   peer, or a wait for one message or all-reduce longer than `timeout_s` (a rank alive but stuck)
@@ -336,6 +337,9 @@ class Engine:
             message = self._publish(str(missing), silent=missing.rank)
             self.close()
             raise EngineError(message, missing.rank) from None
+        except KeyboardInterrupt:  # Ctrl-C, which torchrun passes on to every rank: no rank failed, none is blamed
+            self.close()
+            raise
         except BaseException as exc:
             stage, microbatch = self._where or (self.stage, None)
             where = f"stage {stage}" + (f", microbatch {microbatch}" if microbatch is not None else "")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 import tempfile
-from typing import Any, Callable, Sequence
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -18,9 +23,18 @@ from planner.profiling.conditions import (
 )
 from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
-from runtime.train import TrainingError, check_setup, example_microbatch, parse_args, rank_count
+from runtime.train import (
+    INTERRUPTED_FILE, TrainingError, check_setup, example_microbatch, parse_args, rank_count, resume_note,
+)
 
 __all__ = ["launch", "measure_cluster", "run_module"]
+
+# the signals torchrun's launcher turns into SignalException: its --signals-to-handle (which reads the first variable
+# where it is not given) and what it passes on in the second
+_HANDLED_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+_TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # its default
+# the loggers of torchrun's launcher that say, on Ctrl-C, that it got a signal and sends one on to each worker
+_TORCHRUN_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
 
 
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
@@ -34,7 +48,9 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     (else cores // nproc), and on CPU the glibc settings the profile was measured with. What still
     differs (or that the profile is not there to ask) is one line on stderr before the job starts;
     an `OMP_NUM_THREADS` the user set wins. Raises TrainingError when the job fails; each failing
-    rank has printed its own line by then.
+    rank has printed its own line by then. Ctrl-C ends every rank quietly (each finds the INTERRUPTED_FILE made
+    before they are stopped) and raises KeyboardInterrupt saying where training stopped: after the step rank 0 wrote
+    into that file, with the checkpoint to resume from.
     """
     options = parse_args(argv)
     plan = load_plan(options.plan)
@@ -57,8 +73,14 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
             print(f"note: {note}", file=sys.stderr)
     threads = worker_threads(profiled.get("threads") if profiled else None, count)
     try:
-        run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
-                   before=lambda training: _warn_differences(profiled, training, plan.profile.path))
+        with tempfile.TemporaryDirectory(prefix="planner-train-", ignore_cleanup_errors=True) as folder:
+            noted = Path(folder) / "interrupted"  # (a job of weeks may find it gone: /tmp is cleaned)
+            try:
+                run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
+                           before=lambda training: _warn_differences(profiled, training, plan.profile.path),
+                           variables={INTERRUPTED_FILE: str(noted)}, on_interrupt=noted.touch)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(_interruption(noted, options.checkpoint_dir)) from None
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
 
@@ -82,15 +104,17 @@ def measure_cluster(out: str, nproc: int = 2, quick: bool = False) -> None:
 
 
 def run_module(module: str, argv: Sequence[str], count: int, threads: int | None = None, cpu: bool = True,
-               before: Callable[[dict[str, Any]], None] | None = None) -> None:
+               before: Callable[[dict[str, Any]], None] | None = None, variables: dict[str, str] | None = None,
+               on_interrupt: Callable[[], None] | None = None) -> None:
     """`python -m MODULE *argv` on `count` processes under torchrun's launcher (`--standalone`);
     each worker gets `threads` torch threads (default cores // count; `OMP_NUM_THREADS` wins if
     set) and `planner.profiling.conditions.STEADY_MALLOC` glibc settings (as `planner profile`
     has, on CPU and GPU alike: they matter to host-side steps only). `before` sees the workers'
     conditions (`conditions.current_conditions`; processes: `count` on a CPU, None where each has a GPU, as a
-    profile records them) first. ChildFailedError when a worker fails. torchrun's own files (each rank's error
-    file) go to a folder that is removed afterwards: given none, torchrun leaves a /tmp/torchelastic_* folder behind
-    on every run."""
+    profile records them) first; the workers also get the environment `variables`. ChildFailedError when a worker
+    fails; on Ctrl-C, `on_interrupt` runs, the workers are stopped and KeyboardInterrupt comes out (`_interruptible`).
+    torchrun's own files (each rank's error file) go to a folder that is removed afterwards: given none, torchrun
+    leaves a /tmp/torchelastic_* folder behind on every run."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
     for name, value in STEADY_MALLOC.items():
         os.environ.setdefault(name, value)
@@ -98,9 +122,80 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
         before(current_conditions(int(os.environ["OMP_NUM_THREADS"]), count if cpu else None))
     from torch.distributed.run import get_args_parser, run
 
-    with tempfile.TemporaryDirectory(prefix="planner-torchrun-") as logs:
-        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", f"--log-dir={logs}",
-                                          "--module", module, *argv]))
+    with tempfile.TemporaryDirectory(prefix="planner-torchrun-") as logs, _environment(variables or {}):
+        with _interruptible(on_interrupt):
+            run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", f"--log-dir={logs}",
+                                              "--module", module, *argv]))
+
+
+@contextmanager
+def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[None]:
+    """Ctrl-C (SIGINT) while torchrun's launcher runs: `on_interrupt`, then KeyboardInterrupt once every worker is gone,
+    instead of torchrun's warnings and the traceback of its SignalException. The launcher stops the workers with
+    SIGTERM (SIGKILL after 30 s), not with the SIGINT torchrun would pass on: a worker still starting (importing
+    torch) dies of it without a word, where Python would print the KeyboardInterrupt's traceback; `on_interrupt` lets
+    the others tell it from torchrun's stop after a rank failed. Another Ctrl-C meanwhile is ignored: torchrun would
+    give up on the workers, still running."""
+    if threading.current_thread() is not threading.main_thread():  # (signal handlers are the main thread's)
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    loggers = [logging.getLogger(name) for name in _TORCHRUN_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    interrupted: list[bool] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        interrupted.append(True)
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            if on_interrupt is not None:
+                on_interrupt()
+        except OSError:  # (its folder gone) the workers then take the stop for torchrun's, and say so
+            pass
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
+
+    handled = ",".join(name for name in os.environ.get(_HANDLED_SIGNALS[0], _TORCHRUN_SIGNALS).split(",")
+                       if name.strip() != "SIGINT")  # torchrun's own handler of SIGINT would replace this one
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with _environment(dict.fromkeys(_HANDLED_SIGNALS, handled)):
+            yield
+    except SignalException:
+        if not interrupted:  # another signal torchrun handles (SIGTERM, SIGHUP)
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """This process's environment (which the workers inherit) with `variables` set; as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _interruption(noted: Path, checkpoint_dir: str | None) -> str:
+    """The line for a job ended by Ctrl-C: after which step (rank 0 writes it into `noted` if training began) and
+    what is safe."""
+    try:
+        step = int(noted.read_text())
+    except (OSError, ValueError):  # not there (Ctrl-C before the workers started) or empty
+        return "interrupted before training started"
+    return f"interrupted: training stopped after step {step}; {resume_note(checkpoint_dir)}"
 
 
 def _plan_profile(plan: Plan) -> Profile | None:

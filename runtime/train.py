@@ -22,8 +22,11 @@ by parameter name).
 
 Faults: a rank that fails, exits or stops answering for `--timeout` seconds ends every rank
 with one line naming it and the last complete checkpoint (`runtime.engine`; the heartbeat in
-`runtime.liveness`). At the end rank 0 writes the run report (`runtime.report`): measured times
-next to the plan's predictions, for `planner compare`.
+`runtime.liveness`). Ctrl-C (SIGINT from torchrun's launcher, or under `planner train` SIGTERM with its
+INTERRUPTED_FILE there) ends every rank without a word (the engine blames no rank for it); rank 0 writes the last
+step it finished into that file, and `planner train` says in one line where training stopped and which checkpoint
+continues it. At the end rank 0 writes the run report (`runtime.report`): measured times next to the plan's
+predictions, for `planner compare`.
 
 Why one module of ~580 lines: it is one job read top to bottom: options, the checks every rank makes
 before any collective, the training loop with its checkpoints and log, and the run report.
@@ -38,6 +41,7 @@ from contextlib import contextmanager
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +72,18 @@ from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_
 from runtime.report import save_run_report
 from runtime.worker_exit import exit_worker
 
-__all__ = ["TrainOptionError", "TrainOptions", "TrainingError", "UnknownTrainOptionError", "parse_args", "main",
+__all__ = ["INTERRUPTED_FILE", "TrainOptionError", "TrainOptions", "TrainingError", "UnknownTrainOptionError",
+           "parse_args", "main", "resume_note",
            "check_setup", "example_microbatch", "rank_count"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
 LAUNCHER_OPTIONS = ("--nproc", "--debug")  # `planner train`'s own options, beside what it passes to `parse_args`
+INTERRUPTED_EXIT = 130  # the exit code of a rank ended by Ctrl-C (128 + SIGINT, as a shell reports it)
+# the variable naming the file `planner train` makes on Ctrl-C before torchrun's launcher stops every rank with
+# SIGTERM: a rank that finds it ends as on SIGINT, and rank 0 writes into it the last step it finished (if training began)
+INTERRUPTED_FILE = "PLANNER_INTERRUPTED_FILE"
+_INTERRUPT = threading.Event()  # set by the first SIGINT: from then on this rank ends without a word
 
 
 class TrainingError(PlannerError):
@@ -220,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steady_malloc(["-m", "runtime.train", *arguments])
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_interrupted)
     try:
         try:
             setup = check_and_build(options)
@@ -234,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(options, setup)
         finally:
             dist.destroy_process_group()
+    except KeyboardInterrupt:  # Ctrl-C, which torchrun's launcher passes on to every rank: `planner train` says it
+        return INTERRUPTED_EXIT
     except PlannerError as exc:  # TrainingError, CheckpointError, EngineError, model-file errors
         _say_error(rank, str(exc))
         return 1
@@ -268,7 +281,19 @@ def _wait_for_checks(limit_s: float = 10.0) -> None:
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
+    """SIGTERM: Stopped, or as SIGINT where `planner train` was interrupted (its INTERRUPTED_FILE is there)."""
+    noted = os.environ.get(INTERRUPTED_FILE)
+    if noted and Path(noted).exists():
+        _raise_interrupted(signum, frame)
     raise Stopped()
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    """Ctrl-C: KeyboardInterrupt, once; this rank then ends quietly."""
+    _INTERRUPT.set()
+    for ignored in (signal.SIGINT, signal.SIGTERM):  # its clean-up runs to the end
+        signal.signal(ignored, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _stopping() -> None:
@@ -278,6 +303,8 @@ def _stopping() -> None:
 
 
 def _say_error(rank: str | int, message: str) -> None:
+    if _INTERRUPT.is_set():  # whatever failed after a Ctrl-C (a peer gone first): the launcher says what stopped
+        return
     text = " | ".join(line.strip() for line in message.splitlines() if line.strip())
     sys.stderr.write(f"error: rank {rank}: {text}\n")  # one write: the ranks share torchrun's stderr
     sys.stderr.flush()
@@ -498,6 +525,8 @@ def train(options: TrainOptions, setup: Setup) -> None:
         raise TrainingError(_stop_message("", step, options.checkpoint_dir, True, engine)) from None
     finally:
         engine.close()
+        if _INTERRUPT.is_set() and rank == 0:
+            _note_interrupted_step(step)
 
 
 @contextmanager
@@ -516,10 +545,24 @@ def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: b
         who = (f"rank {', '.join(map(str, gone))} exited first" if gone
                else "another rank exited, or the job was cancelled")
         reason = f"stopped by SIGTERM from the launcher (torchrun stops every rank when one exits: {who})"
+    return f"training stopped after step {step}: {reason}; {resume_note(checkpoint_dir)}"
+
+
+def resume_note(checkpoint_dir: str | None) -> str:
+    """What is safe once training stopped early: the last complete checkpoint in `checkpoint_dir`, or that none was."""
     found = latest_complete(checkpoint_dir) if checkpoint_dir else None
-    safe = (f"the last complete checkpoint is {found.path}: continue with --resume" if found
+    return (f"the last complete checkpoint is {found.path}: continue with --resume" if found
             else "no checkpoint was written (use --checkpoint-dir DIR --checkpoint-every K to keep progress)")
-    return f"training stopped after step {step}: {reason}; {safe}"
+
+
+def _note_interrupted_step(step: int) -> None:
+    """Write `step` into the INTERRUPTED_FILE `planner train` named (if it did), which reads it once the job ended."""
+    path = os.environ.get(INTERRUPTED_FILE)
+    if path:
+        try:
+            Path(path).write_text(str(step))
+        except OSError:  # the launcher then cannot say the step
+            pass
 
 
 def _optimizer_factory(name: str, lr: float) -> Any:

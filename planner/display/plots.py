@@ -27,9 +27,10 @@ from planner.errors import PlannerError
 from planner.files.fileformat import write_atomically
 from planner.files.plan import Plan
 from planner.files.profile import Profile
+from planner.files.run_report import RunReport, measured_timeline
 from planner.schedules.schedule import ALLREDUCE, BACKWARD, FORWARD, SEND_ACTIVATION, SEND_GRADIENT, STEP, WEIGHT
 from planner.files.timeline import Timeline
-from planner.units import format_bytes, plural, significant
+from planner.units import format_bytes, format_ms, plural, significant
 
 WIDTH_IN = 12.0  # every figure of a plan or timeline is this wide, so they stack into `plan_figure`
 PARTITION_HEIGHT_IN = 7.5
@@ -172,17 +173,20 @@ def timeline_figure(timeline: Timeline, communication: bool = False, limit_bytes
     return fig
 
 
-def comparison_figure(simulated: Timeline, measured: Timeline, communication: bool = False) -> Figure:
-    """The simulated schedule above the measured one (`run_report.measured_timeline`), as Gantt
-    charts on one time axis (ms from the step's start), titled "predicted (simulated)" and
-    "measured"; sends in lanes of their own with `communication`."""
+def comparison_figure(simulated: Timeline, report: RunReport, communication: bool = False) -> Figure:
+    """The simulated schedule (the plan's `simulate`) above the run's representative step
+    (`run_report.measured_timeline`), as Gantt charts on one time axis (ms from the step's start), titled
+    "predicted (simulated)" and "measured": the run's iteration as its table states it, and which step is drawn
+    (`_measured_title`); sends in lanes of their own with `communication`."""
+    measured = measured_timeline(report, simulated.stage_times, simulated.library_bytes)
     heights = [_gantt_height(simulated, communication), _gantt_height(measured, communication)]
     fig = InlineFigure(figsize=(WIDTH_IN, sum(heights)), layout="constrained")
     top, bottom = fig.subfigures(2, 1, height_ratios=heights)
     span_ms = max(simulated.makespan_s, measured.makespan_s) * 1000.0 or 1.0
-    for panel, timeline, what in ((top, simulated, "predicted (simulated)"), (bottom, measured, "measured")):
+    for panel, timeline in ((top, simulated), (bottom, measured)):
         _draw_gantt(panel, timeline, communication, span_ms)
-        panel.suptitle(f"{what}: {_timeline_title(timeline)}")
+    top.suptitle(f"predicted (simulated): {_timeline_title(simulated)}")
+    bottom.suptitle(f"measured: {_measured_title(report, measured)}")
     return fig
 
 
@@ -491,6 +495,19 @@ def _plan_title(plan: Plan, profile: Profile) -> str:
     return (f"{plan.profile.name}: {schedule}; {plan.predicted.devices_used} of "
             f"{plural(plan.cluster.num_devices, 'GPU')}; "
             f"{_format_rate(plan.predicted.samples_per_s)} samples/s predicted")
+
+
+def _measured_title(report: RunReport, drawn: Timeline) -> str:
+    """The run's iteration (pipedream: time per microbatch) as `run_report.comparison_table` states it, the median of
+    its steps, then the step `drawn` (`RunReport.representative_step`): its number, time and idle share."""
+    steps = f"the median of {report.steps} steps" if report.steps > 1 else "1 step"
+    if report.schedule == "pipedream":
+        timing = f"{format_ms(report.iteration_ms)} ms per microbatch in steady state ({steps})"
+    else:
+        timing = f"{format_ms(report.iteration_ms)} ms per iteration ({steps})"
+    over = ", fill and drain included" if report.schedule == "pipedream" else ""
+    return (f"{report.schedule} schedule: {timing}; step {report.representative_step_number} drawn: "
+            f"{format_ms(report.representative_step_ms)} ms, idle {drawn.idle_fraction():.1%} of device time{over}")
 
 
 def _timeline_title(timeline: Timeline) -> str:

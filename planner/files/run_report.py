@@ -173,6 +173,18 @@ class RunReport:
         """Each plan stage's ranks."""
         return tuple(stage.ranks for stage in self.plan_stages)
 
+    @property
+    def representative_step_ms(self) -> float:
+        """The time of the representative step (the one in `events`): the median of `step_times_ms`, of an even
+        count the shorter middle one (a step of the run; `train_step_ms`, their median, is the mean of the two)."""
+        ordered = sorted(self.step_times_ms)
+        return ordered[(len(ordered) - 1) // 2]
+
+    @property
+    def representative_step_number(self) -> int:
+        """The representative step as the training log counts it: from 1, or from a resumed run's first step."""
+        return int(self.meta.get("first_step", 1)) + self.representative_step
+
     def to_dict(self) -> dict[str, Any]:
         """The file body (module docstring's schema); `run_report_from_dict` reads it back."""
         return {

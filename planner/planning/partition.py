@@ -875,17 +875,18 @@ def _partition_pipedream(
 @dataclass(frozen=True)
 class BaselineResult:
     """A baseline plan's stages and its time under the plan's cost model (`iteration_s`: what the
-    plan's `iteration_ms` measures, so the two compare directly)."""
+    plan's `iteration_ms` measures, so the two compare directly); `chunks`: stages per device, as a plan's."""
 
     name: str
     stages: tuple[tuple[int, int, int], ...]
     iteration_s: float
     peak_memory_bytes: int
+    chunks: int = 1
 
     @property
     def devices(self) -> int:
-        """Devices the baseline uses: the sum of its replicas."""
-        return sum(replicas for _, _, replicas in self.stages)
+        """Devices the baseline uses: the sum of its replicas, over its chunks (a chunked plan's stages share them)."""
+        return sum(replicas for _, _, replicas in self.stages) // self.chunks
 
 
 def compare_baselines(profile: Profile, plan: Plan, optimizer: str | None = None) -> list[BaselineResult]:
@@ -932,7 +933,8 @@ def compare_schedules(profile: Profile, plan: Plan, recompute: bool = True) -> l
         except PlannerError:  # nothing fits, or a count interleaved-1f1b cannot run
             continue
         found.append(BaselineResult(f"best {schedule}", tuple((s.start, s.stop, s.replicas) for s in other.stages),
-                                    other.predicted.iteration_ms / 1000.0, other.predicted.peak_memory_bytes))
+                                    other.predicted.iteration_ms / 1000.0, other.predicted.peak_memory_bytes,
+                                    other.chunks))
     return found
 
 

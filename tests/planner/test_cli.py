@@ -304,6 +304,48 @@ def test_debug_keeps_the_model_exception_as_cause(tmp_path: Path) -> None:
     assert "boom in forward" in str(result.exception)
 
 
+# Ctrl-C ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("message, line", [
+    ("", "interrupted"),  # any command
+    ("interrupted: training stopped after step 45; the last complete checkpoint is ckpt/step-00000040: continue "
+     "with --resume", None),  # `planner train` says where it stopped the job
+])
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch: pytest.MonkeyPatch, message: str,
+                                              line: str | None) -> None:
+    import runtime.launch
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt(message)
+
+    monkeypatch.setattr(runtime.launch, "launch", interrupted)
+    result = invoke("train", MLP, "--plan", "plan.json", "--debug")
+    assert result.exit_code == 130 and result.stdout == ""
+    assert result.stderr == f"{line or message}\n"
+
+
+# planner export -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["pippy", "deepspeed"])
+def test_export_prints_the_file_then_what_it_wrote_without_an_empty_line(tmp_path: Path, target: str) -> None:
+    # (a 1-stage data-parallel plan's pippy export showed an empty line before "wrote": every export did)
+    from planner.files.cluster import make_cluster
+    from planner.planning.partition import partition
+
+    profile = REPO / "profiles" / "mlp.json"
+    plan = partition(load_profile(profile), make_cluster(2), profile_path=str(profile))
+    assert [stage.replicas for stage in plan.stages] == [2]
+    result = invoke("export", plan.save(tmp_path / "dp.json"), "--to", target)
+    assert result.exit_code == 0, result.output
+    json_path = tmp_path / f"dp.{target}.json"
+    text_path = json_path.with_suffix(".py" if target == "pippy" else ".txt")
+    text = text_path.read_text()
+    assert text.endswith("\n") and not text.endswith("\n\n")  # the file ends as a file does
+    assert result.stdout == f"{text}wrote {json_path} and {text_path}\n"
+
+
 # planner inspect / import-pipedream -----------------------------------------------------------
 
 

@@ -446,6 +446,25 @@ def test_an_interleaved_plan_runs_its_chunks_and_a_failure_names_the_stage(one_p
     assert engine.closed
 
 
+def test_ctrl_c_in_a_step_closes_the_engine_and_blames_no_rank(one_process_job: Any) -> None:
+    """Ctrl-C reaches every rank: a KeyboardInterrupt is no rank's failure, so none is published for the others
+    (it once was: "rank 1 (stage 1, microbatch 2) failed: KeyboardInterrupt: ")."""
+    model, inputs, target = example("mlp", 8)
+    engine = Engine(split_model(model, ["2"]), "interleaved-1f1b", microbatches=2, chunks=2)
+    calls: list[int] = []
+
+    def interrupt(*_: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    engine.modules[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.train_step(inputs, target)
+    assert engine.closed and len(calls) == 2
+    assert not engine._store.check([engine._prefix + "error"])  # no failure for the other ranks to report
+
+
 @pytest.mark.parametrize("arguments, message", [
     (dict(stage_ranks=[[0, 1], [2], [0], [1]]), "interleaved-1f1b needs stages of one device each, a whole number "
                                                 "of chunks per rank: got 4 stages, chunks=2, replicas [2, 1, 1, 1]"),

@@ -1,11 +1,15 @@
 """planner train's launcher: what can be checked in this process (here: that the model can be split) is one line
-on stderr, exit 1, and no torchrun job starts."""
+on stderr, exit 1, and no torchrun job starts; Ctrl-C is one line too, exit 130, with nothing left running."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -189,3 +193,119 @@ def test_a_job_leaves_nothing_in_the_temporary_folder(tmp_path: Path, monkeypatc
     else:
         run_module(module, [], 1)  # `python -m platform` prints a line and exits 0
     assert list(tmp_path.iterdir()) == []
+
+
+# --- Ctrl-C ----------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_under_torchruns_launcher_is_a_keyboard_interrupt_and_leaves_the_process_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's launcher would raise SignalException (a traceback, after its warnings); run_module handles SIGINT
+    itself while the job runs (torchrun is told to leave it alone), calls on_interrupt, raises KeyboardInterrupt, and
+    puts back the handler and the environment; the workers get the variables asked for."""
+    import torch.distributed.run
+
+    from runtime.launch import run_module
+
+    for name, value in {"OMP_NUM_THREADS": "1", **STEADY_MALLOC}.items():
+        monkeypatch.setenv(name, value)  # what run_module sets where unset, undone after the test
+    seen: dict[str, str | None] = {}
+
+    def interrupted(args: object) -> None:  # the job: Ctrl-C while it runs
+        seen.update({name: os.environ.get(name) for name in ("PLANNER_TEST", "PET_SIGNALS_TO_HANDLE")})
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+        pytest.fail("SIGINT did not end the job")
+
+    monkeypatch.setattr(torch.distributed.run, "run", interrupted)
+    handler, environment = signal.getsignal(signal.SIGINT), dict(os.environ)
+    told: list[bool] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_module("runtime.train", ["m.py"], 2, variables={"PLANNER_TEST": "1"}, on_interrupt=lambda: told.append(True))
+    assert seen == {"PLANNER_TEST": "1", "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"} and told == [True]
+    assert signal.getsignal(signal.SIGINT) is handler and dict(os.environ) == environment
+
+
+def test_the_line_of_an_interrupted_job_says_where_it_stopped_and_what_resumes_it(tmp_path: Path) -> None:
+    from runtime.checkpoint import save_stage, write_manifest
+    from runtime.launch import _interruption
+
+    noted, folder = tmp_path / "interrupted", tmp_path / "checkpoints"
+    assert _interruption(noted, str(folder)) == "interrupted before training started"  # before the workers started
+    noted.touch()
+    assert _interruption(noted, str(folder)) == "interrupted before training started"  # rank 0 wrote no step
+    noted.write_text("7")
+    assert _interruption(noted, None) == ("interrupted: training stopped after step 7; no checkpoint was written "
+                                          "(use --checkpoint-dir DIR --checkpoint-every K to keep progress)")
+    save_stage(folder, 6, 0, model_state={}, optimizer_state=None, rng_state={}, plan_digest="d")
+    write_manifest(folder, 6, num_stages=1, plan_digest="d")
+    assert _interruption(noted, str(folder)) == (f"interrupted: training stopped after step 7; the last complete "
+                                                 f"checkpoint is {folder / 'step-00000006'}: continue with --resume")
+
+
+def mlp_plan_file(tmp_path: Path) -> Path:
+    """The straight 2-stage mlp plan of profiles/mlp.json (1f1b, 4 microbatches)."""
+    from planner.files.profile import load_profile
+
+    plan = partition(load_profile(REPO / "profiles" / "mlp.json"), make_cluster(2), straight=True, schedule="1f1b",
+                     microbatches=4, profile_path=str(REPO / "profiles" / "mlp.json"))
+    return plan.save(tmp_path / "mlp-2.json")
+
+
+def interrupted_training(tmp_path: Path, ready: Callable[[subprocess.Popen], bool]) -> tuple[int, list[str]]:
+    """`planner train` of the mlp plan (checkpoints every 2 steps into tmp_path/checkpoints), sent SIGINT as a
+    terminal's Ctrl-C is (to its process group; torchrun starts each worker in a session of its own) once `ready`;
+    its exit code and its lines on stderr but the warnings and notes, once no worker of it is left."""
+    from test_train import environment, kill_job, wait_for, worker_pid
+
+    job = subprocess.Popen([sys.executable, "-m", "planner", "train", "examples/mlp.py", "--plan",
+                            str(mlp_plan_file(tmp_path)), "--steps", "1000", "--microbatch-size", "64",
+                            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(), cwd=REPO,
+                           start_new_session=True)
+    try:
+        wait_for(lambda: ready(job) or job.poll() is not None, 120, "the job to get there")
+        workers = [worker_pid(job.pid, rank) for rank in range(2)]
+        os.killpg(job.pid, signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    for pid in workers:  # torchrun waited for them: gone, not left running on their own
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} still runs"
+    return job.returncode, [line for line in stderr.splitlines() if not line.startswith(("warning: ", "note: "))]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_training_is_one_line_naming_the_step_and_the_checkpoint(tmp_path: Path) -> None:
+    """Interrupted mid-training, each rank used to print the engine's failure ("rank 1 (stage 1, microbatch 2)
+    failed: KeyboardInterrupt") and torchrun a 60-line traceback: now the launcher's one line, exit 130."""
+    from runtime.checkpoint import latest_complete, load_stages
+
+    folder = tmp_path / "checkpoints"
+    code, lines = interrupted_training(tmp_path, lambda job: latest_complete(folder) is not None)
+    newest = latest_complete(folder)
+    assert code == 130 and len(lines) == 1, lines
+    assert lines[0].startswith("interrupted: training stopped after step "), lines
+    step = int(lines[0].split("after step ")[1].split(";")[0])
+    assert newest is not None and step >= newest.step >= 2
+    assert lines[0].endswith(f"; the last complete checkpoint is {newest.path}: continue with --resume"), lines
+    assert len(load_stages(newest)) == 2  # whole
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path: Path) -> None:
+    """Interrupted as the workers start (Python's own start-up, then importing torch): no traceback of theirs (SIGINT
+    would print one, so the launcher stops them with SIGTERM), one line, exit 130."""
+    from test_train import worker_pid
+
+    def started(job: subprocess.Popen) -> bool:
+        try:
+            worker_pid(job.pid, 1)
+        except AssertionError:
+            return False
+        return True
+
+    code, lines = interrupted_training(tmp_path, started)
+    assert code == 130 and lines == ["interrupted before training started"]

@@ -277,6 +277,26 @@ def test_untraceable_forward_names_the_construct_and_suggests_a_way_out() -> Non
     assert "nn.Sequential" in message and "\n" not in message
 
 
+class Interrupted(nn.Module):
+    """Ctrl-C while torch.fx traces the forward (a large model's split takes seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_tracing_is_not_taken_for_an_untraceable_model() -> None:
+    # a rank interrupted in its split printed a traceback of StageSplitError "torch.fx could not trace" and the
+    # KeyboardInterrupt: the interrupt must reach the rank as it is (runtime.train ends it quietly)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        split_model(Interrupted(), ["fc2"])
+    assert caught.value.__context__ is None
+
+
 def test_untraceable_code_inside_a_whole_block_does_not_matter() -> None:
     torch.manual_seed(0)
     model = Stack()

@@ -30,6 +30,7 @@ from runtime.train import (
     rank_count, warmup_steps,
 )
 from runtime.train import main as train_main  # (its checks, in this process)
+import runtime.train
 from runtime_examples import model_file
 from tests.conftest import gpu_only
 
@@ -409,19 +410,21 @@ def test_a_bad_setup_is_one_line_from_a_real_process(plans: dict[str, Path]) -> 
 
 def main_in_this_process(args: list[str], monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> int:
     """runtime.train's main here with torchrun's `variables` (the others unset), from the repository; its
-    SIGTERM handler and torch's generator (its checks seed it) restored after. A real process's exit and
-    stderr: test_a_bad_setup_is_one_line_from_a_real_process."""
+    SIGTERM and SIGINT handlers (and that it was interrupted) and torch's generator (its checks seed it) restored
+    after. A real process's exit and stderr: test_a_bad_setup_is_one_line_from_a_real_process."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(REPO)
-    handler = signal.getsignal(signal.SIGTERM)
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
         with torch.random.fork_rng(devices=[]):
             return train_main(args)
     finally:
-        signal.signal(signal.SIGTERM, handler)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        runtime.train._INTERRUPT.clear()
 
 
 @pytest.mark.parametrize("args, expected", BAD_SETUPS)
@@ -443,6 +446,47 @@ def test_outside_torchrun_says_how_to_launch(plans: dict[str, Path], monkeypatch
     assert main_in_this_process(["examples/mlp.py", "--plan", str(plans["mlp-1-1"])], monkeypatch, {}) == 1
     err = capsys.readouterr().err
     assert "not started by torchrun" in err and "planner train" in err
+
+
+SIGNALLED = """
+import os
+import signal
+import time
+
+from torch import nn
+
+
+def build_model() -> nn.Module:
+    os.kill(os.getpid(), signal.{name})  # while the rank builds the model (as while it imports it, or splits it)
+    time.sleep(10)
+    raise AssertionError("the signal did not end the checks")
+
+
+def example_batch(batch_size: int):
+    raise AssertionError("never asked")
+"""
+
+
+@pytest.mark.parametrize("name, interrupted", [("SIGINT", True), ("SIGTERM", True), ("SIGTERM", False)])
+def test_ctrl_c_ends_a_rank_without_a_word(plans: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str], name: str, interrupted: bool) -> None:
+    """SIGINT (torchrun passes Ctrl-C on), or SIGTERM once `planner train` made its INTERRUPTED_FILE (it has the
+    workers stopped with SIGTERM on Ctrl-C), ends the rank quietly with 130; the launcher says what stopped. A SIGTERM
+    without the file is torchrun's stop after another rank failed: this rank's one line says so."""
+    model = tmp_path / "signalled.py"
+    model.write_text(SIGNALLED.format(name=name))
+    noted = tmp_path / "interrupted"
+    if interrupted and name == "SIGTERM":
+        noted.touch()
+    code = main_in_this_process([str(model), "--plan", str(plans["mlp-1-1"])], monkeypatch, {
+        "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+        runtime.train.INTERRUPTED_FILE: str(noted)})
+    err = capsys.readouterr().err
+    if interrupted:
+        assert (code, err) == (130, "")
+        assert not noted.exists() or noted.read_text() == ""  # rank 0 writes a step only once training began
+    else:  # (here: the one line of a model file whose build_model() was stopped)
+        assert code == 1 and err.startswith("error: rank 0: ") and err.count("\n") == 1, err
 
 
 def test_a_model_built_wider_than_its_profile_is_refused(tmp_path: Path) -> None:

@@ -9,12 +9,14 @@ import pytest
 from rich.table import Table
 
 from planner.display.plots import plan_figure
-from planner.display.tables import memory_cell, plan_summary, plan_table, profile_table, timeline_table
+from planner.display.tables import (
+    comparison_table, memory_cell, plan_summary, plan_table, profile_table, timeline_table,
+)
 from planner.files.cluster import make_cluster
 from planner.files.plan import Plan
 from planner.files.profile import Profile, load_profile
 from planner.files.run_report import _simulated_idle
-from planner.planning.partition import partition
+from planner.planning.partition import compare_schedules, partition
 from planner.simulation.plan_simulation import simulate
 from planner.units import format_ms
 
@@ -121,3 +123,14 @@ def test_sizes_never_print_in_exponent_notation(gpt: Profile) -> None:
     table = profile_table(dataclasses.replace(gpt, layers=tuple(layers)))
     assert cells(table, "output")[0] == "1 MiB" and cells(table, "saved")[0] == "1000 KiB"
     assert not any("e+" in cell for header in ("output", "cut", "params", "saved") for cell in cells(table, header))
+
+
+def test_the_comparison_counts_the_gpus_a_chunked_plan_uses_not_its_stages(gpt: Profile, straight: Plan) -> None:
+    """(`--compare` printed 6 GPUs for the best interleaved-1f1b plan of 2 GPUs, 3 chunks each, and 4 for zbv's.)"""
+    baselines = compare_schedules(gpt, straight)
+    chunked = {baseline.name: baseline for baseline in baselines if baseline.chunks > 1}
+    assert set(chunked) == {"best interleaved-1f1b", "best zbv"}
+    assert all(len(baseline.stages) > 2 for baseline in chunked.values())  # stages beyond the GPUs
+    table = comparison_table(straight, baselines)
+    assert cells(table, "plan")[:len(baselines) + 1] == ["optimized", *(baseline.name for baseline in baselines)]
+    assert set(cells(table, "GPUs")) == {"2"}

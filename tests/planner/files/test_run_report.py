@@ -28,7 +28,7 @@ from planner.display.plots import comparison_figure
 from planner.files.profile import Profile, load_profile
 from planner.files.run_report import (
     IDLE_ROW, RunReport, RunReportError, comparison_table, load_run_report,
-    measured_timeline, run_report_from_dict,
+    measured_timeline, run_report_from_dict, run_report_table,
 )
 from planner.costs.schedule_cost import stage_costs
 from planner.files.timeline import Timeline
@@ -203,7 +203,7 @@ def test_measured_timeline_is_the_run(report: RunReport, truth: Timeline, plan: 
 def test_comparison_figure_draws_both_schedules_on_one_axis(report: RunReport, plan: Plan, profile: Profile) -> None:
     simulated = simulate(plan, profile)
     measured = measured_timeline(report, simulated.stage_times)
-    fig = comparison_figure(simulated, measured)
+    fig = comparison_figure(simulated, report)
     top, bottom = fig.subfigs
     assert top._suptitle.get_text().startswith("predicted (simulated): 1f1b schedule")
     assert bottom._suptitle.get_text().startswith("measured: 1f1b schedule")
@@ -213,6 +213,24 @@ def test_comparison_figure_draws_both_schedules_on_one_axis(report: RunReport, p
     for ax, timeline in ((top_ax, simulated), (bottom_ax, measured)):
         forwards = [patch for patch in ax.patches if isinstance(patch, Rectangle) and patch.get_gid() == "forward"]
         assert len(forwards) == int((timeline.events["op"] == "forward").sum())
+
+
+def test_the_measured_chart_states_the_tables_iteration_and_which_step_it_draws(report: RunReport, plan: Plan,
+                                                                               profile: Profile) -> None:
+    """(Titled "measured: 216.1 ms per iteration" under a table of "median train step 243.6 ms": the chart drew one
+    step, the shorter middle one of 2, and called its length the iteration.)"""
+    run = dataclasses.replace(report, step_times_ms=(271.1, 216.1), train_step_ms=243.6, iteration_ms=243.6,
+                              representative_step=3, meta={"first_step": 41})  # a run resumed at step 40
+    assert run.representative_step_ms == 216.1 and run.representative_step_number == 44
+    assert dataclasses.replace(run, step_times_ms=(3.0, 1.0, 2.0)).representative_step_ms == 2.0  # the median
+    assert dataclasses.replace(run, meta={}).representative_step_number == 4  # counted from 1
+    simulated = simulate(plan, profile)
+    title = comparison_figure(simulated, run).subfigs[1]._suptitle.get_text()
+    idle = measured_timeline(run, simulated.stage_times).idle_fraction()
+    assert title == (f"measured: 1f1b schedule: 243.6 ms per iteration (the median of 2 steps); step 44 drawn: "
+                     f"216.1 ms, idle {idle:.1%} of device time")
+    assert comparison_table(run).loc["iteration (ms)", "measured"] == 243.6  # the table's, as the title states it
+    assert str(run_report_table(run).caption).startswith("median train step 243.6 ms")
 
 
 # ---------------------------------------------------------------- the commands
