@@ -116,8 +116,10 @@ class _OneLineParser(argparse.ArgumentParser):
         raise TrainOptionError(self.prog, message)
 
 
-class Stopped(Exception):
-    """SIGTERM: the launcher is stopping this rank (torchrun does so when another rank exits)."""
+class Stopped(BaseException):
+    """SIGTERM: the launcher is stopping this rank (torchrun does so when another rank exits). A BaseException, as
+    KeyboardInterrupt is: the model file's code, which runs wrapped in `except Exception` (its errors become one
+    line naming the file), must not take it for the model's own failure ("build_model() raised Stopped")."""
 
 
 class _CollectiveFailed(Exception):

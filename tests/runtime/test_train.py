@@ -643,3 +643,15 @@ def test_the_reports_warmup_reaches_to_the_step_whose_memory_was_measured_while_
     assert warmup_steps(12, memory_step=0) == 1
     assert warmup_steps(2, memory_step=1) == 1  # one step must remain to be measured
     assert warmup_steps(1, memory_step=1) == 0
+
+
+def test_sigterm_while_the_model_builds_is_not_blamed_on_the_model_file(tmp_path: Path) -> None:
+    """torchrun's SIGTERM (another rank failed) arriving in build_model() read "build_model() raised Stopped"."""
+    from planner.profiling.model_file import build_checked_model, load_model_file
+    from runtime.train import Stopped
+
+    model = tmp_path / "slow_to_build.py"
+    model.write_text("from runtime.train import Stopped\n\n\ndef build_model():\n    raise Stopped()\n\n\n"
+                     "def example_batch(batch_size):\n    raise Stopped()\n")
+    with pytest.raises(Stopped):
+        build_checked_model(load_model_file(model))
