@@ -16,12 +16,10 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from planner.errors import PlannerError
-from planner.files.plan import Plan, load_plan
-from planner.files.profile import Profile
+from planner.files.plan import load_plan
 from planner.profiling.conditions import (
     STEADY_MALLOC, busy_cores, busy_warning, current_conditions, differences, worker_threads,
 )
-from planner.simulation.plan_simulation import resolve_profile
 from runtime.stages import build_stages
 from runtime.train import (
     INTERRUPTED_FILE, TrainingError, check_setup, example_microbatch, parse_args, rank_count, resume_note,
@@ -65,8 +63,8 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
         print(f"note: {options.model_file} builds {own} parameters; training casts them and its floating-point "
               f"inputs to {profiled}, as the profile measured (profile with --dtype {own} to train in {own})",
               file=sys.stderr)
+    profile = setup.profile
     del setup  # the workers build their own models
-    profile = _plan_profile(plan)
     profiled = profile.settings.get("conditions") if profile is not None else None
     if profile is not None and profile.batch_coupling is not None:  # what the plan's microbatches change
         for note in profile.batch_coupling.notes(plan.microbatch_size, plan.microbatches):
@@ -196,15 +194,6 @@ def _interruption(noted: Path, checkpoint_dir: str | None) -> str:
     except (OSError, ValueError):  # not there (Ctrl-C before the workers started) or empty
         return "interrupted before training started"
     return f"interrupted: training stopped after step {step}; {resume_note(checkpoint_dir)}"
-
-
-def _plan_profile(plan: Plan) -> Profile | None:
-    """The plan's profile (its conditions, what its microbatches change), None when its file is not there (or
-    is another profile)."""
-    try:
-        return resolve_profile(plan)
-    except PlannerError:
-        return None
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:

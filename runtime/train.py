@@ -218,6 +218,7 @@ class Setup:
     optimizer: str
     dtype: torch.dtype | None = None  # the profile's: floating-point parameters, inputs and targets are cast to it
     cast_from: torch.dtype | None = None  # the model's own floating-point dtype where it was another
+    profile: Profile | None = None  # the plan's, where its file is there (`_plan_profile`)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,7 +342,7 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
     model_file = load_model_file(options.model_file)
     torch.manual_seed(options.seed)
     model = build_checked_model(model_file)
-    profile = _plan_profile(plan, options)
+    profile = _plan_profile(plan, options.plan)
     dtype = resolve_dtype(profile.dtype) if profile is not None else None
     cast_from = _floating_dtype(model) if dtype is not None else None
     if cast_from is not None and cast_from != dtype:
@@ -365,19 +366,19 @@ def check_setup(options: TrainOptions, rank: int, world: int, local_rank: int) -
         raise TrainingError(f"{options.plan} does not know its microbatch size (its profile has no batch size): "
                             "give --microbatch-size")
     setup = Setup(plan, model_file, model, rank, world, device, backend, microbatches, microbatch_size * microbatches,
-                  options.optimizer or plan.optimizer, dtype, cast_from)
+                  options.optimizer or plan.optimizer, dtype, cast_from, profile)
     if profile is not None:
         _check_inputs_match(setup, profile, options)
     return setup
 
 
-def _plan_profile(plan: Plan, options: TrainOptions) -> Profile | None:
+def _plan_profile(plan: Plan, plan_path: str) -> Profile | None:
     """The plan's profile where its file is there (checked to be the one the plan was made from), else None."""
     path = Path(plan.profile.path) if plan.profile.path else None
     if path is None or not path.is_file():
         return None
     profile = load_profile(path)
-    plan.check_profile(profile, options.plan, str(path), profile_option=False)  # train takes no --profile
+    plan.check_profile(profile, plan_path, str(path), profile_option=False)  # train takes no --profile
     return profile
 
 

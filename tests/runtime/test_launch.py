@@ -48,7 +48,8 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
                                                                           capsys: pytest.CaptureFixture[str],
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.launch
-    from runtime.launch import _plan_profile, _warn_differences
+    from runtime.launch import _warn_differences
+    from runtime.train import _plan_profile
 
     monkeypatch.setattr(runtime.launch, "busy_cores", lambda: 0.0)  # a quiet machine (the next test: a busy one)
 
@@ -56,7 +57,7 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
                             ProfileSettings(batch_size=4, warmup=0, iters=1, threads=2))
     path = profile.save(tmp_path / "mlp.json")
     plan = partition(profile, make_cluster(2), straight=True, schedule="1f1b", microbatches=2, profile_path=str(path))
-    profiled = _plan_profile(plan).settings.get("conditions")
+    profiled = _plan_profile(plan, "p.json").settings.get("conditions")
     assert profiled is not None and profiled["threads"] == 2
     # as if measured on a quiet machine: the other pytest worker's load is its own warning (test_conditions.py)
     profiled = {**profiled, "others_busy_cores": 0.0}
@@ -66,7 +67,7 @@ def test_the_launcher_reads_the_profiles_conditions_and_says_what_differs(tmp_pa
     _warn_differences(profiled, dict(profiled), str(path))
     assert capsys.readouterr().err == ""
     path.unlink()
-    assert _plan_profile(plan) is None  # the profile is gone: nothing to compare
+    assert _plan_profile(plan, "p.json") is None  # the profile is gone: nothing to compare
     _warn_differences(None, profiled, str(path))
     assert f"the plan's profile {path} is not there" in capsys.readouterr().err
 
