@@ -324,7 +324,8 @@ class Engine:
                 self.peak_memory = peak_memory_of(
                     measured, nn.ModuleList(self.modules.values()),  # every stage of this rank (a tied parameter once)
                     tuple(tensors(self.optimizer.state_dict()["state"]) if self.optimizer is not None else ()),
-                    self.device, count_inputs=True, other_threads=self._links.watch_allocations)
+                    self.device, count_inputs=True, other_threads=self._links.watch_allocations,
+                    host=tuple(tensors((inputs, target))))  # the caller's batch: its microbatches are copied
                 loss = found[0]
             else:
                 self._expect(slots)

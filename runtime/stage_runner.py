@@ -90,6 +90,13 @@ class _Micro:
     grads: list[Any] | None = None  # received gradients of the outputs
 
 
+def _own_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A part of the caller's batch (a microbatch's input or target) as this stage's own tensor on `device`: the copy
+    `.to` makes from the host to a GPU, and on CPU the same copy, so that a CPU rank holds what a GPU rank holds (a
+    microbatch's worth until its backward) and not a view keeping the whole batch's storage."""
+    return tensor.to(device, copy=device.type == "cpu")
+
+
 def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A received tensor on `device`: a leaf that requires grad if it arrived requiring grad."""
     return tensor.to(device).detach().requires_grad_(tensor.requires_grad)
@@ -184,7 +191,7 @@ class StageRunner:
         that requires grad where the output does (checkpointed: where it is floating point)."""
         state = self.micro.get(key)
         if state is None:
-            state = self.micro[key] = _Micro(args=map_tensors(lambda t: t.to(self.device), inputs))
+            state = self.micro[key] = _Micro(args=map_tensors(lambda t: _own_copy(t, self.device), inputs))
         state.target, state.scale = target, scale
         if self.stash_weights:
             state.weights = {name: parameter.detach().clone().requires_grad_(parameter.requires_grad)
@@ -332,7 +339,7 @@ class StageRunner:
         return _reparametrize_module(self.module, state.weights, tie_weights=True)  # as functional_call does
 
     def _loss(self, state: _Micro, output: Any) -> torch.Tensor:
-        target = map_tensors(lambda t: t.to(self.device), state.target)
+        target = map_tensors(lambda t: _own_copy(t, self.device), state.target)
         return self.loss_fn(output, target) * state.scale
 
     def _add_stashed_grads(self, weights: dict[str, torch.Tensor]) -> None:

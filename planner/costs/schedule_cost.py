@@ -58,8 +58,8 @@ Transfers run on their own channel (one per direction), overlapped with compute.
 
 Memory per device of a stage with weights W, k optimizer state copies (Adam 2, SGD 1),
 activations a = sigma saved_bytes per microbatch (the stage's layers' less what its first layer saves of its
-inputs, `LayerArrays.pair_saved_bytes`, plus the inputs it received, or on a first stage what that layer saves of
-the batch, `received_terms`; q = 1: a = sigma bytes entering the stage, plus one microbatch's sigma saved_bytes
+inputs, `LayerArrays.pair_saved_bytes`, plus the inputs it received, or on a first stage its microbatch of the
+batch, `received_terms`; q = 1: a = sigma bytes entering the stage, plus one microbatch's sigma saved_bytes
 rebuilt during its backward) and n microbatches in
 flight per replica (`schedules.schedule.in_flight`), D = devices of this stage and every later one:
 
@@ -358,10 +358,12 @@ def received_terms(inputs: CostInputs, starts: ArrayOrInt, entering_bytes: Array
     """What a stage keeps per microbatch in flight beyond the activations its layers make, bytes (scaled): where it
     receives (start > 0), the received inputs, `entering_bytes`: the runtime keeps them until the microbatch's
     backward has their gradients and runs the stage on them, so what its first layer saves of them is these
-    (`LayerArrays.pair_saved_bytes` leaves that out); on a first stage, what its first layer saves of the batch
-    (sigma `input_saved_bytes[0]`). Element-wise. (Until the runtime ran stages on clones of what they received,
+    (`LayerArrays.pair_saved_bytes` leaves that out); on a first stage, its microbatch of the batch, which the
+    runtime copies to the device and keeps until the backward (`entering_bytes`, sigma `input_bytes`), or what its
+    first layer saves of the batch (sigma `input_saved_bytes[0]`) where that is more (a `CostInputs` without
+    `input_bytes`). Element-wise. (Until the runtime ran stages on clones of what they received,
     resnet's last stage from layer2.1 under zb-h1 held both, 2 x 0.26 MB per microbatch.)"""
-    first = inputs.scale * float(inputs.arrays.input_saved_bytes[0])
+    first = np.maximum(entering_bytes, inputs.scale * float(inputs.arrays.input_saved_bytes[0]))
     found = np.where(np.asarray(starts) > 0, entering_bytes, first)
     return found if np.ndim(found) else float(found)
 

@@ -38,7 +38,7 @@ class LiveStorageMode(TorchDispatchMode):
     def __init__(self, resident: set[int], start_bytes: int, count_inputs: bool = False) -> None:
         super().__init__()
         self.count_inputs = count_inputs  # also count storages first seen as an operation's input
-        self.resident = resident
+        self.resident = resident  # storages never tracked: those counted in start_bytes, and any not counted at all
         self.refs: dict[int, list[int]] = {}  # storage pointer -> [nbytes, live tensor objects]
         self.deaths = DeathWatch()
         self.live_bytes = start_bytes
@@ -145,14 +145,15 @@ Watcher = Callable[[Callable[[list[torch.Tensor]], None] | None], None]
 
 def peak_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
                    device: torch.device, count_inputs: bool = False,
-                   other_threads: Watcher | None = None) -> tuple[int, str]:
+                   other_threads: Watcher | None = None, host: tuple[torch.Tensor, ...] = ()) -> tuple[int, str]:
     """Peak bytes while `work()` runs in this thread, and the method (module docstring): on CUDA
     the allocator's peak; on CPU the live storages its operations create (with `count_inputs`, also
     those first seen as an operation's input, e.g. received from another thread) on top of the
-    model's parameters, buffers and gradients and the `present` tensors. `other_threads(report)`, where
-    given, is called with a function other threads call with the tensors they allocate while `work()`
-    runs (counted from then on; on CPU), and with None once it has returned."""
-    _, peak, method = _memory_during(work, model, present, device, count_inputs, other_threads)
+    model's parameters, buffers and gradients and the `present` tensors. `host`: tensors whose storages are
+    never counted on CPU, not even as inputs: the caller's batch, which a GPU's allocator does not hold either.
+    `other_threads(report)`, where given, is called with a function other threads call with the tensors they
+    allocate while `work()` runs (counted from then on; on CPU), and with None once it has returned."""
+    _, peak, method = _memory_during(work, model, present, device, count_inputs, other_threads, host)
     return peak, method
 
 
@@ -177,7 +178,8 @@ def extra_memory_of(work: Callable[[], Any], model: torch.nn.Module, present: tu
 
 
 def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tuple[torch.Tensor, ...],
-                   device: torch.device, count_inputs: bool, other_threads: Watcher | None) -> tuple[int, int, str]:
+                   device: torch.device, count_inputs: bool, other_threads: Watcher | None,
+                   host: tuple[torch.Tensor, ...] = ()) -> tuple[int, int, str]:
     """(bytes at the start, peak bytes, method) of `work()`, as `peak_memory_of` measures them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -187,7 +189,7 @@ def _memory_during(work: Callable[[], Any], model: torch.nn.Module, present: tup
         torch.cuda.synchronize(device)
         return start, int(torch.cuda.max_memory_allocated(device)), "cuda-allocator"
     resident = _resident(model, present)
-    mode = LiveStorageMode(set(resident), sum(resident.values()), count_inputs)
+    mode = LiveStorageMode(set(resident) | set(_storages(list(host))), sum(resident.values()), count_inputs)
     if other_threads is not None:
         other_threads(mode.watch_allocated)
     try:

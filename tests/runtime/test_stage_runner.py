@@ -341,6 +341,29 @@ def test_a_stage_that_leaves_its_inputs_alone_saves_the_received_tensor_itself(c
     assert_grads_close(grads(reference), grads(module))
 
 
+def test_a_first_stage_on_cpu_runs_on_its_own_copy_of_a_microbatch_as_on_a_gpu() -> None:
+    """A first stage's microbatch is a view of the caller's batch; the runner keeps a copy of it (what `.to` makes on
+    a GPU), so that what it holds until the backward is a microbatch's worth, not the whole batch's storage; the last
+    stage's target likewise. The batch is left as it was, and the gradients are those of the microbatch."""
+    whole, targets = batch(8), batch(8, 3, seed=2)
+    x, target = whole[4:], targets[4:]  # the second of two microbatches
+    first, last = make_runner(mlp()), make_runner(mlp(), last=True)
+    first.forward(0, (x,))
+    kept = first.micro[0].args[0]
+    assert kept.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    assert kept.untyped_storage().nbytes() == x.nbytes and torch.equal(kept, x)
+    copies: list[int] = []
+
+    def loss_fn(output: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        copies.append(goal.untyped_storage().data_ptr())
+        return mse(output, goal)
+
+    last.loss_fn = loss_fn
+    last.receive(0, as_sent((batch(4, 4, seed=5),)))
+    last.forward(0, target=target)
+    assert copies and copies[0] != targets.untyped_storage().data_ptr()
+
+
 class NormsDropsThenDoubles(nn.Module):
     """Moves batch norm's statistics and draws a dropout mask, then doubles its input in place."""
 

@@ -684,7 +684,7 @@ def test_a_plan_of_one_stage_within_the_limit_is_found_where_the_lowered_limit_l
     options = dict(schedule="gpipe", straight=True, microbatches=8, optimizer="sgd", recompute=False)
     alone = partition(profile, make_cluster(1, None, ["4MiB/s"]), **options)
     limit = alone.stages[0].memory_bytes
-    assert limit == 14 * 2**20 + 2**19 + 8 * 1024
+    assert limit == 14 * 2**20 + 2**19 + 8 * 1024 + 8 * 1000  # + 8 microbatches of the batch's 1000 bytes
     plan = partition(profile, make_cluster(2, None, ["4MiB/s"], memory=limit), **options)
     assert [(stage.start, stage.stop, stage.replicas) for stage in plan.stages] == [(0, 2, 1)]
     assert plan.stages[0].memory_bytes == limit and plan.predicted.devices_used == 1
@@ -703,7 +703,7 @@ def test_no_plan_within_the_limit_once_waiting_messages_count_is_one_line_naming
     free = partition(profile, make_cluster(2, None, ["4MiB/s"]), schedule="gpipe", straight=True, microbatches=8,
                      optimizer="sgd")
     limit = int(stage_costs(plan_cost_inputs(profile, free), plan_stages(free))[0].memory_bytes)
-    assert limit == 14 * 2**20
+    assert limit == 14 * 2**20 + 8 * 1000  # the first stage's 8 microbatches of the batch (1000 bytes each)
     with pytest.raises(InfeasiblePlanError) as raised:
         partition(profile, make_cluster(2, None, ["4MiB/s"], memory=limit), schedule="gpipe", straight=True,
                   microbatches=8, optimizer="sgd", recompute=False)

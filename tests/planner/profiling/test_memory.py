@@ -67,6 +67,23 @@ def test_cpu_peak_counts_what_another_thread_reports_allocating_while_the_step_r
     assert watcher[0] is None
 
 
+def test_cpu_peak_leaves_out_the_host_tensors_also_where_an_operation_reads_them() -> None:
+    """`host` (the caller's batch): its storage is not counted even with `count_inputs`, where any other tensor first
+    seen as an input is; what an operation makes of it (a microbatch's copy) is."""
+    model = nn.Linear(10, 10)
+    whole = torch.randn(250_000, 10)  # 10 MB
+    microbatch = whole[:1000]
+
+    def step() -> None:
+        model(microbatch.clone()).sum()
+
+    cpu = torch.device("cpu")
+    counted, _ = peak_memory_of(step, model, (), cpu, count_inputs=True)
+    hosted, _ = peak_memory_of(step, model, (), cpu, count_inputs=True, host=(whole,))
+    assert counted - hosted == whole.nbytes
+    assert hosted >= microbatch.nbytes + sum(p.nbytes for p in model.parameters())
+
+
 # --- each layer's backward workspace -------------------------------------------------------------
 
 
