@@ -79,18 +79,23 @@ def all_reduce_gradients(parameters: Sequence[nn.Parameter], group: Any, device:
     """Sum the gradients of `parameters` over `group`, divide by `divide_by`, and set them as the `.grad`s.
 
     One flat buffer on `comm_device(device)` (a parameter without a gradient takes part with zeros;
-    mixed dtypes are summed in the widest and cast back); `wait(work)` waits for the asynchronous
-    all-reduce (the engine's wait also watches the other ranks).
+    mixed dtypes are summed in the widest and cast back), ending with one count per parameter of the ranks that
+    had its gradient: a parameter no rank had one for keeps `.grad` None, as on one device where no sample of the
+    batch used it (so the optimizer makes no state for it and steps it not: weight decay does not shrink it).
+    `wait(work)` waits for the asynchronous all-reduce (the engine's wait also watches the other ranks).
     """
     if not parameters:
         return
     grads = [parameter.grad if parameter.grad is not None else torch.zeros_like(parameter) for parameter in parameters]
-    flat = torch.cat([grad.reshape(-1) for grad in grads]).to(comm_device(device))
+    had = torch.tensor([float(parameter.grad is not None) for parameter in parameters], dtype=grads[0].dtype)
+    flat = torch.cat([*(grad.reshape(-1) for grad in grads), had]).to(comm_device(device))
     wait(dist.all_reduce(flat, group=group, async_op=True))
+    counts = flat[len(flat) - len(parameters):].tolist()
     if divide_by != 1:
         flat /= divide_by
     offset = 0
-    for parameter in parameters:
+    for parameter, count in zip(parameters, counts):
         size = parameter.numel()
-        parameter.grad = flat[offset:offset + size].view_as(parameter).to(parameter.device, parameter.dtype)
+        parameter.grad = None if count == 0 else \
+            flat[offset:offset + size].view_as(parameter).to(parameter.device, parameter.dtype)
         offset += size

@@ -123,6 +123,7 @@ class _Step:
         self.inputs = inputs
         self.target = target
         self.loss_fn = model_file.loss_fn or default_loss
+        self.gradless: frozenset[int] = frozenset()  # ids of trainable parameters the checked step gave no gradient
 
     def forward(self) -> Any:
         """The model on the example inputs."""
@@ -161,6 +162,7 @@ class _Step:
         except (Exception, SystemExit) as exc:
             raise ModelFileError(path, f"the model raised {type(exc).__name__} in backward: {exc}",
                                  "fix the model's backward") from exc
+        self.gradless = frozenset(id(p) for p in self.model.parameters() if p.requires_grad and p.grad is None)
         self.zero_grad()
 
 
@@ -316,7 +318,7 @@ def _measure_checked(
     if start is not None and end is not None:
         own, others = busy_cores_between(start, end)
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
-    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow)
+    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow, step.gradless)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -405,13 +407,15 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
 
 
 def _attribute_params(
-    model: nn.Module, layers: list[Layer], dataflow: Dataflow
+    model: nn.Module, layers: list[Layer], dataflow: Dataflow, gradless: frozenset[int] = frozenset(),
 ) -> tuple[list[int], list[int], list[int], list[int], tuple[SharedParam, ...]]:
     """Parameter bytes, tensors that need a gradient, and bytes that need none, per layer (each parameter at the
     first layer using it), the largest parameter each layer uses that needs a gradient (a shared one at every
     layer using it), and the shared ones.
 
-    A parameter the forward never used goes to the layer whose module holds it (or layer 0).
+    A parameter the forward never used goes to the layer whose module holds it (or layer 0). One that needs no
+    gradient is one with `requires_grad=False` or whose id is in `gradless` (a training step left its `.grad` None:
+    the forward does not use it): it gets no gradient, so no optimizer state and no step either.
     """
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -428,7 +432,7 @@ def _attribute_params(
         owners = {i for i, layer in enumerate(layers) for name in names if name.startswith(layer.name + ".")}
         holders = sorted(used_by or owners or {0})
         nbytes = tensor_nbytes(tensors[key])
-        trains = tensors[key].requires_grad
+        trains = tensors[key].requires_grad and key not in gradless
         param_bytes[holders[0]] += nbytes
         param_tensors[holders[0]] += int(trains)
         frozen[holders[0]] += 0 if trains else nbytes

@@ -10,13 +10,12 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime.nested import tensors
 from runtime.p2p import Expected, Later, Links, Mailbox, TensorSpec, describe, materialize
+from tests.runtime.gloo_pair import run_gloo_pair
 
 CPU = torch.device("cpu")
 
@@ -262,17 +261,7 @@ def _links_worker(rank: int, store_path: str, out_dir: str) -> None:
 
 
 def test_links_deliver_nested_values_with_and_without_their_structure(tmp_path: Path) -> None:
-    context = mp.start_processes(_links_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + 90
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the two gloo processes did not finish in 90 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    run_gloo_pair(_links_worker, tmp_path)
     sender = torch.load(tmp_path / "rank0.pt", weights_only=False)
     receiver = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert sender["error"] is None and receiver["error"] is None

@@ -250,6 +250,45 @@ def test_frozen_parameters_are_recorded_apart_and_a_frozen_tie_holds_no_pending_
     assert len(profile.forward_workspace_bytes) == len(names)
 
 
+UNUSED_MODEL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A linear layer and a gate the forward never calls (a leftover, or a branch this config does not take)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.gate = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(Block(), Block())
+
+
+def example_batch(batch_size: int):
+    return torch.randn(batch_size, 32), torch.randn(batch_size, 32)
+'''
+
+
+def test_parameters_the_step_gives_no_gradient_are_counted_as_needing_none(tmp_path) -> None:
+    """An unused parameter gets no `.grad`, so no optimizer state and no step: it is recorded with the frozen ones
+    (weights only) at its module's layer, and not among the tensors the optimizer steps."""
+    (tmp_path / "unused.py").write_text(UNUSED_MODEL)
+    profile = profile_model(load_model_file(tmp_path / "unused.py"),
+                            ProfileSettings(batch_size=4, warmup=0, iters=1, threads=1, processes=1))
+    gate = (32 * 32 + 32) * 4
+    assert [layer.name for layer in profile.layers] == ["0", "1"]
+    assert list(profile.frozen_param_bytes) == [gate, gate]
+    assert list(profile.param_tensors) == [2, 2]
+    assert [layer.param_bytes for layer in profile.layers] == [2 * gate, 2 * gate]
+    assert profile.trainable_param_bytes == 2 * gate
+
+
 CHECKPOINTED_MODEL = '''
 import torch
 from torch import nn
