@@ -39,7 +39,8 @@ DEBUG_OPTION = typer.Option(False, "--debug", help="Show the full traceback of e
 
 def _run(debug: bool, action: Callable[[], T]) -> T:
     """Run `action`; a PlannerError becomes `error: ...` on stderr and exit code 1 (unless --debug), Ctrl-C
-    (KeyboardInterrupt) its message (`planner train` says where it stopped) or `interrupted`, and exit code 130."""
+    (KeyboardInterrupt) its message (`planner train` says where it stopped) or `interrupted`, and exit code 130 (a
+    job stopped by SIGTERM, `runtime.launch.JobStopped`: its own, 143)."""
     try:
         return action()
     except PlannerError as exc:
@@ -49,7 +50,7 @@ def _run(debug: bool, action: Callable[[], T]) -> T:
         raise typer.Exit(1) from None
     except KeyboardInterrupt as exc:
         typer.echo(one_line(str(exc)) or "interrupted", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
 
 def one_line(message: str) -> str:

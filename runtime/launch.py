@@ -25,14 +25,31 @@ from runtime.train import (
     INTERRUPTED_FILE, TrainingError, check_setup, example_microbatch, parse_args, rank_count, resume_note,
 )
 
-__all__ = ["launch", "measure_cluster", "run_module"]
+__all__ = ["JobStopped", "launch", "measure_cluster", "run_module"]
 
 # the signals torchrun's launcher turns into SignalException: its --signals-to-handle (which reads the first variable
 # where it is not given) and what it passes on in the second
 _HANDLED_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
 _TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # its default
+# what a signal to the launcher that stops the job is called in its line: Ctrl-C, and a scheduler's or `kill`'s SIGTERM
+_STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 # the loggers of torchrun's launcher that say, on Ctrl-C, that it got a signal and sends one on to each worker
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class JobStopped(KeyboardInterrupt):
+    """The job was stopped by a signal to the launcher (`_STOPPING`): Ctrl-C or SIGTERM; `exit_code` 128 + its number,
+    as a shell reports a process that signal ended."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message or _STOPPING[signal.Signals(signum)])
+        self.signum = signum
+        self.exit_code = 128 + int(signum)
+
+    @property
+    def word(self) -> str:
+        """The line's word for it: "interrupted" (Ctrl-C) or "terminated" (SIGTERM)."""
+        return _STOPPING[signal.Signals(self.signum)]
 
 
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
@@ -46,8 +63,8 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     (else cores // nproc), and on CPU the glibc settings the profile was measured with. What still
     differs (or that the profile is not there to ask) is one line on stderr before the job starts;
     an `OMP_NUM_THREADS` the user set wins. Raises TrainingError when the job fails; each failing
-    rank has printed its own line by then. Ctrl-C ends every rank quietly (each finds the INTERRUPTED_FILE made
-    before they are stopped) and raises KeyboardInterrupt saying where training stopped: after the step rank 0 wrote
+    rank has printed its own line by then. Ctrl-C or SIGTERM ends every rank quietly (each finds the INTERRUPTED_FILE
+    made before they are stopped) and raises JobStopped saying where training stopped: after the step rank 0 wrote
     into that file, with the checkpoint to resume from.
     """
     options = parse_args(argv)
@@ -77,8 +94,8 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
                 run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
                            before=lambda training: _warn_differences(profiled, training, plan.profile.path),
                            variables={INTERRUPTED_FILE: str(noted)}, on_interrupt=noted.touch)
-            except KeyboardInterrupt:
-                raise KeyboardInterrupt(_interruption(noted, options.checkpoint_dir)) from None
+            except JobStopped as stopped:
+                raise JobStopped(stopped.signum, _interruption(noted, options.checkpoint_dir, stopped.word)) from None
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
 
@@ -110,7 +127,8 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
     has, on CPU and GPU alike: they matter to host-side steps only). `before` sees the workers'
     conditions (`conditions.current_conditions`; processes: `count` on a CPU, None where each has a GPU, as a
     profile records them) first; the workers also get the environment `variables`. ChildFailedError when a worker
-    fails; on Ctrl-C, `on_interrupt` runs, the workers are stopped and KeyboardInterrupt comes out (`_interruptible`).
+    fails; on Ctrl-C or SIGTERM, `on_interrupt` runs, the workers are stopped and JobStopped comes out
+    (`_interruptible`).
     torchrun's own files (each rank's error file) go to a folder that is removed afterwards: given none, torchrun
     leaves a /tmp/torchelastic_* folder behind on every run."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads if threads is not None else worker_threads(None, count)))
@@ -128,12 +146,12 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
 
 @contextmanager
 def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[None]:
-    """Ctrl-C (SIGINT) while torchrun's launcher runs: `on_interrupt`, then KeyboardInterrupt once every worker is gone,
-    instead of torchrun's warnings and the traceback of its SignalException. The launcher stops the workers with
-    SIGTERM (SIGKILL after 30 s), not with the SIGINT torchrun would pass on: a worker still starting (importing
-    torch) dies of it without a word, where Python would print the KeyboardInterrupt's traceback; `on_interrupt` lets
-    the others tell it from torchrun's stop after a rank failed. Another Ctrl-C meanwhile is ignored: torchrun would
-    give up on the workers, still running."""
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, `kill`, `timeout`) while torchrun's launcher runs:
+    `on_interrupt`, then JobStopped once every worker is gone, instead of torchrun's warnings and the traceback of its
+    SignalException. The launcher stops the workers with SIGTERM (SIGKILL after 30 s), not with the SIGINT torchrun
+    would pass on: a worker still starting (importing torch) dies of it without a word, where Python would print the
+    KeyboardInterrupt's traceback; `on_interrupt` lets the others tell it from torchrun's stop after a rank failed.
+    Another such signal meanwhile is ignored: torchrun would give up on the workers, still running."""
     if threading.current_thread() is not threading.main_thread():  # (signal handlers are the main thread's)
         yield
         return
@@ -141,11 +159,12 @@ def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[N
 
     loggers = [logging.getLogger(name) for name in _TORCHRUN_LOGGERS]
     levels = [logger.level for logger in loggers]
-    interrupted: list[bool] = []
+    stopped_by: list[int] = []
 
     def interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        interrupted.append(True)
+        for stopping in _STOPPING:
+            signal.signal(stopping, signal.SIG_IGN)
+        stopped_by.append(signum)
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         try:
@@ -156,17 +175,18 @@ def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[N
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
 
     handled = ",".join(name for name in os.environ.get(_HANDLED_SIGNALS[0], _TORCHRUN_SIGNALS).split(",")
-                       if name.strip() != "SIGINT")  # torchrun's own handler of SIGINT would replace this one
-    previous = signal.signal(signal.SIGINT, interrupt)
+                       if name.strip() not in {each.name for each in _STOPPING})  # torchrun's would replace these
+    previous = {stopping: signal.signal(stopping, interrupt) for stopping in _STOPPING}
     try:
         with _environment(dict.fromkeys(_HANDLED_SIGNALS, handled)):
             yield
     except SignalException:
-        if not interrupted:  # another signal torchrun handles (SIGTERM, SIGHUP)
+        if not stopped_by:  # another signal torchrun handles (SIGHUP, SIGQUIT)
             raise
-        raise KeyboardInterrupt from None
+        raise JobStopped(stopped_by[0]) from None
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        for stopping, handler in previous.items():
+            signal.signal(stopping, signal.SIG_DFL if handler is None else handler)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
@@ -186,14 +206,14 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _interruption(noted: Path, checkpoint_dir: str | None) -> str:
-    """The line for a job ended by Ctrl-C: after which step (rank 0 writes it into `noted` if training began) and
-    what is safe."""
+def _interruption(noted: Path, checkpoint_dir: str | None, word: str = "interrupted") -> str:
+    """The line for a job ended by Ctrl-C (`word` "interrupted") or SIGTERM ("terminated"): after which step (rank 0
+    writes it into `noted` if training began) and what is safe."""
     try:
         step = int(noted.read_text())
-    except (OSError, ValueError):  # not there (Ctrl-C before the workers started) or empty
-        return "interrupted before training started"
-    return f"interrupted: training stopped after step {step}; {resume_note(checkpoint_dir)}"
+    except (OSError, ValueError):  # not there (stopped before the workers started) or empty
+        return f"{word} before training started"
+    return f"{word}: training stopped after step {step}; {resume_note(checkpoint_dir)}"
 
 
 def _warn_differences(profiled: dict[str, Any] | None, training: dict[str, Any], profile_path: str) -> None:

@@ -199,32 +199,37 @@ def test_a_job_leaves_nothing_in_the_temporary_folder(tmp_path: Path, monkeypatc
 # --- Ctrl-C ----------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_under_torchruns_launcher_is_a_keyboard_interrupt_and_leaves_the_process_as_it_was(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_under_torchruns_launcher_is_a_keyboard_interrupt_and_leaves_the_process_as_it_was(
+        monkeypatch: pytest.MonkeyPatch, signum: signal.Signals) -> None:
     """torchrun's launcher would raise SignalException (a traceback, after its warnings); run_module handles SIGINT
-    itself while the job runs (torchrun is told to leave it alone), calls on_interrupt, raises KeyboardInterrupt, and
-    puts back the handler and the environment; the workers get the variables asked for."""
+    and SIGTERM itself while the job runs (torchrun is told to leave them alone), calls on_interrupt, raises JobStopped
+    (a KeyboardInterrupt with the exit code a shell gives that signal), and puts back the handlers and the
+    environment; the workers get the variables asked for."""
     import torch.distributed.run
 
-    from runtime.launch import run_module
+    from runtime.launch import JobStopped, run_module
 
     for name, value in {"OMP_NUM_THREADS": "1", **STEADY_MALLOC}.items():
         monkeypatch.setenv(name, value)  # what run_module sets where unset, undone after the test
     seen: dict[str, str | None] = {}
 
-    def interrupted(args: object) -> None:  # the job: Ctrl-C while it runs
+    def interrupted(args: object) -> None:  # the job: the signal while it runs
         seen.update({name: os.environ.get(name) for name in ("PLANNER_TEST", "PET_SIGNALS_TO_HANDLE")})
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signum)
         time.sleep(10)
-        pytest.fail("SIGINT did not end the job")
+        pytest.fail(f"{signum.name} did not end the job")
 
     monkeypatch.setattr(torch.distributed.run, "run", interrupted)
-    handler, environment = signal.getsignal(signal.SIGINT), dict(os.environ)
+    handlers, environment = [signal.getsignal(each) for each in (signal.SIGINT, signal.SIGTERM)], dict(os.environ)
     told: list[bool] = []
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(JobStopped) as stopped:
         run_module("runtime.train", ["m.py"], 2, variables={"PLANNER_TEST": "1"}, on_interrupt=lambda: told.append(True))
-    assert seen == {"PLANNER_TEST": "1", "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"} and told == [True]
-    assert signal.getsignal(signal.SIGINT) is handler and dict(os.environ) == environment
+    assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.exit_code == 128 + signum
+    assert str(stopped.value) == {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}[signum]
+    assert seen == {"PLANNER_TEST": "1", "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"} and told == [True]
+    assert [signal.getsignal(each) for each in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert dict(os.environ) == environment
 
 
 def test_the_line_of_an_interrupted_job_says_where_it_stopped_and_what_resumes_it(tmp_path: Path) -> None:
@@ -242,6 +247,7 @@ def test_the_line_of_an_interrupted_job_says_where_it_stopped_and_what_resumes_i
     write_manifest(folder, 6, num_stages=1, plan_digest="d")
     assert _interruption(noted, str(folder)) == (f"interrupted: training stopped after step 7; the last complete "
                                                  f"checkpoint is {folder / 'step-00000006'}: continue with --resume")
+    assert _interruption(noted, str(folder), "terminated").startswith("terminated: training stopped after step 7; ")
 
 
 def mlp_plan_file(tmp_path: Path) -> Path:
@@ -253,10 +259,12 @@ def mlp_plan_file(tmp_path: Path) -> Path:
     return plan.save(tmp_path / "mlp-2.json")
 
 
-def interrupted_training(tmp_path: Path, ready: Callable[[subprocess.Popen], bool]) -> tuple[int, list[str]]:
+def interrupted_training(tmp_path: Path, ready: Callable[[subprocess.Popen], bool],
+                         signum: signal.Signals = signal.SIGINT) -> tuple[int, list[str]]:
     """`planner train` of the mlp plan (checkpoints every 2 steps into tmp_path/checkpoints), sent SIGINT as a
-    terminal's Ctrl-C is (to its process group; torchrun starts each worker in a session of its own) once `ready`;
-    its exit code and its lines on stderr but the warnings and notes, once no worker of it is left."""
+    terminal's Ctrl-C is (to its process group; torchrun starts each worker in a session of its own) once `ready`,
+    or SIGTERM as `kill` or `timeout` send it (to the launcher's process alone); its exit code and its lines on
+    stderr but the warnings and notes, once no worker of it is left."""
     from test_train import environment, kill_job, wait_for, worker_pid
 
     job = subprocess.Popen([sys.executable, "-m", "planner", "train", "examples/mlp.py", "--plan",
@@ -267,7 +275,7 @@ def interrupted_training(tmp_path: Path, ready: Callable[[subprocess.Popen], boo
     try:
         wait_for(lambda: ready(job) or job.poll() is not None, 120, "the job to get there")
         workers = [worker_pid(job.pid, rank) for rank in range(2)]
-        os.killpg(job.pid, signal.SIGINT)
+        (os.killpg if signum == signal.SIGINT else os.kill)(job.pid, signum)
         _, stderr = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
@@ -293,6 +301,19 @@ def test_ctrl_c_while_training_is_one_line_naming_the_step_and_the_checkpoint(tm
     assert newest is not None and step >= newest.step >= 2
     assert lines[0].endswith(f"; the last complete checkpoint is {newest.path}: continue with --resume"), lines
     assert len(load_stages(newest)) == 2  # whole
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_while_training_is_one_line_naming_the_step_and_exit_143(tmp_path: Path) -> None:
+    """A scheduler's preemption or `kill`: SIGTERM to `planner train` alone used to end in torchrun's traceback of its
+    SignalException; now it stops the workers as Ctrl-C does, with the same line, "terminated", exit 128 + 15."""
+    from runtime.checkpoint import latest_complete
+
+    folder = tmp_path / "checkpoints"
+    code, lines = interrupted_training(tmp_path, lambda job: latest_complete(folder) is not None, signal.SIGTERM)
+    assert code == 143 and len(lines) == 1, lines
+    assert lines[0].startswith("terminated: training stopped after step "), lines
+    assert lines[0].endswith(": continue with --resume"), lines
 
 
 @pytest.mark.slow
