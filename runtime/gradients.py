@@ -3,6 +3,7 @@ a stage's replicas and of tied parameters, and the all-reduce of gradients over 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -78,24 +79,32 @@ def all_reduce_gradients(parameters: Sequence[nn.Parameter], group: Any, device:
                          wait: Callable[[Any], None] = lambda work: work.wait()) -> None:
     """Sum the gradients of `parameters` over `group`, divide by `divide_by`, and set them as the `.grad`s.
 
-    One flat buffer on `comm_device(device)` (a parameter without a gradient takes part with zeros;
-    mixed dtypes are summed in the widest and cast back), ending with one count per parameter of the ranks that
-    had its gradient: a parameter no rank had one for keeps `.grad` None, as on one device where no sample of the
-    batch used it (so the optimizer makes no state for it and steps it not: weight decay does not shrink it).
-    `wait(work)` waits for the asynchronous all-reduce (the engine's wait also watches the other ranks).
+    One flat buffer on `comm_device(device)`, the gradients copied in (a parameter without a gradient takes part
+    with zeros, the buffer's own: no other tensor is made for it; mixed dtypes are summed in the widest and cast
+    back), ending with one count per parameter of the ranks that had its gradient: a parameter no rank had one for
+    keeps `.grad` None, as on one device where no sample of the batch used it (so the optimizer makes no state for
+    it and steps it not: weight decay does not shrink it). `wait(work)` waits for the asynchronous all-reduce (the
+    engine's wait also watches the other ranks).
     """
     if not parameters:
         return
-    grads = [parameter.grad if parameter.grad is not None else torch.zeros_like(parameter) for parameter in parameters]
-    had = torch.tensor([float(parameter.grad is not None) for parameter in parameters], dtype=grads[0].dtype)
-    flat = torch.cat([*(grad.reshape(-1) for grad in grads), had]).to(comm_device(device))
+    widest = functools.reduce(torch.promote_types, (parameter.dtype for parameter in parameters))
+    total = sum(parameter.numel() for parameter in parameters)
+    flat = torch.zeros(total + len(parameters), dtype=widest, device=comm_device(device))
+    offset = 0
+    for parameter in parameters:
+        if parameter.grad is not None:
+            flat[offset:offset + parameter.numel()].copy_(parameter.grad.reshape(-1))
+        offset += parameter.numel()
+    flat[total:].copy_(torch.tensor([float(parameter.grad is not None) for parameter in parameters]))
     wait(dist.all_reduce(flat, group=group, async_op=True))
     counts = flat[len(flat) - len(parameters):].tolist()
     if divide_by != 1:
         flat /= divide_by
+    unused = 0 in counts  # then the gradients are copied out: views would keep the buffer's unused parts alive
     offset = 0
     for parameter, count in zip(parameters, counts):
         size = parameter.numel()
         parameter.grad = None if count == 0 else \
-            flat[offset:offset + size].view_as(parameter).to(parameter.device, parameter.dtype)
+            flat[offset:offset + size].view_as(parameter).to(parameter.device, parameter.dtype, copy=unused)
         offset += size

@@ -75,7 +75,9 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
            it keep, v the largest weight gradient its W makes, `backward_top_terms`; a recomputing stage
            c g + q sigma saved + w)
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile; on CPU s' X
-    instead, X the stage's largest parameter tensor, `CostInputs.scratch_per_largest`) and
+    instead, X the stage's largest parameter tensor, `CostInputs.scratch_per_largest`), or on a stage of r > 1
+    replicas the all-reduce's buffer where that is more: the runtime copies the gradients of its R replicated bytes
+    into one buffer, R besides the gradients, once the activations are gone (`reduce_terms`), and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
     the saved activations (gradients between layers, temporaries such as a loss's gradient over a
     vocabulary; measured in the profile, 0 in older ones)
@@ -278,14 +280,18 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
                  backward_top_bytes: ArrayOrFloat | None = None, weight_top_bytes: ArrayOrFloat = 0.0,
                  received_bytes: ArrayOrFloat = 0.0, largest_bytes: ArrayOrFloat = 0.0,
                  cut_in_bytes: ArrayOrFloat = 0.0, cut_out_bytes: ArrayOrFloat = 0.0,
+                 reduce_bytes: ArrayOrFloat = 0.0,
                  ) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(base, held, rebuilt, scratch, memory) bytes per device: base = W (2 + k) + F (W: the weights that need
     a gradient; F: `frozen_bytes`, those that need none, which have no gradient or optimizer state), held = a per
     microbatch in flight (its saved activations, `LayerArrays.pair_saved_bytes`, and `received_bytes`,
     `received_terms`; the bytes entering the stage when recomputing), rebuilt = what a backward holds on top:
     w (the most any of the stage's layers holds beyond saved activations) plus a when it recomputes,
-    scratch = s W + s' X while the optimizer steps (s: the profile's scratch bytes per parameter byte, s' per
-    byte of X, the stage's largest parameter, `largest_bytes`; one of them 0, `per_weight_byte`),
+    scratch = max(s W + s' X, R): what the device holds beyond base once the activations are gone, while the
+    optimizer steps (s: the profile's scratch bytes per parameter byte, s' per byte of X, the stage's largest
+    parameter, `largest_bytes`; one of them 0, `per_weight_byte`) or before, while a replicated stage's
+    gradients are all-reduced (R = `reduce_bytes`, `reduce_terms`; under pipedream, which all-reduces after every
+    microbatch while others hold activations, a lower estimate),
     memory = L + base + max(n held + rebuilt + ahead, scratch) with n = `in_flight` and ahead the receive
     buffers allocated ahead (`ahead_terms`, from `cut_in_bytes` and `cut_out_bytes`, scaled, 0 where the stage
     receives none) (the step runs when the activations are gone; L = `inputs.library_bytes`, the device's own, is in
@@ -308,13 +314,21 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     if inputs.schedule == "pipedream":  # n in flight keep n weight versions: n - 1 stashed
         base, held = base - weight_bytes, held + weight_bytes
     rebuilt = np.where(recompute, saved_bytes, 0.0) + workspace_bytes
-    scratch = inputs.scratch_per_byte * weight_bytes + inputs.scratch_per_largest * largest_bytes
+    scratch = np.maximum(inputs.scratch_per_byte * weight_bytes + inputs.scratch_per_largest * largest_bytes,
+                         reduce_bytes)
     top = activation_top(deferred_count(inputs, replicas, devices_from_here), deferred_bytes, rebuilt, recompute,
                          workspace_bytes + deferred_bytes if backward_top_bytes is None else backward_top_bytes,
                          weight_top_bytes)
     ahead = ahead_terms(inputs, replicas, flights, cut_in_bytes, cut_out_bytes)
     memory = inputs.library_bytes + base + np.maximum(flights * held + top + ahead, scratch)
     return base, held, rebuilt, scratch, memory
+
+
+def reduce_terms(replicas: ArrayOrInt, replicated_bytes: ArrayOrFloat) -> ArrayOrFloat:
+    """R, bytes: what a stage's all-reduce of its replicas' gradients holds besides them, its replicated bytes
+    (`runtime.gradients.all_reduce_gradients` copies them into one buffer, whose slices then become the
+    gradients) where it has r > 1 replicas; 0 for one. Element-wise."""
+    return np.where(np.asarray(replicas) > 1, replicated_bytes, 0.0)
 
 
 def ahead_terms(inputs: CostInputs, replicas: ArrayOrInt, flights: ArrayOrInt, cut_in_bytes: ArrayOrFloat,
@@ -423,7 +437,8 @@ def stage_cost(
                                 exists=stop < arrays.num_layers and after != last_rank))
     weights = arrays.stage_weight_bytes(start, stop)
     weight = float(weight_terms(inputs, start, stop))
-    allreduce = float(allreduce_s(arrays.stage_replicated_bytes(start, stop), replicas,
+    replicated = arrays.stage_replicated_bytes(start, stop)
+    allreduce = float(allreduce_s(replicated, replicas,
                                   *allreduce_terms(cluster, first_rank, last_rank)))
     step = float(step_terms(inputs, weights, arrays.stage_tensor_count(start, stop)))
     accumulate = float(accumulate_terms(inputs, weights))
@@ -439,7 +454,7 @@ def stage_cost(
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
         arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest,
-        cut_in, cut_out))
+        cut_in, cut_out, reduce_terms(replicas, replicated)))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)

@@ -79,6 +79,7 @@ from planner.costs.schedule_cost import (
     objective_s,
     placement_ok,
     plan_fits,
+    reduce_terms,
     replicas_of,
     stage_cost,
     stage_costs,
@@ -136,7 +137,7 @@ class _Evaluator:
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
                             p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair],
                             p.backward_top[pair], p.weight_top[pair], p.received[pair], p.largest[pair],
-                            p.cut_in[pair], p.cut_out[pair])[4]
+                            p.cut_in[pair], p.cut_out[pair], reduce_terms(replicas, p.replicated[pair]))[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -242,7 +243,8 @@ class _Evaluator:
 
     def _memory_replicas(self, pair: np.ndarray, recompute: np.ndarray, downstream: np.ndarray) -> np.ndarray:
         """Lower bound on replicas from memory: n(r) microbatches in flight must fit, and so must the
-        optimizer step's scratch (see schedule_cost); inf where nothing fits. zb-h1's in-flight count
+        optimizer step's scratch and the all-reduce's buffer (`reduce_terms`: these counts are all above 1; see
+        schedule_cost); inf where nothing fits. zb-h1's in-flight count
         ceil(D / r) + ceil((P - D) / r) has no closed-form inverse: there it is the exact fewest
         (`_fewest_fitting`)."""
         inputs, p = self.inputs, self.pairs
@@ -258,8 +260,9 @@ class _Evaluator:
             flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
         flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
         # limit must not be lost to rounding; every candidate is checked exactly afterwards)
-        stepping = (base - in_backward + inputs.scratch_per_byte * weights  # the optimizer step's peak does not
-                    + inputs.scratch_per_largest * p.largest[pair])  # depend on replicas
+        stepping = base - in_backward + np.maximum(  # the optimizer step's peak, or the all-reduce's (r >= 2 here),
+            inputs.scratch_per_byte * weights + inputs.scratch_per_largest * p.largest[pair],  # does not depend on r
+            p.replicated[pair])
         flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)
         m = float(inputs.microbatches)
         d = downstream.astype(float)
@@ -452,7 +455,8 @@ class _StageGrid:
             floors.append(fixed + np.maximum(held + least, scratch) if bounded else np.full(len(held), -np.inf))
             top = activation_top(deferred, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)  # (the most)
             ahead = (RECEIVES_AHEAD + 1) * p.cut_in + RECEIVES_AHEAD * p.cut_out  # (the most `ahead_terms` gives)
-            ceilings.append(fixed + np.maximum(flights * held + top + ahead, scratch) if bounded
+            reduce = reduce_terms(1 if straight else 2, p.replicated)  # (the most `reduce_terms` gives)
+            ceilings.append(fixed + np.maximum(flights * held + top + ahead, np.maximum(scratch, reduce)) if bounded
                             else np.full(len(held), np.inf))
         self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()
 

@@ -87,6 +87,7 @@ from planner.costs.schedule_cost import (
     placement_ok,
     plan_fits,
     received_terms,
+    reduce_terms,
     replicas_of,
     step_terms,
     transfer_s,
@@ -337,7 +338,8 @@ class _StageBounds:
                 memory = memory_terms(inputs, replicas, replicas + downstream, weights, saved, entering, recompute,
                                       workspace, deferred, frozen, backward_top, weight_top,
                                       received_terms(inputs, starts, entering), largest, cut_in,
-                                      np.where(stop < arrays.num_layers, self.cut[stop - 1], 0.0))[4]
+                                      np.where(stop < arrays.num_layers, self.cut[stop - 1], 0.0),
+                                      reduce_terms(replicas, replicated))[4]
                 ok &= memory <= inputs.memory_bytes
             bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
                 child_bound, child_trip, peak_bwd, ok)
