@@ -123,7 +123,7 @@ class _Step:
         self.inputs = inputs
         self.target = target
         self.loss_fn = model_file.loss_fn or default_loss
-        self.gradless: frozenset[int] = frozenset()  # ids of trainable parameters the checked step gave no gradient
+        self.with_grad: set[int] = set()  # ids of the parameters a backward gave a gradient, seen at `zero_grad`
 
     def forward(self) -> Any:
         """The model on the example inputs."""
@@ -134,8 +134,15 @@ class _Step:
         return self.loss_fn(self.forward(), self.target)
 
     def zero_grad(self) -> None:
-        """Drop the gradients (set to None), as between training steps."""
+        """Drop the gradients (set to None), as between training steps; note first which parameters had one."""
+        self.with_grad.update(id(p) for p in self.model.parameters() if p.grad is not None)
         self.model.zero_grad(set_to_none=True)
+
+    def gradless(self) -> frozenset[int]:
+        """Ids of the trainable parameters no backward gave a gradient, of those `zero_grad` saw after the check and
+        each measuring phase (a parameter the forward never uses; one a random path such as layer drop skips gets one
+        in some of them)."""
+        return frozenset(id(p) for p in self.model.parameters() if p.requires_grad and id(p) not in self.with_grad)
 
     def check(self) -> None:
         """Run forward, loss and backward once; a failure becomes a ModelFileError with the model's message."""
@@ -162,7 +169,6 @@ class _Step:
         except (Exception, SystemExit) as exc:
             raise ModelFileError(path, f"the model raised {type(exc).__name__} in backward: {exc}",
                                  "fix the model's backward") from exc
-        self.gradless = frozenset(id(p) for p in self.model.parameters() if p.requires_grad and p.grad is None)
         self.zero_grad()
 
 
@@ -318,7 +324,7 @@ def _measure_checked(
     if start is not None and end is not None:
         own, others = busy_cores_between(start, end)
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
-    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow, step.gradless)
+    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow, step.gradless())
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -414,8 +420,8 @@ def _attribute_params(
     layer using it), and the shared ones.
 
     A parameter the forward never used goes to the layer whose module holds it (or layer 0). One that needs no
-    gradient is one with `requires_grad=False` or whose id is in `gradless` (a training step left its `.grad` None:
-    the forward does not use it): it gets no gradient, so no optimizer state and no step either.
+    gradient is one with `requires_grad=False` or whose id is in `gradless` (no step of the profile gave it a
+    `.grad`: the forward does not use it): it gets no gradient, so no optimizer state and no step either.
     """
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}

@@ -289,6 +289,21 @@ def test_parameters_the_step_gives_no_gradient_are_counted_as_needing_none(tmp_p
     assert profile.trainable_param_bytes == 2 * gate
 
 
+def test_a_parameter_some_steps_skip_is_counted_as_training(tmp_path) -> None:
+    """A gate used on every other forward (as layer drop skips a layer at random) gets a gradient in some of the
+    profile's steps, not in the first: it trains, with its gradient and optimizer state, and is not taken for
+    unused."""
+    skipping = "\n".join(["        self.calls = getattr(self, 'calls', 0) + 1",
+                          "        h = torch.relu(self.linear(x))",
+                          "        return h + self.gate(h) if self.calls % 2 == 0 else h"])
+    source = UNUSED_MODEL.replace("        return torch.relu(self.linear(x))", skipping)
+    assert source != UNUSED_MODEL
+    (tmp_path / "sometimes.py").write_text(source)
+    profile = profile_model(load_model_file(tmp_path / "sometimes.py"),
+                            ProfileSettings(batch_size=4, warmup=0, iters=1, threads=1, processes=1))
+    assert not any(profile.frozen_param_bytes) and list(profile.param_tensors) == [4, 4]
+
+
 CHECKPOINTED_MODEL = '''
 import torch
 from torch import nn
