@@ -196,6 +196,11 @@ def placement_ok(cluster: Cluster, first_rank: ArrayOrInt, replicas: ArrayOrInt)
 
     Works element-wise on arrays; a 0-d bool array for two ints.
     """
+    if isinstance(first_rank, (int, np.integer)) and isinstance(replicas, (int, np.integer)):
+        # two ints (every plan a brute force or a reference cost checks): without arrays, as `_link_value`
+        end = first_rank + replicas - 1
+        return np.asarray(all(first_rank // group == end // group or (first_rank % group == 0 and replicas % group == 0)
+                              for group in cluster.group_sizes()[:-1]))
     last = np.add(first_rank, replicas) - 1
     ok = np.full(np.shape(first_rank), True)
     for group in cluster.group_sizes()[:-1]:

@@ -541,6 +541,15 @@ def test_placement_rule_on_two_nodes() -> None:
     assert placement_ok(cluster, 7, 1)
 
 
+def test_placement_of_two_ints_is_the_element_wise_rules() -> None:
+    """The scalar path (plain ints, no arrays) gives what the arrays give, on clusters of 2, 2 and 3 nodes."""
+    for cluster in (two_nodes_of_four(), make_cluster(16, gpus_per_node=8), make_cluster(12, gpus_per_node=4)):
+        firsts, counts = np.meshgrid(np.arange(cluster.num_devices), np.arange(1, cluster.num_devices + 1))
+        expected = placement_ok(cluster, firsts.ravel(), counts.ravel())
+        assert [bool(placement_ok(cluster, int(first), int(count)))
+                for first, count in zip(firsts.ravel(), counts.ravel())] == expected.tolist()
+
+
 def test_placement_on_a_flat_cluster_is_always_ok() -> None:
     cluster = flat(6)
     assert all(placement_ok(cluster, first, r) for first in range(6) for r in range(1, 7 - first))
