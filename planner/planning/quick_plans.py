@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.costs.schedule_cost import CostInputs, Stage, plan_fits, stage_costs
+from planner.costs.schedule_cost import CostInputs, Stage, StageMemo, plan_fits, stage_costs
 
 
 def equal_share_cuts(running: np.ndarray, stages: int) -> list[int] | None:
@@ -50,9 +50,10 @@ def _running_sums(inputs: CostInputs) -> list[np.ndarray]:
     return [compute, saved, compute / compute[-1] + saved / saved[-1]]
 
 
-def quick_plans(inputs: CostInputs, straight: bool, recompute: bool,
-                own: Sequence[Sequence[Stage]] = ()) -> list[list[Stage]]:
-    """The plans of the module docstring that fit the memory limit and the placement rule; `own`: the caller's."""
+def quick_plans(inputs: CostInputs, straight: bool, recompute: bool, own: Sequence[Sequence[Stage]] = (),
+                memo: StageMemo | None = None) -> list[list[Stage]]:
+    """The plans of the module docstring that fit the memory limit and the placement rule; `own`: the caller's;
+    `memo` as in `stage_costs` (no stage's terms depend on the memory limit, so one serves with and without it)."""
     devices, layers = inputs.cluster.num_devices, inputs.arrays.num_layers
     shapes = [(k, 1) for k in range(1, min(devices, layers) + 1)]
     if not straight:
@@ -69,13 +70,14 @@ def quick_plans(inputs: CostInputs, straight: bool, recompute: bool,
     if recompute and inputs.memory_bytes is not None:  # each stage recomputes where it does not fit without
         unlimited = replace(inputs, memory_bytes=None)
         plans = [[Stage(start, stop, replicas, cost.memory_bytes > inputs.memory_bytes)
-                  for (start, stop, replicas, _), cost in zip(plan, stage_costs(unlimited, plan))] for plan in plans]
-    return [plan for plan in plans if plan_fits(inputs, plan)]
+                  for (start, stop, replicas, _), cost in zip(plan, stage_costs(unlimited, plan, memo))] for plan in plans]
+    return [plan for plan in plans if plan_fits(inputs, plan, memo)]
 
 
 def quick_bound(inputs: CostInputs, straight: bool, recompute: bool, own: Sequence[Sequence[Stage]] = (),
                 slack: float = 0.0) -> float:
     """The least max Q(s) of `quick_plans`, times 1 + `slack` (the caller's rounding); inf where none fits."""
-    plans = quick_plans(inputs, straight, recompute, own)
-    return min((max(cost.bound_s for cost in stage_costs(inputs, plan)) for plan in plans), default=math.inf) * \
+    memo: StageMemo = {}  # (the plans share stages, and each kept plan was priced to check that it fits)
+    plans = quick_plans(inputs, straight, recompute, own, memo)
+    return min((max(cost.bound_s for cost in stage_costs(inputs, plan, memo)) for plan in plans), default=math.inf) * \
         (1.0 + slack)
