@@ -33,7 +33,8 @@ _HANDLED_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
 _TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # its default
 # what a signal to the launcher that stops the job is called in its line: Ctrl-C, and a scheduler's or `kill`'s SIGTERM
 _STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
-# the loggers of torchrun's launcher that say, on Ctrl-C, that it got a signal and sends one on to each worker
+# the loggers of torchrun's launcher that say that it got a signal, that it sends one on to each worker, and which
+# worker failed with which exit code: what each rank's own line and the job's line already say
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
 
 
@@ -139,7 +140,7 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
     from torch.distributed.run import get_args_parser, run
 
     with tempfile.TemporaryDirectory(prefix="planner-torchrun-") as logs, _environment(variables or {}):
-        with _interruptible(on_interrupt):
+        with _quiet_torchrun(), _interruptible(on_interrupt):
             run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={count}", f"--log-dir={logs}",
                                               "--module", module, *argv]))
 
@@ -147,7 +148,7 @@ def run_module(module: str, argv: Sequence[str], count: int, threads: int | None
 @contextmanager
 def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[None]:
     """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, `kill`, `timeout`) while torchrun's launcher runs:
-    `on_interrupt`, then JobStopped once every worker is gone, instead of torchrun's warnings and the traceback of its
+    `on_interrupt`, then JobStopped once every worker is gone, instead of the traceback of torchrun's
     SignalException. The launcher stops the workers with SIGTERM (SIGKILL after 30 s), not with the SIGINT torchrun
     would pass on: a worker still starting (importing torch) dies of it without a word, where Python would print the
     KeyboardInterrupt's traceback; `on_interrupt` lets the others tell it from torchrun's stop after a rank failed.
@@ -157,16 +158,12 @@ def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[N
         return
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    loggers = [logging.getLogger(name) for name in _TORCHRUN_LOGGERS]
-    levels = [logger.level for logger in loggers]
     stopped_by: list[int] = []
 
     def interrupt(signum: int, frame: Any) -> None:
         for stopping in _STOPPING:
             signal.signal(stopping, signal.SIG_IGN)
         stopped_by.append(signum)
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
         try:
             if on_interrupt is not None:
                 on_interrupt()
@@ -187,6 +184,20 @@ def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[N
     finally:
         for stopping, handler in previous.items():
             signal.signal(stopping, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
+def _quiet_torchrun() -> Iterator[None]:
+    """torchrun's launcher without its warnings and errors (`_TORCHRUN_LOGGERS`: "Sending process N closing signal
+    SIGTERM", "failed (exitcode: 1) local_rank: 0 (pid: N) of binary: ..."), which came between the ranks' own
+    lines and the job's; its loggers' levels as they were afterwards."""
+    loggers = [logging.getLogger(name) for name in _TORCHRUN_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 

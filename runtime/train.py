@@ -299,6 +299,26 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT wait for the block to end (a checkpoint file being written), then are raised again, to
+    the handlers that were there (`signal.raise_signal`: a default action too).
+    Raised inside `torch.save`, a stop left its zip writer to fail on the half-written file ("unexpected pos"), and
+    that RuntimeError, not the stop, reached the top: a traceback instead of the rank's line. (The file is written
+    atomically either way: a stop never leaves a partial one.) Main thread only, as every signal handler."""
+    caught: list[int] = []
+    handlers = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    for stop in handlers:
+        signal.signal(stop, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for stop, handler in handlers.items():
+            signal.signal(stop, signal.SIG_DFL if handler is None else handler)  # (None: set outside Python)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 def _stopping() -> None:
     """This rank is ending training and composing its one line (which may look for a gone peer for a
     second): torchrun's SIGTERM, sent when another rank exits, must not cut it short."""
@@ -679,10 +699,11 @@ def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest
                      if engine.optimizer is not None else None)
             for stage in engine.stages:
                 module = engine.modules[stage]
-                save_stage(root, step, stage, model_state=module.state_dict(),
-                           optimizer_state=None if named is None else _stage_share(named, engine, stage),
-                           rng_state={"torch": torch.get_rng_state()}, plan_digest=digest,
-                           meta={"rank": setup.rank})
+                with signals_deferred():
+                    save_stage(root, step, stage, model_state=module.state_dict(),
+                               optimizer_state=None if named is None else _stage_share(named, engine, stage),
+                               rng_state={"torch": torch.get_rng_state()}, plan_digest=digest,
+                               meta={"rank": setup.rank})
         except CheckpointError as exc:
             problem = f"rank {setup.rank}: {exc}"
     problems: list[str | None] = [None] * setup.world
@@ -691,8 +712,9 @@ def _save(options: TrainOptions, engine: Engine, setup: Setup, step: int, digest
     verdict = [next((p for p in problems if p), None)]
     if setup.rank == 0 and verdict[0] is None:
         try:
-            write_manifest(root, step, num_stages=len(setup.plan.stages), plan_digest=digest,
-                           meta={"plan": options.plan, "model_file": options.model_file})
+            with signals_deferred():
+                write_manifest(root, step, num_stages=len(setup.plan.stages), plan_digest=digest,
+                               meta={"plan": options.plan, "model_file": options.model_file})
             prune(root, options.keep)
         except CheckpointError as exc:
             verdict[0] = f"rank 0: {exc}"
