@@ -162,7 +162,7 @@ class Profile:
     `optimizer_step_ms` being per byte; `param_tensors[i]`: the
     parameter tensors layer i holds that need a gradient, counted as `param_bytes` is.
     `frozen_param_bytes[i]`: the part of layer i's `param_bytes` that needs no gradient (`requires_grad=False`,
-    as in fine-tuning with a frozen backbone or LoRA, or one the profiled step gave none: unused): weights only, no gradient, optimizer state or all-reduce;
+    as in fine-tuning with a frozen backbone or LoRA): weights only, no gradient, optimizer state or all-reduce;
     empty: none frozen (older files, PipeDream imports).
     `workspace_bytes[i]`: the most bytes live while layer i's backward runs beyond weights, their
     gradients, the batch and the saved activations (gradients between layers, temporaries;

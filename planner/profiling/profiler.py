@@ -123,7 +123,6 @@ class _Step:
         self.inputs = inputs
         self.target = target
         self.loss_fn = model_file.loss_fn or default_loss
-        self.with_grad: set[int] = set()  # ids of the parameters a backward gave a gradient, seen at `zero_grad`
 
     def forward(self) -> Any:
         """The model on the example inputs."""
@@ -134,15 +133,8 @@ class _Step:
         return self.loss_fn(self.forward(), self.target)
 
     def zero_grad(self) -> None:
-        """Drop the gradients (set to None), as between training steps; note first which parameters had one."""
-        self.with_grad.update(id(p) for p in self.model.parameters() if p.grad is not None)
+        """Drop the gradients (set to None), as between training steps."""
         self.model.zero_grad(set_to_none=True)
-
-    def gradless(self) -> frozenset[int]:
-        """Ids of the trainable parameters no backward gave a gradient, of those `zero_grad` saw after the check and
-        each measuring phase (a parameter the forward never uses; one a random path such as layer drop skips gets one
-        in some of them)."""
-        return frozenset(id(p) for p in self.model.parameters() if p.requires_grad and id(p) not in self.with_grad)
 
     def check(self) -> None:
         """Run forward, loss and backward once; a failure becomes a ModelFileError with the model's message."""
@@ -324,7 +316,7 @@ def _measure_checked(
     if start is not None and end is not None:
         own, others = busy_cores_between(start, end)
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
-    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow, step.gradless())
+    param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -413,15 +405,16 @@ def _without_pending_tied_gradients(workspace: list[int], shared: tuple[SharedPa
 
 
 def _attribute_params(
-    model: nn.Module, layers: list[Layer], dataflow: Dataflow, gradless: frozenset[int] = frozenset(),
+    model: nn.Module, layers: list[Layer], dataflow: Dataflow
 ) -> tuple[list[int], list[int], list[int], list[int], tuple[SharedParam, ...]]:
     """Parameter bytes, tensors that need a gradient, and bytes that need none, per layer (each parameter at the
     first layer using it), the largest parameter each layer uses that needs a gradient (a shared one at every
     layer using it), and the shared ones.
 
-    A parameter the forward never used goes to the layer whose module holds it (or layer 0). One that needs no
-    gradient is one with `requires_grad=False` or whose id is in `gradless` (no step of the profile gave it a
-    `.grad`: the forward does not use it): it gets no gradient, so no optimizer state and no step either.
+    A parameter the forward never used goes to the layer whose module holds it (or layer 0), and is planned as
+    training (gradient and optimizer state) if it requires a gradient: the example batch need not reach every
+    parameter that real data reaches (a mixture of experts routes it to some experts only), and planning a stage
+    short of memory costs more than planning it a few unused parameters' state too many.
     """
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -438,7 +431,7 @@ def _attribute_params(
         owners = {i for i, layer in enumerate(layers) for name in names if name.startswith(layer.name + ".")}
         holders = sorted(used_by or owners or {0})
         nbytes = tensor_nbytes(tensors[key])
-        trains = tensors[key].requires_grad and key not in gradless
+        trains = tensors[key].requires_grad
         param_bytes[holders[0]] += nbytes
         param_tensors[holders[0]] += int(trains)
         frozen[holders[0]] += 0 if trains else nbytes
