@@ -66,8 +66,15 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     an `OMP_NUM_THREADS` the user set wins. Raises TrainingError when the job fails; each failing
     rank has printed its own line by then. Ctrl-C or SIGTERM ends every rank quietly (each finds the INTERRUPTED_FILE
     made before they are stopped) and raises JobStopped saying where training stopped: after the step rank 0 wrote
-    into that file, with the checkpoint to resume from.
+    into that file, with the checkpoint to resume from; before the job starts (the model built and split here),
+    SIGTERM raises JobStopped too ("terminated"), as Ctrl-C raises KeyboardInterrupt.
     """
+    with _terminable():
+        _launch(argv, nproc)
+
+
+def _launch(argv: Sequence[str], nproc: int | None) -> None:
+    """`launch`'s work, once SIGTERM is JobStopped."""
     options = parse_args(argv)
     plan = load_plan(options.plan)
     count = nproc if nproc is not None else rank_count(plan)
@@ -95,8 +102,9 @@ def launch(argv: Sequence[str], nproc: int | None = None) -> None:
                 run_module("runtime.train", argv, count, threads=threads, cpu=on_cpu,
                            before=lambda training: _warn_differences(profiled, training, plan.profile.path),
                            variables={INTERRUPTED_FILE: str(noted)}, on_interrupt=noted.touch)
-            except JobStopped as stopped:
-                raise JobStopped(stopped.signum, _interruption(noted, options.checkpoint_dir, stopped.word)) from None
+            except KeyboardInterrupt as stopped:  # JobStopped, or Ctrl-C before torchrun's launcher took over
+                signum = getattr(stopped, "signum", signal.SIGINT)
+                raise JobStopped(signum, _interruption(noted, options.checkpoint_dir, _STOPPING[signum])) from None
     except ChildFailedError as exc:
         raise TrainingError(f"the training job failed: {_failures(exc)}; each rank's own error is above") from None
 
@@ -184,6 +192,24 @@ def _interruptible(on_interrupt: Callable[[], None] | None = None) -> Iterator[N
     finally:
         for stopping, handler in previous.items():
             signal.signal(stopping, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM raises JobStopped in the block (main thread only), for what runs before `_interruptible` takes over:
+    building and splitting the model can take a while, and the default action ended the launcher without a word."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise JobStopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @contextmanager

@@ -259,6 +259,39 @@ def mlp_plan_file(tmp_path: Path) -> Path:
     return plan.save(tmp_path / "mlp-2.json")
 
 
+def test_sigterm_while_the_model_is_built_is_one_line_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Before torchrun's launcher runs (the model built and split here, a while for a big one), SIGTERM ended the
+    launcher without a word: now JobStopped, "terminated", exit 143, and the handler is put back after."""
+    import runtime.launch as launch_module
+
+    def building(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        pytest.fail("SIGTERM did not stop the launcher")
+
+    monkeypatch.setattr(launch_module, "check_setup", building)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(launch_module.JobStopped) as stopped:
+        launch_module.launch([str(REPO / "examples" / "mlp.py"), "--plan", str(mlp_plan_file(tmp_path))])
+    assert str(stopped.value) == "terminated" and stopped.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_ctrl_c_before_torchrun_took_over_still_says_training_had_not_started(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A plain KeyboardInterrupt out of run_module (Ctrl-C before its own handler is in place) is the same line as
+    one after: "interrupted before training started", exit 130."""
+    import runtime.launch as launch_module
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_module, "run_module", interrupted)
+    with pytest.raises(launch_module.JobStopped) as stopped:
+        launch_module.launch([str(REPO / "examples" / "mlp.py"), "--plan", str(mlp_plan_file(tmp_path))])
+    assert str(stopped.value) == "interrupted before training started" and stopped.value.exit_code == 130
+
+
 def interrupted_training(tmp_path: Path, ready: Callable[[subprocess.Popen], bool],
                          signum: signal.Signals = signal.SIGINT) -> tuple[int, list[str]]:
     """`planner train` of the mlp plan (checkpoints every 2 steps into tmp_path/checkpoints), sent SIGINT as a
