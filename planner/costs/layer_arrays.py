@@ -283,6 +283,10 @@ class LayerArrays:
     def pair_replicated_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """`stage_replicated_bytes` of many stages at once."""
         found = self.pair_weight_bytes(starts, stops)
+        if len(starts) == 1:  # one stage (its reference terms): without arrays
+            start, stop = int(starts[0]), int(stops[0])
+            return found - sum(nbytes for first, others, nbytes in self.shared
+                               if len({start <= layer < stop for layer in (first, *others)}) == 2)
         for first, others, nbytes in self.shared:
             held = [(starts <= layer) & (layer < stops) for layer in (first, *others)]
             some, every = np.logical_or.reduce(held), np.logical_and.reduce(held)
@@ -321,6 +325,10 @@ class LayerArrays:
         """prefix[stop] - prefix[start], plus per_copy(bytes) for each shared parameter (`shared`, default
         `self.shared`) a stage uses whose first user lies outside it."""
         found = prefix[stops] - prefix[starts]
+        if len(starts) == 1:  # one stage (its reference terms): without arrays
+            start, stop = int(starts[0]), int(stops[0])
+            return found + sum(per_copy(nbytes) for first, others, nbytes in (self.shared if shared is None else shared)
+                               if not start <= first < stop and any(start <= layer < stop for layer in others))
         for first, others, nbytes in self.shared if shared is None else shared:
             holds_other = np.zeros(len(starts), dtype=bool)
             for layer in others:
@@ -431,11 +439,16 @@ def stage_pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, stops, offsets
 
 
+_DIRECT_RANGES = 4  # range_max takes each range's own maximum for at most this many ranges
+
+
 def range_max(values: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     """max(values[start:stop]) for each pair (start < stop), element-wise, from a sparse table: level j holds
     the maxima of the 2^j values from each index, and a range is the larger of the two 2^j-long ranges at its
     ends, j = floor(log2(stop - start)). O(n log n) to build, O(1) per range."""
     starts, stops = np.asarray(starts, dtype=int), np.asarray(stops, dtype=int)
+    if starts.size <= _DIRECT_RANGES:  # (one stage's terms: the table costs more than the ranges' own maxima)
+        return np.array([float(np.max(values[start:stop])) for start, stop in zip(starts.tolist(), stops.tolist())])
     levels = [np.asarray(values, dtype=float)]
     while 2 ** len(levels) <= len(levels[0]):
         below, half = levels[-1], 2 ** (len(levels) - 1)

@@ -170,3 +170,23 @@ def test_shared_bytes_beyond_their_first_layers_parameters_are_refused() -> None
     with pytest.raises(ValueError, match="layer 1 outweigh its frozen_bytes by 10"):  # frozen ones alike
         LayerArrays(compute_s=np.zeros(4), param_bytes=np.zeros(4), cut_bytes=np.zeros(3), frozen_bytes=params,
                     frozen_shared=((1, (2,), 60.0),))
+
+
+@given(data=st.data())
+def test_one_stages_bytes_and_tensors_are_those_of_many_stages_at_once(data: st.DataObject) -> None:
+    """A single stage's weight, replicated and frozen bytes and tensor count (computed without arrays) equal its
+    row among every stage's (the element-wise path), with shared parameters of several users anywhere."""
+    layers = data.draw(st.integers(2, 7))
+    params = np.concatenate([[0.0], np.cumsum(np.full(layers, 100.0))])
+    users = st.lists(st.integers(0, layers - 1), min_size=2, max_size=3, unique=True).map(sorted)
+    shared = tuple((first, tuple(others), 10.0 * (index + 1))
+                   for index, (first, *others) in enumerate(data.draw(st.lists(users, max_size=3))))
+    arrays = LayerArrays(compute_s=np.zeros(layers + 1), param_bytes=params, cut_bytes=np.zeros(layers),
+                         param_tensors=np.arange(layers + 1, dtype=float), shared=shared,
+                         frozen_bytes=params / 4, frozen_shared=shared[:1])
+    starts, stops = np.array([a for a in range(layers) for b in range(a + 1, layers + 1)]), \
+        np.array([b for a in range(layers) for b in range(a + 1, layers + 1)])
+    for method in ("pair_weight_bytes", "pair_replicated_bytes", "pair_frozen_bytes", "pair_tensor_counts"):
+        together = getattr(arrays, method)(starts, stops)
+        alone = [float(getattr(arrays, method)(starts[k:k + 1], stops[k:k + 1])[0]) for k in range(len(starts))]
+        assert alone == pytest.approx(list(together), abs=1e-9), method
