@@ -88,6 +88,13 @@ def profile_summary(profile: Profile) -> str:
         )
     if profile.batch_coupling is not None:
         lines += [f"note: {note}" for note in profile.batch_coupling.notes()]
+    missed = profile.settings.get("no_gradient")
+    if missed:
+        names = ", ".join(missed["names"]) + (", ..." if missed["tensors"] > len(missed["names"]) else "")
+        lines.append(f"note: {plural(missed['tensors'], 'parameter tensor')} ({format_bytes(missed['bytes'])}: {names}) "
+                     "got no gradient from the example batch; plans count their gradients and optimizer state, as "
+                     "real data may reach them (a mixture's experts); if nothing uses them, remove them or set "
+                     "requires_grad=False")
     loaded = profile_load_warning(profile.settings.get("conditions") or {})
     if loaded:
         lines.append(f"warning: {loaded}")

@@ -41,6 +41,7 @@ from planner.profiling.timing import (
 
 Progress = Callable[[str, int, int], None]
 T = TypeVar("T")
+NAMED_WITHOUT_GRADIENT = 3  # parameters without a gradient a profile names (`_Step.no_gradient`)
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -123,6 +124,7 @@ class _Step:
         self.inputs = inputs
         self.target = target
         self.loss_fn = model_file.loss_fn or default_loss
+        self.with_grad: set[int] = set()  # ids of the parameters a backward gave a gradient, seen at `zero_grad`
 
     def forward(self) -> Any:
         """The model on the example inputs."""
@@ -133,8 +135,20 @@ class _Step:
         return self.loss_fn(self.forward(), self.target)
 
     def zero_grad(self) -> None:
-        """Drop the gradients (set to None), as between training steps."""
+        """Drop the gradients (set to None), as between training steps; note first which parameters had one."""
+        self.with_grad.update(id(p) for p in self.model.parameters() if p.grad is not None)
         self.model.zero_grad(set_to_none=True)
+
+    def no_gradient(self) -> dict[str, Any] | None:
+        """The trainable parameters no backward of the profile gave a gradient (seen at each `zero_grad`): their
+        tensor count, bytes and first names; None where every one had one. They are planned as training all the
+        same (`_attribute_params`); this says the example batch did not reach them."""
+        missed = [(name, p) for name, p in self.model.named_parameters()
+                  if p.requires_grad and id(p) not in self.with_grad]
+        if not missed:
+            return None
+        return {"tensors": len(missed), "bytes": sum(tensor_nbytes(p) for _, p in missed),
+                "names": [name for name, _ in missed[:NAMED_WITHOUT_GRADIENT]]}
 
     def check(self) -> None:
         """Run forward, loss and backward once; a failure becomes a ModelFileError with the model's message."""
@@ -317,6 +331,7 @@ def _measure_checked(
         own, others = busy_cores_between(start, end)
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
     param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow)
+    missed = step.no_gradient()
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -341,6 +356,7 @@ def _measure_checked(
             "instrumented_ratio": times.instrumented_ratio, "forward_share": times.forward_share,
             "instrumented_forward_share": times.instrumented_forward_share,
             "conditions": conditions,
+            **({} if missed is None else {"no_gradient": missed}),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), forward_workspace_bytes=tuple(forward_workspace),

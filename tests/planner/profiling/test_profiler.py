@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from planner.display.tables import profile_summary
 from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
 from planner.errors import ProfileError
@@ -278,7 +279,8 @@ def example_batch(batch_size: int):
 def test_a_parameter_the_example_batch_does_not_reach_is_planned_as_training(tmp_path) -> None:
     """The gates get no `.grad` in any profiled step, as experts of a mixture the example batch is not routed to
     would not, while real data reaches them: they are planned with their gradients and optimizer state, not as
-    frozen weights (a stage planned short of memory fails; one planned a little over does not)."""
+    frozen weights (a stage planned short of memory fails; one planned a little over does not); the profile's
+    summary names them."""
     (tmp_path / "unused.py").write_text(UNUSED_MODEL)
     profile = profile_model(load_model_file(tmp_path / "unused.py"),
                             ProfileSettings(batch_size=4, warmup=0, iters=1, threads=1, processes=1))
@@ -286,6 +288,11 @@ def test_a_parameter_the_example_batch_does_not_reach_is_planned_as_training(tmp
     assert [layer.name for layer in profile.layers] == ["0", "1"]
     assert not any(profile.frozen_param_bytes) and list(profile.param_tensors) == [4, 4]
     assert profile.trainable_param_bytes == 4 * gate
+    # and the profile says so, naming the first of them
+    assert profile.settings["no_gradient"] == {"tensors": 4, "bytes": 2 * gate,
+                                               "names": ["0.gate.weight", "0.gate.bias", "1.gate.weight"]}
+    assert "note: 4 parameter tensors (8.25 KiB: 0.gate.weight, 0.gate.bias, 1.gate.weight, ...) got no gradient " \
+           "from the example batch" in profile_summary(profile)
 
 
 CHECKPOINTED_MODEL = '''
