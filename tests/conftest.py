@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -41,6 +43,7 @@ def examples_dir() -> Path:
 
 
 MACHINE_LOCK = pytest.StashKey[MachineLock]()
+TORCHRUN_LOGS = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,9 +51,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
         config.option.testrunuid = uuid.uuid4().hex
     config.stash[MACHINE_LOCK] = MachineLock.for_this_run()
+    # torchrun makes a /tmp/torchelastic_* folder for each job given no --log-dir and never removes it (about ten a
+    # suite, from the jobs tests start with `python -m torch.distributed.run`): PET_LOG_DIR, which torchrun reads
+    # for --log-dir, names one of this process's, which its jobs inherit and which goes at the end
+    config.stash[TORCHRUN_LOGS] = os.environ["PET_LOG_DIR"] = tempfile.mkdtemp(prefix="planner-tests-torchrun-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(config.stash[TORCHRUN_LOGS], ignore_errors=True)
+    os.environ.pop("PET_LOG_DIR", None)
     run = getattr(config.option, "testrunuid", None)
     if not hasattr(config, "workerinput") and run:  # the controller, after its workers ended
         MachineLock.of_run(run).remove()
