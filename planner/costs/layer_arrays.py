@@ -293,6 +293,21 @@ class LayerArrays:
             found = found - np.where(some & ~every, nbytes, 0.0)
         return found
 
+    def pair_tied_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """Per stage, the largest shared parameter (that trains) it holds while not every layer using it lies in it:
+        one whose gradient the engine all-reduces across stages before the step, through a buffer of its bytes (0:
+        none). A chunked plan whose rank holds every user (zbv's rank 0) does not all-reduce it: an upper bound there."""
+        if len(starts) == 1:  # one stage (its reference terms): without arrays
+            start, stop = int(starts[0]), int(stops[0])
+            return np.array([max((nbytes for first, others, nbytes in self.shared
+                                  if len({start <= layer < stop for layer in (first, *others)}) == 2), default=0.0)])
+        found = np.zeros(len(starts))
+        for first, others, nbytes in self.shared:
+            held = [(starts <= layer) & (layer < stops) for layer in (first, *others)]
+            some, every = np.logical_or.reduce(held), np.logical_and.reduce(held)
+            found = np.where(some & ~every, np.maximum(found, nbytes), found)
+        return found
+
     def unshared_param_bytes(self) -> np.ndarray:
         """`param_bytes` without the shared parameters (a prefix sum): a lower bound of every stage's
         weights and of what its replicas all-reduce."""

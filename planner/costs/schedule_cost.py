@@ -76,8 +76,9 @@ flight per replica (`schedules.schedule.in_flight`), D = devices of this stage a
            c g + q sigma saved + w)
     with s W the optimizer step's scratch memory (s per parameter byte, measured in the profile; on CPU s' X
     instead, X the stage's largest parameter tensor, `CostInputs.scratch_per_largest`), or on a stage of r > 1
-    replicas the all-reduce's buffer where that is more: the runtime copies the gradients of its R replicated bytes
-    into one buffer, R besides the gradients, once the activations are gone (`reduce_terms`), and
+    replicas the all-reduce's buffer where that is more: the runtime copies the gradients of its replicated bytes
+    into one buffer, besides the gradients, once the activations are gone, and of a tied weight (one per tie, at the
+    step) likewise: R, the larger (`reduce_terms`), and
     w = sigma max over the stage's layers of workspace_bytes: what a layer's backward holds beyond
     the saved activations (gradients between layers, temporaries such as a loss's gradient over a
     vocabulary; measured in the profile, 0 in older ones)
@@ -329,11 +330,13 @@ def memory_terms(inputs: CostInputs, replicas: ArrayOrInt, devices_from_here: Ar
     return base, held, rebuilt, scratch, memory
 
 
-def reduce_terms(replicas: ArrayOrInt, replicated_bytes: ArrayOrFloat) -> ArrayOrFloat:
-    """R, bytes: what a stage's all-reduce of its replicas' gradients holds besides them, its replicated bytes
-    (`runtime.gradients.all_reduce_gradients` copies them into one buffer, whose slices then become the
-    gradients) where it has r > 1 replicas; 0 for one. Element-wise."""
-    return np.where(np.asarray(replicas) > 1, replicated_bytes, 0.0)
+def reduce_terms(replicas: ArrayOrInt, replicated_bytes: ArrayOrFloat, tied_bytes: ArrayOrFloat = 0.0) -> ArrayOrFloat:
+    """R, bytes: what a stage's all-reduces hold besides its gradients, one after the other once its activations are
+    gone (`runtime.gradients.all_reduce_gradients` copies the gradients into one buffer, whose slices then become
+    them): its replicated bytes where it has r > 1 replicas (0 for one), or its largest tied weight all-reduced
+    across stages before the step (`LayerArrays.pair_tied_bytes`, each tie through a buffer of its own) where that
+    is more. Element-wise."""
+    return np.maximum(np.where(np.asarray(replicas) > 1, replicated_bytes, 0.0), tied_bytes)
 
 
 def ahead_terms(inputs: CostInputs, replicas: ArrayOrInt, flights: ArrayOrInt, cut_in_bytes: ArrayOrFloat,
@@ -459,7 +462,8 @@ def stage_cost(
     base, held, rebuilt, scratch, memory = (float(value) for value in memory_terms(
         inputs, replicas, devices_from_here, weights, saved, entering, recompute, workspace, deferred,
         arrays.stage_frozen_bytes(start, stop), top, weight_top, received_terms(inputs, start, entering), largest,
-        cut_in, cut_out, reduce_terms(replicas, replicated)))
+        cut_in, cut_out, reduce_terms(replicas, replicated, float(arrays.pair_tied_bytes(np.array([start]),
+                                                                                           np.array([stop]))[0]))))
     return StageCost(fwd, compute, comm_in, comm_out, allreduce, period, bound, memory, base, held, rebuilt, step,
                      scratch, accumulate, weight_s=weight, deferred_bytes=deferred, backward_top_bytes=top,
                      weight_top_bytes=weight_top)

@@ -32,6 +32,7 @@ class Pairs:
         self.weights = weights
         self.frozen = arrays.pair_frozen_bytes(starts, stops)  # weights that need no gradient, with shared copies
         self.replicated = arrays.pair_replicated_bytes(starts, stops)  # what the replicas all-reduce
+        self.tied = arrays.pair_tied_bytes(starts, stops)  # the largest tied weight all-reduced across stages
         self.tensors = arrays.pair_tensor_counts(starts, stops)  # parameter tensors, shared copies included
         self.saved = sigma * arrays.pair_saved_bytes(starts, stops)
         self.workspace = sigma * arrays.pair_workspace_bytes(self.offsets)

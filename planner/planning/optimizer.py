@@ -137,7 +137,8 @@ class _Evaluator:
         return memory_terms(self.inputs, replicas, replicas + downstream, p.weights[pair], p.saved[pair],
                             p.entering[pair], recompute, p.workspace[pair], p.deferred[pair], p.frozen[pair],
                             p.backward_top[pair], p.weight_top[pair], p.received[pair], p.largest[pair],
-                            p.cut_in[pair], p.cut_out[pair], reduce_terms(replicas, p.replicated[pair]))[4]
+                            p.cut_in[pair], p.cut_out[pair],
+                            reduce_terms(replicas, p.replicated[pair], p.tied[pair]))[4]
 
     def fewest_outer(
         self, pair: np.ndarray, first_end: np.ndarray, recompute: np.ndarray, downstream: np.ndarray, bound: float
@@ -260,9 +261,9 @@ class _Evaluator:
             flights = np.where(per_flight > 0, np.floor((inputs.memory_bytes - base) / per_flight + 1e-9), np.inf)
         flights = np.where(base > inputs.memory_bytes, -np.inf, flights)  # (+1e-9: a plan exactly at the
         # limit must not be lost to rounding; every candidate is checked exactly afterwards)
-        stepping = base - in_backward + np.maximum(  # the optimizer step's peak, or the all-reduce's (r >= 2 here),
+        stepping = base - in_backward + np.maximum(  # the optimizer step's peak, or the all-reduces' (r >= 2 here),
             inputs.scratch_per_byte * weights + inputs.scratch_per_largest * p.largest[pair],  # does not depend on r
-            p.replicated[pair])
+            reduce_terms(2, p.replicated[pair], p.tied[pair]))
         flights = np.where(stepping > inputs.memory_bytes, -np.inf, flights)
         m = float(inputs.microbatches)
         d = downstream.astype(float)
@@ -455,7 +456,7 @@ class _StageGrid:
             floors.append(fixed + np.maximum(held + least, scratch) if bounded else np.full(len(held), -np.inf))
             top = activation_top(deferred, p.deferred, rebuilt, flag, p.backward_top, p.weight_top)  # (the most)
             ahead = (RECEIVES_AHEAD + 1) * p.cut_in + RECEIVES_AHEAD * p.cut_out  # (the most `ahead_terms` gives)
-            reduce = reduce_terms(1 if straight else 2, p.replicated)  # (the most `reduce_terms` gives)
+            reduce = reduce_terms(1 if straight else 2, p.replicated, p.tied)  # (the most `reduce_terms` gives)
             ceilings.append(fixed + np.maximum(flights * held + top + ahead, np.maximum(scratch, reduce)) if bounded
                             else np.full(len(held), np.inf))
         self.memory_floor, self.memory_ceiling = np.stack(floors, axis=1), np.stack(ceilings, axis=1).ravel()

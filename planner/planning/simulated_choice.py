@@ -278,6 +278,7 @@ class _StageBounds:
         weights = arrays.pair_weight_bytes(starts, stops)
         frozen = arrays.pair_frozen_bytes(starts, stops)
         replicated = arrays.pair_replicated_bytes(starts, stops)
+        tied = arrays.pair_tied_bytes(starts, stops)
         tensors = arrays.pair_tensor_counts(starts, stops)
         saved = sigma * arrays.pair_saved_bytes(starts, stops)
         workspace = sigma * np.maximum.accumulate(arrays.workspace_bytes[:stop][::-1])[::-1]
@@ -339,7 +340,7 @@ class _StageBounds:
                                       workspace, deferred, frozen, backward_top, weight_top,
                                       received_terms(inputs, starts, entering), largest, cut_in,
                                       np.where(stop < arrays.num_layers, self.cut[stop - 1], 0.0),
-                                      reduce_terms(replicas, replicated))[4]
+                                      reduce_terms(replicas, replicated, tied))[4]
                 ok &= memory <= inputs.memory_bytes
             bounds[:, option], trips[:, option], bwd_peaks[:, option], fitting[:, option] = (
                 child_bound, child_trip, peak_bwd, ok)

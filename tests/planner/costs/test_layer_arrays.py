@@ -174,7 +174,7 @@ def test_shared_bytes_beyond_their_first_layers_parameters_are_refused() -> None
 
 @given(data=st.data())
 def test_one_stages_bytes_and_tensors_are_those_of_many_stages_at_once(data: st.DataObject) -> None:
-    """A single stage's weight, replicated and frozen bytes and tensor count (computed without arrays) equal its
+    """A single stage's weight, replicated, frozen and tied bytes and tensor count (computed without arrays) equal its
     row among every stage's (the element-wise path), with shared parameters of several users anywhere."""
     layers = data.draw(st.integers(2, 7))
     params = np.concatenate([[0.0], np.cumsum(np.full(layers, 100.0))])
@@ -186,7 +186,8 @@ def test_one_stages_bytes_and_tensors_are_those_of_many_stages_at_once(data: st.
                          frozen_bytes=params / 4, frozen_shared=shared[:1])
     starts, stops = np.array([a for a in range(layers) for b in range(a + 1, layers + 1)]), \
         np.array([b for a in range(layers) for b in range(a + 1, layers + 1)])
-    for method in ("pair_weight_bytes", "pair_replicated_bytes", "pair_frozen_bytes", "pair_tensor_counts"):
+    for method in ("pair_weight_bytes", "pair_replicated_bytes", "pair_frozen_bytes", "pair_tensor_counts",
+                   "pair_tied_bytes"):
         together = getattr(arrays, method)(starts, stops)
         alone = [float(getattr(arrays, method)(starts[k:k + 1], stops[k:k + 1])[0]) for k in range(len(starts))]
         assert alone == pytest.approx(list(together), abs=1e-9), method

@@ -511,6 +511,24 @@ def test_a_replicated_stage_holds_its_all_reduce_buffer_once_its_activations_are
     assert list(reduce_terms(np.array([1, 2, 4]), np.array([5.0, 5.0, 6.0]))) == [0.0, 5.0, 6.0]
 
 
+def test_a_tied_weight_all_reduced_across_stages_holds_its_buffer_at_the_step() -> None:
+    """An embedding of 1e9 bytes shared by layers 0 and 2 (as GPT-2's input embedding and output head), 1e8 of
+    activations a microbatch, SGD without state (k = 0): a stage holding one of its users but not the other
+    all-reduces its gradient with the other's before the step through a buffer of its bytes, held besides the
+    gradients (`reduce_terms`); a stage holding both users, or neither, all-reduces nothing. The largest tie counts:
+    each goes through its own buffer, one after the other."""
+    arrays = layers([0.1] * 3, params=[1e9, 1e6, 0.0], saved=[1e8] * 3, shared=((0, (2,), 1e9),))
+    inputs = CostInputs(arrays, flat(2), "gpipe", 2, optimizer_copies=0, step_s_per_byte=1e-12)
+    first, last = stage_costs(inputs, [(0, 1, 1, False), (1, 3, 1, False)])
+    assert first.memory_bytes == pytest.approx(2 * 1e9 + 1e9, rel=REL)  # weights and gradients, then the buffer
+    assert last.memory_bytes == pytest.approx(2 * (1e6 + 1e9) + 1e9, rel=REL)  # its copy of the tie, and its buffer
+    assert list(simulate_stages(inputs, [(0, 1, 1, False), (1, 3, 1, False)]).peak_memory()) == \
+        pytest.approx([3e9, 2 * (1e6 + 1e9) + 1e9], rel=REL)
+    (whole,) = stage_costs(inputs, [(0, 3, 1, False)])
+    assert whole.memory_bytes == pytest.approx(2 * (1e9 + 1e6) + 2 * 3e8, rel=REL)  # the tie inside: no buffer
+    assert list(reduce_terms(np.array([1, 2]), np.array([5.0, 5.0]), np.array([7.0, 3.0]))) == [7.0, 5.0]
+
+
 def test_sgd_keeps_one_optimizer_copy() -> None:
     arrays = layers([0.1], params=[1e9], saved=[1e8])
     inputs = CostInputs(arrays, flat(1), "gpipe", 2, optimizer_copies=1)
