@@ -47,11 +47,6 @@ class JobStopped(KeyboardInterrupt):
         self.signum = signum
         self.exit_code = 128 + int(signum)
 
-    @property
-    def word(self) -> str:
-        """The line's word for it: "interrupted" (Ctrl-C) or "terminated" (SIGTERM)."""
-        return _STOPPING[signal.Signals(self.signum)]
-
 
 def launch(argv: Sequence[str], nproc: int | None = None) -> None:
     """Run `python -m runtime.train *argv` on `nproc` processes of this machine (default: the plan's

@@ -283,29 +283,30 @@ class LayerArrays:
     def pair_replicated_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """`stage_replicated_bytes` of many stages at once."""
         found = self.pair_weight_bytes(starts, stops)
-        if len(starts) == 1:  # one stage (its reference terms): without arrays
-            start, stop = int(starts[0]), int(stops[0])
-            return found - sum(nbytes for first, others, nbytes in self.shared
-                               if len({start <= layer < stop for layer in (first, *others)}) == 2)
-        for first, others, nbytes in self.shared:
-            held = [(starts <= layer) & (layer < stops) for layer in (first, *others)]
-            some, every = np.logical_or.reduce(held), np.logical_and.reduce(held)
-            found = found - np.where(some & ~every, nbytes, 0.0)
+        for nbytes, split in self._split_ties(starts, stops):
+            found = found - np.where(split, nbytes, 0.0)
         return found
 
     def pair_tied_bytes(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """Per stage, the largest shared parameter (that trains) it holds while not every layer using it lies in it:
         one whose gradient the engine all-reduces across stages before the step, through a buffer of its bytes (0:
         none). A chunked plan whose rank holds every user (zbv's rank 0) does not all-reduce it: an upper bound there."""
-        if len(starts) == 1:  # one stage (its reference terms): without arrays
-            start, stop = int(starts[0]), int(stops[0])
-            return np.array([max((nbytes for first, others, nbytes in self.shared
-                                  if len({start <= layer < stop for layer in (first, *others)}) == 2), default=0.0)])
         found = np.zeros(len(starts))
+        for nbytes, split in self._split_ties(starts, stops):
+            found = np.where(split, np.maximum(found, nbytes), found)
+        return found
+
+    def _split_ties(self, starts: np.ndarray, stops: np.ndarray) -> list[tuple[float, np.ndarray]]:
+        """Per shared parameter (`shared`), its bytes and, per stage, whether the stage holds some but not every
+        layer using it (its gradient is summed with other stages' copies)."""
+        if len(starts) == 1:  # one stage (its reference terms): the masks without array arithmetic
+            start, stop = int(starts[0]), int(stops[0])
+            return [(nbytes, np.array([len({start <= layer < stop for layer in (first, *others)}) == 2]))
+                    for first, others, nbytes in self.shared]
+        found = []
         for first, others, nbytes in self.shared:
             held = [(starts <= layer) & (layer < stops) for layer in (first, *others)]
-            some, every = np.logical_or.reduce(held), np.logical_and.reduce(held)
-            found = np.where(some & ~every, np.maximum(found, nbytes), found)
+            found.append((nbytes, np.logical_or.reduce(held) & ~np.logical_and.reduce(held)))
         return found
 
     def unshared_param_bytes(self) -> np.ndarray:
