@@ -24,6 +24,12 @@ if os.environ.get("PLANNER_TEST_GPU") != "1":
 
 import torch  # noqa: E402  (after the GPUs are hidden)
 
+# one intra-op thread in each test process: under `-n 2` two workers and their torchrun jobs already fill the
+# cores, and torch's default (a thread per core) then spends 2-3x the CPU of one thread on the same ops, its
+# threads waiting for each other's turns (a tiny mlp's profile: 1.4-1.7 s of CPU against 0.54-0.59 s beside two
+# busy cores); a test that times with more threads sets them itself, as `ProfileSettings.threads` does
+torch.set_num_threads(1)
+
 from tests.machine_lock import MachineLock  # noqa: E402
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(),

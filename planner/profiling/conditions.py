@@ -255,7 +255,7 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
     found = []
     was, now = profiled.get("threads"), training.get("threads")
     if was is not None and now is not None and was != now:
-        found.append(f"the profile was measured with {was} threads per process, training runs {now}: compute may "
+        found.append(f"the profile was measured with {plural(was, 'thread')} per process, training runs {now}: compute may "
                      f"take up to {max(was, now) / min(was, now):.2g}x {'longer' if now < was else 'less'} than "
                      f"predicted (profile with --threads {now}, or give each process {was})")
     was, now = profiled.get("processes"), training.get("processes")
