@@ -57,9 +57,10 @@ class InfeasiblePlanError(PlannerError):
     fits, beyond the search's own limit) it is a memory at which some plan found fits, not proven the least."""
 
     def __init__(self, memory_bytes: float, smallest_memory_bytes: float | Callable[[], float],
-                 detail: str = "") -> None:
+                 detail: str = "", smallest_below: Callable[[float], float] | None = None) -> None:
         self.memory_bytes = memory_bytes
         self._smallest: float | Callable[[], float] = smallest_memory_bytes
+        self._smallest_below = smallest_below
         self.detail = detail
         super().__init__(f"no plan fits in {memory_bytes / 1e9:.4g} GB per device")
 
@@ -69,6 +70,18 @@ class InfeasiblePlanError(PlannerError):
         if callable(self._smallest):
             self._smallest = float(self._smallest())
         return self._smallest
+
+    def smallest_memory_below(self, bound: float) -> float:
+        """`smallest_memory_bytes` where it is less than `bound` bytes, else inf. With `smallest_below` (the
+        search that first asks whether any plan fits in the whole MB below `bound`: one solve where none does)
+        a failure that needs `bound` or more is told apart without its own bisection, as `partition` does
+        to name the least of the failures of every schedule and microbatch count it tried."""
+        if callable(self._smallest) and self._smallest_below is not None:
+            found = float(self._smallest_below(bound))
+            if math.isinf(found):
+                return math.inf
+            self._smallest = found
+        return self.smallest_memory_bytes if self.smallest_memory_bytes < bound else math.inf
 
     def __str__(self) -> str:
         enough_gb = math.ceil(self.smallest_memory_bytes / 1e6) / 1e3  # in GB, rounded up to the MB: it does fit

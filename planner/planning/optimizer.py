@@ -776,7 +776,7 @@ def optimize(inputs: CostInputs, straight: bool = False, allow_recompute: bool =
     if least is None:
         best, best_bound = _bisected(inputs, solve, max_bound, straight, options, unlimited)
     elif math.isinf(least):
-        raise InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options))
+        raise _infeasible(inputs, straight, options)
     else:
         best, best_bound = found[1], least
     front = None  # every plan that could win or tie, where one pass found them
@@ -813,7 +813,7 @@ def _bisected(inputs: CostInputs, solve: Callable[[float], list[Stage] | None],
     optimum without the memory limit, which does not fit it); InfeasiblePlanError where no plan fits."""
     best = solve(math.inf)
     if best is None:
-        raise InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options))
+        raise _infeasible(inputs, straight, options)
     everywhere = [Stage(0, inputs.arrays.num_layers, inputs.cluster.num_devices, False)]  # data parallelism: a
     if not straight and plan_fits(inputs, everywhere) and max_bound(everywhere) < max_bound(best):  # first bound
         best = everywhere
@@ -913,9 +913,18 @@ def _cheaper_recompute(inputs: CostInputs, solve, best: list[Stage] | None, lowe
     return best
 
 
-def _smallest_memory(inputs: CostInputs, straight: bool, options: tuple[bool, ...]) -> float:
-    """The least device memory, rounded up to a whole MB, at which some plan fits (bisection); every trial
-    shares the stage sums and `_solve_front`'s tables (neither depends on the memory limit)."""
+def _infeasible(inputs: CostInputs, straight: bool, options: tuple[bool, ...]) -> InfeasiblePlanError:
+    """The error of `inputs`' memory limit, whose smallest memory `_smallest_memory` finds when first read."""
+    return InfeasiblePlanError(inputs.memory_bytes or 0, lambda: _smallest_memory(inputs, straight, options),
+                               smallest_below=lambda bound: _smallest_memory(inputs, straight, options, bound))
+
+
+def _smallest_memory(inputs: CostInputs, straight: bool, options: tuple[bool, ...],
+                     below: float = math.inf) -> float:
+    """The least device memory, a whole MB, at which some plan fits (bisection; the least whole MB where the
+    plans that fit grow with the memory); inf where that is `below` bytes or more, which one trial at the whole
+    MB under `below` tells. Every trial shares the stage sums and `_solve_front`'s tables (neither depends on
+    the memory limit)."""
     pairs = Pairs(inputs)
     grids: dict[tuple[bool, tuple[bool, ...]], _StageGrid] = {}
 
@@ -926,6 +935,11 @@ def _smallest_memory(inputs: CostInputs, straight: bool, options: tuple[bool, ..
 
     whole = stage_cost(inputs, 0, inputs.arrays.num_layers, 1, False, inputs.cluster.num_devices - 1, 1)
     low, high = 0.0, whole.memory_bytes * 1.01 + 1e6
+    under = math.ceil(below / 1e6) * 1e6 - 1e6 if math.isfinite(below) else math.inf  # the whole MB under `below`
+    if under < high:
+        if under <= 0 or not fits(under):
+            return math.inf
+        high = under
     for _ in range(100):
         if high - low <= 1e5:
             break

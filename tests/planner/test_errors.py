@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from planner.errors import InfeasiblePlanError
 
 
@@ -21,6 +23,23 @@ def test_infeasible_plan_error_finds_the_smallest_memory_only_when_read() -> Non
                           "--global-batch-size, or an optimizer with less state)")
     assert error.smallest_memory_bytes == 12_345_678_901.0 and calls == [1]
     assert str(InfeasiblePlanError(8e9, 12_345_678_901.0)) == str(error) and calls == [1]
+
+
+def test_infeasible_plan_error_asked_below_a_bound_searches_only_where_it_needs_less() -> None:
+    """`smallest_memory_below(bound)`: inf where the search below the bound finds nothing (the value stays unread);
+    the value where it is less, kept for the message; without a search below a bound, the whole search decides."""
+    asked: list[float] = []
+
+    def below(bound: float) -> float:
+        asked.append(bound)
+        return 5e9 if bound > 5e9 else math.inf
+
+    error = InfeasiblePlanError(1e9, lambda: 5e9, smallest_below=below)
+    assert error.smallest_memory_below(4e9) == math.inf and callable(error._smallest)
+    assert error.smallest_memory_below(6e9) == 5e9 and asked == [4e9, 6e9]
+    assert error.smallest_memory_bytes == 5e9 and error.smallest_memory_below(5e9) == math.inf and asked == [4e9, 6e9]
+    plain = InfeasiblePlanError(1e9, lambda: 5e9)
+    assert plain.smallest_memory_below(4e9) == math.inf and plain.smallest_memory_below(math.inf) == 5e9
 
 
 def test_infeasible_plan_error_suggests_smaller_microbatches_either_way() -> None:

@@ -197,6 +197,11 @@ def test_optimum_matches_brute_force(
         assert enough > inputs.memory_bytes
         # the named memory admits a plan; it is the least that does, up to rounding to whole MB
         assert min(plan.peak_bytes for plan in scored) <= enough < min(plan.peak_bytes for plan in scored) + 2e6
+        # asked whether it needs less than a bound (as `partition` asks of its other failures), the same value
+        # below the bound and inf at or above it
+        bound = data.draw(st.sampled_from([enough, enough + 5e5, enough + 1e6, enough + 3e6]))
+        fresh = optimizer_module._infeasible(inputs, straight, recompute_options(inputs, allow_recompute))
+        assert fresh.smallest_memory_below(bound) == (enough if enough < bound else np.inf)
         inputs = replace(inputs, memory_bytes=enough)
         plans = feasible(scored, enough)
     best, fewest = optimal(plans)

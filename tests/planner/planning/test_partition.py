@@ -189,6 +189,27 @@ def test_a_profiles_library_bytes_are_in_every_devices_memory_and_its_limit(sche
         assert all(stage.memory_bytes <= limit for stage in tight.stages)
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_no_plan_within_memory_names_the_least_memory_of_every_schedule_and_count_tried(
+        gpus: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt at 100 MB fails for every schedule and microbatch count on 1 and 2 GPUs: the error raised is the first of
+    the failures whose own smallest memory is least, found without bisecting every failure."""
+    seen: list[list[InfeasiblePlanError]] = []
+    least_of = partition_module._least_memory_failure
+
+    def recorded(failures: list[InfeasiblePlanError]) -> InfeasiblePlanError:
+        seen.append(list(failures))
+        return least_of(failures)
+
+    monkeypatch.setattr(partition_module, "_least_memory_failure", recorded)
+    with pytest.raises(InfeasiblePlanError) as raised:
+        partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(gpus, memory="100MB"))
+    (failures,) = seen
+    assert len(failures) > 1
+    least = min(failure.smallest_memory_bytes for failure in failures)  # (each failure's own bisection)
+    assert raised.value is next(failure for failure in failures if failure.smallest_memory_bytes == least)
+
+
 def test_memory_limit_shapes_the_plan_and_is_reported(tmp_path: Path) -> None:
     profile = import_pipedream(_chain_graph(tmp_path), batch_size=32)
     free = partition(profile, make_cluster(8, bandwidths=["10GB/s"]), cost_model="pipedream")
