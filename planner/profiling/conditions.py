@@ -255,9 +255,10 @@ def differences(profiled: Mapping[str, Any], training: Mapping[str, Any]) -> lis
     found = []
     was, now = profiled.get("threads"), training.get("threads")
     if was is not None and now is not None and was != now:
-        found.append(f"the profile was measured with {plural(was, 'thread')} per process, training runs {now}: compute may "
-                     f"take up to {max(was, now) / min(was, now):.2g}x {'longer' if now < was else 'less'} than "
-                     f"predicted (profile with --threads {now}, or give each process {was})")
+        found.append(f"the profile was measured with {plural(was, 'thread')} per process, training runs {now}: "
+                     f"compute may take up to {max(was, now) / min(was, now):.2g}x "
+                     f"{'longer' if now < was else 'less'} than predicted (profile with --threads {now}, or give "
+                     f"each process {was})")
     was, now = profiled.get("processes"), training.get("processes")
     if was is not None and now is not None and was != now:
         found.append(f"the profile was measured with {was} process{'es' if was != 1 else ''} computing on this "
