@@ -201,11 +201,20 @@ def test_no_plan_within_memory_names_the_least_memory_of_every_schedule_and_coun
         seen.append(list(failures))
         return least_of(failures)
 
+    searches: list[float] = []  # each search's `below`: inf for a whole bisection
+    smallest = optimizer_module._smallest_memory
+
+    def counted(*args: object) -> float:
+        searches.append(float(args[3]) if len(args) > 3 else math.inf)  # type: ignore[arg-type]
+        return smallest(*args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(partition_module, "_least_memory_failure", recorded)
+    monkeypatch.setattr(optimizer_module, "_smallest_memory", counted)
     with pytest.raises(InfeasiblePlanError) as raised:
         partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(gpus, memory="100MB"))
     (failures,) = seen
-    assert len(failures) > 1
+    assert len(failures) > 1 and len(searches) == len(failures) and searches.count(math.inf) == 1  # the first's only
+    monkeypatch.setattr(optimizer_module, "_smallest_memory", smallest)
     least = min(failure.smallest_memory_bytes for failure in failures)  # (each failure's own bisection)
     assert raised.value is next(failure for failure in failures if failure.smallest_memory_bytes == least)
 
