@@ -487,16 +487,21 @@ def _final_choice(found: _Candidate, straight: bool, recompute: bool) -> _Candid
 
 
 def _least_memory_failure(failures: list[InfeasiblePlanError]) -> InfeasiblePlanError:
-    """The failure of least `smallest_memory_bytes` (the first of equals): each after the first is asked only
-    whether it needs less than the least so far (`smallest_memory_below`), which one solve answers where it does
-    not. (Every failure's own bisection took 3.8 of the 4.3 s that 1 and 2 GPUs of the gpt example at 100 MB
-    spent in `partition` to say that nothing fits.)"""
-    best, least = failures[0], failures[0].smallest_memory_bytes
-    for failure in failures[1:]:
-        found = failure.smallest_memory_below(least)
-        if found < least:
-            best, least = failure, found
-    return best
+    """One failure for all of `failures` (each of the same limit, none with a `detail`): its smallest memory is
+    the least of theirs, found when first read (the message included), so a caller that only needs "nothing
+    fits" (`scaling_table`, `_within_limit`'s searches below the limit) pays for no search. Found as: the first
+    failure's own bisection, then each later one asked only whether it needs less than the least so far
+    (`smallest_memory_below`), which one solve answers where it does not. (Every failure's own bisection took
+    3.8 of the 4.3 s that 1 and 2 GPUs of the gpt example at 100 MB spent in `partition` to say that nothing
+    fits.)"""
+
+    def least_below(bound: float) -> float:
+        least = math.inf
+        for failure in failures:
+            least = min(least, failure.smallest_memory_below(min(bound, least)))
+        return least
+
+    return InfeasiblePlanError(failures[0].memory_bytes, lambda: least_below(math.inf), smallest_below=least_below)
 
 
 def _auto_microbatches(
@@ -835,7 +840,8 @@ def _partition_pipedream(
     try:
         solution = optimize_pipedream(arrays, cluster.num_devices, bandwidth, straight, limit, optimizer)
     except InfeasiblePlanError as exc:
-        raise InfeasiblePlanError(cluster.memory_bytes or 0, exc.smallest_memory_bytes + library) from None
+        failure = exc  # (the clause unbinds `exc`; its smallest memory, a search, is read when the message is)
+        raise InfeasiblePlanError(cluster.memory_bytes or 0, lambda: failure.smallest_memory_bytes + library) from None
     stages = []
     next_rank = 0
     busy_s = 0.0

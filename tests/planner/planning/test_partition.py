@@ -192,8 +192,9 @@ def test_a_profiles_library_bytes_are_in_every_devices_memory_and_its_limit(sche
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_no_plan_within_memory_names_the_least_memory_of_every_schedule_and_count_tried(
         gpus: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt at 100 MB fails for every schedule and microbatch count on 1 and 2 GPUs: the error raised is the first of
-    the failures whose own smallest memory is least, found without bisecting every failure."""
+    """gpt at 100 MB fails for every schedule and microbatch count on 1 and 2 GPUs: the error raised names the least
+    of the failures' own smallest memories, found when first read (raising it searches nothing) and without
+    bisecting every failure."""
     seen: list[list[InfeasiblePlanError]] = []
     least_of = partition_module._least_memory_failure
 
@@ -213,10 +214,13 @@ def test_no_plan_within_memory_names_the_least_memory_of_every_schedule_and_coun
     with pytest.raises(InfeasiblePlanError) as raised:
         partition(load_profile(REPO / "profiles" / "gpt.json"), make_cluster(gpus, memory="100MB"))
     (failures,) = seen
-    assert len(failures) > 1 and len(searches) == len(failures) and searches.count(math.inf) == 1  # the first's only
+    assert len(failures) > 1 and searches == []
+    message = str(raised.value)
+    assert len(searches) == len(failures) and searches.count(math.inf) == 1  # the first's only
     monkeypatch.setattr(optimizer_module, "_smallest_memory", smallest)
     least = min(failure.smallest_memory_bytes for failure in failures)  # (each failure's own bisection)
-    assert raised.value is next(failure for failure in failures if failure.smallest_memory_bytes == least)
+    assert raised.value.smallest_memory_bytes == least and raised.value.memory_bytes == 100e6
+    assert message == str(next(failure for failure in failures if failure.smallest_memory_bytes == least))
 
 
 def test_memory_limit_shapes_the_plan_and_is_reported(tmp_path: Path) -> None:

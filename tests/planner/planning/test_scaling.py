@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import planner.planning.optimizer as optimizer_module
+import planner.planning.pipedream_optimizer as pipedream_module
 from planner.files.cluster import Cluster, ClusterError, Level, make_cluster
 from planner.planning.partition import compare_baselines, partition
 from planner.files.profile import Profile, load_profile
@@ -91,8 +93,19 @@ def test_too_little_memory_for_one_gpu_gives_a_nan_row(gpt: Profile) -> None:
     assert list(table["ideal_samples_per_s"]) == pytest.approx([single, 2 * single])
 
 
-def test_nothing_fits_gives_all_nan_without_raising(gpt: Profile) -> None:
-    table = scaling_table(gpt, make_cluster(2, memory="2MB"), **FAST)
+@pytest.mark.parametrize("cost_model", ["planner", "pipedream"])
+def test_nothing_fits_gives_all_nan_without_raising_or_searching_the_least_memory(
+        gpt: Profile, cost_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row where nothing fits is NaN: the least memory that would fit, a bisection of its own that only the
+    error's message needs, is never searched."""
+    searched: list[object] = []
+    for module in (optimizer_module, pipedream_module):
+        smallest = module._smallest_memory
+        monkeypatch.setattr(module, "_smallest_memory",
+                            lambda *args, smallest=smallest: searched.append(args) or smallest(*args))
+    kwargs = FAST if cost_model == "planner" else dict(cost_model="pipedream")
+    table = scaling_table(gpt, make_cluster(2, memory="2MB"), **kwargs)
+    assert searched == []
     assert list(table["gpus"]) == [1, 2]
     for column in ("pipeline_samples_per_s", "data_parallel_samples_per_s", "ideal_samples_per_s",
                    "devices_used", "stages"):
