@@ -86,6 +86,7 @@ from runtime.pipeline import PipelineError
 from runtime.stage_runner import LossFn, StageRunner, split_backward_refusal
 from runtime.stages import StageSplitError, Stages, build_stages
 from runtime.trace import OpTime, StepClock
+from runtime.worker_exit import Stopped
 
 __all__ = ["Engine", "EngineError", "init_distributed", "ENGINE_SCHEDULES"]
 
@@ -218,6 +219,7 @@ class Engine:
         self._sent_structures: dict[tuple[int, int, Hashable], Any] = {}
         self._received_structures: dict[tuple[int, int, Hashable], Any] = {}
         self._where: tuple[int, int | None] | None = None  # (stage, microbatch or None) of the running action
+        self.gone_at_failure: list[int] | None = None  # `gone()` as a step of this rank failed, before others heard
         self._closed = False
         self.step_spans: list[tuple[float, float]] = []
         # (bytes, method) this rank needed during train_step number `memory_step` (from 0; measuring slows it):
@@ -344,7 +346,9 @@ class Engine:
         except BaseException as exc:
             stage, microbatch = self._where or (self.stage, None)
             where = f"stage {stage}" + (f", microbatch {microbatch}" if microbatch is not None else "")
-            message = self._publish(f"rank {self.rank} ({where}) failed: {type(exc).__name__}: {exc}")
+            self.gone_at_failure = self.gone()
+            what = "was stopped by SIGTERM" if isinstance(exc, Stopped) else f"failed: {type(exc).__name__}: {exc}"
+            message = self._publish(f"rank {self.rank} ({where}) {what}")
             self.close()
             raise EngineError(message, self.rank, stage, microbatch) from exc
         self.step_spans.append((start, time.perf_counter()))

@@ -70,7 +70,7 @@ from planner.profiling.conditions import steady_malloc
 from planner.profiling.optimizer_step import make_optimizer
 from runtime.optimizer_state import load_named_optimizer_state, named_optimizer_state
 from runtime.report import save_run_report
-from runtime.worker_exit import exit_worker
+from runtime.worker_exit import Stopped, exit_worker
 
 __all__ = ["INTERRUPTED_FILE", "TrainOptionError", "TrainOptions", "TrainingError", "UnknownTrainOptionError",
            "parse_args", "main", "resume_note",
@@ -114,12 +114,6 @@ class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """Raise the problem argparse found as a TrainOptionError naming the command."""
         raise TrainOptionError(self.prog, message)
-
-
-class Stopped(BaseException):
-    """SIGTERM: the launcher is stopping this rank (torchrun does so when another rank exits). A BaseException, as
-    KeyboardInterrupt is: the model file's code, which runs wrapped in `except Exception` (its errors become one
-    line naming the file), must not take it for the model's own failure ("build_model() raised Stopped")."""
 
 
 class _CollectiveFailed(Exception):
@@ -563,11 +557,13 @@ def _collective(engine: Engine, what: str) -> Iterator[None]:
 
 def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: bool, engine: Engine) -> str:
     """The one line a rank prints when training ends early: why, at which step, and what is safe."""
-    if stopped:
-        gone = engine.gone(wait_s=1.0)
-        who = (f"rank {', '.join(map(str, gone))} exited first" if gone
-               else "another rank exited, or the job was cancelled")
-        reason = f"stopped by SIGTERM from the launcher (torchrun stops every rank when one exits: {who})"
+    if stopped:  # (where `planner train` was interrupted, the ranks end without a word: not this)
+        # the ranks gone when the engine caught the signal, before it told the others (who then exit), if it did
+        gone = engine.gone_at_failure if engine.gone_at_failure is not None else engine.gone(wait_s=1.0)
+        reason = (f"stopped by SIGTERM from the launcher (torchrun stops every rank when one exits: rank "
+                  f"{', '.join(map(str, gone))} exited first)" if gone else
+                  "stopped by SIGTERM while no rank of this machine had exited (a rank of another machine "
+                  "exited, the job was cancelled, or the signal was sent to this rank alone)")
     return f"training stopped after step {step}: {reason}; {resume_note(checkpoint_dir)}"
 
 

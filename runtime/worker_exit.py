@@ -6,7 +6,14 @@ import os
 import sys
 from typing import NoReturn
 
-__all__ = ["exit_worker"]
+__all__ = ["Stopped", "exit_worker"]
+
+
+class Stopped(BaseException):
+    """SIGTERM to a worker: torchrun's launcher stopping every rank (it does when one exits, or when the job is
+    cancelled), or a signal to this process alone (`kill PID`). A BaseException, as KeyboardInterrupt is: the model
+    file's code, which runs wrapped in `except Exception` (its errors become one line naming the file), must not take
+    it for the model's own failure ("build_model() raised Stopped")."""
 
 
 def exit_worker(code: int) -> NoReturn:

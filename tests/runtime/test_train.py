@@ -683,3 +683,28 @@ def test_sigterm_while_the_model_builds_is_not_blamed_on_the_model_file(tmp_path
                      "def example_batch(batch_size):\n    raise Stopped()\n")
     with pytest.raises(Stopped):
         build_checked_model(load_model_file(model))
+
+
+def test_a_rank_stopped_by_sigterm_blames_the_launcher_only_once_another_rank_exited() -> None:
+    """Stopped by SIGTERM with a rank of this machine gone when the engine caught it, torchrun's launcher sent it (it
+    stops every rank when one exits); with none gone then, the job was cancelled or someone signalled this rank
+    (`kill PID`), not said to be the launcher's doing, even where a rank exited after hearing of this one's stop."""
+
+    class Engine:  # what `_stop_message` asks of the engine
+        def __init__(self, at_failure: list[int] | None, now: list[int]) -> None:
+            self.gone_at_failure, self.now = at_failure, now
+
+        def gone(self, wait_s: float) -> list[int]:
+            return self.now
+
+    after_exit = runtime.train._stop_message("", 4, None, True, Engine([1], [1]))  # type: ignore[arg-type]
+    assert after_exit.startswith("training stopped after step 4: stopped by SIGTERM from the launcher ")
+    assert "rank 1 exited first" in after_exit and after_exit.endswith("no checkpoint was written (use "
+                                                                       "--checkpoint-dir DIR --checkpoint-every K "
+                                                                       "to keep progress)")
+    for engine in (Engine([], [0]), Engine(None, [])):  # rank 0 exited once told; stopped outside a step
+        alone = runtime.train._stop_message("", 4, None, True, engine)  # type: ignore[arg-type]
+        assert "launcher" not in alone and "no rank of this machine had exited" in alone
+        assert "the signal was sent to this rank alone" in alone
+    assert "rank 0 exited first" in runtime.train._stop_message("", 4, None, True,
+                                                                Engine(None, [0]))  # type: ignore[arg-type]
