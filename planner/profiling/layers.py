@@ -48,6 +48,10 @@ from planner.errors import ProfileError
 from planner.profiling.checkpoint_regions import checkpoint_depth, counting_checkpoints
 
 
+class NoLayersError(ProfileError):
+    """The model's forward calls no submodule: there is nothing to split it between."""
+
+
 @dataclass(frozen=True)
 class Layer:
     """One layer: the module that begins it, its fully qualified name and class name."""
@@ -114,7 +118,7 @@ def choose_layers(
     if depth is not None and split_points:
         raise ProfileError("give either --depth or --split-points, not both")
     if not root.children:
-        raise ProfileError("the model's forward calls no submodule, so it cannot be split into layers")
+        raise NoLayersError("the model's forward calls no submodule, so it cannot be split into layers")
     if split_points:
         calls = _split_point_calls(root, split_points)
     elif depth is not None:

@@ -18,7 +18,7 @@ from planner.profiling.optimizer_step import time_grad_accumulation, time_optimi
 from planner.profiling.dataflow import Dataflow, measure_dataflow
 from planner.profiling.devices import device_name, resolve_device, resolve_dtype
 from planner.errors import ModelFileError, PlannerError, ProfileError
-from planner.profiling.layers import Layer, find_layers
+from planner.profiling.layers import Layer, NoLayersError, find_layers
 from planner.profiling.backward_split import ReentrantCheckpointError
 from planner.profiling.deferred_memory import SplitMemory, measure_split_memory
 from planner.profiling.memory import library_bytes, measure_peak_memory, measure_workspace
@@ -277,7 +277,13 @@ def _measure_checked(
     the timings."""
     inputs = step.inputs
     split_points = list(settings.split_points) or None
-    layers = _phase(model_file, "finding layers", lambda: find_layers(model, step.forward, settings.depth, split_points))
+    try:
+        layers = _phase(model_file, "finding layers",
+                        lambda: find_layers(model, step.forward, settings.depth, split_points))
+    except NoLayersError as exc:
+        raise ModelFileError(model_file.path, str(exc),
+                             "build it of submodules that its forward calls (the layers a plan splits between), "
+                             "e.g. an nn.Sequential") from None
     report("layers", 1, 1)
     dataflow = _phase(model_file, "tracing tensors", lambda: measure_dataflow(model, layers, inputs, step.loss))
     coupling = _phase(model_file, "running halves of the batch",

@@ -8,7 +8,7 @@ import torch
 from planner.display.tables import profile_summary
 from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
-from planner.errors import ProfileError
+from planner.errors import ModelFileError, ProfileError
 from planner.profiling.conditions import default_cpu_processes
 from planner.profiling.profiler import ProfileSettings, _processes, profile_model
 from tests.conftest import EXAMPLES, gpu_only
@@ -337,3 +337,16 @@ def test_a_model_checkpointed_reentrantly_profiles_with_the_split_backward_unmea
         assert profile.split_backward_ratio is None and not profile.deferred_bytes
     else:
         assert profile.split_backward_ratio is not None and len(profile.deferred_bytes) == 4
+
+
+def test_a_model_whose_forward_calls_no_submodule_is_one_line_naming_its_file(tmp_path) -> None:
+    """A bare nn.Linear has no layers to split between: the error names the model file and what to build instead."""
+    (tmp_path / "bare.py").write_text("import torch\n\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n\n\n"
+                                      "def example_batch(batch_size):\n"
+                                      "    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)\n")
+    with pytest.raises(ModelFileError) as raised:
+        profile_model(load_model_file(tmp_path / "bare.py"), ProfileSettings(batch_size=2, iters=1, warmup=0,
+                                                                            threads=1, processes=1))
+    assert str(raised.value) == (f"{tmp_path / 'bare.py'}: the model's forward calls no submodule, so it cannot be "
+                                 "split into layers; build it of submodules that its forward calls (the layers a plan "
+                                 "splits between), e.g. an nn.Sequential")
