@@ -599,6 +599,7 @@ def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[A
         while True:
             yield batch
     batches, seen, noted = loader(setup.batch_size), 0, False
+    unlike_example = _LoaderShapes(setup, options.model_file)
     while True:
         empty = True
         for batch in batches:
@@ -613,10 +614,44 @@ def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[A
             empty = False
             seen += 1
             if seen > skip:
-                yield _cast(batch, setup.dtype)
+                batch = _cast(batch, setup.dtype)
+                unlike_example.check(batch)
+                yield batch
         if empty:
             raise TrainingError(f"{options.model_file}: data_loader({setup.batch_size}) yielded no batch of "
                                 f"{setup.batch_size} samples; is the dataset smaller than one mini-batch?")
+
+
+class _LoaderShapes:
+    """Warns once (rank 0) where a loader's inputs differ in shape from `example_batch`'s at the same batch size,
+    which the profile measured: another sequence length or image size moves every time and activation the plan
+    predicts, and its memory (the run may not fit). A warning, not an error: batches padded to each one's longest
+    sequence differ from step to step by design."""
+
+    def __init__(self, setup: Setup, model_file: str) -> None:
+        self.setup, self.model_file = setup, model_file
+        self.example: list[tuple[int, ...]] | None = None
+        self.warned = setup.rank != 0
+
+    def check(self, batch: tuple[Any, Any]) -> None:
+        if self.warned:
+            return
+        if self.example is None:
+            with torch.random.fork_rng(devices=[]):  # the training's random stream stays as it was
+                inputs, _ = self.setup.model_file.example_batch(self.setup.batch_size)
+            self.example = [tuple(t.shape) for t in tensors(inputs)]
+        found = [tuple(t.shape) for t in tensors(batch[0])]
+        if found != self.example:
+            self.warned = True
+            size = self.setup.batch_size
+            print(f"warning: {self.model_file}: data_loader({size}) yielded inputs of shapes {_shapes(found)} where "
+                  f"example_batch({size})'s, which the profile measured, are {_shapes(self.example)}: the plan's "
+                  "times and memory hold for the example's (make example_batch() like the loader's batches, then "
+                  "profile and partition again)", file=sys.stderr, flush=True)
+
+
+def _shapes(shapes: list[tuple[int, ...]]) -> str:
+    return ", ".join(str(shape) for shape in shapes) or "none"
 
 
 class _Progress:

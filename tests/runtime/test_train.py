@@ -26,8 +26,8 @@ from planner.files.profile import Profile, load_profile
 from planner.files.run_report import load_run_report
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import (
-    TrainingError, TrainOptionError, UnknownTrainOptionError, _batches, check_setup, example_microbatch, parse_args,
-    rank_count, signals_deferred, warmup_steps,
+    Setup, TrainingError, TrainOptionError, TrainOptions, UnknownTrainOptionError, _batches, check_setup,
+    example_microbatch, parse_args, rank_count, signals_deferred, warmup_steps,
 )
 from runtime.train import main as train_main  # (its checks, in this process)
 import runtime.train
@@ -583,17 +583,23 @@ def data_loader(batch_size):
 """
 
 
-def test_a_loaders_short_batches_are_skipped_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A loader's last, short batch was trained as uneven microbatches (5 samples as 2, 1, 1, 1), or stopped the
-    job (3 samples into 4 microbatches): every step trains the plan's batch, and the note says what was skipped."""
+def mlp_with_loader(tmp_path: Path, loader_source: str) -> tuple[str, Path, TrainOptions, Setup]:
+    """The mlp example with `loader_source` for its data_loader, in tmp_path; (the example's source, that file,
+    the options of training it with a 2-stage 1f1b plan of the shipped profile, rank 0's setup)."""
     source = (REPO / "examples" / "mlp.py").read_text()
     loader = tmp_path / "mlp.py"
-    loader.write_text(source.split("\ndef data_loader")[0] + SHORT_LAST_BATCH)
+    loader.write_text(source.split("\ndef data_loader")[0] + loader_source)
     plan = REPO / "profiles" / "mlp.json"
     plan = partition(load_profile(plan), make_cluster(2), straight=True, schedule="1f1b", microbatches=4,
                      profile_path=str(plan)).save(tmp_path / "plan.json")
     options = parse_args([str(loader), "--plan", str(plan)])
-    setup = check_setup(options, 0, 2, 0)
+    return source, loader, options, check_setup(options, 0, 2, 0)
+
+
+def test_a_loaders_short_batches_are_skipped_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loader's last, short batch was trained as uneven microbatches (5 samples as 2, 1, 1, 1), or stopped the
+    job (3 samples into 4 microbatches): every step trains the plan's batch, and the note says what was skipped."""
+    source, loader, options, setup = mlp_with_loader(tmp_path, SHORT_LAST_BATCH)
     batches = _batches(options, setup, 0)
     sizes = [next(batches)[0].shape[0] for _ in range(5)]
     assert sizes == [setup.batch_size] * 5  # two epochs and more: only full batches
@@ -603,6 +609,36 @@ def test_a_loaders_short_batches_are_skipped_with_a_note(tmp_path: Path, capsys:
         "[example_batch(batch_size), example_batch(batch_size), ", "["))
     with pytest.raises(TrainingError, match=rf"yielded no batch of {setup.batch_size} samples"):
         next(_batches(options, check_setup(options, 0, 2, 0), 0))
+
+
+WIDER_BATCHES = """
+
+def data_loader(batch_size):
+    \"\"\"A batch as the example's, then one of twice the features (a longer sequence, a larger image).\"\"\"
+    features, labels = example_batch(batch_size)
+    return [(features, labels), (torch.cat([features, features], dim=1), labels)] * 2
+"""
+
+
+def test_a_loaders_inputs_unlike_the_examples_are_one_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The profile measured example_batch()'s shapes: a loader whose inputs differ (another sequence length, image
+    size) trains other times and memory than the plan's. One warning on rank 0, at the first batch that differs."""
+    _, loader, options, setup = mlp_with_loader(tmp_path, WIDER_BATCHES)
+    size, width = setup.batch_size, setup.model_file.example_batch(1)[0].shape[1]
+    batches = _batches(options, setup, 0)
+    next(batches)
+    assert capsys.readouterr().err == ""  # as the example's
+    for _ in range(3):
+        next(batches)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"warning: {loader}: data_loader({size}) yielded inputs of shapes ({size}, {2 * width}) where "
+                     f"example_batch({size})'s, which the profile measured, are ({size}, {width}): the plan's times "
+                     "and memory hold for the example's (make example_batch() like the loader's batches, then "
+                     "profile and partition again)"]
+    quiet = _batches(options, check_setup(options, 1, 2, 1), 0)  # rank 1: says nothing
+    for _ in range(2):
+        next(quiet)
+    assert capsys.readouterr().err == ""
 
 
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
