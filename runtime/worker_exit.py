@@ -1,4 +1,4 @@
-"""How a torchrun worker ends: its exit status at once, without the interpreter's and torch's exit-time clean-up."""
+"""How a torchrun worker ends: `Stopped` (a SIGTERM), and its exit status at once, without exit-time clean-up."""
 
 from __future__ import annotations
 
