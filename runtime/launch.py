@@ -22,7 +22,7 @@ from planner.profiling.conditions import (
 )
 from runtime.stages import build_stages
 from runtime.train import (
-    INTERRUPTED_FILE, TrainingError, check_setup, example_microbatch, parse_args, rank_count, resume_note,
+    INTERRUPTED_FILE, TrainingError, check_loader, check_setup, example_microbatch, parse_args, rank_count, resume_note,
 )
 
 __all__ = ["JobStopped", "launch", "measure_cluster", "run_module"]
@@ -77,6 +77,7 @@ def _launch(argv: Sequence[str], nproc: int | None) -> None:
         raise TrainingError(f"--nproc must be at least 1, got {count}")
     setup = check_setup(options, 0, count, 0)
     build_stages(setup.model, setup.plan, example_microbatch(setup))  # the split every rank will make
+    check_loader(options, setup)
     on_cpu = setup.device.type == "cpu"
     if setup.cast_from is not None and setup.dtype is not None:
         own, profiled = str(setup.cast_from).removeprefix("torch."), str(setup.dtype).removeprefix("torch.")

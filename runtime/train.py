@@ -51,8 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PlannerError
-from planner.profiling.model_file import ModelFile, build_checked_model, checked_example_batch, load_model_file
+from planner.errors import ModelFileError, PlannerError
+from planner.profiling.model_file import (
+    ModelFile, build_checked_model, checked_batch, checked_example_batch, load_model_file,
+)
 from planner.files.fileformat import keep_previous
 from planner.files.plan import Plan, load_plan, plan_digest
 from planner.files.profile import Profile, load_profile
@@ -74,7 +76,7 @@ from runtime.worker_exit import Stopped, exit_worker
 
 __all__ = ["INTERRUPTED_FILE", "TrainOptionError", "TrainOptions", "TrainingError", "UnknownTrainOptionError",
            "parse_args", "main", "resume_note",
-           "check_setup", "example_microbatch", "rank_count"]
+           "check_loader", "check_setup", "example_microbatch", "rank_count"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3}
@@ -620,6 +622,24 @@ def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[A
         if empty:
             raise TrainingError(f"{options.model_file}: data_loader({setup.batch_size}) yielded no batch of "
                                 f"{setup.batch_size} samples; is the dataset smaller than one mini-batch?")
+
+
+def check_loader(options: TrainOptions, setup: Setup) -> None:
+    """The data loader's first batch keeps the model file's contract (`checked_batch`: a pair, inputs a tensor or
+    tuple of tensors, a target tensor), where training reads the loader: ModelFileError naming what does not (a
+    Hugging Face collator's dicts failed in the first stage's first op on every rank). `planner train` checks it
+    before any worker starts; the loader is made once more here, for its first batch only."""
+    loader = setup.model_file.data_loader
+    if loader is None or options.data == "example":
+        return
+    said = f"data_loader({setup.batch_size})"
+    try:
+        first = next(iter(loader(setup.batch_size)), None)
+    except (Exception, SystemExit) as exc:
+        raise ModelFileError(options.model_file, f"{said} raised {type(exc).__name__}: {exc}",
+                             "fix data_loader()") from exc
+    if first is not None:  # (none: training says that no batch came)
+        checked_batch(setup.model_file, first, batch_size(first) or setup.batch_size, f"{said} yielded")
 
 
 class _LoaderShapes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -148,29 +149,37 @@ def checked_example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple
             model_file.path, f"example_batch({batch_size}) raised {type(exc).__name__}: {exc}",
             "fix example_batch()",
         ) from exc
+    return checked_batch(model_file, batch, batch_size, f"example_batch({batch_size}) returned")
+
+
+def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
+                  said: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`batch`, which the model file's `said` ("example_batch(8) returned", "data_loader(8) yielded"), as (inputs as
+    a tuple, target) after checking the contract: a pair, inputs a tensor or tuple of tensors, target a tensor, each
+    with `batch_size` first; ModelFileError naming what is not."""
     expected = "expected a pair (inputs, target) with inputs a tensor or tuple of tensors and target a tensor"
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ModelFileError(
-            model_file.path, f"example_batch({batch_size}) returned {_describe(batch)}", expected
-        )
+        raise ModelFileError(model_file.path, f"{said} {_describe(batch)}", expected)
     inputs, target = batch
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    if isinstance(inputs, Mapping):  # a tokenizer's output: input_ids, attention_mask, ...
+        keys = ", ".join(map(str, inputs))
+        raise ModelFileError(
+            model_file.path, f"{said} inputs as a dict ({keys}); the model is called as model(*inputs)",
+            f"return a tuple ({keys}) and have build_model() wrap the model in a module whose forward({keys}) "
+            f"passes them by name (benchmarks/models/bert.py does so)")
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise ModelFileError(
-            model_file.path, f"example_batch({batch_size}) returned inputs of {_describe(inputs)}", expected
-        )
+        raise ModelFileError(model_file.path, f"{said} inputs of {_describe(inputs)}", expected)
     if not isinstance(target, torch.Tensor):
-        raise ModelFileError(
-            model_file.path, f"example_batch({batch_size}) returned a target of {_describe(target)}", expected
-        )
+        raise ModelFileError(model_file.path, f"{said} a target of {_describe(target)}", expected)
     for position, tensor in enumerate([*inputs, target]):
         if tensor.dim() == 0 or tensor.shape[0] != batch_size:
             what = "target" if position == len(inputs) else f"input {position}"
             raise ModelFileError(
                 model_file.path,
-                f"example_batch({batch_size}) returned {what} of shape {tuple(tensor.shape)}, "
-                f"whose first dimension is not the batch size {batch_size}",
+                f"{said} {what} of shape {tuple(tensor.shape)}, whose first dimension is not the batch size "
+                f"{batch_size}",
                 "put the batch in the first dimension",
             )
     return tuple(inputs), target

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from planner.errors import ModelFileError
 from planner.files.cluster import make_cluster
 from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
@@ -26,7 +27,7 @@ from planner.files.profile import Profile, load_profile
 from planner.files.run_report import load_run_report
 from runtime.checkpoint import export_checkpoint, latest_complete, load_stages
 from runtime.train import (
-    Setup, TrainingError, TrainOptionError, TrainOptions, UnknownTrainOptionError, _batches, check_setup,
+    Setup, TrainingError, TrainOptionError, TrainOptions, UnknownTrainOptionError, _batches, check_loader, check_setup,
     example_microbatch, parse_args, rank_count, signals_deferred, warmup_steps,
 )
 from runtime.train import main as train_main  # (its checks, in this process)
@@ -639,6 +640,40 @@ def test_a_loaders_inputs_unlike_the_examples_are_one_warning(tmp_path: Path, ca
     for _ in range(2):
         next(quiet)
     assert capsys.readouterr().err == ""
+
+
+DICT_BATCHES = """
+
+def data_loader(batch_size):
+    \"\"\"A Hugging Face collator's kind of batch: the inputs by name.\"\"\"
+    features, labels = example_batch(batch_size)
+    return [({"features": features}, labels)]
+"""
+
+
+def test_a_loader_that_breaks_the_model_files_contract_is_one_line_before_any_worker_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs as a dict (what a Hugging Face collator yields) failed on every rank inside the first stage's first op
+    ("linear(): argument 'input' must be Tensor, not dict"); `planner train` now checks the loader's first batch
+    before it starts torchrun, as it checks example_batch(). A loader that raises is one line too."""
+    from runtime import launch as launch_module
+
+    _, loader, options, setup = mlp_with_loader(tmp_path, DICT_BATCHES)
+    with pytest.raises(ModelFileError) as raised:
+        check_loader(options, setup)
+    assert str(raised.value).startswith(f"{loader}: data_loader({setup.batch_size}) yielded inputs as a dict "
+                                        "(features); the model is called as model(*inputs); return a tuple")
+    check_loader(parse_args([str(loader), "--plan", options.plan, "--data", "example"]), setup)  # not read: fine
+    started: list[object] = []
+    monkeypatch.setattr(launch_module, "run_module", lambda *args, **kwargs: started.append(args))
+    with pytest.raises(ModelFileError):
+        launch_module.launch([str(loader), "--plan", options.plan])
+    assert started == []
+    _, _, options, setup = mlp_with_loader(tmp_path, "\ndef data_loader(batch_size):\n    raise OSError('no data')\n")
+    with pytest.raises(ModelFileError, match=rf"data_loader\({setup.batch_size}\) raised OSError: no data; fix "):
+        check_loader(options, setup)
+    _, _, options, setup = mlp_with_loader(tmp_path, WIDER_BATCHES)  # the contract kept (shapes only warned of)
+    check_loader(options, setup)
 
 
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:

@@ -211,6 +211,17 @@ def test_example_batch_inputs_not_tensors(tmp_path: Path, inputs: str) -> None:
     assert "returned inputs of" in str(error)
 
 
+def test_example_batch_inputs_as_a_dict_say_how_to_pass_them(tmp_path: Path) -> None:
+    """A tokenizer's dict of inputs (input_ids, attention_mask) cannot be called as model(*inputs): the error says to
+    return them as a tuple for a wrapper's forward that passes them by name."""
+    error = batch_error(batch_file(tmp_path, "{'input_ids': torch.zeros(batch_size, 4), "
+                                             "'attention_mask': torch.ones(batch_size, 4)}, torch.zeros(batch_size)"))
+    assert str(error).endswith(": example_batch(2) returned inputs as a dict (input_ids, attention_mask); the model "
+                               "is called as model(*inputs); return a tuple (input_ids, attention_mask) and have "
+                               "build_model() wrap the model in a module whose forward(input_ids, attention_mask) "
+                               "passes them by name (benchmarks/models/bert.py does so)")
+
+
 @pytest.mark.parametrize(
     ("target", "described"),
     [("[0] * batch_size", "a list of 2 (int, int)"), ("3", "type int"), ("None", "type NoneType")],
