@@ -506,17 +506,17 @@ def train(options: TrainOptions, setup: Setup) -> None:
     resumed = _restore_weights(options, setup, digest)
     start_step = resumed[0].step if resumed is not None else 0
     lr = options.lr if options.lr is not None else DEFAULT_LR[setup.optimizer]
+    example = example_microbatch(setup)
     engine = Engine.from_plan(setup.model, plan, optimizer=_optimizer_factory(setup.optimizer, lr),
                               loss_fn=setup.model_file.loss_fn, microbatches=setup.microbatches,
-                              device=setup.device, timeout_s=options.timeout_s,
-                              example_inputs=example_microbatch(setup))
+                              device=setup.device, timeout_s=options.timeout_s, example_inputs=example)
     if resumed is not None and engine.optimizer is not None:  # this rank's optimizer state, by parameter name
         load_named_optimizer_state(engine.optimizer, _named_parameters(engine, engine.stages),
                                    merged_optimizer_state(*resumed))
     last_rank = plan.stages[-1].ranks[0]
     losses: list[tuple[int, float]] = []
     log = _Progress(rank == 0, options.steps, setup.batch_size, options.log_every, start_step)
-    batches = _batches(options, setup, start_step)
+    batches = _batches(options, setup, start_step, example)
     step = start_step
     try:
         if start_step >= options.steps:
@@ -590,9 +590,11 @@ def _optimizer_factory(name: str, lr: float) -> Any:
     return lambda params: make_optimizer(name, params, lr)
 
 
-def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[Any, Any]]:
+def _batches(options: TrainOptions, setup: Setup, skip: int, example: Any = None) -> Iterator[tuple[Any, Any]]:
     """(inputs, target) mini-batches of `setup.batch_size`: the loader's, epoch after epoch, after the
-    `skip` batches a resumed run has already trained on; or one example batch, repeated."""
+    `skip` batches a resumed run has already trained on; or one example batch, repeated. `example`: a microbatch
+    of example_batch's inputs (`example_microbatch`), whose shapes past the first dimension rank 0 warns where the
+    loader's inputs do not have (`_LoaderShapes`; None: not checked)."""
     loader = setup.model_file.data_loader
     if loader is None or options.data == "example":
         with torch.random.fork_rng(devices=[]):  # the training's random stream stays as it was
@@ -601,7 +603,8 @@ def _batches(options: TrainOptions, setup: Setup, skip: int) -> Iterator[tuple[A
         while True:
             yield batch
     batches, seen, noted = loader(setup.batch_size), 0, False
-    unlike_example = _LoaderShapes(setup, options.model_file)
+    unlike_example = _LoaderShapes(setup.rank, setup.batch_size, options.model_file, None if example is None else
+                                   [(setup.batch_size, *t.shape[1:]) for t in tensors(example)])
     while True:
         empty = True
         for batch in batches:
@@ -639,35 +642,32 @@ def check_loader(options: TrainOptions, setup: Setup) -> None:
         raise ModelFileError(options.model_file, f"{said} raised {type(exc).__name__}: {exc}",
                              "fix data_loader()") from exc
     if first is not None:  # (none: training says that no batch came)
-        checked_batch(setup.model_file, first, batch_size(first) or setup.batch_size, f"{said} yielded")
+        size = batch_size(first)  # a short batch (a dataset smaller than one) is training's to say
+        checked_batch(setup.model_file, first, min(size or setup.batch_size, setup.batch_size), f"{said} yielded")
 
 
 class _LoaderShapes:
-    """Warns once (rank 0) where a loader's inputs differ in shape from `example_batch`'s at the same batch size,
-    which the profile measured: another sequence length or image size moves every time and activation the plan
-    predicts, and its memory (the run may not fit). A warning, not an error: batches padded to each one's longest
-    sequence differ from step to step by design."""
+    """Warns once (rank 0) where a loader's inputs differ in shape from `example_batch`'s at the same batch size
+    (`example_shapes`; None: not checked), for which the profile measured the layers: another sequence length or
+    image size moves every time and activation the plan predicts, and its memory (the run may not fit). A warning,
+    not an error: batches padded to each one's longest sequence differ from step to step by design."""
 
-    def __init__(self, setup: Setup, model_file: str) -> None:
-        self.setup, self.model_file = setup, model_file
-        self.example: list[tuple[int, ...]] | None = None
-        self.warned = setup.rank != 0
+    def __init__(self, rank: int, batch_size: int, model_file: str,
+                 example_shapes: list[tuple[int, ...]] | None) -> None:
+        self.batch_size, self.model_file, self.example = batch_size, model_file, example_shapes
+        self.warned = rank != 0 or example_shapes is None
 
     def check(self, batch: tuple[Any, Any]) -> None:
-        if self.warned:
+        if self.warned or self.example is None:
             return
-        if self.example is None:
-            with torch.random.fork_rng(devices=[]):  # the training's random stream stays as it was
-                inputs, _ = self.setup.model_file.example_batch(self.setup.batch_size)
-            self.example = [tuple(t.shape) for t in tensors(inputs)]
         found = [tuple(t.shape) for t in tensors(batch[0])]
         if found != self.example:
             self.warned = True
-            size = self.setup.batch_size
+            size = self.batch_size
             print(f"warning: {self.model_file}: data_loader({size}) yielded inputs of shapes {_shapes(found)} where "
-                  f"example_batch({size})'s, which the profile measured, are {_shapes(self.example)}: the plan's "
-                  "times and memory hold for the example's (make example_batch() like the loader's batches, then "
-                  "profile and partition again)", file=sys.stderr, flush=True)
+                  f"example_batch({size})'s are {_shapes(self.example)}, the shapes the profile measured: the plan's "
+                  "times and memory hold for those (make example_batch() like the loader's batches, then profile "
+                  "and partition again)", file=sys.stderr, flush=True)
 
 
 def _shapes(shapes: list[tuple[int, ...]]) -> str:

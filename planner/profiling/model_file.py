@@ -158,6 +158,14 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
     a tuple, target) after checking the contract: a pair, inputs a tensor or tuple of tensors, target a tensor, each
     with `batch_size` first; ModelFileError naming what is not."""
     expected = "expected a pair (inputs, target) with inputs a tensor or tuple of tensors and target a tensor"
+    wrapper = "have build_model() wrap the model in a module whose forward({}) passes them by name " \
+              "(benchmarks/models/bert.py does so)"
+    if isinstance(batch, Mapping):  # a Hugging Face collator's: the inputs and the labels by name
+        keys = ", ".join(map(str, batch))
+        raise ModelFileError(
+            model_file.path, f"{said} a dict ({keys}), not a pair (inputs, target)",
+            "give the model's inputs as a tuple and the target apart, e.g. ((input_ids, attention_mask), labels), and "
+            + wrapper.format("input_ids, attention_mask"))
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ModelFileError(model_file.path, f"{said} {_describe(batch)}", expected)
     inputs, target = batch
@@ -167,8 +175,7 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
         keys = ", ".join(map(str, inputs))
         raise ModelFileError(
             model_file.path, f"{said} inputs as a dict ({keys}); the model is called as model(*inputs)",
-            f"return a tuple ({keys}) and have build_model() wrap the model in a module whose forward({keys}) "
-            f"passes them by name (benchmarks/models/bert.py does so)")
+            f"return a tuple ({keys}) and " + wrapper.format(keys))
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise ModelFileError(model_file.path, f"{said} inputs of {_describe(inputs)}", expected)
     if not isinstance(target, torch.Tensor):

@@ -33,6 +33,7 @@ from runtime.gradients import make_rank_gradient_groups
 from runtime.nested import split_batch
 from runtime.p2p import TensorSpec, describe
 from runtime.stages import split_model
+from runtime.worker_exit import Stopped
 from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -402,6 +403,24 @@ def test_a_one_rank_engine_trains_like_one_device_and_checks_its_arguments(one_p
         Engine([model], "pipedream")
     with pytest.raises(EngineError, match="unknown schedule 'zb'"):
         Engine([model], "zb")
+
+
+def test_a_stop_by_sigterm_during_a_step_is_worded_as_one_and_notes_the_ranks_gone_before_the_others_heard(
+        one_process_job: Any) -> None:
+    """`Stopped` (SIGTERM: torchrun's stop, or `kill PID`) raised in a stage is "rank 0 (stage 0, microbatch 0) was
+    stopped by SIGTERM", not "failed: Stopped: "; the ranks of this machine already gone then are kept for the
+    rank's own line (none here), before it tells the others, who then exit."""
+
+    class StoppedHere(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise Stopped()
+
+    engine = Engine([StoppedHere()], "gpipe", microbatches=2)
+    assert engine.gone_at_failure is None
+    with pytest.raises(EngineError) as raised:
+        engine.train_step(torch.zeros(4, 2), torch.zeros(4, 2))
+    assert str(raised.value) == "rank 0 (stage 0, microbatch 0) was stopped by SIGTERM"
+    assert isinstance(raised.value.__cause__, Stopped) and engine.gone_at_failure == [] and engine.closed
 
 
 def test_a_one_rank_interleaved_engine_holds_both_tied_copies_and_trains_like_one_device(one_process_job: Any) -> None:

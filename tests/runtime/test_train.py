@@ -626,17 +626,18 @@ def test_a_loaders_inputs_unlike_the_examples_are_one_warning(tmp_path: Path, ca
     size) trains other times and memory than the plan's. One warning on rank 0, at the first batch that differs."""
     _, loader, options, setup = mlp_with_loader(tmp_path, WIDER_BATCHES)
     size, width = setup.batch_size, setup.model_file.example_batch(1)[0].shape[1]
-    batches = _batches(options, setup, 0)
+    batches = _batches(options, setup, 0, example_microbatch(setup))
     next(batches)
     assert capsys.readouterr().err == ""  # as the example's
     for _ in range(3):
         next(batches)
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"warning: {loader}: data_loader({size}) yielded inputs of shapes ({size}, {2 * width}) where "
-                     f"example_batch({size})'s, which the profile measured, are ({size}, {width}): the plan's times "
-                     "and memory hold for the example's (make example_batch() like the loader's batches, then "
-                     "profile and partition again)"]
-    quiet = _batches(options, check_setup(options, 1, 2, 1), 0)  # rank 1: says nothing
+                     f"example_batch({size})'s are ({size}, {width}), the shapes the profile measured: the plan's "
+                     "times and memory hold for those (make example_batch() like the loader's batches, then profile "
+                     "and partition again)"]
+    rank_1 = check_setup(options, 1, 2, 1)
+    quiet = _batches(options, rank_1, 0, example_microbatch(rank_1))  # rank 1: says nothing
     for _ in range(2):
         next(quiet)
     assert capsys.readouterr().err == ""
@@ -648,6 +649,15 @@ def data_loader(batch_size):
     \"\"\"A Hugging Face collator's kind of batch: the inputs by name.\"\"\"
     features, labels = example_batch(batch_size)
     return [({"features": features}, labels)]
+"""
+
+
+SEQUENCE_FIRST = """
+
+def data_loader(batch_size):
+    \"\"\"Batches laid out with another dimension first, longer than the batch.\"\"\"
+    features, labels = example_batch(batch_size + 1)
+    return [(features, labels)]
 """
 
 
@@ -673,6 +683,12 @@ def test_a_loader_that_breaks_the_model_files_contract_is_one_line_before_any_wo
     with pytest.raises(ModelFileError, match=rf"data_loader\({setup.batch_size}\) raised OSError: no data; fix "):
         check_loader(options, setup)
     _, _, options, setup = mlp_with_loader(tmp_path, WIDER_BATCHES)  # the contract kept (shapes only warned of)
+    check_loader(options, setup)
+    _, _, options, setup = mlp_with_loader(tmp_path, SEQUENCE_FIRST)  # each of its batches would be skipped
+    with pytest.raises(ModelFileError, match=rf"yielded input 0 of shape \({setup.batch_size + 1}, "):
+        check_loader(options, setup)
+    _, _, options, setup = mlp_with_loader(tmp_path, SHORT_LAST_BATCH.replace(  # only a short one: training's to say
+        "[example_batch(batch_size), example_batch(batch_size), ", "["))
     check_loader(options, setup)
 
 

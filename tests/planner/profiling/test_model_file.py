@@ -222,6 +222,17 @@ def test_example_batch_inputs_as_a_dict_say_how_to_pass_them(tmp_path: Path) -> 
                                "passes them by name (benchmarks/models/bert.py does so)")
 
 
+def test_example_batch_as_one_dict_with_the_labels_says_to_give_inputs_and_target(tmp_path: Path) -> None:
+    """A Hugging Face collator's batch is one dict, the labels in it: not a pair (inputs, target)."""
+    error = batch_error(batch_file(tmp_path, "{'input_ids': torch.zeros(batch_size, 4), "
+                                             "'labels': torch.zeros(batch_size)}"))
+    assert str(error).endswith(": example_batch(2) returned a dict (input_ids, labels), not a pair (inputs, target); "
+                               "give the model's inputs as a tuple and the target apart, e.g. ((input_ids, "
+                               "attention_mask), labels), and have build_model() wrap the model in a module whose "
+                               "forward(input_ids, attention_mask) passes them by name (benchmarks/models/bert.py "
+                               "does so)")
+
+
 @pytest.mark.parametrize(
     ("target", "described"),
     [("[0] * batch_size", "a list of 2 (int, int)"), ("3", "type int"), ("None", "type NoneType")],
