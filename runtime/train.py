@@ -635,13 +635,13 @@ def check_loader(options: TrainOptions, setup: Setup) -> None:
     loader = setup.model_file.data_loader
     if loader is None or options.data == "example":
         return
-    said = f"data_loader({setup.batch_size})"
+    said, nothing = f"data_loader({setup.batch_size})", object()
     try:
-        first = next(iter(loader(setup.batch_size)), None)
+        first = next(iter(loader(setup.batch_size)), nothing)
     except (Exception, SystemExit) as exc:
         raise ModelFileError(options.model_file, f"{said} raised {type(exc).__name__}: {exc}",
                              "fix data_loader()") from exc
-    if first is not None:  # (none: training says that no batch came)
+    if first is not nothing:  # (none: training says that no batch came)
         size = batch_size(first)  # a short batch (a dataset smaller than one) is training's to say
         checked_batch(setup.model_file, first, min(size or setup.batch_size, setup.batch_size), f"{said} yielded")
 

@@ -690,6 +690,9 @@ def test_a_loader_that_breaks_the_model_files_contract_is_one_line_before_any_wo
     _, _, options, setup = mlp_with_loader(tmp_path, SHORT_LAST_BATCH.replace(  # only a short one: training's to say
         "[example_batch(batch_size), example_batch(batch_size), ", "["))
     check_loader(options, setup)
+    _, _, options, setup = mlp_with_loader(tmp_path, "\ndef data_loader(batch_size):\n    return [None]\n")
+    with pytest.raises(ModelFileError, match=rf"data_loader\({setup.batch_size}\) yielded type NoneType; expected a "):
+        check_loader(options, setup)
 
 
 def test_an_interleaved_plan_needs_a_process_per_rank_not_per_stage(plans: dict[str, Path]) -> None:
