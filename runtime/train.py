@@ -559,7 +559,7 @@ def _collective(engine: Engine, what: str) -> Iterator[None]:
 
 def _stop_message(reason: str, step: int, checkpoint_dir: str | None, stopped: bool, engine: Engine) -> str:
     """The one line a rank prints when training ends early: why, at which step, and what is safe."""
-    if stopped:  # (where `planner train` was interrupted, the ranks end without a word: not this)
+    if stopped:  # (a Ctrl-C or SIGTERM to `planner train` ends the ranks quietly: a stop here came otherwise)
         # the ranks gone when the engine caught the signal, before it told the others (who then exit), if it did
         gone = engine.gone_at_failure if engine.gone_at_failure is not None else engine.gone(wait_s=1.0)
         reason = (f"stopped by SIGTERM from the launcher (torchrun stops every rank when one exits: rank "
