@@ -45,6 +45,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from planner.profiling.generation_cache import generation_cache_off
 from runtime.checkpointed import CheckpointCalls
 from runtime.custom_functions import FunctionCalls
 from runtime.kept_modules import KeptModule, KeptModules, failing_modules
@@ -85,9 +86,11 @@ class CapturedModel:
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], split_points: Sequence[str] = ()) -> CapturedModel:
     """Export `model` at `example_inputs` and rewrite the graph to read the model's own tensors (a module that
-    encloses none of `split_points` may be kept whole: `runtime.kept_modules`)."""
+    encloses none of `split_points` may be kept whole: `runtime.kept_modules`), a transformers model's generation
+    cache turned off (`planner.profiling.generation_cache`)."""
     inputs = tuple(example_inputs)
-    program, kept = _export(model, inputs, split_points)
+    with generation_cache_off(model):  # a transformers cache is not tensors, and no training step reads it
+        program, kept = _export(model, inputs, split_points)
     captured = _rewrite(model, program, inputs)
     _place_kept(captured, kept)
     _causal_kept_calls(captured)
@@ -552,7 +555,7 @@ def _construct(exc: Exception) -> str:
     unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
     if unknown:
         return (f"the forward returns a {unknown.group(1).rsplit('.', 1)[-1]}, which is not tensors: make it return "
-                "tensors (a transformers model: wrap it to return `.logits`, and pass use_cache=False)")
+                "a tensor, or a tuple, list or dict of tensors")
     if _data_dependent(exc):
         what = "control flow (if/while/loop bounds) or a size depends on tensor values"
     else:

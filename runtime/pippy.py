@@ -10,7 +10,9 @@ stage per rank, interleaved-1f1b as `ScheduleInterleaved1F1B` and zbv as `Schedu
 rank's chunks). The plan must be exportable (`planner.files.export.data_parallel_degree`): gpipe, 1f1b,
 zb-h1, interleaved-1f1b or zbv, every stage on R ranks. Pipeline k is
 `[stage.ranks[k] for stage in plan.stages]`; it runs `plan.microbatches / R` microbatches of its
-share of each mini-batch (`PippyPipeline.shard`).
+share of each mini-batch (`PippyPipeline.shard`). pipelining takes a stage's output only as a tensor
+or a tuple of tensors: a last stage returning another structure (a transformers `ModelOutput`) returns
+its tensors, and the loss function gets the structure rebuilt (`_TensorOutputs`).
 
 torch.distributed.pipelining neither sums the gradients of a parameter used by several stages
 (gpt's tied `transformer.wte.weight` / `lm_head.weight`) nor all-reduces the pipelines'
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils import _pytree as pytree
 
 from planner.files.export import PIPPY_MULTI_STAGE_CLASSES, ExportError, pippy_export
 from planner.profiling.model_file import LossFn, default_loss
@@ -183,20 +186,63 @@ def build(model: nn.Module, plan: Plan, example_microbatch: Any, *, loss_fn: Los
     # stage s of this pipeline lives on its group's rank of settings.ranks[replica][s] (new_group sorts ranks)
     group_ranks = {s: (r if group is None else dist.get_group_rank(group, r))
                    for s, r in enumerate(settings.ranks[replica])}
+    last = settings.num_stages - 1
+    outputs_of_last = _TensorOutputs(modules[last]) if last in mine else None
     built = []
     for index in mine:
         inputs, outputs = examples[index] if examples is not None else (None, None)
-        stage = PipelineStage(modules[index], index, settings.num_stages, chosen, input_args=inputs,
-                              output_args=outputs, group=group)
+        if index == last and outputs is not None:
+            outputs = _TensorOutputs.flat(outputs)[0]
+        module = outputs_of_last if index == last else modules[index]
+        stage = PipelineStage(module, index, settings.num_stages, chosen, input_args=inputs, output_args=outputs,
+                              group=group)
         stage.stage_index_to_group_rank = group_ranks
         built.append(stage)
     # zb-h1 is the zero-bubble class on one stage per rank (its B and W apart, as the plan's schedule);
     # interleaved-1f1b the interleaved class on the rank's chunks
     stages_arg = built if settings.schedule_class in PIPPY_MULTI_STAGE_CLASSES else built[0]
+    loss = loss_fn or default_loss
+    if outputs_of_last is not None:
+        loss = outputs_of_last.loss(loss)
     schedule = _schedule_class(settings.schedule_class)(stages_arg, n_microbatches=settings.n_microbatches,
-                                                        loss_fn=loss_fn or default_loss, scale_grads=False)
+                                                        loss_fn=loss, scale_grads=False)
     gradients = make_rank_gradient_groups(settings.stage_ranks, stages.shared, modules)
     return PippyPipeline(built, schedule, replica, settings.replicas, gradients, chosen, settings.n_microbatches)
+
+
+class _TensorOutputs(nn.Module):
+    """The last stage as torch.distributed.pipelining takes it: returning a tensor or a tuple of tensors.
+
+    An output of another structure (a transformers `ModelOutput`, a dict, nested tuples) is returned as the tuple of
+    its tensors (`torch.utils._pytree` leaves) and rebuilt for the loss (`loss`), so the loss function gets what
+    the model returns. Its parameters are the stage's own (`stage`), under names prefixed with `stage.`.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+        self.spec: pytree.TreeSpec | None = None  # of the latest output that was flattened
+
+    @staticmethod
+    def flat(output: Any) -> tuple[Any, pytree.TreeSpec | None]:
+        """`output` itself and None where pipelining takes it as it is, else (its leaves as a tuple, its structure)."""
+        if isinstance(output, torch.Tensor) or (type(output) in (tuple, list)
+                                                and all(isinstance(value, torch.Tensor) for value in output)):
+            return output, None
+        leaves, spec = pytree.tree_flatten(output)
+        return tuple(leaves), spec
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output, self.spec = self.flat(self.stage(*args, **kwargs))
+        return output
+
+    def loss(self, loss_fn: LossFn) -> LossFn:
+        """`loss_fn` of the stage's output as the stage returned it, rebuilt from the leaves `forward` gave."""
+        def rebuilt(output: Any, target: Any) -> torch.Tensor:
+            if self.spec is not None:  # a tensor where torch unpacked a tuple of one (its shape inference does)
+                output = pytree.tree_unflatten([output] if isinstance(output, torch.Tensor) else list(output), self.spec)
+            return loss_fn(output, target)
+        return rebuilt
 
 
 def _schedule_class(name: str) -> Any:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.errors import ModelFileError
+from planner.profiling.generation_cache import turn_off_generation_cache
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -51,9 +52,15 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     - integer `target`: cross entropy over the last dimension of `output`
       (`F.cross_entropy(output.reshape(-1, C), target.reshape(-1))`, C = output.shape[-1]);
     - floating `target`: mean squared error `F.mse_loss(output, target)`.
+
+    An output that is not a tensor but holds one as `logits` (a transformers `ModelOutput`) stands for that tensor.
     """
+    logits = getattr(output, "logits", None)
+    if not isinstance(output, torch.Tensor) and isinstance(logits, torch.Tensor):
+        output = logits
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"the default loss needs the model to return a tensor, got {type(output).__name__}")
+        raise TypeError(f"the default loss needs the model to return a tensor or an output with a `logits` tensor, "
+                        f"got {type(output).__name__}")
     if target.is_floating_point():
         return F.mse_loss(output, target)
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
@@ -120,7 +127,8 @@ def _required_function(module: ModuleType, path: str, name: str, signature: str)
 
 
 def build_checked_model(model_file: ModelFile) -> torch.nn.Module:
-    """Call `build_model()` and check it returns an nn.Module with parameters."""
+    """Call `build_model()` and check it returns an nn.Module with parameters; a transformers model's generation
+    cache is turned off, as training does not read it (`planner.profiling.generation_cache`)."""
     try:
         model = model_file.build_model()
     except (Exception, SystemExit) as exc:
@@ -137,6 +145,7 @@ def build_checked_model(model_file: ModelFile) -> torch.nn.Module:
             model_file.path, "build_model() returned a model without trainable parameters",
             "return a model with parameters to train",
         )
+    turn_off_generation_cache(model)
     return model
 
 

@@ -15,8 +15,10 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
+from planner.profiling.model_file import default_loss  # noqa: E402
 from real_model_worker import model_file  # noqa: E402
 from runtime.export_split import ExportFailure, _construct, capture, first_nodes  # noqa: E402
 from runtime.stages import StageSplitError, Stages, describe_boundaries, run_stages, split_model  # noqa: E402
@@ -60,7 +62,7 @@ def _tiny(name: str) -> Callable[[], nn.Module]:
 # name -> (model maker, inputs maker, split points); every model has dropout on by default (Llama has none)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, ...]], list[str]]] = {
     "gpt2": (_tiny("gpt2_tiny"), lambda: (torch.randint(0, 96, (2, 12)),), ["gpt.transformer.h.1", "gpt.transformer.h.3"]),
-    "llama": (_tiny("llama_tiny"), lambda: (torch.randint(0, 96, (2, 12)),), ["llama.model.layers.2"]),
+    "llama": (_tiny("llama_tiny"), lambda: (torch.randint(0, 96, (2, 12)),), ["model.layers.2"]),
     "bert": (_bert, lambda: (torch.randint(0, 64, (2, 8)),), ["inner.bert.encoder.layer.1", "inner.bert.pooler"]),
     "vit": (_vit, lambda: (torch.randn(2, 3, 16, 16),), ["inner.vit.layers.1"]),
     "t5": (_t5, lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5))),
@@ -102,13 +104,18 @@ def test_stages_give_the_models_outputs_and_gradients_in_training_mode(name: str
     assert_like_the_model(model, reference, stages, inputs)
 
 
+def _logits(output: Any) -> torch.Tensor:
+    """The output tensor, or a transformers ModelOutput's logits (the whole model's keeps a generation cache too)."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def assert_like_the_model(model: nn.Module, reference: nn.Module, stages: Stages,
                           inputs: tuple[torch.Tensor, ...]) -> None:
     """The chained stages give `reference`'s output exactly (dropout seeded alike) and its gradients (rtol 1e-5)."""
     torch.manual_seed(7)  # dropout draws the same masks in the same order
-    expected = reference(*inputs)
+    expected = _logits(reference(*inputs))
     torch.manual_seed(7)
-    found = run_stages(stages, *inputs)
+    found = _logits(run_stages(stages, *inputs))
     torch.testing.assert_close(found, expected, rtol=0, atol=0)
     (expected ** 2).mean().backward()
     (found ** 2).mean().backward()
@@ -145,7 +152,7 @@ def test_a_tied_weight_is_held_by_the_name_each_stage_reads_it_by() -> None:
 
 def test_rotary_tables_are_buffers_of_the_stage_but_not_saved() -> None:
     model, stages, _ = _split_shared("llama")
-    name = "llama.model.rotary_emb.inv_freq"
+    name = "model.rotary_emb.inv_freq"
     assert dict(stages[0].named_buffers())[name] is dict(model.named_buffers())[name]
     assert all(name not in stage.state_dict() for stage in stages)
 
@@ -282,7 +289,7 @@ def test_data_dependent_control_flow_is_one_line_naming_the_code_and_the_way_out
 def test_without_example_inputs_the_error_asks_for_them() -> None:
     model, _ = _made("llama")
     with pytest.raises(StageSplitError, match="example microbatch"):
-        split_model(copy.deepcopy(model), ["llama.model.layers.2"])
+        split_model(copy.deepcopy(model), ["model.layers.2"])
 
 
 def test_export_failures_carry_the_construct() -> None:
@@ -339,18 +346,47 @@ def test_a_stage_moved_to_another_device_creates_its_tensors_there(name: str) ->
     for stage in stages:
         value = stage.to("meta")(*value)
         value = value if isinstance(value, tuple) else (value,)
-        assert all(tensor.device.type == "meta" for tensor in value)
+        assert all(tensor.device.type == "meta" for tensor in pytree.tree_leaves(value))
 
 
-def test_a_model_returning_a_cache_is_told_to_return_tensors() -> None:
+class _Pair:
+    """An output that is not tensors nor a container pytree knows."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first, self.second = first, second
+
+
+class _ReturnsAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Pair:
+        hidden = self.first(x)
+        return _Pair(hidden, self.second(hidden))
+
+
+def test_a_model_returning_an_object_is_told_to_return_tensors() -> None:
+    with pytest.raises(StageSplitError) as raised:
+        split_model(_ReturnsAnObject(), ["second"], (torch.randn(2, 4),))
+    message = str(raised.value)
+    assert "\n" not in message and "returns a _Pair, which is not tensors" in message, message
+    assert "stages.py" not in message  # the failing forward is the model's, not the splitter's
+
+
+def test_a_transformers_model_with_its_generation_cache_on_splits_and_keeps_it_on() -> None:
+    """GPT-2's default config returns a DynamicCache, which export cannot return and no training step reads: the
+    split turns it off while it captures (the stages return the logits, with no cache), and gives it back."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
-                                                                 n_positions=16)).train()
-    with pytest.raises(StageSplitError) as raised:
-        split_model(model, ["transformer.h.1"], (torch.randint(0, 50, (2, 8)),))
-    message = str(raised.value)
-    assert "\n" not in message and "returns a DynamicCache" in message and "use_cache=False" in message
-    assert "stages.py" not in message  # the failing forward is the model's, not the splitter's
+                                                                 n_positions=16)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    assert model.config.use_cache and model(ids).past_key_values is not None
+    stages = split_model(model, ["transformer.h.1"], (ids,))
+    assert model.config.use_cache
+    output = run_stages(stages, ids)
+    assert output.past_key_values is None
+    torch.testing.assert_close(output.logits, model(ids).logits, rtol=0, atol=0)
 
 
 def test_a_model_output_is_rebuilt_by_the_last_stage() -> None:
@@ -369,7 +405,7 @@ def test_a_model_output_is_rebuilt_by_the_last_stage() -> None:
 
 @pytest.mark.parametrize("name, points", [
     ("t5", ["inner.encoder.block.1", "inner.decoder.block.0"]),  # the encoder's output and the decoder's inputs cross
-    ("llama", ["llama.model.layers.1", "llama.model.layers.3.mlp", "llama.lm_head"]),  # 3 cuts, one inside a block
+    ("llama", ["model.layers.1", "model.layers.3.mlp", "lm_head"]),  # 3 cuts, one inside a block
 ])
 def test_more_cuts_give_the_models_outputs_and_gradients(name: str, points: list[str]) -> None:
     base, inputs = _made(name)
@@ -553,10 +589,7 @@ def test_a_batch_an_exported_split_cannot_run_is_refused_before_the_step_starts(
     _, stages, _ = _split("llama")
     parameters = [parameter for stage in stages for parameter in stage.parameters()]
 
-    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-    with Pipeline(stages, microbatches=2, loss_fn=loss) as pipeline:
+    with Pipeline(stages, microbatches=2, loss_fn=default_loss) as pipeline:
         with pytest.raises(PipelineError) as raised:
             pipeline.train_step(torch.randint(0, 96, (5, 12)), torch.randint(0, 96, (5, 12)))
         message = str(raised.value)

@@ -356,7 +356,7 @@ def test_from_plan_uses_the_plan_and_refuses_replicas_and_pipedream() -> None:
 
 @pytest.mark.parametrize("model_name, plan_stages, schedule", [
     ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "gpipe"),  # the tied weight on both stages
-    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "1f1b"),
+    ("llama_tiny", ["model.embed_tokens", "model.layers.1", "model.layers.3"], "1f1b"),
 ])
 def test_from_plan_trains_transformers_models_as_one_device_would(model_name: str, plan_stages: list[str],
                                                                    schedule: str) -> None:
@@ -382,9 +382,9 @@ def test_from_plan_trains_transformers_models_as_one_device_would(model_name: st
 
 @pytest.mark.parametrize("model_name, plan_stages, schedule", [
     ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "1f1b"),
-    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "gpipe"),
+    ("llama_tiny", ["model.embed_tokens", "model.layers.1", "model.layers.3"], "gpipe"),
     ("gpt2_tiny", ["gpt.transformer.wte", "gpt.transformer.h.2"], "zb-h1"),
-    ("llama_tiny", ["llama.model.embed_tokens", "llama.model.layers.1", "llama.model.layers.3"], "zb-h1"),
+    ("llama_tiny", ["model.embed_tokens", "model.layers.1", "model.layers.3"], "zb-h1"),
 ])
 def test_from_plan_trains_transformers_models_as_one_device_would_under_the_other_schedule(
         model_name: str, plan_stages: list[str], schedule: str) -> None:

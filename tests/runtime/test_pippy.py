@@ -20,7 +20,7 @@ from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
 from planner.files.plan import Plan
 from planner.files.profile import load_profile
-from runtime.pippy import PippyError, build
+from runtime.pippy import PippyError, _TensorOutputs, build
 from runtime_examples import model_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,3 +152,34 @@ def test_a_plan_for_another_world_size_is_refused_with_the_launch_command(result
         message = (results / f"mismatch.rank{rank}.txt").read_text()
         assert message == ("the plan has 1 rank (1 stage x 1 replica) but the job has 2 processes: launch with "
                            "torchrun --nproc-per-node 1 (or make a plan for 2 GPUs)")
+
+
+class _Named(nn.Module):
+    """A last stage returning a dict (a transformers ModelOutput is one), which pipelining does not send as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(x), "hidden": x}
+
+
+def test_the_last_stage_returns_tensors_and_the_loss_gets_the_output_rebuilt() -> None:
+    stage = _TensorOutputs(_Named())
+    x = torch.randn(4, 3)
+    flat = stage(x)
+    assert isinstance(flat, tuple) and all(isinstance(value, torch.Tensor) for value in flat)
+    seen = []
+    loss = stage.loss(lambda output, target: seen.append(output) or output["logits"].sum())
+    loss(flat, None)
+    assert seen[-1].keys() == {"logits", "hidden"} and torch.equal(seen[-1]["hidden"], x)
+    one = _TensorOutputs(nn.Sequential(nn.Linear(3, 2)))  # a tensor: as it is, nothing to rebuild
+    assert isinstance(one(x), torch.Tensor) and one.spec is None
+    single = _TensorOutputs(type("One", (nn.Module,), {"forward": lambda self, x: {"only": x}})())
+    only = single(x)
+    assert only == (x,)
+    loss = single.loss(lambda output, target: seen.append(output) or output["only"].sum())
+    loss(x, None)  # torch's shape inference hands a tuple of one unpacked
+    assert seen[-1].keys() == {"only"}
+    assert [name for name, _ in stage.named_parameters()] == ["stage.head.weight", "stage.head.bias"]

@@ -306,3 +306,33 @@ def test_default_loss_float_targets_is_mse() -> None:
 def test_default_loss_needs_a_tensor_output() -> None:
     with pytest.raises(TypeError, match="tuple"):
         default_loss((torch.randn(2, 2),), torch.randn(2, 2))
+
+
+def test_default_loss_reads_the_logits_of_a_model_output() -> None:
+    """A transformers model returned as it is gives a ModelOutput: the default loss uses its `logits`."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+    assert torch.equal(default_loss(output, target), default_loss(logits, target))
+    with pytest.raises(TypeError, match="a `logits` tensor, got dict"):
+        default_loss({"hidden": logits}, target)
+
+
+def test_the_built_model_has_its_generation_cache_off(tmp_path: Path) -> None:
+    """Training never reads a transformers model's generation cache, and a split cannot return it."""
+    pytest.importorskip("transformers")
+    path = write(tmp_path, """
+        import torch
+        import transformers
+
+        def build_model():
+            return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
+                                                                        n_positions=8))
+
+        def example_batch(batch_size):
+            return torch.randint(0, 16, (batch_size, 4)), torch.randint(0, 16, (batch_size, 4))
+    """)
+    model = build_checked_model(load_model_file(path))
+    assert model.config.use_cache is False
+    assert model(torch.randint(0, 16, (2, 4))).past_key_values is None
