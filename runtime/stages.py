@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -103,6 +104,11 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     elsewhere it raises StageSplitError naming the construct and the way out.
     """
     names = list(split_points)
+    if isinstance(example_inputs, Mapping):  # a tokenizer's: the model would be called as model(**inputs)
+        raise StageSplitError(
+            f"the example inputs are a dict ({', '.join(map(str, example_inputs))}), and stages take their inputs by "
+            "position: give the model a forward taking them so (planner.profiling.keyword_inputs.keyword_model(model, "
+            "names), which `planner train` applies to a model file's dict) and pass the tuple in that order")
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)  # a model of one tensor input
     _check_module_names(model, names, "split point")

@@ -2,8 +2,10 @@
 
 The contract: the file defines
 - `build_model() -> torch.nn.Module` (required),
-- `example_batch(batch_size: int) -> (inputs, target)` (required); `inputs` is a tensor or a
-  tuple of tensors whose first dimension is the batch, `target` is a tensor,
+- `example_batch(batch_size: int) -> (inputs, target)` (required); `inputs` is a tensor, a
+  tuple of tensors (`model(*inputs)`) or a dict of them by the forward's argument names
+  (`model(**inputs)`: made positional where the file is loaded, `planner.profiling.keyword_inputs`),
+  each with the batch first; `target` is a tensor,
 - `loss_fn(output, target) -> Tensor` (optional, a scalar). Without it, `default_loss` is used.
 - `data_loader(batch_size: int) -> Iterable[(inputs, target)]` (optional): real training data for
   `runtime.train` / `planner train`, e.g. a `torch.utils.data.DataLoader`, in mini-batches of
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from planner.errors import ModelFileError
 from planner.profiling.generation_cache import turn_off_generation_cache
+from planner.profiling.keyword_inputs import KeywordInputs
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -110,6 +113,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     if data_loader is not None and not callable(data_loader):
         raise ModelFileError(path_str, "data_loader is not a function",
                              "define def data_loader(batch_size) -> iterable of (inputs, target)")
+    build_model, example_batch, data_loader = KeywordInputs(example_batch).adapt(build_model, data_loader)
     return ModelFile(
         path=path_str, name=file_path.stem, build_model=build_model, example_batch=example_batch,
         loss_fn=loss_fn, module=module, data_loader=data_loader,
@@ -166,25 +170,18 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
     """`batch`, which the model file's `said` ("example_batch(8) returned", "data_loader(8) yielded"), as (inputs as
     a tuple, target) after checking the contract: a pair, inputs a tensor or tuple of tensors, target a tensor, each
     with `batch_size` first; ModelFileError naming what is not."""
-    expected = "expected a pair (inputs, target) with inputs a tensor or tuple of tensors and target a tensor"
-    wrapper = "have build_model() wrap the model in a module whose forward({}) passes them by name " \
-              "(benchmarks/models/bert.py does so)"
+    expected = ("expected a pair (inputs, target) with inputs a tensor, a tuple of tensors or a dict of them by "
+                "the model's argument names, and target a tensor")
     if isinstance(batch, Mapping):  # a Hugging Face collator's: the inputs and the labels by name
         keys = ", ".join(map(str, batch))
         raise ModelFileError(
             model_file.path, f"{said} a dict ({keys}), not a pair (inputs, target)",
-            "give the model's inputs as a tuple and the target apart, e.g. ((input_ids, attention_mask), labels), and "
-            + wrapper.format("input_ids, attention_mask"))
+            "give the model's inputs and the target apart, e.g. ({'input_ids': ..., 'attention_mask': ...}, labels)")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ModelFileError(model_file.path, f"{said} {_describe(batch)}", expected)
-    inputs, target = batch
+    inputs, target = batch  # inputs given by name are a tuple already (`KeywordInputs`, where the file is loaded)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if isinstance(inputs, Mapping):  # a tokenizer's output: input_ids, attention_mask, ...
-        keys = ", ".join(map(str, inputs))
-        raise ModelFileError(
-            model_file.path, f"{said} inputs as a dict ({keys}); the model is called as model(*inputs)",
-            f"return a tuple ({keys}) and " + wrapper.format(keys))
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise ModelFileError(model_file.path, f"{said} inputs of {_describe(inputs)}", expected)
     if not isinstance(target, torch.Tensor):

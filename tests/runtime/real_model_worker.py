@@ -120,7 +120,8 @@ def run_pippy(case: dict[str, Any], model: nn.Module, inputs: Any, target: Any) 
     for _ in range(case["steps"]):
         microbatch_losses: list[torch.Tensor] = []
         if stage.is_first:
-            schedule.step(built.shard(inputs))
+            share = built.shard(inputs)
+            schedule.step(*share) if isinstance(share, tuple) else schedule.step(share)
         elif stage.is_last:
             schedule.step(target=built.shard(target), losses=microbatch_losses)
         else:

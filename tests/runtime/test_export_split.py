@@ -18,6 +18,7 @@ from torch import nn  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
+from planner.profiling.keyword_inputs import keyword_model  # noqa: E402
 from planner.profiling.model_file import default_loss  # noqa: E402
 from real_model_worker import model_file  # noqa: E402
 from runtime.export_split import ExportFailure, _construct, capture, first_nodes  # noqa: E402
@@ -56,7 +57,9 @@ def _t5() -> nn.Module:
 
 
 def _tiny(name: str) -> Callable[[], nn.Module]:
-    return lambda: model_file(name).build_model()
+    """The model file's model as its own build_model() returns it (Llama's takes its inputs by name in the file:
+    here it is called with the token ids alone, positionally)."""
+    return lambda: model_file(name).module.build_model()
 
 
 # name -> (model maker, inputs maker, split points); every model has dropout on by default (Llama has none)
@@ -387,6 +390,37 @@ def test_a_transformers_model_with_its_generation_cache_on_splits_and_keeps_it_o
     output = run_stages(stages, ids)
     assert output.past_key_values is None
     torch.testing.assert_close(output.logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_gpt2_given_its_attention_mask_by_name_splits_into_stages_that_honour_it() -> None:
+    """GPT-2's second argument is past_key_values: a padding mask goes by name (inputs by name in the model file,
+    `keyword_model`), and the stages give the model's outputs and gradients with it, not without it."""
+    torch.manual_seed(0)  # no cache: eager attention on the cache's contiguous copies of the keys rounds otherwise
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                                                n_positions=16, use_cache=False)).train()
+    ids, mask = torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    mask[0, -3:] = 0
+    model, reference = keyword_model(copy.deepcopy(base), ("input_ids", "attention_mask")), copy.deepcopy(base)
+    stages = split_model(model, ["transformer.h.1"], (ids, mask))
+    assert_like_the_model(model, _ByName(reference, ("input_ids", "attention_mask")), stages, (ids, mask))
+    torch.manual_seed(7)
+    unmasked = run_stages(stages, ids, torch.ones_like(mask)).logits
+    torch.manual_seed(7)
+    assert not torch.allclose(unmasked, run_stages(stages, ids, mask).logits)
+
+
+class _ByName(nn.Module):
+    """`model` called with its inputs by name: the reference a positional call is checked against."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, inputs)))
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # the model's names, as the split's
+        return self.model.named_parameters(*args, **kwargs)
 
 
 def test_a_model_output_is_rebuilt_by_the_last_stage() -> None:

@@ -20,6 +20,7 @@ from planner.planning.partition import partition
 from planner.files.plan import Plan
 from planner.files.profile import load_profile
 from planner.schedules.schedule import BACKWARD, FORWARD, build_schedule
+from runtime.nested import split_batch
 from runtime.pipeline import Pipeline, PipelineError
 from runtime.stages import split_model
 from runtime_examples import model_file
@@ -370,10 +371,10 @@ def test_from_plan_trains_transformers_models_as_one_device_would(model_name: st
     model = seeded_model(model_name)
     inputs, target = seeded_batch(model_name, 8)
     reference = copy.deepcopy(model)
-    real_loss(model_name)(reference(inputs), target).backward()
+    real_loss(model_name)(reference(*inputs) if isinstance(inputs, tuple) else reference(inputs), target).backward()
     plan = dataclasses.replace(plan_with_splits(planned("mlp", 2), plan_stages), schedule=schedule,
                                microbatches=MICROBATCHES)
-    with Pipeline.from_plan(model, plan, example_inputs=inputs[: 8 // MICROBATCHES],
+    with Pipeline.from_plan(model, plan, example_inputs=split_batch(inputs, MICROBATCHES)[0],
                             loss_fn=real_loss(model_name)) as pipe:
         assert pipe.stages.method == "export"
         pipe.train_step(inputs, target)

@@ -190,7 +190,7 @@ def plain_steps(model: str, network: torch.nn.Module, inputs: Any, target: Any, 
     """`steps` optimizer steps of plain single-process training on the whole mini-batch; the losses."""
     found = []
     for _ in range(steps):
-        loss = loss_of(model)(network(inputs), target)
+        loss = loss_of(model)(network(*inputs) if isinstance(inputs, tuple) else network(inputs), target)
         found.append(loss.item())
         optimizer.zero_grad()
         loss.backward()

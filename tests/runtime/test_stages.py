@@ -418,3 +418,11 @@ def test_values_made_of_no_input_are_computed_again_where_used_not_sent() -> Non
     reference(x).square().sum().backward()
     for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(parameter.grad, wanted.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_example_inputs_given_as_a_dict_are_refused_with_the_way_to_pass_them() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(StageSplitError) as raised:
+        split_model(model, ["1"], {"input_ids": torch.zeros(2, 4)})
+    message = str(raised.value)
+    assert "\n" not in message and "example inputs are a dict (input_ids)" in message and "keyword_model" in message

@@ -1,6 +1,7 @@
 """A tiny transformers Llama (rotary tables as buffers, untied head, grouped-query attention) as a model file, for
 the tests, written as a transformers user writes one first: the model itself (its forward returns a `ModelOutput`,
-with a generation cache by default), no wrapper and no loss_fn (the default loss reads the output's `logits`)."""
+with a generation cache by default), no wrapper and no loss_fn (the default loss reads the output's `logits`), its
+inputs by name as a tokenizer gives them."""
 
 import torch
 from torch import nn
@@ -17,7 +18,10 @@ def build_model() -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**CONFIG))
 
 
-def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and next-token targets, (batch_size, CONTEXT) each."""
+def example_batch(batch_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A tokenizer's inputs by name, random token ids and an attention mask hiding the last 2 positions of every
+    other sample (padding), and next-token targets, (batch_size, CONTEXT) each."""
     tokens = torch.randint(0, VOCAB, (batch_size, CONTEXT + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+    mask = torch.ones(batch_size, CONTEXT, dtype=torch.long)
+    mask[::2, -2:] = 0
+    return {"input_ids": tokens[:, :-1], "attention_mask": mask}, tokens[:, 1:]

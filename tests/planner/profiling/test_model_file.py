@@ -211,15 +211,33 @@ def test_example_batch_inputs_not_tensors(tmp_path: Path, inputs: str) -> None:
     assert "returned inputs of" in str(error)
 
 
-def test_example_batch_inputs_as_a_dict_say_how_to_pass_them(tmp_path: Path) -> None:
-    """A tokenizer's dict of inputs (input_ids, attention_mask) cannot be called as model(*inputs): the error says to
-    return them as a tuple for a wrapper's forward that passes them by name."""
-    error = batch_error(batch_file(tmp_path, "{'input_ids': torch.zeros(batch_size, 4), "
-                                             "'attention_mask': torch.ones(batch_size, 4)}, torch.zeros(batch_size)"))
-    assert str(error).endswith(": example_batch(2) returned inputs as a dict (input_ids, attention_mask); the model "
-                               "is called as model(*inputs); return a tuple (input_ids, attention_mask) and have "
-                               "build_model() wrap the model in a module whose forward(input_ids, attention_mask) "
-                               "passes them by name (benchmarks/models/bert.py does so)")
+def test_example_batch_inputs_by_name_are_passed_by_name(tmp_path: Path) -> None:
+    """A tokenizer's dict of inputs: the batch's inputs become a tuple in the dict's order, and the built model takes
+    them so, passing each to its forward by name (the forward's own order is another here)."""
+    path = write(tmp_path, HEADER + textwrap.dedent("""
+        class Named(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Linear(4, 3)
+
+            def forward(self, attention_mask, input_ids):
+                return self.embed(input_ids) * attention_mask
+
+
+        def build_model():
+            return Named()
+
+
+        def example_batch(batch_size):
+            return {'input_ids': torch.randn(batch_size, 4), 'attention_mask': torch.ones(batch_size, 3)}, torch.zeros(batch_size)
+    """))
+    model_file = load_model_file(path)
+    (ids, mask), _ = checked_example_batch(model_file, 2)
+    assert ids.shape == (2, 4) and mask.shape == (2, 3)
+    model = build_checked_model(model_file)
+    assert type(model).__name__ == "Named" and list(model.state_dict()) == ["embed.weight", "embed.bias"]
+    torch.testing.assert_close(model(ids, torch.zeros(2, 3)), torch.zeros(2, 3))
+    torch.testing.assert_close(model(ids, mask), model.embed(ids) * mask)  # the forward's own, by name
 
 
 def test_example_batch_as_one_dict_with_the_labels_says_to_give_inputs_and_target(tmp_path: Path) -> None:
@@ -227,10 +245,8 @@ def test_example_batch_as_one_dict_with_the_labels_says_to_give_inputs_and_targe
     error = batch_error(batch_file(tmp_path, "{'input_ids': torch.zeros(batch_size, 4), "
                                              "'labels': torch.zeros(batch_size)}"))
     assert str(error).endswith(": example_batch(2) returned a dict (input_ids, labels), not a pair (inputs, target); "
-                               "give the model's inputs as a tuple and the target apart, e.g. ((input_ids, "
-                               "attention_mask), labels), and have build_model() wrap the model in a module whose "
-                               "forward(input_ids, attention_mask) passes them by name (benchmarks/models/bert.py "
-                               "does so)")
+                               "give the model's inputs and the target apart, e.g. ({'input_ids': ..., "
+                               "'attention_mask': ...}, labels)")
 
 
 @pytest.mark.parametrize(

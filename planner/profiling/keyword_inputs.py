@@ -1,0 +1,143 @@
+"""Inputs given by name: a model file whose batches hold a dict of tensors, for a model called as `model(**inputs)`.
+
+A Hugging Face user's batch is a tokenizer's or collator's dict (`input_ids`, `attention_mask`, ...), and
+passing it positionally is wrong for some models (GPT-2's second argument is `past_key_values`). The
+rest of the planner (profiler, split, runtimes) passes inputs positionally, so a model file with named
+inputs is made positional once, where it is loaded (`KeywordInputs.adapt`):
+- each batch's dict becomes the tuple of its tensors in the order of the names (the keys of the first
+  dict seen); a dict with other names raises ValueError naming both;
+- the model is given a forward that takes those tensors positionally, under their names, and calls
+  its own forward with them by name (`keyword_model`): its class becomes a subclass of the same name, so
+  its modules, parameters, names and state dict stay as they are.
+The names are found before the model is built, from one `example_batch(1)` made with the random states
+of torch, Python and NumPy kept (so the model and the batches draw as they would without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import keyword
+import random
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["KeywordInputs", "keyword_model"]
+
+
+@dataclass
+class KeywordInputs:
+    """The input names of one model file: None until found, then a tuple (empty where inputs are positional)."""
+
+    example_batch: Callable[[int], Any]  # the model file's own
+    names: tuple[str, ...] | None = None
+
+    def found(self) -> tuple[str, ...]:
+        """The names, from one `example_batch(1)` if not yet known (random states kept); () where that batch is not
+        a pair with a dict of inputs, or raises (the caller's own call of example_batch reports it then)."""
+        if self.names is None:
+            try:
+                with _random_states_kept():
+                    batch = self.example_batch(1)
+            except (Exception, SystemExit):
+                return ()
+            if _named(batch):
+                self.positional(batch)
+            else:
+                self.names = ()
+        return self.names or ()
+
+    def positional(self, batch: Any) -> Any:
+        """`batch` with a dict of inputs made the tuple of its tensors in the names' order (the first dict's keys
+        name them); any other batch as it is (the contract's checks report what is wrong with it)."""
+        if not _named(batch):
+            return batch
+        inputs, target = batch
+        names = tuple(inputs)
+        if self.names is None:
+            _check_names(names)
+            self.names = names
+        if not self.names:
+            raise ValueError(f"inputs named {', '.join(map(str, names))}, where example_batch(1) gave them by "
+                             "position: give them one way")
+        if set(names) != set(self.names):
+            raise ValueError(f"inputs named {', '.join(map(str, names))}, where example_batch's are "
+                             f"{', '.join(self.names)}: give every batch the same names")
+        return tuple(inputs[name] for name in self.names), target
+
+    def adapt(self, build_model: Callable[[], nn.Module], data_loader: Callable[[int], Any] | None
+              ) -> tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[[int], Any] | None]:
+        """The model file's build_model, example_batch and data_loader, giving positional inputs and a model taking
+        them (see the module docstring)."""
+        def build() -> nn.Module:
+            model = build_model()
+            names = self.found()
+            return keyword_model(model, names) if names and isinstance(model, nn.Module) else model
+
+        def example(batch_size: int) -> Any:
+            return self.positional(self.example_batch(batch_size))
+
+        def loader(batch_size: int) -> Iterable[Any]:
+            return _Positional(self, data_loader(batch_size)) if data_loader is not None else None
+
+        return build, example, (loader if data_loader is not None else None)
+
+
+@dataclass
+class _Positional:
+    """A data loader's batches with their inputs made positional (`KeywordInputs.positional`)."""
+
+    inputs: KeywordInputs
+    batches: Iterable[Any]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.inputs.positional(batch) for batch in self.batches)
+
+
+def keyword_model(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """`model`, in place, taking its inputs positionally: forward(self, names[0], names[1], ...) calls the model's
+    own forward with each by its name. Its class becomes a subclass of the same name (torch.fx and torch.export
+    then see one argument per name)."""
+    base = type(model)
+    arguments = ", ".join(names)
+    source = (f"def forward(self, {arguments}):\n"
+              f"    return _forward(self, {', '.join(f'{name}={name}' for name in names)})\n")
+    namespace: dict[str, Any] = {"_forward": base.forward}
+    exec(compile(source, f"<inputs of {base.__name__} by name>", "exec"), namespace)
+    forward = namespace["forward"]
+    forward.__doc__ = f"{base.__name__}.forward({', '.join(f'{name}=...' for name in names)}), positionally."
+    model.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                                   "__qualname__": base.__qualname__})
+    return model
+
+
+def _named(batch: Any) -> bool:
+    """Whether `batch` is a pair whose inputs are a dict."""
+    return isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], Mapping)
+
+
+def _check_names(names: tuple[Any, ...]) -> None:
+    """ValueError naming an input name that is not a Python identifier (the model takes them as arguments)."""
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == "self":
+            raise ValueError(f"an input named {name!r}, which cannot name an argument of forward: name the inputs as "
+                             "the model's forward names its arguments")
+
+
+@contextlib.contextmanager
+def _random_states_kept() -> Iterator[None]:
+    """Torch's CPU generator, Python's `random` and (where imported) NumPy's global state as they were before."""
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
