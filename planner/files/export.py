@@ -190,7 +190,9 @@ def run_schedule(stages, schedule, inputs, target):
 
 # In the training script (every rank):
 #   dist.init_process_group()                          # torchrun sets the environment
-#   model = build_model()                              # the same seed on every rank
+#   model = build_model()                              # the same seed on every rank (inputs by name: the model of
+#                                                      #   planner.profiling.model_file.load_model_file(PATH).build_model()
+#                                                      #   takes them by position, in example_batch's dict order)
 #   example = pipeline_share(first_inputs).tensor_split(N_MICROBATCHES)[0]   # the inputs of one microbatch
 #   built = planner_route(model, example, loss_fn, device)                     # or: traced_route(...)
 #   stages, schedule = built.stages, built.schedule    # route A: stages, schedule = traced_route(...)

@@ -8,14 +8,18 @@ inputs is made positional once, where it is loaded (`KeywordInputs.adapt`):
   dict seen); a dict with other names raises ValueError naming both;
 - the model is given a forward that takes those tensors positionally, under their names, and calls
   its own forward with them by name (`keyword_model`): its class becomes a subclass of the same name, so
-  its modules, parameters, names and state dict stay as they are.
-The names are found before the model is built, from one `example_batch(1)` made with the random states
-of torch, Python and NumPy kept (so the model and the batches draw as they would without it).
+  its modules, parameters, names and state dict stay as they are. That object is the planner's (it
+  profiles and trains it; checkpoints are state dicts): pickling it whole or generating with it needs
+  its own class back (`without_keyword_inputs`).
+The names are those of example_batch's first dict; where the model is built before any batch was
+made, one `example_batch(1)` finds them, made with the random states of torch (its CPU generator, and
+the GPUs' where CUDA is initialised), Python and NumPy kept, so the batches draw as they would without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import keyword
 import random
 import sys
@@ -26,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["KeywordInputs", "keyword_model"]
+__all__ = ["KeywordInputs", "keyword_model", "without_keyword_inputs"]
 
 
 @dataclass
@@ -35,21 +39,24 @@ class KeywordInputs:
 
     example_batch: Callable[[int], Any]  # the model file's own
     names: tuple[str, ...] | None = None
+    probe_failure: str | None = None  # what example_batch(1) raised when `found` made it
 
     def found(self) -> tuple[str, ...]:
         """The names, from one `example_batch(1)` if not yet known (random states kept); () where that batch is not
-        a pair with a dict of inputs, or raises (the caller's own call of example_batch reports it then)."""
+        a pair with a dict of inputs, or raises (the caller's own call of example_batch reports it then, and a
+        dict of inputs after it is refused: the model was built to take its inputs by position)."""
         if self.names is None:
             try:
                 with _random_states_kept():
                     batch = self.example_batch(1)
-            except (Exception, SystemExit):
+            except (Exception, SystemExit) as exc:
+                self.names, self.probe_failure = (), f"{type(exc).__name__}: {exc}"
                 return ()
             if _named(batch):
                 self.positional(batch)
             else:
                 self.names = ()
-        return self.names or ()
+        return self.names
 
     def positional(self, batch: Any) -> Any:
         """`batch` with a dict of inputs made the tuple of its tensors in the names' order (the first dict's keys
@@ -62,7 +69,11 @@ class KeywordInputs:
             _check_names(names)
             self.names = names
         if not self.names:
-            raise ValueError(f"inputs named {', '.join(map(str, names))}, where example_batch(1) gave them by "
+            if self.probe_failure is not None:
+                raise ValueError(f"inputs named {', '.join(map(str, names))}, but example_batch(1), which the planner "
+                                 f"makes to find the names as the model is built, raised {self.probe_failure}: make "
+                                 "example_batch(1) work")
+            raise ValueError(f"inputs named {', '.join(map(str, names))}, where example_batch gives them by "
                              "position: give them one way")
         if set(names) != set(self.names):
             raise ValueError(f"inputs named {', '.join(map(str, names))}, where example_batch's are "
@@ -101,17 +112,42 @@ class _Positional:
 def keyword_model(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
     """`model`, in place, taking its inputs positionally: forward(self, names[0], names[1], ...) calls the model's
     own forward with each by its name. Its class becomes a subclass of the same name (torch.fx and torch.export
-    then see one argument per name)."""
+    then see one argument per name). ValueError where a name is not an argument of the forward, or where the
+    model's forward is set on the object (accelerate's hooks do so), which the class's would not replace."""
+    _check_names(names)
     base = type(model)
+    if "forward" in vars(model):
+        raise ValueError(f"the {base.__name__}'s forward is set on the model object (as accelerate's hooks set it), so "
+                         "its inputs cannot be passed by name: give them as a tuple in the forward's order")
+    parameters = inspect.signature(base.forward).parameters
+    if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        named = [name for name, parameter in parameters.items()
+                 if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        unknown = [name for name in names if name not in named]
+        if unknown:
+            raise ValueError(f"inputs named {', '.join(unknown)}, which {base.__name__}.forward does not take (its "
+                             f"arguments: {', '.join(name for name in named if name != 'self')})")
     arguments = ", ".join(names)
     source = (f"def forward(self, {arguments}):\n"
-              f"    return _forward(self, {', '.join(f'{name}={name}' for name in names)})\n")
-    namespace: dict[str, Any] = {"_forward": base.forward}
+              f"    return __forward__(self, {', '.join(f'{name}={name}' for name in names)})\n")
+    namespace: dict[str, Any] = {"__forward__": base.forward}
     exec(compile(source, f"<inputs of {base.__name__} by name>", "exec"), namespace)
     forward = namespace["forward"]
     forward.__doc__ = f"{base.__name__}.forward({', '.join(f'{name}=...' for name in names)}), positionally."
     model.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
-                                                   "__qualname__": base.__qualname__})
+                                                   "__qualname__": base.__qualname__, _BASE: base})
+    return model
+
+
+_BASE = "_keyword_inputs_base"  # the class attribute of a `keyword_model` class naming the model's own class
+
+
+def without_keyword_inputs(model: nn.Module) -> nn.Module:
+    """`model`, in place, with its own class back where `keyword_model` changed it (to pickle it whole, or to
+    generate with it); any other model as it is."""
+    base = vars(type(model)).get(_BASE)
+    if base is not None:
+        model.__class__ = base
     return model
 
 
@@ -123,19 +159,22 @@ def _named(batch: Any) -> bool:
 def _check_names(names: tuple[Any, ...]) -> None:
     """ValueError naming an input name that is not a Python identifier (the model takes them as arguments)."""
     for name in names:
-        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == "self":
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == "self" \
+                or name.startswith("__"):
             raise ValueError(f"an input named {name!r}, which cannot name an argument of forward: name the inputs as "
                              "the model's forward names its arguments")
 
 
 @contextlib.contextmanager
 def _random_states_kept() -> Iterator[None]:
-    """Torch's CPU generator, Python's `random` and (where imported) NumPy's global state as they were before."""
+    """Torch's CPU generator (and the GPUs' where CUDA is initialised), Python's `random` and (where imported)
+    NumPy's global state as they were before."""
     python = random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=gpus):
             yield
     finally:
         random.setstate(python)

@@ -663,16 +663,17 @@ def data_loader(batch_size):
 
 def test_a_loader_that_breaks_the_model_files_contract_is_one_line_before_any_worker_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inputs as a dict (what a Hugging Face collator yields) failed on every rank inside the first stage's first op
-    ("linear(): argument 'input' must be Tensor, not dict"); `planner train` now checks the loader's first batch
-    before it starts torchrun, as it checks example_batch(). A loader that raises is one line too."""
+    """Inputs as a dict (what a Hugging Face collator yields) where example_batch gives them by position failed on
+    every rank inside the first stage's first op ("linear(): argument 'input' must be Tensor, not dict");
+    `planner train` now checks the loader's first batch before it starts torchrun, as it checks example_batch(). A
+    loader that raises is one line too."""
     from runtime import launch as launch_module
 
     _, loader, options, setup = mlp_with_loader(tmp_path, DICT_BATCHES)
     with pytest.raises(ModelFileError) as raised:
         check_loader(options, setup)
-    assert str(raised.value).startswith(f"{loader}: data_loader({setup.batch_size}) yielded inputs as a dict "
-                                        "(features); the model is called as model(*inputs); return a tuple")
+    assert str(raised.value) == (f"{loader}: data_loader({setup.batch_size}) raised ValueError: inputs named features, "
+                                 "where example_batch gives them by position: give them one way; fix data_loader()")
     check_loader(parse_args([str(loader), "--plan", options.plan, "--data", "example"]), setup)  # not read: fine
     started: list[object] = []
     monkeypatch.setattr(launch_module, "run_module", lambda *args, **kwargs: started.append(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import numpy
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from planner.profiling.keyword_inputs import KeywordInputs, keyword_model
+from planner.profiling.keyword_inputs import KeywordInputs, keyword_model, without_keyword_inputs
 
 
 class _Named(nn.Module):
@@ -60,7 +61,7 @@ def test_other_names_another_way_and_names_no_argument_can_have_are_refused() ->
         inputs.positional(({"ids": torch.zeros(1), "other": torch.zeros(1)}, torch.zeros(1)))
     positional = KeywordInputs(lambda size: (torch.zeros(size, 4), torch.zeros(size)))
     assert positional.found() == ()
-    with pytest.raises(ValueError, match="where example_batch\\(1\\) gave them by position"):
+    with pytest.raises(ValueError, match="where example_batch gives them by position"):
         positional.positional(_batch(1))
     for name in ("input-ids", "class", "self", 0):
         with pytest.raises(ValueError, match="cannot name an argument of forward"):
@@ -84,12 +85,14 @@ def test_finding_the_names_draws_from_no_random_stream_the_model_or_batches_see(
     assert (torch.rand(1), random.random(), numpy.random.rand()) == expected
 
 
-def test_an_example_batch_that_raises_leaves_the_names_to_its_real_call() -> None:
+def test_an_example_batch_that_raises_leaves_the_inputs_positional_and_the_error_to_its_real_call() -> None:
     def failing(size: int) -> None:
         raise RuntimeError("no data")
 
     inputs = KeywordInputs(failing)
-    assert inputs.found() == () and inputs.names is None
+    assert inputs.found() == () and inputs.probe_failure == "RuntimeError: no data"
+    batch = torch.zeros(2, 4), torch.zeros(2)
+    assert inputs.positional(batch) is batch
 
 
 def test_torch_fx_and_torch_export_see_one_argument_per_name() -> None:
@@ -100,3 +103,45 @@ def test_torch_fx_and_torch_export_see_one_argument_per_name() -> None:
     program = torch.export.export(model, (ids, mask), strict=False)
     assert [spec.arg.name for spec in program.graph_signature.input_specs][-2:] == ["ids", "mask"]
     torch.testing.assert_close(traced(ids, mask), model(ids, mask))
+
+
+def test_a_failed_look_for_the_names_refuses_a_dict_after_it_instead_of_misplacing_the_inputs() -> None:
+    """example_batch(1) raising while the model is built: the model takes its inputs by position, so a dict of
+    inputs after it would land on the wrong arguments; it is refused naming what example_batch(1) raised."""
+    def even_only(size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        assert size % 2 == 0, "even batch sizes only"
+        return _batch(size)
+
+    inputs = KeywordInputs(even_only)
+    build, example, _ = inputs.adapt(_Named, None)
+    assert type(build()) is _Named
+    with pytest.raises(ValueError, match="but example_batch\\(1\\), which the planner makes to find the names as the "
+                                         "model is built, raised AssertionError: even batch sizes only"):
+        example(2)
+
+
+def test_names_the_forward_does_not_take_a_forward_on_the_object_and_clashing_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="inputs named labels, which _Named.forward does not take \\(its arguments: "
+                                         "mask, ids, scale\\)"):
+        keyword_model(_Named(), ("ids", "labels"))
+    hooked = _Named()
+    hooked.forward = hooked.forward  # as accelerate's hooks replace it
+    with pytest.raises(ValueError, match="forward is set on the model object"):
+        keyword_model(hooked, ("ids", "mask"))
+    with pytest.raises(ValueError, match="cannot name an argument of forward"):
+        keyword_model(_Named(), ("ids", "__forward__"))
+
+    class Anything(nn.Module):  # **kwargs takes any name
+        def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+            return inputs["a"] - inputs["b"]
+
+    assert keyword_model(Anything(), ("b", "a"))(torch.ones(1), torch.zeros(1)) == -1
+
+
+def test_the_model_gets_its_own_class_back_to_be_pickled_whole() -> None:
+    model = keyword_model(_Named(), ("ids", "mask"))
+    with pytest.raises(Exception):
+        pickle.dumps(model)
+    assert type(without_keyword_inputs(model)) is _Named
+    assert type(pickle.loads(pickle.dumps(model))) is _Named
+    assert without_keyword_inputs(model) is model and type(model) is _Named  # a plain model stays as it is
