@@ -8,8 +8,8 @@ model as `seeded_model` does (seed 0, dropout off, training mode) and its batch 
 does (seed 1), splits it for the plan with an example microbatch (torch.export: torch.fx cannot
 trace transformers models) and trains `steps` SGD steps on the same mini-batch:
 - engine: `runtime.engine.Engine.from_plan(..., example_inputs=...)`, `train_step`;
-- pippy: `runtime.pippy.build(...)`, then per step `schedule.step` as the stage's role asks,
-  `finish_gradients()`, `optimizer.step()`, as runtime.pippy's docstring says;
+- pippy: `runtime.pippy.build(...)`, then per step `forward_backward` (`schedule.step` as the rank's stages
+  ask, then `finish_gradients()`) and `optimizer.step()`, as runtime.pippy's docstring says;
 - deepspeed: `runtime.deepspeed.pipeline_module(...)` under `deepspeed.initialize` with the plan's
   `deepspeed_config`, `engine.train_batch` over the mini-batch's microbatches.
 It writes OUT_DIR/NAME.rank{R}.pt: {"losses": [loss or None per step], "params": {model parameter
@@ -114,23 +114,14 @@ def run_pippy(case: dict[str, Any], model: nn.Module, inputs: Any, target: Any) 
     plan = load_plan(case["plan"])
     microbatch = split_batch(inputs, plan.microbatches or 1)[0]
     built = build(model, plan, microbatch, loss_fn=loss_of(case["model"]))
-    stage, schedule = built
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=case["lr"])
+    parameters = {id(p): p for stage in built.stages for p in stage.submod.parameters()}  # zbv: two chunks a rank
+    optimizer = torch.optim.SGD(list(parameters.values()), lr=case["lr"])
     losses: list[Any] = []
     for _ in range(case["steps"]):
-        microbatch_losses: list[torch.Tensor] = []
-        if stage.is_first:
-            share = built.shard(inputs)
-            schedule.step(*share) if isinstance(share, tuple) else schedule.step(share)
-        elif stage.is_last:
-            schedule.step(target=built.shard(target), losses=microbatch_losses)
-        else:
-            schedule.step()
-        built.finish_gradients()
+        losses.append(built.forward_backward(inputs, target))  # schedule.step as the rank's stages ask, gradients
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(torch.stack(microbatch_losses).mean().item() if stage.is_last else None)
-    return losses, stage.submod
+    return losses, nn.ModuleList([stage.submod for stage in built.stages])
 
 
 def run_deepspeed(case: dict[str, Any], model: nn.Module, inputs: Any, target: Any) -> tuple[list[Any], nn.Module]:

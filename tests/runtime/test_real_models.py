@@ -52,7 +52,8 @@ def planned(profile: Profile, devices: int, schedule: str) -> Plan:
     """The planner's straight plan on `devices` CPUs-as-GPUs with `schedule` and 4 microbatches."""
     plan = partition(profile, make_cluster(devices), straight=True, schedule=schedule, microbatches=MICROBATCHES,
                      optimizer="sgd")
-    assert len(plan.stages) == devices, f"the planner used {len(plan.stages)} of {devices} devices: {plan.stages}"
+    ranks = {rank for stage in plan.stages for rank in stage.ranks}  # zbv: two chunks each
+    assert len(ranks) == devices, f"the planner used {len(ranks)} of {devices} devices: {plan.stages}"
     return plan
 
 
@@ -88,6 +89,9 @@ CASES: dict[str, tuple[int, str, str, Any, int]] = {
     "gpt2-2-gpipe": (2, GPT2, "engine", lambda p: planned(p, 2, "gpipe"), 2),
     "llama-2-1f1b": (2, LLAMA, "engine", lambda p: planned(p, 2, "1f1b"), 3),
     "pippy-llama-2-1f1b": (2, LLAMA, "pippy", lambda p: planned(p, 2, "1f1b"), 3),
+    # zbv: rank 0 holds the first chunk and the last, whose ModelOutput pipelining takes as its tensors only, under
+    # the zero-bubble class's split backward
+    "pippy-llama-2-zbv": (2, LLAMA, "pippy", lambda p: planned(p, 2, "zbv"), 2),
     "gpt2-2-1f1b-recompute": (2, GPT2, "engine", lambda p: recomputed(planned(p, 2, "1f1b")), 2),
     "pippy-gpt2-2-gpipe": (2, GPT2, "pippy", lambda p: planned(p, 2, "gpipe"), 2),
     "gpt2-3-1f1b-in-block": (3, GPT2, "engine", lambda p: cut_inside_a_block(planned(p, 3, "1f1b")), 2),
@@ -242,16 +246,18 @@ def test_the_tied_embedding_and_head_is_on_the_first_and_last_stage(results: Pat
 
 
 def test_the_cases_cover_both_schedules_both_runtimes_and_the_plan_shapes(plans: dict[str, Plan]) -> None:
-    """What the issue asks for: 2 and 3 stages, a cut inside a block, a 2-1 plan, gpipe and 1f1b on every runtime."""
+    """What the issue asks for: 2 and 3 stages, a cut inside a block, a 2-1 plan, gpipe and 1f1b on every runtime;
+    and a zbv plan's 4 chunks on 2 ranks under torch.distributed.pipelining."""
     shapes = {name: ([len(stage.ranks) for stage in plan.stages], plan.schedule) for name, plan in plans.items()}
     assert shapes["llama-2-1-1f1b"] == ([2, 1], "1f1b")
+    assert shapes["pippy-llama-2-zbv"] == ([1, 1, 1, 1], "zbv")
     assert shapes["gpt2-3-1f1b-in-block"][0] == [1, 1, 1]
     assert any(stage.first_layer.endswith(".mlp") for stage in plans["gpt2-3-1f1b-in-block"].stages[1:])
     for runtime in ("engine", "pippy", "deepspeed"):
         used = {shapes[name][1] for name, (_, _, r, _, _) in CASES.items() if r == runtime}
-        assert used == {"gpipe", "1f1b"}, runtime
+        assert used >= {"gpipe", "1f1b"}, runtime
     for model in (GPT2, LLAMA):
-        assert {len(shapes[name][0]) for name, (_, m, _, _, _) in CASES.items() if m == model} == {2, 3}
+        assert {len(shapes[name][0]) for name, (_, m, _, _, _) in CASES.items() if m == model} >= {2, 3}
 
 
 @pytest.mark.parametrize("model, case", [(GPT2, "gpt2-3-1f1b-in-block"), (LLAMA, "llama-3-gpipe")])
