@@ -30,7 +30,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["KeywordInputs", "keyword_model", "without_keyword_inputs"]
+__all__ = ["InputNamesError", "KeywordInputs", "keyword_model", "without_keyword_inputs"]
+
+
+class InputNamesError(ValueError):
+    """The batches' input names cannot be the model's arguments: a name its forward does not take, or no name at all."""
 
 
 @dataclass
@@ -112,8 +116,9 @@ class _Positional:
 def keyword_model(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
     """`model`, in place, taking its inputs positionally: forward(self, names[0], names[1], ...) calls the model's
     own forward with each by its name. Its class becomes a subclass of the same name (torch.fx and torch.export
-    then see one argument per name). ValueError where a name is not an argument of the forward, or where the
-    model's forward is set on the object (accelerate's hooks do so), which the class's would not replace."""
+    then see one argument per name). InputNamesError where a name is not an argument of the forward; ValueError
+    where the model's forward is set on the object (accelerate's hooks do so), which the class's would not
+    replace."""
     _check_names(names)
     base = type(model)
     if "forward" in vars(model):
@@ -125,8 +130,8 @@ def keyword_model(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
                  if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
         unknown = [name for name in names if name not in named]
         if unknown:
-            raise ValueError(f"inputs named {', '.join(unknown)}, which {base.__name__}.forward does not take (its "
-                             f"arguments: {', '.join(name for name in named if name != 'self')})")
+            raise InputNamesError(f"inputs named {', '.join(unknown)}, which {base.__name__}.forward does not take "
+                                  f"(its arguments: {', '.join(name for name in named if name != 'self')})")
     arguments = ", ".join(names)
     source = (f"def forward(self, {arguments}):\n"
               f"    return __forward__(self, {', '.join(f'{name}={name}' for name in names)})\n")
@@ -157,12 +162,12 @@ def _named(batch: Any) -> bool:
 
 
 def _check_names(names: tuple[Any, ...]) -> None:
-    """ValueError naming an input name that is not a Python identifier (the model takes them as arguments)."""
+    """InputNamesError naming an input name that is not a Python identifier (the model takes them as arguments)."""
     for name in names:
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == "self" \
                 or name.startswith("__"):
-            raise ValueError(f"an input named {name!r}, which cannot name an argument of forward: name the inputs as "
-                             "the model's forward names its arguments")
+            raise InputNamesError(f"an input named {name!r}, which cannot name an argument of forward: name the "
+                                  "inputs as the model's forward names its arguments")
 
 
 @contextlib.contextmanager

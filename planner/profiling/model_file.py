@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from planner.errors import ModelFileError
 from planner.profiling.generation_cache import turn_off_generation_cache
-from planner.profiling.keyword_inputs import KeywordInputs
+from planner.profiling.keyword_inputs import InputNamesError, KeywordInputs
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -135,6 +135,9 @@ def build_checked_model(model_file: ModelFile) -> torch.nn.Module:
     cache is turned off, as training does not read it (`planner.profiling.generation_cache`)."""
     try:
         model = model_file.build_model()
+    except InputNamesError as exc:  # raised as the built model is made to take example_batch's inputs by name
+        raise ModelFileError(model_file.path, f"example_batch() gives {exc}",
+                             "name the inputs in example_batch() as the model's forward names its arguments") from exc
     except (Exception, SystemExit) as exc:
         raise ModelFileError(
             model_file.path, f"build_model() raised {type(exc).__name__}: {exc}", "fix build_model()"

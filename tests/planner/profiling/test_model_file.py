@@ -352,3 +352,18 @@ def test_the_built_model_has_its_generation_cache_off(tmp_path: Path) -> None:
     model = build_checked_model(load_model_file(path))
     assert model.config.use_cache is False
     assert model(torch.randint(0, 16, (2, 4))).past_key_values is None
+
+
+def test_inputs_by_names_the_forward_does_not_take_are_one_line_saying_to_fix_example_batch(tmp_path: Path) -> None:
+    path = write(tmp_path, HEADER + textwrap.dedent("""
+        def build_model():
+            return nn.Sequential(nn.Linear(4, 4))
+
+
+        def example_batch(batch_size):
+            return {'input_ids': torch.randn(batch_size, 4), 'labels': torch.zeros(batch_size)}, torch.zeros(batch_size)
+    """))
+    error = model_error(path)
+    assert str(error).endswith(": example_batch() gives inputs named input_ids, labels, which Sequential.forward does "
+                               "not take (its arguments: input); name the inputs in example_batch() as the model's "
+                               "forward names its arguments")
