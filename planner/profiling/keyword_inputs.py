@@ -34,7 +34,8 @@ __all__ = ["InputNamesError", "KeywordInputs", "keyword_model", "without_keyword
 
 
 class InputNamesError(ValueError):
-    """The batches' input names cannot be the model's arguments: a name its forward does not take, or no name at all."""
+    """The batches' input names cannot be the model's arguments: a name its forward does not take, or one no argument
+    can have."""
 
 
 @dataclass
