@@ -628,10 +628,11 @@ def _batches(options: TrainOptions, setup: Setup, skip: int, example: Any = None
 
 
 def check_loader(options: TrainOptions, setup: Setup) -> None:
-    """The data loader's first batch keeps the model file's contract (`checked_batch`: a pair, inputs a tensor or
-    tuple of tensors, a target tensor), where training reads the loader: ModelFileError naming what does not (a
-    Hugging Face collator's dicts failed in the first stage's first op on every rank). `planner train` checks it
-    before any worker starts; the loader is made once more here, for its first batch only."""
+    """The data loader's first batch keeps the model file's contract (`checked_batch`: a pair, inputs a tensor, a
+    tuple of tensors or a dict of them named as example_batch's, a target tensor), where training reads the loader:
+    ModelFileError naming what does not (a Hugging Face collator's one dict, labels inside, failed in the first
+    stage's first op on every rank). `planner train` checks it before any worker starts; the loader is made once
+    more here, for its first batch only."""
     loader = setup.model_file.data_loader
     if loader is None or options.data == "example":
         return

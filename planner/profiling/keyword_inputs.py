@@ -98,7 +98,8 @@ class KeywordInputs:
             return self.positional(self.example_batch(batch_size))
 
         def loader(batch_size: int) -> Iterable[Any]:
-            return _Positional(self, data_loader(batch_size)) if data_loader is not None else None
+            assert data_loader is not None  # only handed out where the file has one
+            return _Positional(self, data_loader(batch_size))
 
         return build, example, (loader if data_loader is not None else None)
 
@@ -184,5 +185,5 @@ def _random_states_kept() -> Iterator[None]:
             yield
     finally:
         random.setstate(python)
-        if numpy is not None and numpy_state is not None:
+        if numpy is not None:
             numpy.random.set_state(numpy_state)
