@@ -47,6 +47,7 @@ class ModelFile:
     loss_fn: LossFn | None
     module: ModuleType
     data_loader: Callable[[int], Any] | None = None
+    keyword_inputs: KeywordInputs | None = None  # the names of inputs given by name, once a batch has shown them
 
 
 def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -113,10 +114,11 @@ def load_model_file(path: str | Path) -> ModelFile:
     if data_loader is not None and not callable(data_loader):
         raise ModelFileError(path_str, "data_loader is not a function",
                              "define def data_loader(batch_size) -> iterable of (inputs, target)")
-    build_model, example_batch, data_loader = KeywordInputs(example_batch).adapt(build_model, data_loader)
+    keyword_inputs = KeywordInputs(example_batch)
+    build_model, example_batch, data_loader = keyword_inputs.adapt(build_model, data_loader)
     return ModelFile(
         path=path_str, name=file_path.stem, build_model=build_model, example_batch=example_batch,
-        loss_fn=loss_fn, module=module, data_loader=data_loader,
+        loss_fn=loss_fn, module=module, data_loader=data_loader, keyword_inputs=keyword_inputs,
     )
 
 
@@ -172,7 +174,8 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
                   said: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """`batch`, which the model file's `said` ("example_batch(8) returned", "data_loader(8) yielded"), as (inputs as
     a tuple, target) after checking the contract: a pair, inputs a tensor or tuple of tensors, target a tensor, each
-    with `batch_size` first; ModelFileError naming what is not."""
+    with `batch_size` first, and under the default loss no target that is one of the inputs
+    (`_target_copying_an_input`); ModelFileError naming what is not."""
     expected = ("expected a pair (inputs, target) with inputs a tensor, a tuple of tensors or a dict of them by "
                 "the model's argument names, and target a tensor")
     if isinstance(batch, Mapping):  # a Hugging Face collator's: the inputs and the labels by name
@@ -198,7 +201,39 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
                 f"{batch_size}",
                 "put the batch in the first dimension",
             )
+    copied = _target_copying_an_input(model_file, tuple(inputs), target)
+    if copied is not None:
+        raise ModelFileError(
+            model_file.path,
+            f"{said} a target equal to {copied}: the default loss compares the output at each position "
+            "with the target at the same position, so the model would learn to copy its input",
+            "give the next tokens as the target (inputs ids[:, :-1], target ids[:, 1:]), as transformers' models do "
+            "inside with their labels, or define loss_fn(output, target)")
     return tuple(inputs), target
+
+
+IGNORE_INDEX = -100  # the target value cross entropy skips (`F.cross_entropy`'s default; transformers' padding label)
+
+
+def _target_copying_an_input(model_file: ModelFile, inputs: tuple[torch.Tensor, ...], target: torch.Tensor
+                             ) -> str | None:
+    """The input a sequence of integer targets repeats ("the input input_ids", "input 0") where the default loss
+    would compare them position by position (a causal LM's labels given as transformers takes them, unshifted), else
+    None.
+
+    A target "repeats" an input of its shape when they are equal wherever the target is not IGNORE_INDEX (a
+    collator's padding) and it is somewhere; a sequence is at least 2 dimensions, the last longer than 1."""
+    if model_file.loss_fn is not None or target.is_floating_point() or target.dim() < 2 or target.shape[-1] < 2:
+        return None
+    counted = target != IGNORE_INDEX
+    if not counted.any():
+        return None
+    names = model_file.keyword_inputs.names if model_file.keyword_inputs is not None else None
+    for position, tensor in enumerate(inputs):
+        if tensor.shape == target.shape and tensor.dtype == target.dtype and torch.equal(tensor[counted],
+                                                                                         target[counted]):
+            return f"the input {names[position]}" if names else f"input {position}"
+    return None
 
 
 def _describe(value: Any) -> str:

@@ -298,6 +298,56 @@ def test_inputs_as_a_list_become_a_tuple(tmp_path: Path) -> None:
     assert isinstance(inputs, tuple) and len(inputs) == 2
 
 
+SEQUENCES = """
+def example_batch(batch_size):
+    ids = torch.randint(0, 9, (batch_size, 6))
+    mask = torch.ones_like(ids)
+    mask[:, -2:] = 0
+    labels = ids.masked_fill(mask == 0, -100)  # a collator's: the padding's labels left out of the loss
+    return {returned}
+"""
+
+
+@pytest.mark.parametrize(
+    ("returned", "named"),
+    [
+        ("ids, ids", "input 0"),
+        ("(mask, ids), ids.clone()", "input 1"),
+        ("{'input_ids': ids, 'attention_mask': mask}, labels", "the input input_ids"),
+    ],
+    ids=["the-same-tensor", "a-copy-of-the-second", "a-collators-labels-by-name"],
+)
+def test_a_target_repeating_an_input_under_the_default_loss_is_refused(tmp_path: Path, returned: str,
+                                                                       named: str) -> None:
+    """transformers' labels are the inputs, shifted inside its models: the default loss would train on them position
+    by position, the model learning to copy its input; one line says so before anything runs."""
+    error = batch_error(write(tmp_path, HEADER + GOOD_MODEL + SEQUENCES.format(returned=returned)))
+    assert str(error).endswith(
+        f": example_batch(2) returned a target equal to {named}: the default loss compares the output at each "
+        "position with the target at the same position, so the model would learn to copy its input; give the next "
+        "tokens as the target (inputs ids[:, :-1], target ids[:, 1:]), as transformers' models do inside with their "
+        "labels, or define loss_fn(output, target)")
+
+
+@pytest.mark.parametrize(
+    ("returned", "loss"),
+    [
+        ("ids[:, :-1], ids[:, 1:]", ""),  # next tokens
+        ("ids, ids", "def loss_fn(output, target):\n    return output.sum()\n"),  # the file's own loss says how
+        ("ids.float(), ids.float()", ""),  # an autoencoder's target: mean squared error
+        ("ids[:, 0], ids[:, 0]", ""),  # one class per sample, not a sequence
+        ("ids, torch.full_like(ids, -100)", ""),  # nothing counted
+        ("ids, ids.int()", ""),  # another dtype
+    ],
+    ids=["shifted", "own-loss", "floats", "per-sample", "all-ignored", "other-dtype"],
+)
+def test_targets_that_do_not_repeat_a_sequence_input_under_the_default_loss_pass(tmp_path: Path, returned: str,
+                                                                                 loss: str) -> None:
+    path = write(tmp_path, HEADER + GOOD_MODEL + SEQUENCES.format(returned=returned) + loss)
+    _inputs, target = checked_example_batch(load_model_file(path), 2)
+    assert target.shape[0] == 2
+
+
 def test_default_loss_integer_targets_is_cross_entropy_over_flattened_logits() -> None:
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 5)
