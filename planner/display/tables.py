@@ -95,6 +95,13 @@ def profile_summary(profile: Profile) -> str:
                      "got no gradient from the example batch; plans count their gradients and optimizer state, as "
                      "real data may reach them (a mixture's experts); if nothing uses them, remove them or set "
                      "requires_grad=False")
+    unpadded = profile.settings.get("masks_without_padding")
+    if unpadded:
+        lines.append(f"note: example_batch() gives {', '.join(unpadded)} of all ones (no padding): leave "
+                     f"{'them' if len(unpadded) > 1 else 'it'} out where batches are not padded, as transformers' "
+                     "attention then runs the same; a split stage cannot look at a mask's values, so it keeps one "
+                     "with its layers and sends it on (memory this profile did not measure where eager attention "
+                     "drops it), and on a GPU attention cannot use its flash kernel")
     loaded = profile_load_warning(profile.settings.get("conditions") or {})
     if loaded:
         lines.append(f"warning: {loaded}")

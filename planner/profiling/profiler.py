@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from planner.profiling.attention_masks import masks_without_padding
 from planner.profiling.batch_coupling import find_batch_coupling
 from planner.profiling.companions import companions
 from planner.profiling.conditions import (busy_cores_between, cpu_reading, current_conditions, default_cpu_processes,
@@ -338,6 +339,7 @@ def _measure_checked(
         conditions |= {"own_busy_cores": round(own, 2), "others_busy_cores": round(others, 2)}
     param_bytes, param_tensors, frozen, largest, shared = _attribute_params(model, layers, dataflow)
     missed = step.no_gradient()
+    unpadded = masks_without_padding(model, inputs)
     workspace = _without_pending_tied_gradients(workspace, shared)
     layer_profiles = tuple(
         LayerProfile(
@@ -363,6 +365,7 @@ def _measure_checked(
             "instrumented_forward_share": times.instrumented_forward_share,
             "conditions": conditions,
             **({} if missed is None else {"no_gradient": missed}),
+            **({"masks_without_padding": list(unpadded)} if unpadded else {}),
         },
         optimizer_step_ms=optimizer_ms, optimizer_scratch_bytes=optimizer_scratch, grad_accumulation_ms=accumulate_ms,
         workspace_bytes=tuple(workspace), forward_workspace_bytes=tuple(forward_workspace),
