@@ -101,8 +101,13 @@ def _print_profile(profile: Profile, path: Path | None) -> None:
 def profile(
     model_file: str = typer.Argument(..., help="Python file defining build_model() and example_batch(batch_size)."),
     batch_size: str = typer.Option(
-        "8", "--batch-size", "-b", help="Samples per mini-batch; a comma list such as 1,2,4,8 also times the layers at "
-        "the smaller sizes (everything else at the largest), and plans interpolate between them.",
+        "8", "--batch-size", "-b", help="Samples per mini-batch B. The layers are also timed at B/4, B/16, ... and 1 "
+        "sample (everything else at B), as plans that cut a global batch into smaller microbatches interpolate "
+        "between measured sizes; a comma list such as 1,2,4,8 names the sizes instead (the largest is B).",
+    ),
+    smaller_sizes: bool = typer.Option(
+        True, "--smaller-sizes/--no-smaller-sizes", help="With one --batch-size, also time the layers at B/4, B/16, "
+        "... and 1 sample (--no-smaller-sizes: at B only, plans then scale B's times to smaller microbatches).",
     ),
     device: str = typer.Option(
         "auto", help="auto (what `planner train` uses: the GPU where torch sees one, else the CPU), cpu, cuda, cuda:N.",
@@ -134,9 +139,11 @@ def profile(
         from rich.progress import BarColumn, TextColumn
 
         from planner.profiling.model_file import load_model_file
-        from planner.profiling.profiler import ProfileSettings, parse_batch_sizes, profile_model
+        from planner.profiling.profiler import ProfileSettings, parse_batch_sizes, profile_model, smaller_batch_sizes
 
         *other_sizes, largest = parse_batch_sizes(batch_size)
+        if not other_sizes and smaller_sizes:
+            other_sizes = list(smaller_batch_sizes(largest))
         settings = ProfileSettings(
             batch_size=largest, other_batch_sizes=tuple(other_sizes),
             device=device, dtype=dtype, warmup=warmup, iters=iters, min_seconds=min_seconds,

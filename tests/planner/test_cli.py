@@ -403,6 +403,7 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     saved = load_profile(out)
     assert saved.model_name == "mlp"
     assert saved.batch_size == 8
+    assert saved.batch_sizes == (1, 2, 8)  # the layers timed at smaller microbatches too, for plans that cut the batch
     assert [layer.name for layer in saved.layers] == [str(i) for i in range(13)]
     assert saved.settings["iters"] == 2 and saved.settings["warmup"] == 0
     # measured as training runs by default: among as many processes as `planner train` starts (companions)
@@ -414,6 +415,16 @@ def test_profile_mlp_then_inspect(tmp_path: Path) -> None:
     inspected_layers = re.findall(r"^\s*\d+\s+(\S+)\s+(?:Linear|ReLU)\s", inspected.stdout, flags=re.MULTILINE)
     assert inspected_layers == [str(i) for i in range(13)]
     assert "crowded" not in result.stdout + inspected.stdout  # the defaults fit the cores
+
+
+@pytest.mark.parametrize(("options", "sizes"), [((), (1, 4)), (("--no-smaller-sizes",), (4,)),
+                                               (("--batch-size", "3,4", "--smaller-sizes"), (3, 4))],
+                         ids=["default", "no-smaller", "a-list"])
+def test_one_batch_size_is_timed_at_smaller_sizes_unless_asked_not_to(tmp_path: Path, options: tuple[str, ...],
+                                                                      sizes: tuple[int, ...]) -> None:
+    result = profile(tmp_path, MLP, *FAST, "--batch-size", "4", "--min-seconds", "0", *options)
+    assert result.exit_code == 0, result.output
+    assert load_profile(tmp_path / "out.json").batch_sizes == sizes
 
 
 def test_a_profile_measured_on_more_threads_than_cores_says_so(tmp_path: Path) -> None:

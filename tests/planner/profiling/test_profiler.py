@@ -10,7 +10,7 @@ from planner.profiling.model_file import load_model_file
 from planner.files.profile import Profile
 from planner.errors import ModelFileError, ProfileError
 from planner.profiling.conditions import default_cpu_processes
-from planner.profiling.profiler import ProfileSettings, _processes, profile_model
+from planner.profiling.profiler import ProfileSettings, _processes, profile_model, smaller_batch_sizes
 from tests.conftest import EXAMPLES, gpu_only
 from tests.machine_lock import MachineLock
 
@@ -169,6 +169,40 @@ def test_more_batch_sizes_time_the_layers_at_each_and_leave_the_rest_at_the_larg
     assert [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in sized.layers] == \
         [(layer.cut_bytes, layer.saved_bytes, layer.param_bytes) for layer in single.layers]
     assert sized.input_bytes == single.input_bytes and sized.workspace_bytes == single.workspace_bytes
+
+
+def test_one_batch_size_is_also_timed_at_its_quarters_and_one_sample() -> None:
+    assert [smaller_batch_sizes(size) for size in (1, 2, 3, 4, 8, 16, 32, 64)] == [
+        (), (1,), (1,), (1,), (1, 2), (1, 4), (1, 2, 8), (1, 4, 16)]
+
+
+BATCH_NORMED = """
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,))
+"""
+
+
+def test_a_size_the_model_cannot_run_at_is_left_out_with_a_note_and_the_rest_kept(tmp_path) -> None:
+    """Batch norm in training mode refuses one sample per channel: the profile keeps its other sizes and says so."""
+    (tmp_path / "normed.py").write_text(BATCH_NORMED)
+    profile = profile_model(load_model_file(tmp_path / "normed.py"), ProfileSettings(
+        batch_size=4, other_batch_sizes=(1, 2), warmup=0, iters=1, threads=1, processes=1))
+    assert profile.batch_sizes == (2, 4) and [sized.batch_size for sized in profile.size_times] == [2]
+    (problem,) = profile.settings["batch_sizes_not_timed"].values()
+    assert list(profile.settings["batch_sizes_not_timed"]) == ["1"]
+    assert "raised ValueError while the profiler was timing layers at batch size 1: Expected more than 1 value per " \
+           "channel when training" in problem
+    notes = [line for line in profile_summary(profile).splitlines() if "not timed" in line]
+    assert notes == [f"note: the layers were not timed at batch size 1: {problem}; plans of microbatches of that size "
+                     "read the nearest measured sizes' times"]
 
 
 def test_a_cpu_profile_is_timed_among_the_processes_asked_for_and_a_gpu_profile_alone() -> None:
