@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["InputNamesError", "KeywordInputs", "keyword_model", "without_keyword_inputs"]
+__all__ = ["InputNamesError", "KeywordInputs", "keyword_model", "own_class", "without_keyword_inputs"]
 
 
 class InputNamesError(ValueError):
@@ -149,12 +149,15 @@ def keyword_model(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
 _BASE = "_keyword_inputs_base"  # the class attribute of a `keyword_model` class naming the model's own class
 
 
+def own_class(model: nn.Module) -> type:
+    """The model's class, or where `keyword_model` changed it, the one it had."""
+    return vars(type(model)).get(_BASE, type(model))
+
+
 def without_keyword_inputs(model: nn.Module) -> nn.Module:
     """`model`, in place, with its own class back where `keyword_model` changed it (to pickle it whole, or to
     generate with it); any other model as it is."""
-    base = vars(type(model)).get(_BASE)
-    if base is not None:
-        model.__class__ = base
+    model.__class__ = own_class(model)
     return model
 
 

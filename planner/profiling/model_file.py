@@ -213,6 +213,7 @@ def checked_batch(model_file: ModelFile, batch: Any, batch_size: int,
 
 
 IGNORE_INDEX = -100  # the target value cross entropy skips (`F.cross_entropy`'s default; transformers' padding label)
+MIN_COPIED_POSITIONS = 64  # fewer counted positions than this are not checked: a chance match is then too likely
 
 
 def _target_copying_an_input(model_file: ModelFile, inputs: tuple[torch.Tensor, ...], target: torch.Tensor
@@ -221,18 +222,29 @@ def _target_copying_an_input(model_file: ModelFile, inputs: tuple[torch.Tensor, 
     would compare them position by position (a causal LM's labels given as transformers takes them, unshifted), else
     None.
 
-    A target "repeats" an input of its shape when they are equal wherever the target is not IGNORE_INDEX (a
-    collator's padding) and it is somewhere; a sequence is at least 2 dimensions, the last longer than 1."""
+    A target "repeats" an input of its shape and dtype when they are equal wherever the target is not IGNORE_INDEX
+    (a collator's padding), at MIN_COPIED_POSITIONS or more positions and at least half of the target's, where the
+    input is not one value throughout. Not checked: a model file's own loss_fn, float targets, a target of fewer than
+    2 dimensions or a last dimension of 1, and inputs named like `labels`, which a model reads as labels (T5 and BART
+    shift them into the decoder's inputs, so their logits line up with the labels). Counting half of the positions
+    leaves out a masked language model's labels (a few masked positions, some left unchanged), and the others chance
+    matches of small batches (a sentence without entities, all 0, against token_type_ids)."""
     if model_file.loss_fn is not None or target.is_floating_point() or target.dim() < 2 or target.shape[-1] < 2:
         return None
     counted = target != IGNORE_INDEX
-    if not counted.any():
+    positions = int(counted.sum())
+    if positions < max(MIN_COPIED_POSITIONS, target.numel() / 2):
         return None
     names = model_file.keyword_inputs.names if model_file.keyword_inputs is not None else None
     for position, tensor in enumerate(inputs):
-        if tensor.shape == target.shape and tensor.dtype == target.dtype and torch.equal(tensor[counted],
-                                                                                         target[counted]):
-            return f"the input {names[position]}" if names else f"input {position}"
+        name = names[position] if names else None
+        if name is not None and name.endswith("labels"):
+            continue
+        if tensor.shape != target.shape or tensor.dtype != target.dtype:
+            continue
+        values = tensor[counted]
+        if bool((values != values[0]).any()) and torch.equal(values, target[counted]):
+            return f"the input {name}" if name is not None else f"input {position}"
     return None
 
 

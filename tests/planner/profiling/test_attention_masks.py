@@ -16,19 +16,26 @@ from planner.profiling.profiler import ProfileSettings, profile_model
 
 
 class Masked(nn.Module):
-    """Token embeddings zeroed where the mask is 0, the decoder's as well."""
+    """Token embeddings zeroed where a mask is 0; no mask: none zeroed, as in transformers."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, 8)
         self.head = nn.Linear(8, 16)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 decoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) * attention_mask[..., None]
-        if decoder_attention_mask is not None:
-            h = h * decoder_attention_mask[..., None]
+        h = self.embed(input_ids)
+        for mask in (attention_mask, decoder_attention_mask):
+            h = h if mask is None else h * mask[..., None]
         return self.head(h)
+
+
+class NeedsTheMask(Masked):
+    """A forward that cannot go without its mask."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids, attention_mask)
 
 
 IDS = torch.randint(0, 16, (2, 5))
@@ -42,6 +49,8 @@ def test_masks_of_ones_are_named_by_the_forwards_arguments() -> None:
                                                                                  "decoder_attention_mask")
     assert masks_without_padding(Masked(), (IDS, PADDED, ONES)) == ("decoder_attention_mask",)
     assert masks_without_padding(Masked(), (ONES, PADDED)) == ()  # ones that are not a mask: ids of token 1
+    assert masks_without_padding(NeedsTheMask(), (IDS, ONES)) == ()  # no mask to leave out
+
 
 
 def test_inputs_given_by_name_are_named_as_given() -> None:
@@ -49,6 +58,7 @@ def test_inputs_given_by_name_are_named_as_given() -> None:
     model = keyword_model(Masked(), ("attention_mask", "input_ids"))
     assert masks_without_padding(model, (ONES, IDS)) == ("attention_mask",)
     assert masks_without_padding(model, (PADDED, IDS)) == ()
+    assert masks_without_padding(keyword_model(NeedsTheMask(), ("attention_mask", "input_ids")), (ONES, IDS)) == ()
 
 
 def test_a_forward_of_any_arguments_names_none() -> None:

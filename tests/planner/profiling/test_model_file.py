@@ -300,7 +300,7 @@ def test_inputs_as_a_list_become_a_tuple(tmp_path: Path) -> None:
 
 SEQUENCES = """
 def example_batch(batch_size):
-    ids = torch.randint(0, 9, (batch_size, 6))
+    ids, source = torch.randint(0, 9, (2, batch_size, 40))
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0
     labels = ids.masked_fill(mask == 0, -100)  # a collator's: the padding's labels left out of the loss
@@ -338,8 +338,14 @@ def test_a_target_repeating_an_input_under_the_default_loss_is_refused(tmp_path:
         ("ids[:, 0], ids[:, 0]", ""),  # one class per sample, not a sequence
         ("ids, torch.full_like(ids, -100)", ""),  # nothing counted
         ("ids, ids.int()", ""),  # another dtype
+        ("{'input_ids': source, 'labels': ids}, ids", ""),  # T5's: the model shifts its labels into the decoder
+        ("(ids, torch.zeros_like(ids)), torch.zeros_like(ids)", ""),  # a sentence without entities, no token types
+        # masked LM labels at 15% of 800 positions, the inputs left unchanged there (as 10% of them are)
+        ("(long := torch.cat([ids] * 10, 1)), long.masked_fill(torch.rand(long.shape) > 0.15, -100)", ""),
+        ("ids[:, :20], ids[:, :20]", ""),  # 40 positions: too few to tell a copy from chance
     ],
-    ids=["shifted", "own-loss", "floats", "per-sample", "all-ignored", "other-dtype"],
+    ids=["shifted", "own-loss", "floats", "per-sample", "all-ignored", "other-dtype", "labels-by-name", "constant",
+         "masked-lm", "few-positions"],
 )
 def test_targets_that_do_not_repeat_a_sequence_input_under_the_default_loss_pass(tmp_path: Path, returned: str,
                                                                                  loss: str) -> None:
