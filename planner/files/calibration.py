@@ -43,9 +43,10 @@ def calibrate_profile(profile: Profile, plan: Plan, report: RunReport, plan_path
                       profile_path: str = "<profile>") -> Profile:
     """`profile` with each stage's layers' fwd_ms, bwd_ms and bwd_input_ms multiplied by that stage's ratio
     measured / predicted compute_ms (`calibration_ratios`); everything else kept, and
-    `settings["calibrations"]` extended with the report, plan and ratios. Afterwards the cost
-    model's compute time of each of the plan's stages equals the measured one (it is linear in the
-    layer times, the recomputed forward included). The plan must have been made from `profile`
+    `settings["calibrations"]` extended with the report, plan and ratios; the times measured at other
+    batch sizes (`size_times`) by the same factors. Afterwards the cost model's compute time of each of
+    the plan's stages equals the measured one (it is linear in the layer times, the recomputed forward
+    included, and a microbatch size between measured sizes interpolates them linearly). The plan must have been made from `profile`
     (PlanProfileMismatchError) and the report must be of a run of the plan (ReportPlanMismatchError).
 
     Calibration helps when the profile was measured under other conditions than training: other
@@ -64,10 +65,18 @@ def calibrate_profile(profile: Profile, plan: Plan, report: RunReport, plan_path
     layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * factor, bwd_ms=layer.bwd_ms * factor,
                                        bwd_input_ms=None if layer.bwd_input_ms is None else layer.bwd_input_ms * factor)
                    for layer, factor in zip(profile.layers, factors))
+    sized = tuple(dataclasses.replace(times, fwd_ms=_scaled(times.fwd_ms, factors), bwd_ms=_scaled(times.bwd_ms, factors),
+                                      bwd_input_ms=_scaled(times.bwd_input_ms, factors))
+                  for times in profile.size_times)
     record = {"report": report.source, "plan": plan_path, "stages": [[s.start, s.stop] for s in plan.stages],
               "ratios": list(ratios)}
     settings = {**profile.settings, "calibrations": [*profile.settings.get("calibrations", []), record]}
-    return dataclasses.replace(profile, layers=layers, settings=settings)
+    return dataclasses.replace(profile, layers=layers, size_times=sized, settings=settings)
+
+
+def _scaled(times_ms: Sequence[float], factors: Sequence[float]) -> tuple[float, ...]:
+    """Each layer's time times its factor (an empty tuple, times not measured, stays empty)."""
+    return tuple(ms * factor for ms, factor in zip(times_ms, factors))
 
 
 def calibration_table(plan: Plan, report: RunReport, ratios: Sequence[float]) -> Table:

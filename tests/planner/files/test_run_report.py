@@ -54,13 +54,19 @@ def accumulated_ms(plan: Plan, index: int) -> float:
 
 
 def scaled(profile: Profile, plan: Plan, factors: tuple[float, ...]) -> Profile:
-    """`profile` with the layers of each of the plan's stages `factors[s]` times slower."""
+    """`profile` with the layers of each of the plan's stages `factors[s]` times slower, at every measured batch
+    size."""
     layers = list(profile.layers)
+    per_layer = [1.0] * len(layers)
     for stage, factor in zip(plan.stages, factors):
         for index in range(stage.start, stage.stop):
+            per_layer[index] = factor
             layers[index] = dataclasses.replace(layers[index], fwd_ms=layers[index].fwd_ms * factor,
                                                 bwd_ms=layers[index].bwd_ms * factor)
-    return dataclasses.replace(profile, layers=tuple(layers))
+    sized = tuple(dataclasses.replace(times, fwd_ms=tuple(ms * f for ms, f in zip(times.fwd_ms, per_layer)),
+                                      bwd_ms=tuple(ms * f for ms, f in zip(times.bwd_ms, per_layer)))
+                  for times in profile.size_times)
+    return dataclasses.replace(profile, layers=tuple(layers), size_times=sized)
 
 
 @pytest.fixture(scope="module")
