@@ -115,8 +115,9 @@ def partition(
     if microbatch_size is not None and microbatch_size < 1:
         raise PlannerError(f"--microbatch-size must be at least 1, got {microbatch_size}")
     profiled = profile.batch_size or 1
+    failed_sizes = frozenset(int(size) for size in profile.settings.get("batch_sizes_not_timed") or {})
     counts, size_of = _batch_shapes(schedule, microbatches, microbatch_size or profiled,
-                                    microbatch_size is not None, global_batch_size)
+                                    microbatch_size is not None, global_batch_size, failed_sizes)
     base = CostInputs(
         LayerArrays.from_profile(profile), cluster, "1f1b", 1, 1.0, float(profile.input_bytes),
         OPTIMIZER_STATE_COPIES[optimizer], None if cluster.memory_bytes is None else float(cluster.memory_bytes),
@@ -150,6 +151,13 @@ def partition(
         plan = plan.with_notes(f"the profile did not measure what splitting a backward costs (split_backward_ratio): "
                                f"{schedule}'s backwards are priced as whole ones; if the model checkpoints layers "
                                "with use_reentrant=True, training refuses the schedule")
+    chosen_among = microbatches == AUTO and microbatch_size is None and global_batch_size is not None
+    left_out = sorted(size_of(count) for count in _divisors(global_batch_size)
+                      if count not in counts) if chosen_among and global_batch_size else []
+    if left_out:
+        plan = plan.with_notes(f"microbatches of {', '.join(map(str, left_out))} sample"
+                               f"{'s' if left_out != [1] else ''} left out: the profile could not run the model at "
+                               "that size (its notes say why)")
     if unmeasured:
         plan = plan.with_notes(f"--schedule auto left out {', '.join(SPLIT_BACKWARD_SCHEDULES)}: the profile did not "
                                 "measure what splitting a backward costs (split_backward_ratio: made before it did, "
@@ -186,9 +194,12 @@ def _global_batch_note(plan: Plan) -> str:
 
 def _batch_shapes(
     schedule: str, microbatches: int | str, size: int, size_given: bool, global_batch_size: int | None,
+    failed_sizes: frozenset[int] = frozenset(),
 ) -> tuple[tuple[int, ...], Callable[[int], int]]:
     """The microbatch counts to consider and each one's microbatch size, samples (`partition` docstring);
-    PlannerError for a global batch that the given count or size does not divide, or pipedream's."""
+    PlannerError for a global batch that the given count or size does not divide, or pipedream's. Where the
+    planner chooses the count for a global batch, counts whose microbatches have a size in `failed_sizes` (the
+    profile could not run the model at it: `batch_sizes_not_timed`) are left out, unless every count would be."""
     fixed = (microbatches,) if microbatches != AUTO else MICROBATCH_CHOICES
     if global_batch_size is None:
         return fixed, lambda count: size
@@ -212,8 +223,14 @@ def _batch_shapes(
         return (count,), lambda count: batch // count
     if size_given:
         return (batch // size,), lambda count: size
-    return tuple(count for count in range(1, min(batch, MAX_AUTO_MICROBATCHES) + 1) if batch % count == 0), \
-        lambda count: batch // count
+    divisors = _divisors(batch)
+    runnable = tuple(count for count in divisors if batch // count not in failed_sizes)
+    return runnable or divisors, lambda count: batch // count
+
+
+def _divisors(batch: int) -> tuple[int, ...]:
+    """The microbatch counts a global batch of `batch` samples splits into, up to MAX_AUTO_MICROBATCHES."""
+    return tuple(count for count in range(1, min(batch, MAX_AUTO_MICROBATCHES) + 1) if batch % count == 0)
 
 
 @dataclass(frozen=True)

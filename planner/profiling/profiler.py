@@ -68,7 +68,7 @@ def smaller_batch_sizes(batch_size: int) -> tuple[int, ...]:
     """The sizes `planner profile` also times the layers at when given one batch size B: B // 4, B // 16, ... and 1,
     ascending (8: 1, 2; 32: 1, 2, 8; 1: none). A plan that cuts a global batch into microbatches smaller than B reads
     their times interpolated between measured sizes (`planner.costs.layer_arrays.interpolate_ms`) instead of B's
-    scaled down, which is optimistic: on the gpt example on CPU, B = 8 scaled to 2 and 1 samples read 0.81 and 0.55
+    scaled down, which is optimistic: on the gpt example on CPU, B = 8 scaled to 2 and 1 samples read 0.80 and 0.55
     of the measured times; measured at 1 and 8, 2 and 4 interpolate to 1.08 and 0.98 of theirs."""
     sizes = {1} if batch_size > 1 else set()
     size = batch_size // 4
@@ -343,8 +343,8 @@ def _measure_checked(
         model, lambda: step.loss().backward(), clock_for(device), input_iters, device,
         min_seconds=settings.min_seconds / 4))
     step.zero_grad()
+    end = cpu_reading() if start is not None else None  # (the conditions of the main size's times)
     size_times, not_timed = _sizes_times(model_file, model, layers, settings, device, dtype, report)
-    end = cpu_reading() if start is not None else None
     threads = torch.get_num_threads()
     conditions = current_conditions(threads, processes if device.type == "cpu" else None)
     if start is not None and end is not None:
@@ -430,7 +430,7 @@ def _sizes_times(
             measured.append(_size_times(model_file, model, layers, size, settings, device, dtype, report))
         except ModelFileError as exc:
             model.zero_grad(set_to_none=True)
-            failed[str(size)] = exc.problem
+            failed[str(size)] = (exc.problem.splitlines() or [""])[0]  # a note of one line
     return tuple(measured), failed
 
 

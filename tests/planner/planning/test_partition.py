@@ -414,6 +414,27 @@ def test_a_global_batch_is_what_every_plan_trains(gpus: int, tmp_path: Path) -> 
     assert json.loads(plan.save(tmp_path / "p.json").read_text())["global_batch_size"] == 32
 
 
+def test_microbatch_sizes_the_profile_could_not_run_the_model_at_are_left_out_of_a_global_batchs_choice() -> None:
+    """(Batch norm over one sample raises in training: the profile records the size it could not time at.) The
+    planner chooses among the other counts and says so; where none is left it plans as before."""
+    gpt = load_profile(GPT)
+    cluster = make_cluster(4, None, ["10GB/s"])
+    free = partition(gpt, cluster, straight=True, schedule="1f1b", global_batch_size=8)
+    size = free.microbatch_size
+    assert size < 8
+    failed = dataclasses.replace(gpt, settings={**gpt.settings, "batch_sizes_not_timed": {str(size): "it raised"}})
+    plan = partition(failed, cluster, straight=True, schedule="1f1b", global_batch_size=8)
+    assert plan.microbatch_size != size and plan.global_batch_size == 8
+    assert f"microbatches of {size} sample{'s' if size > 1 else ''} left out: the profile could not run the model " \
+           "at that size (its notes say why)" in plan.notes
+    every = dataclasses.replace(gpt, settings={**gpt.settings, "batch_sizes_not_timed": {
+        str(other): "it raised" for other in range(1, 9)}})
+    alone = partition(every, cluster, straight=True, schedule="1f1b", global_batch_size=8)
+    assert alone.microbatch_size == size and not any("left out" in note for note in alone.notes)
+    fixed = partition(failed, cluster, straight=True, schedule="1f1b", microbatches=8 // size, global_batch_size=8)
+    assert fixed.microbatch_size == size  # asked for by count: as asked
+
+
 def test_a_global_batch_with_a_fixed_microbatch_size_fixes_the_count() -> None:
     gpt = load_profile(GPT)
     plan = partition(gpt, make_cluster(4, None, ["10GB/s"]), straight=True, microbatch_size=8, global_batch_size=64)
