@@ -5,6 +5,7 @@ nodes use."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ class _SplitTracer(fx.Tracer):
         if stands_in(m):  # checkpointed: its forward makes the one node (`runtime.checkpointed`)
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def create_arg(self, a: Any) -> Any:
+        """A dict that is a dataclass (a transformers `ModelOutput`) is made by a call of its class, where torch.fx
+        makes a plain dict of its entries: the last stage returns what the model returns (BertForMaskedLM's
+        last stage returned {'logits': ...}, which the default loss could not read)."""
+        if isinstance(a, dict) and type(a) is not dict and dataclasses.is_dataclass(a):
+            return self.create_node("call_function", type(a), (),
+                                    {key: self.create_arg(value) for key, value in a.items()})
+        return super().create_arg(a)
 
 
 def split_traced(model: nn.Module, names: list[str]) -> tuple[list[nn.Module], tuple[StageSignature, ...]]:

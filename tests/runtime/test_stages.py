@@ -14,6 +14,7 @@ from torch import fx, nn
 
 from planner.files.cluster import make_cluster
 from planner.errors import PlannerError
+from planner.profiling.keyword_inputs import keyword_model
 from planner.profiling.model_file import default_loss
 from planner.planning.partition import partition
 from planner.files.plan import Plan
@@ -215,6 +216,24 @@ def test_gpt_residual_crosses_a_split_inside_a_block() -> None:
     stages = build_stages(model, plan)
     assert all(len(signature.outputs) == 2 for signature in stages.signatures[:-1])
     check_reproduces("gpt", model, stages, inputs, target)
+
+
+def test_a_transformers_output_traced_by_torch_fx_leaves_the_last_stage_as_the_model_returns_it() -> None:
+    """BertForMaskedLM given its input_ids by name (as a model file's dict gives them: the other arguments then stay
+    None) traces with torch.fx, which made its MaskedLMOutput a plain dict ({'logits': ...}) in the last stage: the
+    default loss could not read it, and `planner train` of a bare BERT failed on its last rank."""
+    transformers = pytest.importorskip("transformers")
+    model = keyword_model(transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), ("input_ids",))
+    ids = torch.randint(0, 64, (2, 8))
+    stages = split_model(model, ["bert.encoder.layer.1"], (ids,))
+    assert "MaskedLMOutput(logits = " in stages[1].code  # traced (an exported stage rebuilds it with tree_unflatten)
+    hidden = stages[0](ids)
+    output, expected = stages[1](*(hidden if isinstance(hidden, tuple) else (hidden,))), model(ids)
+    assert type(output) is type(expected) and list(output.keys()) == list(expected.keys())
+    assert torch.equal(output.logits, expected.logits)
+    assert torch.equal(default_loss(output, ids), default_loss(expected, ids))
 
 
 def test_sequential_model_is_sliced_into_sequentials() -> None:
