@@ -226,9 +226,9 @@ def _target_copying_an_input(model_file: ModelFile, inputs: tuple[torch.Tensor, 
     (a collator's padding), at MIN_COPIED_POSITIONS or more positions and at least half of the target's, where the
     input is not one value throughout. Not checked: a model file's own loss_fn, float targets, a target of fewer than
     2 dimensions or a last dimension of 1, and inputs named like `labels`, which a model reads as labels (T5 and BART
-    shift them into the decoder's inputs, so their logits line up with the labels). Counting half of the positions
-    leaves out a masked language model's labels (a few masked positions, some left unchanged), and the others chance
-    matches of small batches (a sentence without entities, all 0, against token_type_ids)."""
+    shift them into the decoder's inputs, so their logits line up with the labels). The half leaves out a masked
+    language model's labels (a few masked positions, some left unchanged); the least count and the one value, chance
+    matches of small batches (a sentence without entities, all 0, against an all-0 token_type_ids)."""
     if model_file.loss_fn is not None or target.is_floating_point() or target.dim() < 2 or target.shape[-1] < 2:
         return None
     counted = target != IGNORE_INDEX
