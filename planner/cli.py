@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import typer
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, ProfileError
 from planner.files.cluster import CPU_LINKS, GPU_LINKS
 from planner.files.export import TARGETS as EXPORT_TARGETS
 from planner.files.plan import COST_MODELS
@@ -142,6 +142,9 @@ def profile(
         from planner.profiling.profiler import ProfileSettings, parse_batch_sizes, profile_model, smaller_batch_sizes
 
         *other_sizes, largest = parse_batch_sizes(batch_size)
+        if other_sizes and not smaller_sizes:
+            raise ProfileError(f"--no-smaller-sizes applies to one --batch-size, and {batch_size!r} names the sizes to "
+                               "measure: give one of them")
         if not other_sizes and smaller_sizes:
             other_sizes = list(smaller_batch_sizes(largest))
         settings = ProfileSettings(

@@ -427,6 +427,12 @@ def test_one_batch_size_is_timed_at_smaller_sizes_unless_asked_not_to(tmp_path: 
     assert load_profile(tmp_path / "out.json").batch_sizes == sizes
 
 
+def test_no_smaller_sizes_with_a_list_of_sizes_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(profile(tmp_path, MLP, *FAST, "--batch-size", "2,4", "--no-smaller-sizes"),
+                          "--no-smaller-sizes applies to one --batch-size, and '2,4' names the sizes to measure: "
+                          "give one of them")
+
+
 def test_a_profile_measured_on_more_threads_than_cores_says_so(tmp_path: Path) -> None:
     # `planner profile --processes 4 --threads 2` on the 2-core machine read a step 20 times the mlp's, and its
     # timing hooks x0.34, with nothing said
