@@ -103,8 +103,9 @@ def profile_summary(profile: Profile) -> str:
                      "with its layers and sends it on (memory this profile did not measure where eager attention "
                      "drops it), and on a GPU attention cannot use its flash kernel")
     for size, problem in (profile.settings.get("batch_sizes_not_timed") or {}).items():
-        lines.append(f"note: the layers were not timed at batch size {size}: {problem}; plans of microbatches of that "
-                     "size read the nearest measured sizes' times")
+        lines.append(f"note: the layers were not timed at batch size {size}: {problem}; `planner partition` does not "
+                     "cut a global batch into microbatches of that size, and a plan given it reads the nearest "
+                     "measured sizes' times")
     loaded = profile_load_warning(profile.settings.get("conditions") or {})
     if loaded:
         lines.append(f"warning: {loaded}")

@@ -151,9 +151,8 @@ def partition(
         plan = plan.with_notes(f"the profile did not measure what splitting a backward costs (split_backward_ratio): "
                                f"{schedule}'s backwards are priced as whole ones; if the model checkpoints layers "
                                "with use_reentrant=True, training refuses the schedule")
-    chosen_among = microbatches == AUTO and microbatch_size is None and global_batch_size is not None
-    left_out = sorted(size_of(count) for count in _divisors(global_batch_size)
-                      if count not in counts) if chosen_among and global_batch_size else []
+    left_out = (sorted(size_of(count) for count in _divisors(global_batch_size) if count not in counts)
+                if microbatches == AUTO and microbatch_size is None and global_batch_size is not None else [])
     if left_out:
         plan = plan.with_notes(f"microbatches of {', '.join(map(str, left_out))} sample"
                                f"{'s' if left_out != [1] else ''} left out: the profile could not run the model at "
@@ -194,7 +193,7 @@ def _global_batch_note(plan: Plan) -> str:
 
 def _batch_shapes(
     schedule: str, microbatches: int | str, size: int, size_given: bool, global_batch_size: int | None,
-    failed_sizes: frozenset[int] = frozenset(),
+    failed_sizes: frozenset[int],
 ) -> tuple[tuple[int, ...], Callable[[int], int]]:
     """The microbatch counts to consider and each one's microbatch size, samples (`partition` docstring);
     PlannerError for a global batch that the given count or size does not divide, or pipedream's. Where the

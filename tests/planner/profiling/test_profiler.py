@@ -201,8 +201,9 @@ def test_a_size_the_model_cannot_run_at_is_left_out_with_a_note_and_the_rest_kep
     assert "raised ValueError while the profiler was timing layers at batch size 1: Expected more than 1 value per " \
            "channel when training" in problem
     notes = [line for line in profile_summary(profile).splitlines() if "not timed" in line]
-    assert notes == [f"note: the layers were not timed at batch size 1: {problem}; plans of microbatches of that size "
-                     "read the nearest measured sizes' times"]
+    assert notes == [f"note: the layers were not timed at batch size 1: {problem}; `planner partition` does not cut a "
+                     "global batch into microbatches of that size, and a plan given it reads the nearest measured sizes' "
+                     "times"]
 
 
 def test_a_cpu_profile_is_timed_among_the_processes_asked_for_and_a_gpu_profile_alone() -> None:
